@@ -1,0 +1,142 @@
+"""Per call: build the prefix tree of the batch, gate, run the packed graph or the original; stats."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from brcompile.tree import PackedTree, build_tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Stats:
+    """Process-wide counters (``brcompile.stats()``); tests assert on them so a fallback cannot pass
+    for a replay."""
+
+    replayed_calls: int = 0
+    fallback_calls: int = 0
+    logical_tokens: int = 0
+    executed_tokens: int = 0
+    compiled_graphs: int = 0
+    rewritten_graphs: int = 0
+    fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.logical_tokens / self.executed_tokens if self.executed_tokens else 1.0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["fallback_reasons"] = dict(self.fallback_reasons)
+        d["dedup_ratio"] = self.dedup_ratio
+        return d
+
+    def __str__(self) -> str:
+        lines = [f"replayed calls {self.replayed_calls}, fallback calls {self.fallback_calls}",
+                 f"tokens: logical {self.logical_tokens}, executed {self.executed_tokens} "
+                 f"(dedup {self.dedup_ratio:.2f}x)"]
+        for reason, n in self.fallback_reasons.most_common():
+            lines.append(f"  fallback x{n}: {reason}")
+        return "\n".join(lines)
+
+
+_STATS = Stats()
+_LOCK = threading.Lock()
+
+
+def stats() -> Stats:
+    """The live counters (a snapshot copy)."""
+    with _LOCK:
+        s = dataclasses.replace(_STATS)
+        s.fallback_reasons = collections.Counter(_STATS.fallback_reasons)
+        return s
+
+
+def reset_stats() -> None:
+    global _STATS
+    with _LOCK:
+        _STATS = Stats()
+
+
+def _record(**kw) -> None:
+    with _LOCK:
+        for k, v in kw.items():
+            if k == "reason":
+                _STATS.fallback_reasons[v] += 1
+            else:
+                setattr(_STATS, k, getattr(_STATS, k) + v)
+
+
+def record_graph(rewritten: bool, reason: Optional[str] = None) -> None:
+    _record(compiled_graphs=1, rewritten_graphs=int(rewritten))
+    if reason is not None:
+        log.info("branch_replay: graph falls back: %s", reason)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    replayed: bool
+    tree_stats: Optional[dict]
+    reason: Optional[str] = None
+
+
+class ReplayRuntime:
+    """The callable the backend returns for a rewritten graph.
+
+    Each call builds the prefix tree of the tree inputs, and runs the packed graph when the batch shares
+    enough (``dedup_ratio >= min_dedup``), else the original graph, recording why.
+    """
+
+    def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
+                 keypad_position: Optional[int], min_dedup: float, max_calls_logged: int = 64):
+        self.original = original
+        self.packed = packed
+        self.tree_positions = tree_positions
+        self.keypad_position = keypad_position
+        self.min_dedup = min_dedup
+        self.calls: list[CallRecord] = []
+        self.max_calls_logged = max_calls_logged
+        self.last_tree: Optional[PackedTree] = None
+
+    def _log_call(self, rec: CallRecord) -> None:
+        if len(self.calls) < self.max_calls_logged:
+            self.calls.append(rec)
+
+    def __call__(self, *args):
+        per_token = [args[i] for i in self.tree_positions]
+        mask = None if self.keypad_position is None else args[self.keypad_position]
+        tree = build_tree(per_token, attention_mask=mask)
+        self.last_tree = tree
+        st = tree.stats
+        if st.dedup_ratio < self.min_dedup:
+            reason = f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}"
+            _record(fallback_calls=1, reason=reason)
+            self._log_call(CallRecord(False, st.to_dict(), reason))
+            log.debug("branch_replay call falls back: %s", reason)
+            return self.original(*args)
+        ones = torch.ones_like(tree.valid)
+        out = self.packed(*args, tree.index, tree.rep_row, tree.position, tree.end, tree.valid, ones,
+                          tree.segments)
+        _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens)
+        self._log_call(CallRecord(True, st.to_dict()))
+        log.debug("branch_replay call: %s", st)
+        return out
+
+
+class FallbackRuntime:
+    """The callable for a graph that could not be rewritten: the original graph, counted."""
+
+    def __init__(self, original: Callable, reason: str):
+        self.original = original
+        self.reason = reason
+
+    def __call__(self, *args):
+        _record(fallback_calls=1, reason=self.reason)
+        return self.original(*args)
+

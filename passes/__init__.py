@@ -1,0 +1,1 @@
+"""Target-independent FX analysis and rewrites (installed as ``brcompile.passes``)."""

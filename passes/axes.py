@@ -1,0 +1,395 @@
+"""Token-axis facts and their propagation over a Dynamo FX graph.
+
+Every value of the captured graph gets one :class:`TokenAxes` fact in ``node.meta["br_axes"]``:
+
+* ``CONST``  — independent of the batch's per-token data (parameters, buffers, scalars, sizes).
+* ``TOKEN``  — a *causal, row-independent* function of the tree inputs: the dense value at row ``b``,
+  position ``t`` depends only on the tree inputs of row ``b`` at positions ``<= t``. Such a value is
+  stored packed: the dense dims ``row`` and ``pos`` collapse to sizes 1 and N (one entry per tree node),
+  and ``dense[b, t] == packed[index[b, t]]``. ``row`` may be ``None`` for position-only values (an
+  ``arange(L)``, rotary tables). ``window`` records slicing of the token dims that is applied lazily, to
+  the ``[B, L]`` index rather than to the data (the next-token shift ``logits[:, :-1]``).
+* ``DENSE``  — everything else (the loss side): computed exactly as in the original graph; a ``TOKEN``
+  operand of a dense op is *materialised* first (``packed[index]``).
+
+The invariant every rule preserves: a TOKEN value's packed entry k equals its dense value at every
+``(b, t)`` with ``index[b, t] == k``. Rules live in :mod:`brcompile.passes.rules`, one documented function
+per op family, registered by target; an op that receives a TOKEN operand and has no rule is
+materialised (exact, but it ends sharing), and if that leaves an attention un-packed the rewrite stops
+with :class:`CannotReplay` naming the node.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import operator
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+META_KEY = "br_axes"
+
+
+class CannotReplay(RuntimeError):
+    """A graph (or batch) that branch replay cannot rewrite exactly; the backend runs the original."""
+
+    def __init__(self, reason: str, node: Optional[fx.Node] = None):
+        self.reason = reason
+        self.node = node
+        where = ""
+        if node is not None:
+            try:
+                where = f" at `{node.format_node()}`"
+            except Exception:  # pragma: no cover - format_node is best effort
+                where = f" at node {node.name}"
+        super().__init__(f"{reason}{where}")
+
+    @property
+    def node_name(self) -> Optional[str]:
+        return None if self.node is None else self.node.name
+
+
+class Kind(enum.Enum):
+    CONST = "const"
+    TOKEN = "token"
+    DENSE = "dense"
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Lazy slicing of the dense token dims, applied to the ``[B, L]`` index instead of the packed data.
+
+    ``steps`` is the sequence of ``("row" | "pos", (start, stop, step))`` slices applied in order; slice bounds are ints or
+    FX nodes (symbolic sizes), so one window serves every batch size. ``Window()`` is the whole batch.
+    """
+
+    steps: tuple = ()
+
+    @staticmethod
+    def full(B: int = 0, L: int = 0) -> "Window":
+        return Window(())
+
+    def sliced(self, which: str, s: slice) -> "Window":
+        return Window(self.steps + ((which, (s.start, s.stop, s.step)),))
+
+    @property
+    def is_whole(self) -> bool:
+        return not self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenAxes:
+    """The token fact of one value (see the module docstring)."""
+
+    kind: Kind
+    ndim: int = 0
+    row: Optional[int] = None
+    pos: Optional[int] = None
+    window: Optional[Window] = None
+
+    def __post_init__(self):
+        if self.kind is Kind.TOKEN:
+            if self.pos is None:
+                raise ValueError("a TOKEN value needs a position dim")
+            dims = [d for d in (self.row, self.pos) if d is not None]
+            if any(not 0 <= d < self.ndim for d in dims) or len(set(dims)) != len(dims):
+                raise ValueError(f"bad token dims row={self.row} pos={self.pos} for ndim={self.ndim}")
+            if self.window is None:
+                raise ValueError("a TOKEN value needs a window")
+        elif self.row is not None or self.pos is not None:
+            raise ValueError(f"{self.kind} value cannot have token dims")
+
+    @property
+    def is_token(self) -> bool:
+        return self.kind is Kind.TOKEN
+
+    @property
+    def is_dense(self) -> bool:
+        return self.kind is Kind.DENSE
+
+    @property
+    def is_const(self) -> bool:
+        return self.kind is Kind.CONST
+
+    def token_dims(self) -> tuple[int, ...]:
+        return tuple(d for d in (self.row, self.pos) if d is not None)
+
+    def __str__(self) -> str:
+        if self.kind is not Kind.TOKEN:
+            return self.kind.value
+        return f"token(row={self.row}, pos={self.pos})"
+
+
+CONST = TokenAxes(Kind.CONST)
+DENSE = TokenAxes(Kind.DENSE)
+
+
+def token(ndim: int, row: Optional[int], pos: int, window: Window) -> TokenAxes:
+    return TokenAxes(Kind.TOKEN, ndim, row, pos, window)
+
+
+def get_axes(node: Any) -> TokenAxes:
+    """The fact of an FX argument; non-node arguments (ints, dtypes …) are CONST."""
+    if isinstance(node, fx.Node):
+        return node.meta[META_KEY]
+    return CONST
+
+
+def set_axes(node: fx.Node, axes: TokenAxes) -> None:
+    node.meta[META_KEY] = axes
+
+
+# --------------------------------------------------------------------------------------------------
+# values and sizes from node metadata
+
+
+def example_value(node: Any) -> Any:
+    if not isinstance(node, fx.Node):
+        return node
+    for key in ("example_value", "val"):
+        if key in node.meta:
+            return node.meta[key]
+    return None
+
+
+def hint(x: Any) -> Any:
+    """A concrete int for an int or SymInt (its example hint), recursively for sequences."""
+    if isinstance(x, torch.SymInt):
+        return x.node.hint if x.node.has_hint() else int(x)
+    if isinstance(x, (list, tuple, torch.Size)):
+        return type(x)(hint(v) for v in x) if not isinstance(x, torch.Size) else tuple(hint(v) for v in x)
+    return x
+
+
+def shape_of(node: Any) -> Optional[tuple[int, ...]]:
+    v = example_value(node)
+    if isinstance(v, torch.Tensor):
+        return tuple(hint(s) for s in v.shape)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# the rule registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one op family propagates facts (``propagate``) and, optionally, how it is emitted into the
+    packed graph (``emit``; default: the same op on packed operands)."""
+
+    name: str
+    propagate: Callable[["AxesContext", fx.Node], TokenAxes]
+    emit: Optional[Callable] = None
+    creates_tokens: bool = False  # consulted even when no operand is TOKEN (``arange(L)``)
+
+
+RULES: dict[Any, Rule] = {}
+
+
+def register_rule(targets, *, emit: Optional[Callable] = None, creates_tokens: bool = False):
+    """Decorator: register ``fn(ctx, node) -> TokenAxes`` for one target or a list of targets.
+
+    Targets are callables (``call_function``) or method names (``call_method``, e.g. ``"view"``).
+    """
+    if not isinstance(targets, (list, tuple)):
+        targets = [targets]
+
+    def deco(fn):
+        rule = Rule(fn.__name__, fn, emit, creates_tokens)
+        for t in targets:
+            RULES[t] = rule
+        return fn
+
+    return deco
+
+
+def rule_for(node: fx.Node) -> Optional[Rule]:
+    if node.op in ("call_function", "call_method"):
+        return RULES.get(node.target)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# context and driver
+
+
+@dataclasses.dataclass
+class Materialisation:
+    """A TOKEN value turned dense (``packed[index]``) because ``user`` needs it dense."""
+
+    node: fx.Node
+    user: fx.Node
+    numel: int
+    reason: str
+
+
+@dataclasses.dataclass
+class AxesContext:
+    """What the rules see: the graph, the token dims (B, L), the tree inputs and mask-only nodes."""
+
+    gm: fx.GraphModule
+    B: int
+    L: int
+    tree_inputs: list[fx.Node]
+    mask_nodes: set[fx.Node]
+    training: bool = True
+    materialised: dict[fx.Node, Materialisation] = dataclasses.field(default_factory=dict)
+    notes: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+
+    def axes(self, arg: Any) -> TokenAxes:
+        return get_axes(arg)
+
+    def full_window(self) -> Window:
+        return Window.full(self.B, self.L)
+
+    def shape(self, node: Any) -> Optional[tuple[int, ...]]:
+        return shape_of(node)
+
+    def first_materialisation(self) -> Optional[str]:
+        m = next(iter(self.materialised.values()), None)
+        return None if m is None else f"{m.node.name} was made dense by {m.user.name} ({m.reason})"
+
+    def fail(self, node: fx.Node, reason: str):
+        raise CannotReplay(reason, node)
+
+    def materialise(self, arg: fx.Node, user: fx.Node, reason: str) -> None:
+        """Record that TOKEN ``arg`` is used densely by ``user`` (it will be gathered to [B, L, …])."""
+        ax = get_axes(arg)
+        if ax.row is None:
+            raise CannotReplay(
+                f"position-only value {arg.name} is used by an op that needs it dense ({reason})", user)
+        if arg not in self.materialised:
+            shape = shape_of(arg) or ()
+            numel = 1
+            for s in shape:
+                numel *= s
+            self.materialised[arg] = Materialisation(arg, user, numel, reason)
+
+
+def flat_args(node: fx.Node) -> list[Any]:
+    out: list[Any] = []
+    fx.node.map_aggregate((node.args, node.kwargs), out.append)
+    return out
+
+
+def node_args(node: fx.Node) -> list[fx.Node]:
+    return [a for a in flat_args(node) if isinstance(a, fx.Node)]
+
+
+def dense_fallback(ctx: AxesContext, node: fx.Node, reason: str) -> TokenAxes:
+    """The generic rule for an op whose result cannot stay packed: materialise its TOKEN operands."""
+    for a in node_args(node):
+        if get_axes(a).is_token:
+            ctx.materialise(a, node, reason)
+    return DENSE
+
+
+def is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__") and node.target not in (
+            "requires_grad_",)
+    if node.op == "call_function":
+        if node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                           operator.ifloordiv, operator.ipow, operator.iand, operator.ior, operator.setitem):
+            return True
+        if "out" in node.kwargs:
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("_") and not name.endswith("__")
+    return False
+
+
+def propagate(ctx: AxesContext) -> None:
+    """Give every node of ``ctx.gm`` its fact (topological order), raising CannotReplay where a
+    TOKEN value would be handled in a way no rule proves exact."""
+    from brcompile.passes import rules as _rules  # noqa: F401  (fills RULES)
+
+    tainted: set[fx.Node] = set()  # nodes with a TOKEN ancestor (mutating them is refused)
+    for node in ctx.gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if node in ctx.mask_nodes:
+            set_axes(node, CONST)
+            continue
+        args = node_args(node)
+        if any(a in tainted or get_axes(a).is_token for a in args):
+            tainted.add(node)
+            if is_inplace(node):
+                ctx.fail(node, "in-place op on a value derived from the token inputs")
+        if node.op == "placeholder":
+            set_axes(node, _placeholder_axes(ctx, node))
+            continue
+        if node.op == "get_attr":
+            set_axes(node, CONST)
+            continue
+        facts = [get_axes(a) for a in args]
+        rule = rule_for(node)
+        if rule is not None:
+            if any(f.is_token for f in facts):
+                ax = rule.propagate(ctx, node)
+            elif any(f.is_dense for f in facts):
+                ax = DENSE
+            elif rule.creates_tokens:
+                ax = rule.propagate(ctx, node)
+            else:
+                ax = CONST
+        elif any(f.is_token for f in facts):
+            ax = dense_fallback(ctx, node, f"no token-axis rule for {_target_name(node)}")
+        elif any(f.is_dense for f in facts):
+            ax = DENSE
+        else:
+            ax = CONST
+        set_axes(node, ax)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("axes %-28s %s", node.name, ax)
+    out = next(n for n in ctx.gm.graph.nodes if n.op == "output")
+    set_axes(out, DENSE)
+    for a in node_args(out):
+        if get_axes(a).is_token:
+            ctx.materialise(a, out, "graph output")
+
+
+def _placeholder_axes(ctx: AxesContext, node: fx.Node) -> TokenAxes:
+    if node in ctx.tree_inputs:
+        return token(2, 0, 1, ctx.full_window())
+    v = example_value(node)
+    if isinstance(v, torch.Tensor) and not _is_param(node) and v.dim() >= 1:
+        return DENSE
+    return CONST
+
+
+def _is_param(node: fx.Node) -> bool:
+    v = example_value(node)
+    if isinstance(v, torch.nn.Parameter):
+        return True
+    src = getattr(node.meta.get("grapharg"), "source", None)
+    s = str(src) if src is not None else ""
+    return "_parameters" in s or "_buffers" in s or "ParamBuffer" in s
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return f"Tensor.{t}"
+    mod = getattr(t, "__module__", None) or ""
+    return f"{mod}.{getattr(t, '__name__', repr(t))}".lstrip(".")
+
+
+def normalize_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def summarize(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """(node name, fact) pairs for reports."""
+    return [(n.name, str(n.meta.get(META_KEY, "?"))) for n in gm.graph.nodes]
+
+
+__all__ = [
+    "CannotReplay", "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
+    "register_rule", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value", "hint",
+    "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
+]

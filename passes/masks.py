@@ -1,0 +1,174 @@
+"""What an attention mask means.
+
+An attention node's mask is either ``is_causal=True`` with no mask, or a tensor computed inside the
+graph from the token inputs (HF builds it from ``arange`` comparisons and ``attention_mask``). We do not
+pattern-match that subgraph: we *evaluate* it on probe values of the tree inputs at compile time and
+compare with each candidate meaning:
+
+* ``causal``:              visible(b, i, j) = j <= i
+* ``causal & keypad(X)``:  visible(b, i, j) = j <= i and X[b, j] != 0, for a [B, L] tree input X
+
+A candidate is accepted only if it matches on the example batch and on several random probes (random
+0/1 key-padding patterns, left and right padding). Float masks must be exactly 0 where visible and
+``-inf`` (or the dtype's lowest value) elsewhere — any other value is a bias, not a mask. Anything else
+(sliding windows, bidirectional prefixes, biases) stops the rewrite with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from brcompile.passes.axes import CannotReplay
+
+log = logging.getLogger(__name__)
+
+NUM_PROBES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskInfo:
+    kind: str  # "causal" | "causal+keypad"
+    keypad: Optional[fx.Node] = None
+
+    def __str__(self) -> str:
+        return self.kind if self.keypad is None else f"{self.kind}({self.keypad.name})"
+
+
+def ancestors(node: fx.Node) -> list[fx.Node]:
+    """All nodes ``node`` depends on (itself included), in graph order."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def mask_only_nodes(gm: fx.GraphModule, mask_args: Sequence[fx.Node]) -> set[fx.Node]:
+    """Nodes used only to build attention masks (so they need no token-axis rule)."""
+    roots = set(mask_args)
+    only: set[fx.Node] = set()
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op in ("placeholder", "output"):
+            continue
+        users = list(n.users)
+        if n in roots and all(_uses_only_as_mask(u, n) for u in users):
+            only.add(n)
+        elif users and all(u in only for u in users):
+            only.add(n)
+    return only
+
+
+def _uses_only_as_mask(user: fx.Node, n: fx.Node) -> bool:
+    return user.kwargs.get("attn_mask") is n or (len(user.args) > 3 and user.args[3] is n)
+
+
+def evaluate(mask: fx.Node, values: dict[fx.Node, object]) -> torch.Tensor:
+    """Run the subgraph that computes ``mask`` with the given placeholder values."""
+    env: dict[fx.Node, object] = {}
+    for n in ancestors(mask):
+        if n.op == "placeholder":
+            env[n] = values[n]
+            continue
+        if n.op == "get_attr":
+            env[n] = getattr(n.graph.owning_module, n.target)
+            continue
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+        if n.op == "call_function":
+            env[n] = n.target(*args, **kwargs)
+        elif n.op == "call_method":
+            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+        else:
+            raise CannotReplay(f"mask subgraph contains a {n.op}", n)
+    return env[mask]
+
+
+def visible(mask: torch.Tensor, node: fx.Node) -> torch.Tensor:
+    """Boolean visibility of a bool or additive float mask; refuses float masks that carry a bias."""
+    if mask.dtype == torch.bool:
+        return mask
+    lowest = torch.finfo(mask.dtype).min
+    vis = mask == 0
+    blocked = (mask == float("-inf")) | (mask <= lowest)
+    if not bool((vis | blocked).all()):
+        raise CannotReplay("float attention mask holds values other than 0 and -inf (a bias)", node)
+    return vis
+
+
+def _probe(x: torch.Tensor, gen: torch.Generator, i: int) -> torch.Tensor:
+    """A random value shaped and typed like tree input ``x`` — 0/1 patterns for 0/1 inputs."""
+    B, L = x.shape
+    binary = bool(((x == 0) | (x == 1)).all())
+    if binary:
+        if i == 0:  # left padding of random lengths
+            lens = torch.randint(0, L + 1, (B, 1), generator=gen)
+            p = torch.arange(L)[None, :] >= (L - lens)
+        elif i == 1:  # right padding
+            lens = torch.randint(0, L + 1, (B, 1), generator=gen)
+            p = torch.arange(L)[None, :] < lens
+        else:
+            p = torch.rand(B, L, generator=gen) < 0.6
+        return p.to(x.dtype)
+    lo, hi = int(x.min()), int(x.max()) + 2
+    return torch.randint(lo, max(hi, lo + 2), (B, L), generator=gen).to(x.dtype)
+
+
+def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
+             values: dict[fx.Node, object]) -> MaskInfo:
+    """Meaning of ``mask`` at attention node ``attn`` (see module docstring)."""
+    anc = set(ancestors(mask))
+    inputs = [t for t in tree_inputs if t in anc]
+    for n in anc:
+        if n.op == "placeholder" and n not in tree_inputs and isinstance(values.get(n), torch.Tensor) \
+                and not _static_input(n):
+            raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
+    candidates: list[Optional[fx.Node]] = [None] + inputs
+    gen = torch.Generator().manual_seed(0)
+    trials = [dict(values)]
+    for i in range(NUM_PROBES):
+        v = dict(values)
+        for t in inputs:
+            v[t] = _probe(values[t], gen, i)
+        trials.append(v)
+    for cand in candidates:
+        if all(_matches(evaluate(mask, v), cand, v, attn) for v in trials):
+            info = MaskInfo("causal" if cand is None else "causal+keypad", cand)
+            log.debug("mask of %s: %s", attn.name, info)
+            return info
+    raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input "
+                       "(sliding window, prefix-LM and bias masks are not supported)", attn)
+
+
+def _static_input(n: fx.Node) -> bool:
+    src = str(getattr(n.meta.get("grapharg"), "source", ""))
+    return "_buffers" in src or "_parameters" in src
+
+
+def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn) -> bool:
+    vis = visible(mask, attn)
+    if vis.dim() < 2:
+        return False
+    Lq, Lk = vis.shape[-2:]
+    if Lq != Lk:
+        return False
+    causal = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+    if cand is None:
+        expected = causal
+    else:
+        kp = values[cand] != 0  # [B, L]
+        expected = causal[None, None] & kp[:, None, None, :]
+    try:
+        a, b = torch.broadcast_tensors(vis, expected)
+    except RuntimeError:
+        return False
+    return bool((a == b).all())
+
+
+__all__ = ["MaskInfo", "classify", "mask_only_nodes", "ancestors", "evaluate", "visible"]

@@ -1,0 +1,305 @@
+"""The packed rewrite: dense [B, L, …] graph -> packed [1, N, …] graph (DESIGN §3–§5).
+
+Two steps, transactional (the user's graph is never modified):
+
+1. :func:`analyse` — find the token ids (the integer [B, L] input of an ``embedding``), the tree inputs
+   (the [B, L] inputs the attentions depend on: token ids, attention mask, position ids …), classify
+   every attention's mask (:mod:`.masks`), and propagate token-axis facts (:mod:`.axes`, :mod:`.rules`).
+2. :func:`build_packed_graph` — emit a new graph that takes the original inputs plus the tree arrays
+   (:data:`TREE_INPUTS`) and computes TOKEN values once per tree node, DENSE values as before; a TOKEN
+   value needed dense is materialised as ``packed[index]`` (:func:`materialize`) or, for values derived
+   from the inputs by cheap ops only, recomputed from the dense inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from brcompile.passes import masks as masks_mod
+from brcompile.passes.axes import (
+    AxesContext, CannotReplay, Materialisation, Window, example_value, get_axes, hint, node_args,
+    propagate, rule_for, shape_of,
+)
+from brcompile.passes.rules.attention import SDPA
+
+log = logging.getLogger(__name__)
+
+#: Extra inputs of the packed graph, in this order, after the original ones.
+TREE_INPUTS = ("index", "rep_row", "position", "end", "valid", "all_valid", "segments")
+
+_EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
+_CHEAP = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
+          operator.getitem, "bool", "float", "long", "to", "int", "type_as", "double", "__getitem__"}
+
+
+@dataclasses.dataclass
+class PackOptions:
+    attention: str = "auto"
+
+
+@dataclasses.dataclass
+class Analysis:
+    """What :func:`analyse` proved about a graph."""
+
+    gm: fx.GraphModule
+    ctx: AxesContext
+    token_ids: fx.Node
+    tree_inputs: list[fx.Node]
+    keypad: Optional[fx.Node]
+    attentions: list[fx.Node]
+    masks: dict[fx.Node, masks_mod.MaskInfo]
+    placeholders: list[fx.Node]
+
+    @property
+    def tree_input_positions(self) -> list[int]:
+        return [self.placeholders.index(p) for p in self.tree_inputs]
+
+    @property
+    def keypad_position(self) -> Optional[int]:
+        return None if self.keypad is None else self.placeholders.index(self.keypad)
+
+    @property
+    def materialisations(self) -> list[Materialisation]:
+        return list(self.ctx.materialised.values())
+
+    @property
+    def lazy_gathers(self) -> list[fx.Node]:
+        return [n for n, v in self.ctx.notes.items() if v == "lazy_gather"]
+
+
+def _strip_views(n: fx.Node) -> fx.Node:
+    while n.op != "placeholder" and (rule_for(n) is not None) and n.args and isinstance(n.args[0], fx.Node) \
+            and (n.target in _CHEAP):
+        n = n.args[0]
+    return n
+
+
+def find_token_ids(gm: fx.GraphModule) -> fx.Node:
+    """The placeholder of the token ids: the integer [B, L] input of the first ``embedding``."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _EMBEDDINGS:
+            src = _strip_views(n.args[0])
+            v = example_value(src)
+            if src.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 2 \
+                    and not v.is_floating_point():
+                return src
+    raise CannotReplay("no [B, L] integer token input feeding an embedding (inputs_embeds models and "
+                       "graphs without the embedding are not supported)")
+
+
+def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool = True) -> Analysis:
+    """Check the graph and give every node its token-axis fact; raise CannotReplay with a reason."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise CannotReplay("example inputs do not match the graph's placeholders")
+    values = {p: v for p, v in zip(placeholders, example_inputs)}
+    token_ids = find_token_ids(gm)
+    B, L = hint(tuple(example_value(token_ids).shape))
+    attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
+    if not attentions:
+        raise CannotReplay("no scaled_dot_product_attention in the graph (nothing to share)")
+    needed: set[fx.Node] = set()
+    for a in attentions:
+        for arg in node_args(a):
+            needed.update(masks_mod.ancestors(arg))
+    tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L)]
+    if token_ids not in tree_inputs:
+        raise CannotReplay("the attentions do not depend on the token ids")
+    mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
+    mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in mask_args if isinstance(m, fx.Node)])
+    classified: dict[fx.Node, masks_mod.MaskInfo] = {}
+    for a, m in zip(attentions, mask_args):
+        is_causal = a.kwargs.get("is_causal", a.args[5] if len(a.args) > 5 else False)
+        if m is None:
+            if is_causal:
+                classified[a] = masks_mod.MaskInfo("causal")
+            continue  # bidirectional: the sdpa rule names it
+        if is_causal:
+            raise CannotReplay("attention with both a mask and is_causal=True", a)
+        if m not in mask_nodes:
+            raise CannotReplay("attention mask is also used outside attention masks", a)
+        classified[a] = masks_mod.classify(a, m, tree_inputs, values)
+    keypads = {info.keypad for info in classified.values() if info.keypad is not None}
+    if len(keypads) > 1:
+        raise CannotReplay("attentions use different key-padding inputs")
+    keypad = next(iter(keypads), None)
+    ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training)
+    ctx.notes.update(classified)
+    propagate(ctx)
+    return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders)
+
+
+def _is_token_shaped(p: fx.Node, B: int, L: int) -> bool:
+    v = example_value(p)
+    return isinstance(v, torch.Tensor) and v.dim() == 2 and hint(tuple(v.shape)) == (B, L) \
+        and not isinstance(v, torch.nn.Parameter)
+
+
+# --------------------------------------------------------------------------------------------------
+# emission
+
+
+def materialize(data: torch.Tensor, index: torch.Tensor, row: int, pos: int) -> torch.Tensor:
+    """Dense value of a packed one: ``dense[.., b, .., t, ..] = data[.., 0, .., index[b, t], ..]``.
+
+    ``data`` has extent 1 at ``row`` and N at ``pos``; ``index`` is the (windowed) [B', L'] index.
+    Its backward is a scatter-add: a packed token used by several (b, t) sums their gradients.
+    """
+    x = data.movedim((row, pos), (0, 1))[0]  # [N, ...]
+    x = x[index]  # [B', L', ...]
+    return x.movedim((0, 1), (row, pos))
+
+
+class Packer:
+    """Builds the packed graph from an :class:`Analysis` (see module docstring)."""
+
+    def __init__(self, an: Analysis, options: PackOptions):
+        self.an = an
+        self.options = options
+        self.notes = an.ctx.notes
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}  # CONST/DENSE value, or packed data for TOKEN
+        self._dense: dict[fx.Node, Any] = {}
+        self._index: dict[Window, fx.Node] = {}
+        self._tree: dict[str, fx.Node] = {}
+        self._N: Optional[fx.Node] = None
+
+    # --- helpers used by rule emitters -----------------------------------------------------------
+    def tree(self, name: str) -> fx.Node:
+        return self._tree[name]
+
+    def N(self) -> fx.Node:
+        if self._N is None:
+            self._N = self.graph.call_method("size", (self._tree["position"], 0))
+        return self._N
+
+    def index(self, window: Window) -> fx.Node:
+        """The [B', L'] index of a window: the tree index with the window's slices applied."""
+        if window not in self._index:
+            idx = self._tree["index"]
+            for which, s in window.steps:
+                s = slice(*(self._map_scalar(v) for v in s))
+                key = (slice(None), s) if which == "pos" else (s,)
+                idx = self.graph.call_function(operator.getitem, (idx, key))
+            self._index[window] = idx
+        return self._index[window]
+
+    def _map_scalar(self, v):
+        return self.value(v) if isinstance(v, fx.Node) else v
+
+    def static_shape(self, node: fx.Node) -> list[int]:
+        return list(shape_of(node))
+
+    def static_sizes(self, node: fx.Node) -> list[int]:
+        """The dense output shape as ints; refuses symbolic non-token dims (they would be baked)."""
+        ax = get_axes(node)
+        v = example_value(node)
+        sizes = []
+        for d, s in enumerate(v.shape):
+            if isinstance(s, torch.SymInt) and d not in ax.token_dims() and s.node.maybe_as_int() is None:
+                raise CannotReplay("a non-token dim of a packed value has a symbolic size", node)
+            sizes.append(hint(s))
+        return sizes
+
+    def packed(self, arg: Any) -> Any:
+        """An argument as the packed graph sees it inside a TOKEN computation."""
+        if not isinstance(arg, fx.Node):
+            return arg
+        if arg in self.an.tree_inputs and arg not in self.env:
+            x = self._placeholders[arg]
+            g = self.graph.call_function(operator.getitem, (x, (self._tree["rep_row"], self._tree["position"])))
+            self.env[arg] = self.graph.call_method("unsqueeze", (g, 0))
+        return self.env[arg]
+
+    def value(self, arg: Any) -> Any:
+        return self.packed(arg) if not get_axes(arg).is_token else self.dense(arg)
+
+    def dense(self, arg: Any) -> Any:
+        """An argument's dense value: a TOKEN value is materialised (once)."""
+        if not isinstance(arg, fx.Node):
+            return arg
+        ax = get_axes(arg)
+        if not ax.is_token:
+            return self.packed(arg)
+        if arg not in self._dense:
+            if arg.op == "placeholder":
+                self._dense[arg] = self._placeholders[arg]
+            elif self._input_derived(arg):
+                self._dense[arg] = self._emit_copy(arg, self.dense)
+            else:
+                self._dense[arg] = self.graph.call_function(
+                    materialize, (self.packed(arg), self.index(ax.window), ax.row, ax.pos))
+        return self._dense[arg]
+
+    def _input_derived(self, n: fx.Node) -> bool:
+        """True when ``n`` is a cheap function of the dense inputs (recompute it rather than gather)."""
+        if n.op == "placeholder":
+            return True
+        if n.target not in _CHEAP:
+            return False
+        return all(self._input_derived(a) if get_axes(a).is_token else not get_axes(a).is_dense
+                   for a in node_args(n))
+
+    def copy(self, node: fx.Node) -> fx.Node:
+        return self._emit_copy(node, self.packed)
+
+    def _emit_copy(self, node: fx.Node, mapper) -> fx.Node:
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
+                                             lambda a: mapper(a) if isinstance(a, fx.Node) else a)
+        new = self.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
+        new.meta["from_node"] = node.name
+        return new
+
+    # --- driver -------------------------------------------------------------------------------
+    def build(self) -> fx.GraphModule:
+        gm = self.an.gm
+        self._placeholders: dict[fx.Node, fx.Node] = {}
+        for p in self.an.placeholders:
+            new = self.graph.placeholder(p.name)
+            new.meta.update({k: v for k, v in p.meta.items() if k != "br_axes"})
+            self._placeholders[p] = new
+            if not get_axes(p).is_token:
+                self.env[p] = new
+        for name in TREE_INPUTS:
+            self._tree[name] = self.graph.placeholder(f"tree_{name}")
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output") or node in self.an.ctx.mask_nodes:
+                continue
+            ax = get_axes(node)
+            rule = rule_for(node)
+            if ax.is_dense:
+                if rule is not None and rule.emit is not None and node in self.notes:
+                    self.env[node] = rule.emit(self, node)
+                else:
+                    self.env[node] = self._emit_copy(node, self.dense)
+            elif rule is not None and rule.emit is not None and (
+                    ax.is_token or any(get_axes(a).is_token for a in node_args(node))):
+                self.env[node] = rule.emit(self, node)
+            elif ax.is_const and any(get_axes(a).is_token for a in node_args(node)):
+                self.env[node] = self._emit_copy(node, self.value)
+            else:
+                self.env[node] = self.copy(node)
+            if isinstance(self.env[node], fx.Node):
+                self.env[node].meta.setdefault("from_node", node.name)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        outs = fx.node.map_aggregate(out.args[0], lambda a: self.dense(a) if isinstance(a, fx.Node) else a)
+        self.graph.output(outs)
+        self.graph.eliminate_dead_code()
+        self.graph.lint()
+        new_gm = fx.GraphModule(gm, self.graph, class_name="PackedGraph")
+        new_gm.recompile()
+        return new_gm
+
+
+def build_packed_graph(an: Analysis, options: Optional[PackOptions] = None) -> fx.GraphModule:
+    """Emit the packed graph of an analysed graph (transactional: ``an.gm`` is not modified)."""
+    return Packer(an, options or PackOptions()).build()
+
+
+__all__ = ["Analysis", "PackOptions", "analyse", "build_packed_graph", "materialize", "find_token_ids",
+           "TREE_INPUTS"]

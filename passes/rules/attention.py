@@ -1,0 +1,108 @@
+"""Attention and the lazy gather.
+
+``scaled_dot_product_attention(q, k, v, mask)`` with q, k, v TOKEN ([B, H, L, D], row 0, position 2) and
+a causal (optionally key-padded) mask equals tree attention over the packed tokens: in the dense batch
+query (b, i) sees keys (b, j <= i) — exactly the ancestors-or-self of its tree node, since the rows that
+contain a node agree on every earlier token — so ``k <= q < end[k]`` (and ``valid[k]`` under key
+padding) selects the same keys with the same values, and the softmax over them is the same.
+
+``gather(x, -1, idx)`` of a TOKEN ``x`` (log-probs) with a dense index (the targets) reads
+``x.packed[index[b, t], idx[b, t, j]]`` — B·L·J scalars, never the dense [B, L, V] value.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from brcompile.passes.axes import (
+    DENSE, AxesContext, dense_fallback, get_axes, normalize_dim, register_rule,
+)
+
+SDPA = [F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention]
+
+
+def _sdpa_args(node):
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    defaults = [None, None, None, None, 0.0, False, None, False]
+    bound = dict(zip(names, defaults))
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def emit_sdpa(pk, node):
+    """q, k, v [1, H, N, D] -> brcompile::tree_attention on [H, N, D] -> [1, H, N, D]."""
+    a = _sdpa_args(node)
+    info = pk.notes[node]
+    q, k, v = (pk.graph.call_method("squeeze", (pk.packed(a[n]), 0)) for n in ("query", "key", "value"))
+    D = pk.static_shape(a["query"])[-1]
+    scale = a["scale"] if a["scale"] is not None else D ** -0.5
+    valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
+    out = pk.graph.call_function(torch.ops.brcompile.tree_attention.default,
+                                 (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale),
+                                  pk.options.attention))
+    return pk.graph.call_method("unsqueeze", (out, 0))
+
+
+@register_rule(SDPA, emit=emit_sdpa)
+def sdpa(ctx: AxesContext, node):
+    """scaled_dot_product_attention -> tree attention (see module docstring)."""
+    a = _sdpa_args(node)
+    facts = [get_axes(a[n]) for n in ("query", "key", "value")]
+    if not all(f.is_token for f in facts):
+        ctx.fail(node, "attention inputs are not packed token values: "
+                 + (ctx.first_materialisation() or "they depend on dense data"))
+    if any((f.ndim, f.row, f.pos) != (4, 0, 2) or f.window != ctx.full_window() for f in facts):
+        ctx.fail(node, "attention inputs are not [B, H, L, D] token values")
+    if a["dropout_p"] not in (0, 0.0):
+        ctx.fail(node, f"attention dropout p={a['dropout_p']}")
+    if node not in ctx.notes:
+        if a["attn_mask"] is None and not a["is_causal"]:
+            ctx.fail(node, "bidirectional attention (is_causal=False and no mask) is not causal")
+        ctx.fail(node, "attention mask was not classified")
+    Hq = ctx.shape(a["query"])[1]
+    Hk = ctx.shape(a["key"])[1]
+    if Hq != Hk and not a["enable_gqa"]:
+        ctx.fail(node, "query and key head counts differ without enable_gqa")
+    return facts[0]
+
+
+def emit_gather(pk, node):
+    note = pk.notes.get(node)
+    if note != "lazy_gather":
+        return pk.copy(node)
+    x, dim, idx = node.args[0], node.args[1], node.args[2]
+    ax = get_axes(x)
+    return pk.graph.call_function(
+        packed_gather, (pk.packed(x), pk.index(ax.window), ax.row, ax.pos, pk.dense(idx)))
+
+
+@register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather)
+def gather(ctx: AxesContext, node):
+    """gather(x, dim, idx) along a non-token dim. TOKEN idx with x's token dims -> TOKEN; a dense idx
+    (the shifted targets) with x [B, L, V] (row 0, position 1, dim 2) -> the lazy gather (DENSE)."""
+    x = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    idx = node.args[2] if len(node.args) > 2 else node.kwargs["index"]
+    fx_, fi = get_axes(x), get_axes(idx)
+    if not fx_.is_token:
+        return dense_fallback(ctx, node, "gather from a dense value")
+    d = normalize_dim(dim, fx_.ndim)
+    if d in fx_.token_dims():
+        return dense_fallback(ctx, node, "gather along a token dim")
+    if fi.is_token and (fi.row, fi.pos, fi.window, fi.ndim) == (fx_.row, fx_.pos, fx_.window, fx_.ndim):
+        return fx_
+    if fx_.ndim == 3 and (fx_.row, fx_.pos) == (0, 1) and d == 2 and node.target in (torch.gather, "gather"):
+        if fi.is_token:
+            ctx.materialise(idx, node, "gather index with a different window")
+        ctx.notes[node] = "lazy_gather"
+        return DENSE
+    return dense_fallback(ctx, node, "gather with an index that is not aligned")
+
+
+def packed_gather(data: torch.Tensor, index: torch.Tensor, row: int, pos: int, idx: torch.Tensor):
+    """``out[b, t, j] = data[0, index[b, t], idx[b, t, j]]`` for packed ``data`` [1, N, V], index [B', L'],
+    idx [B', L', J] — the dense ``gather(data[index], 2, idx)`` without forming [B', L', V]."""
+    flat = data.squeeze(row)  # [N, V]
+    rows = index.unsqueeze(-1).expand_as(idx)
+    return flat[rows, idx]

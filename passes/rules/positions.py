@@ -1,0 +1,71 @@
+"""Position sources and sizes.
+
+``arange(L)`` is the position of every token: in the packed graph it becomes the packed tokens' column
+``position[k]`` (a position-only TOKEN value, row dim absent). Sizes read off a TOKEN value's token dims
+are the dense sizes (read from the lazy index, never from the packed data).
+"""
+from __future__ import annotations
+
+import torch
+
+from brcompile.passes.axes import (
+    CONST, AxesContext, example_value, get_axes, hint, normalize_dim, register_rule, token,
+)
+
+
+def _arange_bounds(node):
+    a = list(node.args)
+    if len(a) == 1:
+        return 0, a[0], 1
+    if len(a) == 2:
+        return a[0], a[1], 1
+    if len(a) == 3:
+        return tuple(a)
+    return node.kwargs.get("start", 0), node.kwargs.get("end"), node.kwargs.get("step", 1)
+
+
+def _sym_hint(ctx, v):
+    if hasattr(v, "meta"):
+        return hint(example_value(v))
+    return hint(v)
+
+
+def emit_arange(pk, node):
+    """arange(L) -> position[k] of each packed token, in the arange's dtype."""
+    dtype = node.kwargs.get("dtype") or torch.int64
+    pos = pk.tree("position")
+    if dtype != torch.int64:
+        pos = pk.graph.call_method("to", (pos, dtype))
+    return pos
+
+
+@register_rule([torch.arange], emit=emit_arange, creates_tokens=True)
+def arange(ctx: AxesContext, node):
+    """``arange(L)`` (start 0, step 1, end the token length) gives positions; any other arange is a
+    constant."""
+    start, end, step = _arange_bounds(node)
+    if _sym_hint(ctx, start) == 0 and _sym_hint(ctx, step) == 1 and _sym_hint(ctx, end) == ctx.L:
+        return token(1, None, 0, ctx.full_window())
+    return CONST
+
+
+def emit_size(pk, node):
+    """A size of a token dim is the dense size: read from the (windowed) index."""
+    x = node.args[0]
+    ax = get_axes(x)
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    d = normalize_dim(d, ax.ndim)
+    if d in ax.token_dims():
+        idx = pk.index(ax.window)
+        return pk.graph.call_method("size", (idx, 0 if d == ax.row else 1))
+    return pk.graph.call_method("size", (pk.packed(x), d))
+
+
+@register_rule(["size", torch.ops.aten.sym_size.int], emit=emit_size)
+def size(ctx: AxesContext, node):
+    """x.size(d): an int; refused without ``d`` (a whole shape of a token value would mix sizes)."""
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if d is None:
+        ctx.fail(node, "size() of a token value without a dim")
+    return CONST
+

@@ -1,0 +1,72 @@
+"""Reductions and normalisations over non-token dims.
+
+``mean(x, d)``, ``softmax(x, d)``, ``layer_norm``/``rms_norm`` over trailing dims … combine elements that
+share every other coordinate; when ``d`` is not a token dim, each output element still belongs to one
+(row, position), so TOKEN stays TOKEN (token dims renumbered when ``d`` is dropped). A reduction over a
+token dim (``x.mean(0)`` mixes rows, ``x.sum(1)`` mixes positions) needs the dense value.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from brcompile.passes.axes import (
+    AxesContext, dense_fallback, get_axes, normalize_dim, register_rule, shape_of, token,
+)
+
+REDUCTIONS = [
+    torch.sum, torch.mean, torch.amax, torch.amin, torch.prod, torch.logsumexp, torch.norm, torch.var,
+    torch.std, torch.all, torch.any, torch.linalg.vector_norm,
+    "sum", "mean", "amax", "amin", "prod", "logsumexp", "norm", "var", "std", "all", "any",
+]
+
+
+def _reduced_dims(node, ndim: int):
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    if name in ("norm", "vector_norm"):
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    else:
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if dim is None:
+        return list(range(ndim))
+    if isinstance(dim, int):
+        dim = [dim]
+    return [normalize_dim(d, ndim) for d in dim]
+
+
+@register_rule(REDUCTIONS)
+def reduction(ctx: AxesContext, node):
+    """Reduce over ``dim`` (kept or dropped): allowed iff no token dim is reduced."""
+    ax = get_axes(node.args[0])
+    dims = _reduced_dims(node, ax.ndim)
+    if any(d in ax.token_dims() for d in dims):
+        return dense_fallback(ctx, node, "reduction over a token dim (mixes rows or positions)")
+    out_ndim = len(shape_of(node))
+    if out_ndim == ax.ndim:
+        return ax
+    sh = lambda x: None if x is None else x - sum(1 for d in dims if d < x)  # noqa: E731
+    return token(out_ndim, sh(ax.row), sh(ax.pos), ax.window)
+
+
+@register_rule([torch.softmax, torch.log_softmax, F.softmax, F.log_softmax, "softmax", "log_softmax",
+                torch.special.log_softmax, torch.special.softmax, torch.cumsum, "cumsum"])
+def softmax(ctx: AxesContext, node):
+    """softmax/log_softmax/cumsum along ``dim``: shape-preserving, allowed along a non-token dim."""
+    ax = get_axes(node.args[0])
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if dim is None or normalize_dim(dim, ax.ndim) in ax.token_dims():
+        return dense_fallback(ctx, node, "softmax/cumsum along a token dim")
+    return ax
+
+
+@register_rule([F.layer_norm, torch.layer_norm, F.rms_norm, F.group_norm])
+def layer_norm(ctx: AxesContext, node):
+    """layer_norm/rms_norm normalise over the trailing ``len(normalized_shape)`` dims; weights constant."""
+    ax = get_axes(node.args[0])
+    nshape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+    k = 1 if isinstance(nshape, int) else len(nshape)
+    others = list(node.args[2:]) + [v for kk, v in node.kwargs.items() if kk != "normalized_shape"]
+    if node.target is F.group_norm or any(d >= ax.ndim - k for d in ax.token_dims()) or any(
+            not get_axes(o).is_const for o in others):
+        return dense_fallback(ctx, node, "normalisation over a token dim or with non-constant weights")
+    return ax

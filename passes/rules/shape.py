@@ -1,0 +1,381 @@
+"""Views and layout ops: one view algebra, plus indexing, cat/stack and split/chunk.
+
+A layout op moves elements without mixing them, so a TOKEN value stays TOKEN iff its row and position
+dims each land on one output dim of their own. The packed graph runs the same op with the token dims'
+sizes replaced (row -> 1, position -> N).
+
+View algebra (as DTensor's ``view_groups``): input and output dims are grouped into minimal runs with
+equal products. A group holding a token dim must map it to a single output dim of the same extent, every
+other dim of the group having extent 1; merging a token dim with other dims (``view(B * H, L, D)``) or
+splitting it is refused (TOKEN operands are then materialised).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional, Sequence
+
+import torch
+
+from brcompile.passes.axes import (
+    AxesContext, dense_fallback, example_value, get_axes, normalize_dim,
+    register_rule, shape_of, token,
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# view / reshape
+
+
+def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Split two shapes of equal numel into minimal (input dims, output dims) groups of equal product.
+
+    Extent-1 dims form their own groups where they can, so ``[B, L, D] -> [B, L, 1, D]`` maps one to one.
+    """
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    n, m = len(in_shape), len(out_shape)
+    while i < n or j < m:
+        if i < n and j < m and in_shape[i] == out_shape[j]:
+            groups.append(([i], [j]))
+            i, j = i + 1, j + 1
+            continue
+        if i < n and in_shape[i] == 1:
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < m and out_shape[j] == 1:
+            groups.append(([], [j]))
+            j += 1
+            continue
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                if i >= n:
+                    raise ValueError("shapes do not match")
+                pi *= in_shape[i]
+                gi.append(i)
+                i += 1
+            else:
+                if j >= m:
+                    raise ValueError("shapes do not match")
+                pj *= out_shape[j]
+                gj.append(j)
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def map_token_dims(in_shape, out_shape, dims: Sequence[int]) -> Optional[dict[int, int]]:
+    """Output dim of each input token dim through a view, or None when a token dim is merged/split."""
+    try:
+        groups = view_groups(list(in_shape), list(out_shape))
+    except ValueError:
+        return None
+    mapping = {}
+    for d in dims:
+        g = next((g for g in groups if d in g[0]), None)
+        if g is None or len(g[0]) != 1 or len(g[1]) != 1:
+            return None
+        mapping[d] = g[1][0]
+    return mapping
+
+
+def _view_sizes(node) -> list:
+    sizes = list(node.args[1:])
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple, torch.Size)):
+        sizes = list(sizes[0])
+    if "size" in node.kwargs:
+        sizes = list(node.kwargs["size"])
+    if "shape" in node.kwargs:
+        sizes = list(node.kwargs["shape"])
+    return sizes
+
+
+def emit_reshape(pk, node):
+    """``reshape(x, out_shape)`` with the token dims' extents replaced by 1 (row) and N (position)."""
+    ax = get_axes(node)
+    sizes = pk.static_sizes(node)
+    if ax.row is not None:
+        sizes[ax.row] = 1
+    sizes[ax.pos] = pk.N()
+    return pk.graph.call_method("reshape", (pk.packed(node.args[0]), sizes))
+
+
+@register_rule(["view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten",
+                torch.unflatten, "view_as", "reshape_as"], emit=emit_reshape)
+def view(ctx: AxesContext, node):
+    """view/reshape/flatten/unflatten: token dims must survive one-to-one (view algebra above)."""
+    x = node.args[0]
+    ax = get_axes(x)
+    if node.target in ("view", "view_as", "reshape_as") and len(node.args) == 2 and not isinstance(
+            node.args[1], (int, torch.SymInt, list, tuple, torch.Size)) and not hasattr(node.args[1], "meta"):
+        return dense_fallback(ctx, node, "view(dtype) reinterprets bits")
+    if not ax.is_token:
+        return dense_fallback(ctx, node, "view of a non-token value with token operands")
+    ins, outs = shape_of(x), shape_of(node)
+    m = map_token_dims(ins, outs, ax.token_dims())
+    if m is None:
+        return dense_fallback(ctx, node, f"view {list(ins)} -> {list(outs)} merges or splits a token dim")
+    return token(len(outs), None if ax.row is None else m[ax.row], m[ax.pos], ax.window)
+
+
+def emit_expand(pk, node):
+    ax = get_axes(node)
+    sizes = pk.static_sizes(node)
+    for d in ax.token_dims():
+        sizes[d] = -1
+    return pk.graph.call_method("expand", (pk.packed(node.args[0]), sizes))
+
+
+@register_rule(["expand", "expand_as", torch.broadcast_to], emit=emit_expand)
+def expand(ctx: AxesContext, node):
+    """expand: new leading dims and extent-1 dims broadcast; token dims keep their place (shifted by the
+    number of new leading dims) and must not be expanded themselves."""
+    x = node.args[0]
+    ax = get_axes(x)
+    ins, outs = shape_of(x), shape_of(node)
+    off = len(outs) - len(ins)
+    for d in ax.token_dims():
+        if ins[d] != outs[d + off]:
+            return dense_fallback(ctx, node, "expand of a token dim")
+    return token(len(outs), None if ax.row is None else ax.row + off, ax.pos + off, ax.window)
+
+
+# --------------------------------------------------------------------------------------------------
+# permutations and unit dims
+
+
+def _perm_of(node, ndim: int) -> list[int]:
+    t = node.target
+    a = list(node.args[1:])
+    if t in ("transpose", torch.transpose, "swapaxes", torch.swapaxes):
+        d0, d1 = (normalize_dim(a[0], ndim), normalize_dim(a[1], ndim)) if a else (
+            node.kwargs["dim0"], node.kwargs["dim1"])
+        p = list(range(ndim))
+        p[d0], p[d1] = p[d1], p[d0]
+        return p
+    if t in ("permute", torch.permute):
+        dims = a[0] if len(a) == 1 and isinstance(a[0], (list, tuple)) else a
+        if not dims:
+            dims = node.kwargs["dims"]
+        return [normalize_dim(d, ndim) for d in dims]
+    if t in ("t",):
+        return [1, 0] if ndim == 2 else list(range(ndim))
+    if t in ("movedim", torch.movedim):
+        src, dst = a[0], a[1]
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        src = [normalize_dim(s, ndim) for s in src]
+        dst = [normalize_dim(s, ndim) for s in dst]
+        order = [None] * ndim
+        for s, d in zip(src, dst):
+            order[d] = s
+        rest = iter([i for i in range(ndim) if i not in src])
+        return [o if o is not None else next(rest) for o in order]
+    raise AssertionError(t)
+
+
+@register_rule(["transpose", torch.transpose, "permute", torch.permute, "swapaxes", torch.swapaxes, "t",
+                "movedim", torch.movedim])
+def permute(ctx: AxesContext, node):
+    """Permutations: output dim i is input dim perm[i]."""
+    ax = get_axes(node.args[0])
+    perm = _perm_of(node, ax.ndim)
+    inv = {p: i for i, p in enumerate(perm)}
+    return token(ax.ndim, None if ax.row is None else inv[ax.row], inv[ax.pos], ax.window)
+
+
+@register_rule(["unsqueeze", torch.unsqueeze])
+def unsqueeze(ctx: AxesContext, node):
+    """unsqueeze(d): dims at or after d shift by one."""
+    ax = get_axes(node.args[0])
+    d = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    d = normalize_dim(d, ax.ndim + 1)
+    sh = lambda x: None if x is None else (x + 1 if x >= d else x)  # noqa: E731
+    return token(ax.ndim + 1, sh(ax.row), sh(ax.pos), ax.window)
+
+
+def emit_squeeze(pk, node):
+    ax = get_axes(node.args[0])
+    dims = _squeezed(node, ax)
+    return pk.graph.call_method("squeeze", (pk.packed(node.args[0]), tuple(dims)))
+
+
+def _squeezed(node, ax) -> list[int]:
+    shp = shape_of(node.args[0])
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dim is None:
+        return [i for i, s in enumerate(shp) if s == 1]
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return [normalize_dim(d, ax.ndim) for d in dims if shp[normalize_dim(d, ax.ndim)] == 1]
+
+
+@register_rule(["squeeze", torch.squeeze], emit=emit_squeeze)
+def squeeze(ctx: AxesContext, node):
+    """squeeze: removes extent-1 dims; squeezing a token dim (B == 1 or L == 1) is refused."""
+    ax = get_axes(node.args[0])
+    dims = _squeezed(node, ax)
+    if any(d in ax.token_dims() for d in dims):
+        return dense_fallback(ctx, node, "squeeze of a token dim of extent 1")
+    sh = lambda x: None if x is None else x - sum(1 for d in dims if d < x)  # noqa: E731
+    return token(ax.ndim - len(dims), sh(ax.row), sh(ax.pos), ax.window)
+
+
+@register_rule(["repeat_interleave", torch.repeat_interleave])
+def repeat_interleave(ctx: AxesContext, node):
+    """repeat_interleave(n, dim) along a non-token dim (GQA's repeat_kv written this way)."""
+    ax = get_axes(node.args[0])
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    if dim is None or hasattr(reps, "meta") or normalize_dim(dim, ax.ndim) in ax.token_dims():
+        return dense_fallback(ctx, node, "repeat_interleave over a token dim")
+    return ax
+
+
+# --------------------------------------------------------------------------------------------------
+# indexing
+
+
+def _normalize_index(idx, ndim: int) -> Optional[list]:
+    """Expand an index tuple to one entry per consumed input dim plus ``None`` insertions.
+
+    Returns a list of entries: slice, int, or None (new dim); None if it holds tensors/bools/Ellipsis twice.
+    """
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(hasattr(i, "meta") or isinstance(i, (torch.Tensor, list, bool)) for i in idx):
+        return None
+    n_consumed = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    out = []
+    seen_ellipsis = False
+    for i in idx:
+        if i is Ellipsis:
+            if seen_ellipsis:
+                return None
+            seen_ellipsis = True
+            out.extend([slice(None)] * (ndim - n_consumed))
+        else:
+            out.append(i)
+    consumed = sum(1 for i in out if i is not None)
+    out.extend([slice(None)] * (ndim - consumed))
+    return out
+
+
+def _walk_index(entries):
+    """Yield (input dim or None, output dim or None, entry) for a normalised index."""
+    d_in = d_out = 0
+    for e in entries:
+        if e is None:
+            yield None, d_out, e
+            d_out += 1
+        elif isinstance(e, slice):
+            yield d_in, d_out, e
+            d_in += 1
+            d_out += 1
+        else:
+            yield d_in, None, e
+            d_in += 1
+
+
+def emit_getitem(pk, node):
+    """The same index on the packed data, with token dims left whole (their slicing went to the index)."""
+    x = node.args[0]
+    ax = get_axes(x)
+    entries = _normalize_index(node.args[1], ax.ndim)
+    new = []
+    for d_in, _, e in _walk_index(entries):
+        new.append(slice(None) if d_in is not None and d_in in ax.token_dims() else e)
+    return pk.graph.call_function(operator.getitem, (pk.packed(x), tuple(new)))
+
+
+@register_rule([operator.getitem], emit=emit_getitem)
+def getitem(ctx: AxesContext, node):
+    """Basic indexing. Non-token dims: as is. A token dim: a whole slice keeps it; a partial slice on the
+    position dim (``logits[:, :-1]``) or on the row dim goes to the lazy window — the packed data stays
+    whole and the ``[B, L]`` index is sliced; an int or a tensor index on a token dim materialises."""
+    x = node.args[0]
+    ax = get_axes(x)
+    if isinstance(example_value(x), (tuple, list)):
+        return ax  # an element of a split/chunk result: same fact as its siblings
+    entries = _normalize_index(node.args[1], ax.ndim)
+    if entries is None:
+        return dense_fallback(ctx, node, "advanced indexing of a token value")
+    window = ax.window
+    row = pos = None
+    for d_in, d_out, e in _walk_index(entries):
+        if d_in is None or d_in not in ax.token_dims():
+            continue
+        if d_out is None:
+            return dense_fallback(ctx, node, "integer index on a token dim")
+        if e != slice(None):
+            if ax.row is None:
+                return dense_fallback(ctx, node, "slicing a position-only value")
+            window = window.sliced("row" if d_in == ax.row else "pos", e)
+        if d_in == ax.row:
+            row = d_out
+        else:
+            pos = d_out
+    out_ndim = len(shape_of(node))
+    return token(out_ndim, row, pos, window)
+
+
+# --------------------------------------------------------------------------------------------------
+# cat / stack / split / chunk / unbind
+
+
+def _same_token_facts(ctx, node, tensors):
+    facts = [get_axes(t) for t in tensors]
+    if not all(f.is_token for f in facts) or len({(f.row, f.pos, f.window, f.ndim) for f in facts}) != 1:
+        return None
+    return facts[0]
+
+
+@register_rule([torch.cat, torch.concat, torch.concatenate])
+def cat(ctx: AxesContext, node):
+    """cat along a non-token dim of operands that are all TOKEN with the same token dims (rotary halves)."""
+    tensors = node.args[0] if node.args else node.kwargs["tensors"]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    f = _same_token_facts(ctx, node, tensors)
+    if f is None or normalize_dim(dim, f.ndim) in f.token_dims():
+        return dense_fallback(ctx, node, "cat of mixed operands or along a token dim")
+    return f
+
+
+@register_rule([torch.stack])
+def stack(ctx: AxesContext, node):
+    """stack inserts a new dim at ``dim``; token dims at or after it shift by one."""
+    tensors = node.args[0] if node.args else node.kwargs["tensors"]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    f = _same_token_facts(ctx, node, tensors)
+    if f is None:
+        return dense_fallback(ctx, node, "stack of mixed operands")
+    d = normalize_dim(dim, f.ndim + 1)
+    sh = lambda x: None if x is None else (x + 1 if x >= d else x)  # noqa: E731
+    return token(f.ndim + 1, sh(f.row), sh(f.pos), f.window)
+
+
+@register_rule(["split", torch.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split])
+def split(ctx: AxesContext, node):
+    """split/chunk along a non-token dim: every piece keeps the token dims (the tuple's fact is the
+    pieces' fact)."""
+    ax = get_axes(node.args[0])
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    if normalize_dim(dim, ax.ndim) in ax.token_dims():
+        return dense_fallback(ctx, node, "split along a token dim")
+    return ax
+
+
+@register_rule(["unbind", torch.unbind])
+def unbind(ctx: AxesContext, node):
+    """unbind(dim) along a non-token dim: pieces lose that dim."""
+    ax = get_axes(node.args[0])
+    dim = normalize_dim(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0), ax.ndim)
+    if dim in ax.token_dims():
+        return dense_fallback(ctx, node, "unbind along a token dim")
+    sh = lambda x: None if x is None else (x - 1 if x > dim else x)  # noqa: E731
+    return token(ax.ndim - 1, sh(ax.row), sh(ax.pos), ax.window)
+
+
+__all__ = ["view_groups", "map_token_dims"]
