@@ -2,28 +2,20 @@
 
 ``torch.compile(fn, backend="branch_replay")`` computes each distinct prefix of a batch of rollouts
 once, with loss and gradients equal to the unmodified run (see README.md and DESIGN.md).
+
+Public API: ``backend(**options)`` (a backend object with options), ``branch_replay`` (the entry-point
+backend), ``stats()`` / ``reset_stats()`` (counters that prove a rewrite ran), ``explain(fn, *args)``
+(a report), ``build_tree`` / ``PackedTree`` (the prefix tree of a batch), ``CannotReplay``.
 """
-import importlib
+from brcompile.backend import BranchReplayBackend, Options, backend, branch_replay
+from brcompile.explain import ExplainReport, explain
+from brcompile.passes.axes import CannotReplay
+from brcompile.runtime import Stats, reset_stats, stats
+from brcompile.tree import PackedTree, TreeStats, build_tree
 
-# Public names -> defining module. Resolved lazily so `import brcompile` stays cheap and so the
-# torch_dynamo_backends entry point can import brcompile.backend without pulling in everything.
-_EXPORTS = {
-    "PackedTree": "brcompile.tree",
-    "TreeStats": "brcompile.tree",
-    "build_tree": "brcompile.tree",
-    "backend": "brcompile.backend",
-    "branch_replay": "brcompile.backend",
-    "stats": "brcompile.runtime",
-    "reset_stats": "brcompile.runtime",
-    "Stats": "brcompile.runtime",
-    "explain": "brcompile.explain",
-    "CannotReplay": "brcompile.passes.axes",
-}
+__version__ = "0.1.0"
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'brcompile' has no attribute {name!r}")
+__all__ = [
+    "BranchReplayBackend", "CannotReplay", "ExplainReport", "Options", "PackedTree", "Stats", "TreeStats",
+    "backend", "branch_replay", "build_tree", "explain", "reset_stats", "stats",
+]

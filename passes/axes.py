@@ -184,13 +184,14 @@ class Rule:
     name: str
     propagate: Callable[["AxesContext", fx.Node], TokenAxes]
     emit: Optional[Callable] = None
-    creates_tokens: bool = False  # consulted even when no operand is TOKEN (``arange(L)``)
+    always: bool = False  # consulted whatever the operands' kinds: token sources (``arange(L)``)
+    # and ops that must run packed (attention)
 
 
 RULES: dict[Any, Rule] = {}
 
 
-def register_rule(targets, *, emit: Optional[Callable] = None, creates_tokens: bool = False):
+def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False):
     """Decorator: register ``fn(ctx, node) -> TokenAxes`` for one target or a list of targets.
 
     Targets are callables (``call_function``) or method names (``call_method``, e.g. ``"view"``).
@@ -199,7 +200,7 @@ def register_rule(targets, *, emit: Optional[Callable] = None, creates_tokens: b
         targets = [targets]
 
     def deco(fn):
-        rule = Rule(fn.__name__, fn, emit, creates_tokens)
+        rule = Rule(fn.__name__, fn, emit, always)
         for t in targets:
             RULES[t] = rule
         return fn
@@ -329,12 +330,10 @@ def propagate(ctx: AxesContext) -> None:
         facts = [get_axes(a) for a in args]
         rule = rule_for(node)
         if rule is not None:
-            if any(f.is_token for f in facts):
+            if rule.always or any(f.is_token for f in facts):
                 ax = rule.propagate(ctx, node)
             elif any(f.is_dense for f in facts):
                 ax = DENSE
-            elif rule.creates_tokens:
-                ax = rule.propagate(ctx, node)
             else:
                 ax = CONST
         elif any(f.is_token for f in facts):

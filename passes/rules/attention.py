@@ -44,7 +44,7 @@ def emit_sdpa(pk, node):
     return pk.graph.call_method("unsqueeze", (out, 0))
 
 
-@register_rule(SDPA, emit=emit_sdpa)
+@register_rule(SDPA, emit=emit_sdpa, always=True)
 def sdpa(ctx: AxesContext, node):
     """scaled_dot_product_attention -> tree attention (see module docstring)."""
     a = _sdpa_args(node)

@@ -39,7 +39,7 @@ def emit_arange(pk, node):
     return pos
 
 
-@register_rule([torch.arange], emit=emit_arange, creates_tokens=True)
+@register_rule([torch.arange], emit=emit_arange, always=True)
 def arange(ctx: AxesContext, node):
     """``arange(L)`` (start 0, step 1, end the token length) gives positions; any other arange is a
     constant."""

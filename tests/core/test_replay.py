@@ -1,0 +1,241 @@
+"""End-to-end exactness of ``torch.compile(..., backend="branch_replay")`` on the example GPT.
+
+The oracle is the same function run eagerly on the dense batch. Every test compares the loss (or logits)
+and every parameter gradient, and asserts through ``brcompile.stats()`` that the rewrite actually ran
+(or that it fell back with the expected reason), so a silent fallback cannot pass.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brcompile
+from examples.gpt import GPT, GPTConfig
+from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 when both are 0)."""
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def assert_exact(got, want, dtype, what):
+    err = rel_err(got, want)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e}"
+
+
+def make_model(dtype=torch.float64, **kw):
+    cfg = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48)
+    cfg.update(kw)
+    return GPT(GPTConfig(**cfg), seed=0).to(dtype)
+
+
+def run_both(model, loss_fn, args, *, dynamic=None, backend="branch_replay"):
+    """(eager loss, eager grads, compiled loss, compiled grads)."""
+    params = [p for p in model.parameters()]
+    ref = loss_fn(model, *args)
+    gref = torch.autograd.grad(ref, params)
+    compiled = torch.compile(loss_fn, backend=backend, dynamic=dynamic)
+    out = compiled(model, *args)
+    gout = torch.autograd.grad(out, params)
+    return ref, gref, out, gout
+
+
+def check_exact(model, loss_fn, args, dtype=torch.float64, **kw):
+    ref, gref, out, gout = run_both(model, loss_fn, args, **kw)
+    assert_exact(out.detach(), ref.detach(), dtype, "loss")
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, dtype, f"grad of {name}")
+
+
+def grpo_args(batch, use_mask=True):
+    return (batch["input_ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"],
+            batch["old_logprobs"], 0.2, use_mask)
+
+
+def assert_replayed(calls=1):
+    s = brcompile.stats()
+    assert s.replayed_calls == calls, f"expected {calls} replayed call(s), got {s}"
+    assert s.fallback_calls == 0, str(s)
+    assert s.executed_tokens < s.logical_tokens
+
+
+BATCHES = {
+    "one_group": dict(num_prompts=1, group_size=6, prompt_len=13, response_len=(3, 7)),
+    "many_groups": dict(num_prompts=3, group_size=3, prompt_len=(5, 11), response_len=(2, 6)),
+    "shared_response": dict(num_prompts=2, group_size=4, prompt_len=(6, 9), response_len=(4, 7),
+                            shared_response_prefix=3),
+    "left_padded": dict(num_prompts=2, group_size=3, prompt_len=(4, 9), response_len=(2, 5),
+                        left_pad_prompts=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCHES))
+def test_grpo_loss_exact_float64(name):
+    model = make_model()
+    batch = make_grpo_batch(vocab_size=61, seed=1, dtype=torch.float64, **BATCHES[name])
+    check_exact(model, grpo_loss, grpo_args(batch))
+    assert_replayed()
+
+
+def test_grpo_loss_exact_float32_tied_head():
+    model = make_model(torch.float32, tie_embeddings=True)
+    batch = make_grpo_batch(vocab_size=61, seed=2, dtype=torch.float32, **BATCHES["many_groups"])
+    check_exact(model, grpo_loss, grpo_args(batch), dtype=torch.float32)
+    assert_replayed()
+
+
+def test_grpo_causal_only_right_padding():
+    """No attention mask: right padding is harmless under a causal mask (pads only follow real tokens)."""
+    model = make_model()
+    batch = make_grpo_batch(vocab_size=61, seed=3, dtype=torch.float64, **BATCHES["shared_response"])
+    check_exact(model, grpo_loss, grpo_args(batch, use_mask=False))
+    assert_replayed()
+
+
+def nested_batch():
+    """Rows that branch at several depths: a shared prompt, two sub-groups sharing 3 response tokens,
+    inside one of them a further split, plus two identical rows and a row sharing nothing."""
+    g = torch.Generator().manual_seed(5)
+    tok = lambda n: torch.randint(1, 61, (n,), generator=g)  # noqa: E731
+    p, a, b, c = tok(7), tok(3), tok(3), tok(2)
+    rows = [
+        torch.cat([p, a, c, tok(2)]), torch.cat([p, a, c, tok(2)]), torch.cat([p, a, tok(4)]),
+        torch.cat([p, b, tok(4)]), torch.cat([p, b, tok(4)]),
+    ]
+    rows.append(rows[-1].clone())  # identical rows
+    rows.append(tok(14))  # nothing shared
+    ids = torch.stack(rows)
+    mask = torch.ones_like(ids)
+    mask[2, -1] = 0  # one right-padded row
+    return ids, mask
+
+
+def test_nested_identical_and_unshared_rows():
+    model = make_model()
+    ids, mask = nested_batch()
+    check_exact(model, masked_nll_loss, (ids, mask))
+    assert_replayed()
+
+
+def test_model_only_logits_exact():
+    """Compile the model alone: logits come out dense and equal at every position."""
+    model = make_model()
+    batch = make_grpo_batch(vocab_size=61, seed=4, **BATCHES["left_padded"])
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ref = model(ids, mask)
+    out = torch.compile(model, backend="branch_replay")(ids, mask)
+    assert_exact(out, ref, torch.float64, "logits")
+    assert_replayed()
+    w = torch.randn_like(ref)
+    gref = torch.autograd.grad((ref * w).sum(), list(model.parameters()))
+    gout = torch.autograd.grad((out * w).sum(), list(model.parameters()))
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
+
+
+def test_dynamic_capture_two_batch_shapes():
+    """dynamic=True: one graph serves batches of different B and L, each exact and replayed."""
+    model = make_model()
+    compiled = torch.compile(grpo_loss, backend="branch_replay", dynamic=True)
+    params = list(model.parameters())
+    for seed, spec in ((6, BATCHES["one_group"]), (7, BATCHES["many_groups"])):
+        batch = make_grpo_batch(vocab_size=61, seed=seed, dtype=torch.float64, **spec)
+        args = grpo_args(batch)
+        ref = grpo_loss(model, *args)
+        gref = torch.autograd.grad(ref, params)
+        out = compiled(model, *args)
+        gout = torch.autograd.grad(out, params)
+        assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+        for a, b in zip(gout, gref):
+            assert_exact(a, b, torch.float64, "grad")
+    s = brcompile.stats()
+    assert s.replayed_calls == 2 and s.fallback_calls == 0, str(s)
+
+
+@pytest.mark.parametrize("spec", [dict(num_prompts=3, group_size=1, prompt_len=6, response_len=3),
+                                  dict(num_prompts=1, group_size=1, prompt_len=9, response_len=4)],
+                         ids=["no_sharing", "G1"])
+def test_no_sharing_falls_back_exactly(spec):
+    model = make_model()
+    batch = make_grpo_batch(vocab_size=61, seed=8, dtype=torch.float64, **spec)
+    check_exact(model, grpo_loss, grpo_args(batch))
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    (reason,) = s.fallback_reasons
+    assert "shares too little" in reason
+
+
+# ------------------------------------------------------------------------------------------------
+# graphs that must not be rewritten
+
+
+class TinyLM(torch.nn.Module):
+    """A one-layer causal LM with a switchable defect in the body."""
+
+    def __init__(self, defect=None, V=37, d=16):
+        super().__init__()
+        self.defect = defect
+        self.emb = torch.nn.Embedding(V, d)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.head = torch.nn.Linear(d, V, bias=False)
+
+    def forward(self, ids):
+        B, L = ids.shape
+        x = self.emb(ids)
+        if self.defect == "dropout":
+            x = F.dropout(x, p=0.5, training=True)
+        if self.defect == "mix_rows":
+            x = x + x.mean(0)
+        q, k, v = self.qkv(x).view(B, L, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.defect != "bidirectional")
+        return self.head(o.transpose(1, 2).reshape(B, L, -1))
+
+
+def lm_loss(model, ids):
+    logits = model(ids)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("defect,reason", [
+    ("dropout", "dropout"),
+    ("mix_rows", "reduction over a token dim"),
+    ("bidirectional", "bidirectional"),
+])
+def test_unsafe_graphs_fall_back_with_reason(defect, reason):
+    torch.manual_seed(0)
+    model = TinyLM(defect).double()
+    ids = torch.cat([torch.randint(1, 37, (1, 6)).expand(4, 6), torch.randint(1, 37, (4, 3))], 1)
+    if defect == "dropout":  # random: compare with the eager original under the same RNG state
+        torch.manual_seed(1)
+        ref = lm_loss(model, ids)
+        torch.manual_seed(1)
+        out = torch.compile(lm_loss, backend="branch_replay")(model, ids)
+        assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    else:
+        check_exact(model, lm_loss, (ids,))
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls >= 1, str(s)
+    assert any(reason in r for r in s.fallback_reasons), s.fallback_reasons
+
+
+def test_explain_reports_rewrite_and_tree():
+    model = make_model()
+    batch = make_grpo_batch(vocab_size=61, seed=9, dtype=torch.float64, **BATCHES["one_group"])
+    report = brcompile.explain(grpo_loss, model, *grpo_args(batch))
+    text = str(report)
+    assert len(report.rewritten) == 1 and not report.fallbacks
+    assert "REWRITTEN" in text and "tree_attention" in text and "lazy gather" in text
+    assert "causal+keypad" in text
+    call = report.to_dict()["calls"][0]
+    assert call["replayed"] and call["tree"]["executed_tokens"] < call["tree"]["logical_tokens"]
+
+
+def test_explain_reports_fallback_reason():
+    model = TinyLM("bidirectional").double()
+    ids = torch.randint(1, 37, (3, 5))
+    report = brcompile.explain(lm_loss, model, ids)
+    assert report.fallbacks and "bidirectional" in str(report)
