@@ -356,14 +356,17 @@ def _placeholder_axes(ctx: AxesContext, node: fx.Node) -> TokenAxes:
     if node in ctx.tree_inputs:
         return token(2, 0, 1, ctx.full_window())
     v = example_value(node)
-    if isinstance(v, torch.Tensor) and not _is_param(node) and v.dim() >= 1:
+    if isinstance(v, torch.Tensor) and not is_static_input(node) and v.dim() >= 1:
         return DENSE
     return CONST
 
 
-def _is_param(node: fx.Node) -> bool:
-    v = example_value(node)
-    if isinstance(v, torch.nn.Parameter):
+def is_static_input(node: fx.Node) -> bool:
+    """A parameter or buffer lifted to a graph input (Dynamo marks them static; their values do not
+    depend on the batch)."""
+    if isinstance(example_value(node), torch.nn.Parameter):
+        return True
+    if "_dynamo_static_input_type" in (node.meta.get("tensor_dict") or {}):
         return True
     src = getattr(node.meta.get("grapharg"), "source", None)
     s = str(src) if src is not None else ""

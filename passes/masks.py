@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.axes import CannotReplay, is_static_input
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
     inputs = [t for t in tree_inputs if t in anc]
     for n in anc:
         if n.op == "placeholder" and n not in tree_inputs and isinstance(values.get(n), torch.Tensor) \
-                and not _static_input(n):
+                and not is_static_input(n):
             raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
     candidates: list[Optional[fx.Node]] = [None] + inputs
     gen = torch.Generator().manual_seed(0)
@@ -144,11 +144,6 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
             return info
     raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input "
                        "(sliding window, prefix-LM and bias masks are not supported)", attn)
-
-
-def _static_input(n: fx.Node) -> bool:
-    src = str(getattr(n.meta.get("grapharg"), "source", ""))
-    return "_buffers" in src or "_parameters" in src
 
 
 def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn) -> bool:

@@ -1,0 +1,190 @@
+"""Token-axis rules, tested two ways (STYLE §13):
+
+1. a table of small functions with the fact their result must get;
+2. a semantic oracle: every value the analysis calls TOKEN really is causal and row-independent — it is
+   recomputed on batches that agree with the original only on a prefix of one row (or copy that prefix
+   into another row), and its entries on that prefix must not change (or must match across rows).
+"""
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from brcompile.passes.axes import AxesContext, CannotReplay, get_axes, propagate
+from brcompile.passes.pack import analyse, find_token_ids
+from examples.gpt import GPT, GPTConfig
+
+B, L, V, D = 3, 7, 23, 8
+
+
+def capture(fn, *args, dynamic=False):
+    """The Dynamo graph of ``fn`` and its example inputs."""
+    out = {}
+
+    def grab(gm, example_inputs):
+        out["gm"], out["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab, dynamic=dynamic, fullgraph=True)(*args)
+    return out["gm"], out["inputs"]
+
+
+def facts(fn, *args):
+    """Propagate facts with the token ids (first [B, L] integer placeholder) as the only tree input."""
+    gm, inputs = capture(fn, *args)
+    ctx = AxesContext(gm, B, L, [find_token_ids(gm)], set())
+    propagate(ctx)
+    result = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    return get_axes(result), ctx
+
+
+EMB = torch.nn.Embedding(V, D).double()
+W = torch.nn.Parameter(torch.randn(5, D, dtype=torch.float64))
+POS_TABLE = torch.nn.Parameter(torch.randn(L, D, dtype=torch.float64))  # absolute positions by slot
+
+TABLE = [
+    ("embedding", lambda ids: EMB(ids), "token(row=0, pos=1)"),
+    ("view_transpose", lambda ids: EMB(ids).view(B, L, 2, -1).transpose(1, 2), "token(row=0, pos=2)"),
+    ("permute", lambda ids: EMB(ids).permute(2, 1, 0), "token(row=2, pos=1)"),
+    ("unsqueeze_expand", lambda ids: EMB(ids)[:, :, None].expand(B, L, 3, D), "token(row=0, pos=1)"),
+    ("mean_last", lambda ids: EMB(ids).pow(2).mean(-1, keepdim=True).rsqrt(), "token(row=0, pos=1)"),
+    ("mean_rows", lambda ids: EMB(ids).mean(0), "dense"),
+    ("sum_positions", lambda ids: EMB(ids).sum(1), "dense"),
+    ("softmax_last", lambda ids: torch.softmax(EMB(ids), -1), "token(row=0, pos=1)"),
+    ("softmax_positions", lambda ids: torch.softmax(EMB(ids), 1), "dense"),
+    ("linear", lambda ids: F.linear(EMB(ids), W), "token(row=0, pos=1)"),
+    ("shift_slice", lambda ids: EMB(ids)[:, :-1], "token(row=0, pos=1)"),
+    ("merge_token_dims", lambda ids: EMB(ids).reshape(B * L, D), "dense"),
+    ("arange_positions", lambda ids: EMB(ids) * torch.arange(L)[:, None], "token(row=0, pos=1)"),
+    ("position_table", lambda ids: EMB(ids) + POS_TABLE, "dense"),
+    ("cat_features", lambda ids: torch.cat([EMB(ids), -EMB(ids)], -1), "token(row=0, pos=1)"),
+    ("cat_positions", lambda ids: torch.cat([EMB(ids), EMB(ids)], 1), "dense"),
+    ("scores", lambda ids: EMB(ids) @ EMB(ids).transpose(-1, -2), "dense"),
+    ("chunk_features", lambda ids: EMB(ids).chunk(2, -1)[1], "token(row=0, pos=1)"),
+    ("cumsum_positions", lambda ids: EMB(ids).cumsum(1), "dense"),
+]
+
+
+@pytest.mark.parametrize("name,fn,expected", TABLE, ids=[t[0] for t in TABLE])
+def test_expected_axes(name, fn, expected):
+    ids = torch.randint(0, V, (B, L))
+    ax, _ = facts(fn, ids)
+    assert str(ax) == expected
+
+
+def test_shift_slice_goes_to_window():
+    ax, _ = facts(lambda ids: EMB(ids)[:, 1:], torch.randint(0, V, (B, L)))
+    assert not ax.window.is_whole and ax.window.steps == (("pos", (1, None, None)),)
+
+
+def test_inplace_on_token_value_refused():
+    def f(ids):
+        x = EMB(ids)
+        x.mul_(2)
+        return x
+    with pytest.raises(CannotReplay, match="in-place"):
+        facts(f, torch.randint(0, V, (B, L)))
+
+
+def test_materialisation_is_recorded():
+    _, ctx = facts(lambda ids: EMB(ids).mean(0), torch.randint(0, V, (B, L)))
+    (m,) = ctx.materialised.values()
+    assert "reduction over a token dim" in m.reason and m.numel == B * L * D
+
+
+def test_token_ids_found_through_views():
+    gm, _ = capture(lambda ids: EMB(ids.view(B, L)), torch.randint(0, V, (B, L)))
+    assert find_token_ids(gm).op == "placeholder"
+
+
+# ------------------------------------------------------------------------------------------------
+# semantic oracle
+
+
+def run_all(gm: fx.GraphModule, inputs) -> dict[str, torch.Tensor]:
+    """Every node's value (by name) on ``inputs``."""
+    values = {}
+
+    class Rec(fx.Interpreter):
+        def run_node(self, n):
+            r = super().run_node(n)
+            values[n.name] = r
+            return r
+
+    Rec(gm).run(*inputs)
+    return values
+
+
+def prefix_slice(v: torch.Tensor, ax, row: int, t: int) -> torch.Tensor:
+    """Entries of TOKEN value ``v`` at dense row ``row`` (if it has a row dim) and positions <= t."""
+    if ax.row is not None:
+        v = v.select(ax.row, row)
+        pos = ax.pos - (1 if ax.row < ax.pos else 0)
+    else:
+        pos = ax.pos
+    return v.narrow(pos, 0, t + 1)
+
+
+def check_claims(gm, inputs, tree_positions, t: int):
+    """For every whole-window TOKEN node: (1) causal — changing row 0 after t and every other row leaves
+    row 0's entries at positions <= t unchanged; (2) row-independent — a row 1 that copies row 0 up to t
+    has the same entries there. Returns the number of nodes checked."""
+    gen = torch.Generator().manual_seed(0)
+
+    def perturbed(copy_to_row1: bool):
+        new = list(inputs)
+        for i in tree_positions:
+            x = inputs[i]
+            binary = bool(((x == 0) | (x == 1)).all())
+            r = (torch.rand(x.shape, generator=gen) < 0.7).to(x.dtype) if binary else \
+                torch.randint(1, V, x.shape, generator=gen).to(x.dtype)
+            y = r.clone()
+            y[0, : t + 1] = x[0, : t + 1]
+            if copy_to_row1:
+                y[1, : t + 1] = x[0, : t + 1]
+            new[i] = y
+        return new
+
+    base = run_all(gm, inputs)
+    other = run_all(gm, perturbed(False))
+    copied = run_all(gm, perturbed(True))
+    checked = 0
+    for n in gm.graph.nodes:
+        ax = n.meta.get("br_axes")
+        if ax is None or not ax.is_token or not ax.window.is_whole or not isinstance(base.get(n.name), torch.Tensor):
+            continue
+        a = prefix_slice(base[n.name], ax, 0, t)
+        b = prefix_slice(other[n.name], ax, 0, t)
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=lambda m: f"{n.name} not causal: {m}")
+        if ax.row is not None:
+            c0 = prefix_slice(copied[n.name], ax, 0, t)
+            c1 = prefix_slice(copied[n.name], ax, 1, t)
+            torch.testing.assert_close(c1, c0, rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"{n.name} not row-independent: {m}")
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_semantic_oracle_on_example_gpt(use_mask):
+    model = GPT(GPTConfig(vocab_size=V, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=32)).double()
+    ids = torch.randint(1, V, (4, 9))
+    mask = torch.ones_like(ids)
+    mask[2, :2] = 0
+    args = (ids, mask) if use_mask else (ids,)
+    gm, inputs = capture(model, *args)
+    an = analyse(gm, inputs)
+    n = check_claims(gm, inputs, an.tree_input_positions, t=4)
+    assert n > 40  # the whole body was checked, not a handful of nodes
+
+
+@pytest.mark.parametrize("name,fn,expected", [t for t in TABLE if t[2] != "dense"],
+                         ids=[t[0] for t in TABLE if t[2] != "dense"])
+def test_semantic_oracle_on_table(name, fn, expected):
+    ids = torch.randint(0, V, (B, L))
+    gm, inputs = capture(fn, ids)
+    ids = find_token_ids(gm)
+    propagate(AxesContext(gm, B, L, [ids], set()))
+    position = [n for n in gm.graph.nodes if n.op == "placeholder"].index(ids)
+    assert check_claims(gm, inputs, [position], t=3) >= 1
