@@ -20,6 +20,9 @@ from brcompile.passes.pack import PackOptions, analyse, build_packed_graph
 log = logging.getLogger(__name__)
 
 
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Backend options (``torch.compile(..., options={...})`` or ``brcompile.backend(**options)``).
@@ -27,10 +30,21 @@ class Options:
     min_dedup: run the original graph for a batch whose logical/executed token ratio is below this.
     attention: tree-attention implementation: "auto" (triton on CUDA, cpu otherwise), "cpu",
         "reference", "triton".
+    compiler: how the packed graph runs: "inductor" (compiled once with dynamic shapes: one compile
+        serves every batch), "aot_eager" (AOTAutograd, no codegen), or "eager" (the FX graph as is).
     """
 
     min_dedup: float = 1.05
     attention: str = "auto"
+    compiler: str = "inductor"
+
+    def __post_init__(self):
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"compiler={self.compiler!r}; choose one of {COMPILERS}")
+        if self.attention not in ("auto", "cpu", "reference", "triton"):
+            raise ValueError(f"attention={self.attention!r}; choose auto, cpu, reference or triton")
+        if not self.min_dedup >= 1.0:
+            raise ValueError(f"min_dedup={self.min_dedup} must be >= 1")
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "Options":
@@ -83,8 +97,10 @@ class BranchReplayBackend:
             log.warning("branch_replay: internal error while rewriting graph %d; running it unchanged",
                         gid, exc_info=True)
             return self._fallback(gid, gm, f"internal error: {type(e).__name__}: {e}", None)
-        rt = runtime.ReplayRuntime(original, packed.forward, an.tree_input_positions,
-                                   an.keypad_position, opts.min_dedup)
+        run_packed = packed.forward if opts.compiler == "eager" else torch.compile(
+            packed, backend=opts.compiler, dynamic=True)
+        rt = runtime.ReplayRuntime(original, run_packed, an.tree_input_positions,
+                                   an.keypad_position, opts.min_dedup, eager_packed=packed.forward)
         rec = GraphRecord(
             gid, True, None, None, gm.code, packed.code,
             tree_inputs=tuple(p.name for p in an.tree_inputs),

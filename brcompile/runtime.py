@@ -94,9 +94,11 @@ class ReplayRuntime:
     """
 
     def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
-                 keypad_position: Optional[int], min_dedup: float, max_calls_logged: int = 64):
+                 keypad_position: Optional[int], min_dedup: float, max_calls_logged: int = 64,
+                 eager_packed: Optional[Callable] = None):
         self.original = original
         self.packed = packed
+        self.eager_packed = eager_packed
         self.tree_positions = tree_positions
         self.keypad_position = keypad_position
         self.min_dedup = min_dedup
@@ -120,9 +122,17 @@ class ReplayRuntime:
             self._log_call(CallRecord(False, st.to_dict(), reason))
             log.debug("branch_replay call falls back: %s", reason)
             return self.original(*args)
-        ones = torch.ones_like(tree.valid)
-        out = self.packed(*args, tree.index, tree.rep_row, tree.position, tree.end, tree.valid, ones,
-                          tree.segments)
+        tree_args = (tree.index, tree.rep_row, tree.position, tree.end, tree.valid,
+                     torch.ones_like(tree.valid), tree.segments)
+        try:
+            out = self.packed(*args, *tree_args)
+        except torch._dynamo.exc.BackendCompilerFailed:
+            if self.eager_packed is None:
+                raise
+            log.warning("branch_replay: compiling the packed graph failed; running it uncompiled",
+                        exc_info=True)
+            self.packed = self.eager_packed
+            out = self.packed(*args, *tree_args)
         _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens)
         self._log_call(CallRecord(True, st.to_dict()))
         log.debug("branch_replay call: %s", st)

@@ -97,7 +97,9 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         raise CannotReplay("example inputs do not match the graph's placeholders")
-    values = {p: v for p, v in zip(placeholders, example_inputs)}
+    # SymInt inputs (dynamic capture) become their example ints: evaluating the mask subgraph on them
+    # must not add guards to the user's graph.
+    values = {p: hint(v) for p, v in zip(placeholders, example_inputs)}
     token_ids = find_token_ids(gm)
     B, L = hint(tuple(example_value(token_ids).shape))
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]

@@ -11,6 +11,8 @@ padding) selects the same keys with the same values, and the softmax over them i
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 
@@ -38,9 +40,10 @@ def emit_sdpa(pk, node):
     D = pk.static_shape(a["query"])[-1]
     scale = a["scale"] if a["scale"] is not None else D ** -0.5
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
-    out = pk.graph.call_function(torch.ops.brcompile.tree_attention.default,
-                                 (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale),
-                                  pk.options.attention))
+    out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default,
+                                     (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale),
+                                      pk.options.attention))
+    out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     return pk.graph.call_method("unsqueeze", (out, 0))
 
 

@@ -1,0 +1,263 @@
+"""Exact, memory-efficient CPU tree attention: the segment-pair schedule (DESIGN §6).
+
+Registered as impl ``"cpu"`` (the default on CPU). A segment s = [a, b) is a chain of single-child
+nodes whose descendants are exactly [b, e) (e = its subtree end), so every key of s is seen by the
+queries [k, e) and by no others. Trimmed to its valid keys [ka, kb) (ka, kb - 1: the first and last
+valid key of s; keys before ka and from kb on are padding, visible to nobody), s needs two calls:
+
+    causal:      queries [ka, kb) x keys [ka, kb), causal (top-left aligned, Lq == Lk)
+    non-causal:  queries [kb, e)  x keys [ka, kb)  (the rest of s and all of its descendants at once,
+                 Hydragen's trick: many queries against one shared K/V, no K/V copy per branch)
+
+Queries [a, ka) see no key of s and take no part. Invalid keys strictly inside [ka, kb) ("holes") are
+masked with an additive -inf attn_mask of q's dtype (the kernels require that dtype). Every query row of
+every call sees at least key ka, so no call has a fully masked row; a query that sees nothing in the whole
+tree is in no call and keeps out = 0, lse = -inf and zero gradient.
+
+Each call is ``aten._scaled_dot_product_flash_attention_for_cpu`` -> (out_i, lse_i). Partial results
+merge by logsumexp:
+
+    lse = logaddexp(lse_acc, lse_i),   out = out_acc * exp(lse_acc - lse) + out_i * exp(lse_i - lse)
+
+Backward runs ``aten._scaled_dot_product_flash_attention_for_cpu_backward`` per call with the MERGED out
+and lse. That is exact: with p = exp(s - lse) and delta = rowsum(dout * out) taken from the merged
+values, ds = p * (dp - delta) restricted to the call's pairs is the true score gradient there; dq sums
+over calls, dk/dv of a key sum over the (at most two) calls of its segment.
+
+GQA: query heads are viewed as [Hkv, g, L, D]; K/V of a segment are expanded over g with stride 0 (no
+copy by us). Memory: O(N * Hq * D) accumulators plus one call's operands and results.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from brcompile.backends.ops import AttentionImpl, TreeAttentionError, lse_dtype_for, register_attention_impl
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AttentionCall", "cpu_backward", "cpu_forward", "segment_schedule"]
+
+_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One kernel call: queries [q_start, q_stop) attend keys [k_start, k_stop).
+
+    ``causal``: query q_start + i sees keys k_start .. k_start + i (only with equal ranges).
+    ``holes``: some key inside [k_start, k_stop) is invalid and must be masked.
+    """
+
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+    causal: bool
+    holes: bool
+
+    def __post_init__(self):
+        if not (self.q_start < self.q_stop and self.k_start < self.k_stop):
+            raise TreeAttentionError(f"empty attention call {self}")
+        if self.causal and (self.q_start, self.q_stop) != (self.k_start, self.k_stop):
+            raise TreeAttentionError(f"causal call needs equal query and key ranges: {self}")
+
+    @property
+    def pairs(self) -> int:
+        """Number of (query, key) pairs the call evaluates (masked holes included)."""
+        lq, lk = self.q_stop - self.q_start, self.k_stop - self.k_start
+        return lq * (lq + 1) // 2 if self.causal else lq * lk
+
+
+def _check_segments(end: Tensor, segments: Tensor) -> None:
+    """Raise TreeAttentionError unless the segments partition [0, N) into consecutive ranges
+    [start, stop) with start < stop <= subtree_end <= N, and end[k] == subtree_end for every k in a
+    segment (each segment is a chain whose keys are seen exactly by [k, subtree_end))."""
+    n = end.shape[0]
+    starts, stops, sub_ends = segments[:, 0], segments[:, 1], segments[:, 2]
+    s = segments.shape[0]
+    if s == 0:
+        if n != 0:
+            raise TreeAttentionError(f"no segments for N={n} tokens")
+        return
+    ok = (
+        int(starts[0]) == 0
+        and int(stops[-1]) == n
+        and bool((starts[1:] == stops[:-1]).all())
+        and bool((starts < stops).all())
+        and bool((stops <= sub_ends).all())
+        and bool((sub_ends <= n).all())
+    )
+    if not ok:
+        raise TreeAttentionError(
+            f"segments do not partition [0, {n}) into chains (start, stop, subtree_end): {segments.tolist()[:8]}..."
+        )
+    seg_of_token = torch.repeat_interleave(torch.arange(s), stops - starts)
+    bad = (end != sub_ends[seg_of_token]).nonzero()
+    if bad.numel():
+        k = int(bad[0, 0])
+        raise TreeAttentionError(
+            f"end[] disagrees with segments: token {k} has end {int(end[k])} but its segment "
+            f"{segments[seg_of_token[k]].tolist()} ends its subtree at {int(sub_ends[seg_of_token[k]])}"
+        )
+
+
+def segment_schedule(end: Tensor, valid: Tensor, segments: Tensor) -> list[AttentionCall]:
+    """The kernel calls of the segment-pair schedule (see the module docstring), after checking that
+    ``segments`` agrees with ``end``. Covers exactly the visible (query, key) pairs."""
+    end, valid, segments = end.cpu(), valid.cpu(), segments.cpu()
+    _check_segments(end, segments)
+    n = end.shape[0]
+    if n == 0:
+        return []
+    starts, stops, sub_ends = (segments[:, i].contiguous() for i in range(3))
+    valid_pos = valid.nonzero().flatten()
+    n_valid_before = torch.zeros(n + 1, dtype=torch.int64)
+    n_valid_before[1:] = valid.cumsum(0)
+    count = n_valid_before[stops] - n_valid_before[starts]
+    has_keys = count > 0
+    if valid_pos.numel() == 0:
+        return []
+    lo = torch.searchsorted(valid_pos, starts).clamp(max=valid_pos.numel() - 1)
+    hi = (torch.searchsorted(valid_pos, stops) - 1).clamp(min=0)
+    first, last = valid_pos[lo], valid_pos[hi]
+    holes = (last - first + 1) != count
+    calls = []
+    for ka, kl, e, h, use in zip(first.tolist(), last.tolist(), sub_ends.tolist(), holes.tolist(), has_keys.tolist()):
+        if not use:
+            continue
+        kb = kl + 1
+        calls.append(AttentionCall(ka, kb, ka, kb, causal=True, holes=h))
+        if kb < e:
+            calls.append(AttentionCall(kb, e, ka, kb, causal=False, holes=h))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "tree_attention cpu schedule: N=%d segments=%d calls=%d pairs=%d",
+            n, segments.shape[0], len(calls), sum(c.pairs for c in calls),
+        )
+    return calls
+
+
+def _require_cpu(*tensors: Tensor) -> None:
+    """Raise TreeAttentionError if a tensor is not on the CPU."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise TreeAttentionError(f"tree_attention impl 'cpu' needs CPU tensors, got one on {t.device}")
+
+
+def _key_mask(valid: Tensor, call: AttentionCall, dtype: torch.dtype):
+    """Additive [1, Lk] mask (0 for valid keys, -inf for holes) in q's dtype, or None without holes."""
+    if not call.holes:
+        return None
+    keys = valid[call.k_start : call.k_stop]
+    return torch.zeros((1, keys.shape[0]), dtype=dtype).masked_fill(~keys[None, :], float("-inf"))
+
+
+def _group_kv(t: Tensor, call: AttentionCall, g: int) -> Tensor:
+    """Keys/values of the call, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0 (no copy)."""
+    kv = t[:, call.k_start : call.k_stop]
+    return kv.unsqueeze(1).expand(kv.shape[0], g, kv.shape[1], kv.shape[2])
+
+
+def _merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
+    """In place: (out_acc, lse_acc) <- logsumexp-merge with a partial result whose lse is finite.
+
+    lse = logaddexp(lse_acc, lse_part); out = out_acc * exp(lse_acc - lse) + out_part * exp(lse_part - lse).
+    A row with lse_acc = -inf (nothing seen yet) gets weight 0 for its old (zero) out.
+    """
+    lse_new = torch.logaddexp(lse_acc, lse_part)
+    w_old = torch.exp(lse_acc - lse_new).unsqueeze(-1)
+    w_new = torch.exp(lse_part - lse_new).unsqueeze(-1)
+    out_acc.mul_(w_old).add_(out_part.to(out_acc.dtype) * w_new)
+    lse_acc.copy_(lse_new)
+
+
+def cpu_forward(
+    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by the segment-pair schedule with logsumexp merging."""
+    _require_cpu(q, k, v)
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    acc_dtype = lse_dtype_for(q.dtype)
+    out = torch.zeros((hq, n, d), dtype=acc_dtype)
+    lse = torch.full((hq, n), float("-inf"), dtype=acc_dtype)
+    qg = q.unflatten(0, (hkv, g))
+    valid_cpu = valid.cpu()
+    touched = torch.zeros(n, dtype=torch.bool)  # rows that already hold a partial result
+    for call in segment_schedule(end, valid, segments):
+        o, l = _flash_fwd(
+            qg[:, :, call.q_start : call.q_stop],
+            _group_kv(k, call, g),
+            _group_kv(v, call, g),
+            0.0,
+            call.causal,
+            attn_mask=_key_mask(valid_cpu, call, q.dtype),
+            scale=scale,
+        )
+        rows = slice(call.q_start, call.q_stop)
+        if touched[rows].any():
+            _merge_into(out[:, rows], lse[:, rows], o.flatten(0, 1), l.flatten(0, 1))
+        else:  # first contribution to these rows: the merge would be a copy
+            out[:, rows] = o.flatten(0, 1)
+            lse[:, rows] = l.flatten(0, 1)
+        touched[rows] = True
+    return out.to(q.dtype), lse
+
+
+def cpu_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    end: Tensor,
+    valid: Tensor,
+    segments: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv): per call, the flash backward with the merged out and lse; dq accumulates over
+    calls, dk/dv over the calls of each key's segment and over the query heads of its group."""
+    _require_cpu(grad_out, q, k, v, out, lse)
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    acc_dtype = lse_dtype_for(q.dtype)
+    dq = torch.zeros((hq, n, d), dtype=acc_dtype)
+    dk = torch.zeros((hkv, n, d), dtype=acc_dtype)
+    dv = torch.zeros((hkv, n, d), dtype=acc_dtype)
+    qg = q.unflatten(0, (hkv, g))
+    gog = grad_out.to(q.dtype).unflatten(0, (hkv, g))
+    outg = out.unflatten(0, (hkv, g))
+    lseg = lse.to(acc_dtype).unflatten(0, (hkv, g))
+    valid_cpu = valid.cpu()
+    for call in segment_schedule(end, valid, segments):
+        qs = slice(call.q_start, call.q_stop)
+        ks = slice(call.k_start, call.k_stop)
+        gq, gk, gv = _flash_bwd(
+            gog[:, :, qs],
+            qg[:, :, qs],
+            _group_kv(k, call, g),
+            _group_kv(v, call, g),
+            outg[:, :, qs],
+            lseg[:, :, qs],
+            0.0,
+            call.causal,
+            attn_mask=_key_mask(valid_cpu, call, q.dtype),
+            scale=scale,
+        )
+        dq[:, qs] += gq.flatten(0, 1)
+        dk[:, ks] += gk.sum(1, dtype=acc_dtype)
+        dv[:, ks] += gv.sum(1, dtype=acc_dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+register_attention_impl(
+    AttentionImpl(name="cpu", forward=cpu_forward, backward=cpu_backward, device_types=frozenset({"cpu"}))
+)

@@ -1,0 +1,103 @@
+"""Reference tree attention: dense masked attention in float64, the oracle for every other impl.
+
+O(N^2) memory and time; meant for tests and small inputs. Registered as impl ``"reference"``.
+
+With s[h, q, k] = scale * q[h, q] . k[h // g, k] (g = Hq // Hkv) and M the tree mask
+(``dense_tree_mask``), the forward is
+
+    lse[h, q] = log sum_{k: M[q, k]} exp(s[h, q, k])          (-inf when the row of M is empty)
+    p[h, q, k] = exp(s[h, q, k] - lse[h, q]) if M[q, k] else 0
+    out[h, q] = sum_k p[h, q, k] v[h // g, k]
+
+and the backward (explicit formulas, from the saved out and lse):
+
+    dp = dout . v^T,  delta[h, q] = sum_d dout[h, q, d] out[h, q, d],  ds = p * (dp - delta)
+    dq = scale * ds . k,  dk = scale * sum_{heads of the group} ds^T . q,  dv = sum_{group} p^T . dout
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from brcompile.backends.ops import AttentionImpl, lse_dtype_for, register_attention_impl
+
+log = logging.getLogger(__name__)
+
+__all__ = ["dense_tree_mask", "reference_backward", "reference_forward"]
+
+
+def dense_tree_mask(end: Tensor, valid: Tensor) -> Tensor:
+    """[N, N] bool mask M[q, k] = (k <= q < end[k]) and valid[k]."""
+    n = end.shape[0]
+    pos = torch.arange(n, device=end.device)
+    qi = pos[:, None]
+    ki = pos[None, :]
+    return (ki <= qi) & (qi < end[None, :]) & valid[None, :]
+
+
+def _expand_kv(t: Tensor, hq: int) -> Tensor:
+    """[Hkv, N, D] -> [Hq, N, D]: query head h reads kv head h // (Hq // Hkv)."""
+    return t.repeat_interleave(hq // t.shape[0], dim=0)
+
+
+def _reduce_kv(t: Tensor, hkv: int) -> Tensor:
+    """[Hq, N, D] -> [Hkv, N, D]: sum the query heads of each kv group."""
+    hq, n, d = t.shape
+    return t.view(hkv, hq // hkv, n, d).sum(1)
+
+
+def _masked_scores(q64: Tensor, k64: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """s = scale * q.k^T on visible pairs, -inf elsewhere: [Hq, N, N]."""
+    s = torch.matmul(q64, _expand_kv(k64, q64.shape[0]).transpose(-1, -2)) * scale
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def _probabilities(s: Tensor, lse64: Tensor) -> Tensor:
+    """p = exp(s - lse): 0 on masked pairs, also on rows that see nothing (lse = -inf)."""
+    safe_lse = torch.where(torch.isfinite(lse64), lse64, torch.zeros_like(lse64))
+    return torch.exp(s - safe_lse[..., None])
+
+
+def reference_forward(
+    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by dense masked attention computed in float64."""
+    mask = dense_tree_mask(end, valid)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    s = _masked_scores(q64, k64, mask, scale)
+    lse64 = torch.logsumexp(s, dim=-1)
+    p = _probabilities(s, lse64)
+    out64 = torch.matmul(p, _expand_kv(v64, q.shape[0]))
+    return out64.to(q.dtype), lse64.to(lse_dtype_for(q.dtype))
+
+
+def reference_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    end: Tensor,
+    valid: Tensor,
+    segments: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the saved out and lse, by the explicit formulas above, in float64."""
+    hkv = k.shape[0]
+    mask = dense_tree_mask(end, valid)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    dout = grad_out.double()
+    p = _probabilities(_masked_scores(q64, k64, mask, scale), lse.double())
+    dp = torch.matmul(dout, _expand_kv(v64, q.shape[0]).transpose(-1, -2))
+    delta = (dout * out.double()).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, _expand_kv(k64, q.shape[0])) * scale
+    dk = _reduce_kv(torch.matmul(ds.transpose(-1, -2), q64) * scale, hkv)
+    dv = _reduce_kv(torch.matmul(p.transpose(-1, -2), dout), hkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+register_attention_impl(AttentionImpl(name="reference", forward=reference_forward, backward=reference_backward))

@@ -1,0 +1,612 @@
+"""Prefix-tree detection: which (row, column) positions of a batch are the same token of the tree.
+
+A batch is B rows x L columns of per-token inputs (token ids, position ids, the attention-mask bit, any
+other [B, L] input). Positions (b, t) and (b', t) are the same **node** iff rows b and b' agree on every
+input at every column 0..t. The nodes form a forest (one root per distinct first token); a causal,
+row-independent model computes the same values at every position of a node, so it needs to run each
+node once (DESIGN.md §4).
+
+How the tree is found (exact, vectorised):
+
+1. Every input becomes an int64 code per token (floats by their bit pattern); the mask a bool.
+2. The rows are put in **lexicographic order** of their code sequences (per column, the tuple of the
+   inputs' codes, compared as signed int64). Fast path: a per-token hash h(b, t) and the prefix hash
+   H(b, t) = sum_{u <= t} h(b, u) (int64, wrapping); the first column where two rows differ is found by
+   binary search on H for every pair of rows, and the values there decide which row comes first.
+3. **Verification** (exact, whatever the hash): for adjacent rows of that order the first differing
+   column lcp[i] is computed by comparing the codes themselves, and the codes at lcp[i] must be strictly
+   increasing. A sequence whose neighbours are in strict lexicographic order is sorted, so the order is
+   exact. If the check fails (a hash collision, or a deliberately weak ``hash_fn``), the rows are sorted
+   exactly instead by prefix doubling over columns: the rank of the block [j*2w, (j+1)*2w) of a row is
+   the rank of the pair (rank of its first half, rank of its second half), O(log L) batched sorts of B
+   keys. No merge ever rests on a hash: node identity comes from exact comparisons only.
+4. In sorted order, rows i-1 and i share exactly the nodes at columns < lcp[i-1], and rows i < j share
+   columns < min(lcp[i..j-1]). Row i **owns** the new nodes at columns s_i = lcp[i-1] .. L-1 (s_0 = 0).
+   Laying the owned ranges out row after row is a depth-first preorder of the forest (children ordered by
+   their values), with every chain of single-child nodes contiguous, so the subtree of packed token k is
+   [k, end[k]) and "k is an ancestor-or-self of q  <=>  k <= q < end[k]".
+
+Segments (maximal single-child chains) start at the first owned column s_i of every row, and at column
+s_j inside the owned range of row po(j) = max{r < j : s_r < s_j} for every row j that branches off at
+0 < s_j < L (the parent, at column s_j - 1 of row po(j), then has >= 2 children: its first child, in
+row po(j), starts a segment too). All nodes of a segment are shared by the same rows, sorted rows
+i..m with m = min{j >= i : lcp[j] <= last column of the segment}, so end, rep_row are per segment.
+
+Complexity: O(B*L) elementwise work plus O(B^2 log L) gathers for the pairwise search (the exact order
+is used directly when that is cheaper: many rows, short rows); no Python loop over tokens or columns.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PAIRWISE_MAX_ROWS",
+    "PackedTree",
+    "TreeInputError",
+    "TreeStats",
+    "build_tree",
+    "counters",
+    "default_token_hash",
+]
+
+counters: collections.Counter = collections.Counter()
+"""Event counts, asserted exactly in tests. ``builds``: calls of build_tree; ``hashed_order``: the hashed
+row order passed verification; ``hash_fallback``: it failed verification and the exact order was used;
+``exact_order``: the exact order was used directly (see _use_pairwise_search)."""
+
+PAIRWISE_MAX_ROWS = 1024
+"""Largest B for which the hashed pairwise search may run (its memory is O(B^2))."""
+
+HashFn = Callable[[tuple], Tensor]
+PerToken = Union[Tensor, Sequence[Tensor]]
+
+# splitmix64 constants, as signed int64.
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+# Odd multipliers that fold the 2nd, 3rd ... input into the first one's code before mixing.
+_FOLD = (-3372029247567499371, 7640891576956012809, -5476377146882523141, 4354685564936845319)
+_SIGNED_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class TreeInputError(ValueError):
+    """The per-token inputs or the attention mask cannot describe a batch of rows."""
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    """Sizes of one tree. dedup_ratio = logical_tokens / executed_tokens (>= 1)."""
+
+    rows: int  # B
+    logical_tokens: int  # B * L
+    executed_tokens: int  # N (packed tokens)
+    valid_tokens: int  # number of (b, t) whose attention-mask bit is 1 (B*L without a mask)
+    dedup_ratio: float  # logical_tokens / executed_tokens
+    depth: int  # longest root path in tokens (= L for non-empty batches)
+    segments: int  # S
+
+    def to_dict(self) -> dict:
+        """The fields as a plain dict (for logs and explain())."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedTree:
+    """The prefix tree of a [B, L] batch in packed (depth-first preorder) layout; N packed tokens.
+
+    index[b, t] is the packed id of position (b, t). For packed tokens k, q: k is an ancestor-or-self of
+    q iff k <= q < end[k]. segments[s] = (start, stop, subtree_end): the packed range of a maximal chain
+    of single-child nodes and the end of the subtree of its first node (= end[start]).
+    """
+
+    index: Tensor  # [B, L] int64: dense (b, t) -> packed token id in [0, N)
+    parent: Tensor  # [N] int64: packed id of the parent token, -1 for a root
+    end: Tensor  # [N] int64: exclusive end of the token's subtree range in packed order
+    position: Tensor  # [N] int64: the column t of the token (every row containing it has it at t)
+    valid: Tensor  # [N] bool: the attention-mask bit of the token (all True without a mask)
+    rep_row: Tensor  # [N] int64: smallest row b with index[b, position[k]] == k
+    segments: Tensor  # [S, 3] int64, rows (start, stop, subtree_end), sorted by start
+    stats: TreeStats
+
+    def __post_init__(self):
+        """Check shapes and dtypes (no data-dependent checks: those would synchronise a GPU)."""
+        if self.index.dim() != 2 or self.index.dtype != torch.int64:
+            got = f"{tuple(self.index.shape)} {self.index.dtype}"
+            raise ValueError(f"index must be a [B, L] int64 tensor, got {got}")
+        n = self.parent.shape[0] if self.parent.dim() == 1 else -1
+        for name in ("parent", "end", "position", "rep_row"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape[0] != n or t.dtype != torch.int64:
+                raise ValueError(f"{name} must be an [N={n}] int64 tensor, got {tuple(t.shape)} {t.dtype}")
+        if self.valid.dim() != 1 or self.valid.shape[0] != n or self.valid.dtype != torch.bool:
+            got = f"{tuple(self.valid.shape)} {self.valid.dtype}"
+            raise ValueError(f"valid must be an [N={n}] bool tensor, got {got}")
+        if self.segments.dim() != 2 or self.segments.shape[1] != 3 or self.segments.dtype != torch.int64:
+            raise ValueError(f"segments must be an [S, 3] int64 tensor, got {tuple(self.segments.shape)}")
+
+    @property
+    def num_tokens(self) -> int:
+        """N, the number of packed tokens."""
+        return self.parent.shape[0]
+
+    @property
+    def batch_shape(self) -> tuple:
+        """(B, L) of the dense batch."""
+        return (self.index.shape[0], self.index.shape[1])
+
+    def to(self, device) -> "PackedTree":
+        """The same tree with every tensor on ``device``."""
+        names = [f.name for f in dataclasses.fields(self) if f.name != "stats"]
+        moved = {name: getattr(self, name).to(device) for name in names}
+        return PackedTree(stats=self.stats, **moved)
+
+
+def build_tree(
+    per_token: PerToken, attention_mask: Optional[Tensor] = None, *, hash_fn: Optional[HashFn] = None
+) -> PackedTree:
+    """The exact prefix tree of a batch, in packed depth-first layout.
+
+    ``per_token``: a [B, L] tensor or a sequence of them (token ids, position ids, ...; int, bool or float
+    dtypes, floats compared by bit pattern). ``attention_mask``: optional [B, L], nonzero = valid; it is
+    part of node identity and gives ``valid``. All on one device; the outputs are on it too.
+
+    ``hash_fn(codes) -> Tensor``: the per-token hash of the fast path. ``codes`` is a tuple of [B, L]
+    tensors: one int64 code per per-token input, then the bool mask if one is given; it returns an
+    integer [B, L] tensor h, and the prefix hash of (b, t) is the wrapping int64 sum of h[b, 0..t].
+    Default: :func:`default_token_hash`. Any function is safe (the resulting order is verified exactly and
+    replaced by an exact sort when wrong); a weak one only costs time. Unused when the exact sort is the
+    cheaper way for the batch's shape (B > 64 and B * log2(L) > 4 L, or B > PAIRWISE_MAX_ROWS).
+
+    Raises TreeInputError (a ValueError) on inputs that are not one [B, L] batch with B, L >= 1.
+    """
+    codes, mask = _token_codes(per_token, attention_mask)
+    codes = _packed_codes(codes)
+    counters["builds"] += 1
+    perm, lcp = _lexicographic_row_order(codes, hash_fn)
+    tree = _assemble(perm, lcp, mask, codes[0].shape[1])
+    log.debug("prefix tree: %s", tree.stats)
+    return tree
+
+
+def default_token_hash(codes: tuple) -> Tensor:
+    """h(b, t) = fmix(x(b, t) * m1) * m2, fmix(y) = y ^ (y >>> 31), with the column and the inputs folded
+    as x = (codes[0] + t * golden) ^ (codes[1] * c1) ^ (codes[2] * c2) ...
+
+    Mixing in the column makes the prefix sum order-sensitive; multiplying by an odd constant and the
+    xorshift are bijections of 64-bit words, so tokens that differ in x at one column never share h there.
+    In place in one buffer (plus a scratch one): the hash is a large part of build_tree's cost, and a
+    weak spot only costs the exact fallback, never a wrong tree.
+    """
+    x = codes[0] + torch.arange(codes[0].shape[1], device=codes[0].device, dtype=torch.int64) * _GOLDEN
+    scratch = torch.empty_like(x)
+    for j, code in enumerate(codes[1:]):
+        x ^= torch.mul(code, _FOLD[j % len(_FOLD)], out=scratch)
+    x *= _MIX1
+    x ^= _shift_right_logical(x, 31, out=scratch)
+    x *= _MIX2
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def _token_codes(per_token: PerToken, attention_mask: Optional[Tensor]) -> tuple:
+    """(codes, mask): one int64 [B, L] code tensor per input, then the bool mask (a 0/1 code), or None."""
+    inputs = _input_list(per_token)
+    first = inputs[0]
+    for j, x in enumerate(inputs):
+        if x.dim() != 2:
+            raise TreeInputError(f"per_token[{j}] must be a [B, L] tensor, got shape {tuple(x.shape)}")
+        if x.shape != first.shape:
+            shapes = f"{tuple(x.shape)}, per_token[0] has {tuple(first.shape)}"
+            raise TreeInputError(f"per_token[{j}] has shape {shapes}")
+        if x.device != first.device:
+            raise TreeInputError(f"per_token[{j}] is on {x.device}, per_token[0] on {first.device}")
+    B, L = first.shape
+    if B == 0 or L == 0:
+        raise TreeInputError(f"the batch is empty: B={B}, L={L} (both must be >= 1)")
+    codes = [_int64_code(x, f"per_token[{j}]") for j, x in enumerate(inputs)]
+    mask = None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor):
+            raise TreeInputError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+        if attention_mask.shape != first.shape:
+            shapes = f"{tuple(attention_mask.shape)}, per_token has {tuple(first.shape)}"
+            raise TreeInputError(f"attention_mask has shape {shapes}")
+        if attention_mask.device != first.device:
+            raise TreeInputError(f"attention_mask is on {attention_mask.device}, per_token on {first.device}")
+        if attention_mask.is_complex():
+            raise TreeInputError(f"attention_mask has unsupported dtype {attention_mask.dtype}")
+        mask = attention_mask.detach()
+        mask = mask if mask.dtype == torch.bool else mask != 0
+        codes.append(mask)
+    return tuple(codes), mask
+
+
+def _input_list(per_token: PerToken) -> list:
+    """per_token as a non-empty list of tensors."""
+    if isinstance(per_token, Tensor):
+        return [per_token]
+    if not isinstance(per_token, (list, tuple)):
+        got = type(per_token).__name__
+        raise TreeInputError(f"per_token must be a tensor or a sequence of tensors, got {got}")
+    if len(per_token) == 0:
+        raise TreeInputError("per_token is an empty sequence; give at least one [B, L] tensor")
+    for j, x in enumerate(per_token):
+        if not isinstance(x, Tensor):
+            raise TreeInputError(f"per_token[{j}] must be a tensor, got {type(x).__name__}")
+    return list(per_token)
+
+
+def _int64_code(x: Tensor, name: str) -> Tensor:
+    """An int64 tensor equal where x is equal: ints and bools by value, floats by their bit pattern."""
+    x = x.detach()
+    if x.dtype == torch.bool:
+        return x.to(torch.int64)
+    if x.is_complex() or x.is_quantized:
+        raise TreeInputError(f"{name} has unsupported dtype {x.dtype} (use int, bool or float tensors)")
+    if x.is_floating_point():
+        return x.view(_SIGNED_BY_SIZE[x.element_size()]).to(torch.int64)
+    if x.element_size() == 8:  # int64, uint64: reinterpret, injective
+        return x.view(torch.int64)
+    return x.to(torch.int64)
+
+
+def _packed_codes(codes: tuple) -> tuple:
+    """Several codes as one int64 key when their value ranges fit in 63 bits together, else unchanged.
+
+    key = sum_j (code_j - min_j) << shift_j with code 0 in the most significant bits, so keys are equal
+    iff the tuples are, and ordered as the tuples are (RL batches: token ids, position ids and the mask
+    bit fit easily). One gather, compare and sort instead of one per input downstream.
+    """
+    if len(codes) == 1:
+        return codes
+    ranges = [(0, 1) if x.dtype == torch.bool else torch.aminmax(x) for x in codes]
+    bounds = torch.tensor([[int(lo), int(hi)] if isinstance(lo, int) else [0, 0] for lo, hi in ranges])
+    stacked = [torch.stack(r) for r in ranges if not isinstance(r[0], int)]
+    values = iter(torch.stack(stacked).tolist()) if stacked else iter(())
+    limits = [(lo, hi) if isinstance(lo, int) else tuple(next(values)) for lo, hi in ranges]
+    del bounds
+    widths = [(hi - lo).bit_length() for lo, hi in limits]
+    if sum(widths) > 63:
+        return codes
+    key = None
+    for x, (lo, _), width in zip(codes, limits, widths):
+        if width == 0:
+            continue  # constant input: carries no information
+        part = x.to(torch.int64) if x.dtype == torch.bool else x - lo
+        key = part if key is None else key.bitwise_left_shift_(width).bitwise_or_(part)
+    return (key if key is not None else torch.zeros_like(codes[0]),)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# row order
+
+
+def _lexicographic_row_order(codes: tuple, hash_fn: Optional[HashFn]) -> tuple:
+    """(perm, lcp): rows in lexicographic order (perm[i] = row at sorted place i) and, exactly, lcp[i] =
+    the first column where sorted rows i and i+1 differ (L if equal)."""
+    B, L = codes[0].shape
+    if not _use_pairwise_search(B, L):
+        counters["exact_order"] += 1
+        return _verified_exact_order(codes)
+    perm = _hashed_row_order(codes, hash_fn or default_token_hash)
+    lcp = _adjacent_lcp(codes, perm)
+    if _neighbours_strictly_increasing(codes, perm, lcp):
+        counters["hashed_order"] += 1
+        return perm, lcp
+    counters["hash_fallback"] += 1
+    log.info("prefix hash order failed exact verification (B=%d); sorting rows exactly", B)
+    return _verified_exact_order(codes)
+
+
+def _use_pairwise_search(B: int, L: int) -> bool:
+    """Whether the hashed order is the cheaper way: its search costs ~B^2/2 * log2(L) gathers, the exact
+    sort ~2 batched sorts of B*L keys per input (measured crossover near B * log2(L) = 5-10 L). Small B
+    (<= 64: at most 2016 pairs) always qualifies; B > PAIRWISE_MAX_ROWS never does."""
+    if B > PAIRWISE_MAX_ROWS:
+        return False
+    return B <= 64 or B * L.bit_length() <= 4 * L
+
+
+def _verified_exact_order(codes: tuple) -> tuple:
+    """The exact lexicographic order with its lcp; it must pass the same verification as the fast path."""
+    perm = _exact_row_order(codes)
+    lcp = _adjacent_lcp(codes, perm)
+    if not _neighbours_strictly_increasing(codes, perm, lcp):
+        raise RuntimeError("brcompile.tree: exact row sort produced an unsorted order (internal error)")
+    return perm, lcp
+
+
+def _hashed_row_order(codes: tuple, hash_fn: HashFn) -> Tensor:
+    """perm sorting rows by the comparison 'a before b' decided at their hashed first difference c(a, b):
+    codes at c compared as tuples; rows with no hashed difference keep index order.
+
+    rank(x) = #{y : y before x}, perm = argsort(rank). Correct whenever the hash has no collision on the
+    compared prefixes; the caller verifies it exactly.
+    """
+    B, L = codes[0].shape
+    h = hash_fn(codes)
+    if not isinstance(h, Tensor) or tuple(h.shape) != (B, L) or h.is_floating_point() or h.is_complex():
+        got = f"{tuple(h.shape)} {h.dtype}" if isinstance(h, Tensor) else type(h).__name__
+        raise TreeInputError(f"hash_fn must return an integer [B, L] = [{B}, {L}] tensor, got {got}")
+    prefix = torch.cumsum(h.to(torch.int64), dim=1)
+    a, b, c = _hashed_first_difference(prefix)
+    col = c.clamp(max=L - 1)
+    less, tied = _tuple_compare(codes, a, b, col)
+    a_first = less | tied | (c >= L)
+    later = torch.where(a_first, b, a)  # the row of each pair that the other one precedes
+    rank = torch.bincount(later, minlength=B)
+    return torch.argsort(rank, stable=True)
+
+
+def _hashed_first_difference(prefix: Tensor) -> tuple:
+    """(a, b, c) over pairs a < b: c = first column where prefix[a] != prefix[b] (L if none), by binary
+    search assuming equality is monotone (exact without collisions). ceil(log2(L+1)) vectorised steps."""
+    B, L = prefix.shape
+    a, b = torch.triu_indices(B, B, offset=1, device=prefix.device)
+    flat = prefix.reshape(-1)
+    lo = torch.zeros_like(a)
+    hi = torch.full_like(a, L)
+    for _ in range(L.bit_length()):
+        mid = (lo + hi) // 2
+        col = mid.clamp(max=L - 1)
+        differ = flat[a * L + col] != flat[b * L + col]
+        active = lo < hi
+        hi = torch.where(active & differ, mid, hi)
+        lo = torch.where(active & ~differ, mid + 1, lo)
+    return a, b, lo
+
+
+def _tuple_compare(codes: tuple, rows0: Tensor, rows1: Tensor, col: Tensor) -> tuple:
+    """(less, tied): codes[:][rows0, col] < / == codes[:][rows1, col] as tuples (input 0 most significant)."""
+    less = torch.zeros(rows0.shape, dtype=torch.bool, device=rows0.device)
+    tied = torch.ones(rows0.shape, dtype=torch.bool, device=rows0.device)
+    for x in codes:
+        x0, x1 = x[rows0, col], x[rows1, col]
+        less |= tied & (x0 < x1)
+        tied &= x0 == x1
+    return less, tied
+
+
+def _adjacent_lcp(codes: tuple, perm: Tensor) -> Tensor:
+    """lcp[i] = first column where rows perm[i] and perm[i+1] differ in any input (L if none); exact."""
+    B, L = codes[0].shape
+    if B == 1:
+        return torch.zeros(0, dtype=torch.int64, device=perm.device)
+    differ = None
+    for x in codes:
+        xs = x.index_select(0, perm)
+        d = xs[1:] != xs[:-1]
+        differ = d if differ is None else differ.logical_or_(d)
+    first = differ.view(torch.uint8).argmax(dim=1)  # the first True, or 0 when there is none
+    found = differ.gather(1, first.unsqueeze(1)).squeeze(1)
+    return torch.where(found, first, L)
+
+
+def _neighbours_strictly_increasing(codes: tuple, perm: Tensor, lcp: Tensor) -> bool:
+    """True iff every pair of adjacent sorted rows that differ is in strict order at its first difference,
+    i.e. the order is lexicographic (equal rows are adjacent automatically then)."""
+    L = codes[0].shape[1]
+    if lcp.numel() == 0:
+        return True
+    less, _ = _tuple_compare(codes, perm[:-1], perm[1:], lcp.clamp(max=L - 1))
+    return bool(((lcp >= L) | less).all())
+
+
+def _exact_row_order(codes: tuple) -> Tensor:
+    """perm sorting rows lexicographically, exactly: prefix doubling over column blocks.
+
+    rank_0[t, b] = dense rank of the tuple (codes[0][b, t], codes[1][b, t], ...) within column t;
+    rank_{w+1}[j, b] = dense rank of (rank_w[2j, b], rank_w[2j+1, b]) within block j (an odd last block
+    pairs with 0). After ceil(log2 L) rounds rank[0, b] is the lexicographic rank of row b. Keys stay
+    below B^2; the work is about twice that of the first round.
+    """
+    B = codes[0].shape[0]
+    rank = None
+    for x in codes:
+        column_major = x.t().to(torch.int64).contiguous()  # [L, B]: one sort per column
+        if rank is None:
+            rank = _dense_rank_per_row(column_major)
+        else:
+            rank = _dense_rank_per_row(rank.mul_(B).add_(_dense_rank_per_row(column_major)))
+    while rank.shape[0] > 1:
+        half = rank.shape[0] // 2
+        keys = rank.new_empty(rank.shape[0] - half, B)
+        torch.add(rank[1 : 2 * half : 2], rank[0 : 2 * half : 2], alpha=B, out=keys[:half])
+        if rank.shape[0] % 2:
+            torch.mul(rank[-1], B, out=keys[half])
+        rank = _dense_rank_per_row(keys)
+    return torch.argsort(rank[0], stable=True)
+
+
+def _dense_rank_per_row(keys: Tensor) -> Tensor:
+    """out[r, j] = number of distinct values in keys[r] smaller than keys[r, j] (in [0, keys.shape[1]))."""
+    ordered, where = torch.sort(keys, dim=1)
+    new_value = torch.empty_like(ordered, dtype=torch.bool)
+    new_value[:, 0] = False
+    torch.ne(ordered[:, 1:], ordered[:, :-1], out=new_value[:, 1:])
+    return torch.empty_like(keys).scatter_(1, where, new_value.cumsum(dim=1))
+
+
+def _shift_right_logical(x: Tensor, s: int, out: Optional[Tensor] = None) -> Tensor:
+    """x >> s on the 64-bit pattern (torch's >> on int64 is arithmetic)."""
+    shifted = torch.bitwise_right_shift(x, s, out=out) if out is not None else x >> s
+    return shifted.bitwise_and_((1 << (64 - s)) - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layout
+
+
+def _assemble(perm: Tensor, lcp: Tensor, mask: Optional[Tensor], L: int) -> PackedTree:
+    """The packed layout from the sorted rows: sorted row i owns columns s_i.. L-1, s_0 = 0, s_i = lcp[i-1],
+    laid out row after row (offset off_i = sum_{r<i} (L - s_r))."""
+    device = perm.device
+    B = perm.shape[0]
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    start_col = torch.cat([zero, lcp])  # s_i
+    offset = torch.cat([zero, torch.cumsum(L - start_col, dim=0)])  # off_i, [B + 1]
+    num_tokens = int(offset[-1])
+    seg = _segment_table(perm, lcp, start_col, offset, L)
+    num_segments = seg["start"].shape[0]
+
+    seg_of = torch.repeat_interleave(
+        torch.arange(num_segments, device=device), seg["stop"] - seg["start"], output_size=num_tokens
+    )
+    shift = seg["first_col"] - seg["start"]  # position - packed id, per segment
+    position = torch.arange(num_tokens, device=device).add_(shift.index_select(0, seg_of))
+    parent = torch.arange(-1, num_tokens - 1, device=device)
+    parent[seg["start"]] = seg["parent"]
+    end = seg["subtree_end"].index_select(0, seg_of)
+    rep_row = seg["rep_row"].index_select(0, seg_of)
+    if mask is not None:
+        valid = mask.reshape(-1).index_select(0, rep_row * L + position)
+    else:
+        valid = torch.ones(num_tokens, dtype=torch.bool, device=device)
+    index = _dense_index(perm, seg, L)
+
+    stats = TreeStats(
+        rows=B,
+        logical_tokens=B * L,
+        executed_tokens=num_tokens,
+        valid_tokens=int(mask.sum()) if mask is not None else B * L,
+        dedup_ratio=B * L / num_tokens,
+        depth=L,
+        segments=num_segments,
+    )
+    segments = torch.stack([seg["start"], seg["stop"], seg["subtree_end"]], dim=1)
+    return PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
+
+
+def _segment_table(perm: Tensor, lcp: Tensor, start_col: Tensor, offset: Tensor, L: int) -> dict:
+    """Per segment (sorted by packed start): start, stop, subtree_end, parent of its first node, first_col,
+    row .. last_row (the sorted rows whose paths contain it), rep_row.
+
+    Boundaries as (owner row, column): (i, s_i) for every row owning tokens, and (po(j), s_j) for every
+    row j branching off at 0 < s_j < L, po(j) = max{r < j : s_r < s_j}. The rows sharing a segment of
+    owner i whose last column is t are sorted rows i..m, m = min{j >= i : lcp[j] <= t} (lcp[B-1] := -1).
+    """
+    device = perm.device
+    B = perm.shape[0]
+    rows = torch.arange(B, device=device)
+    owner_of_branch = _previous_strictly_smaller(start_col)
+    owns = start_col < L
+    branches = (start_col > 0) & owns
+    width = L + 1
+    row_starts = rows[owns] * width + start_col[owns]
+    branch_starts = owner_of_branch[branches] * width + start_col[branches]
+    keys = torch.cat([row_starts, branch_starts])
+    keys = torch.unique(keys)  # sorted: owner row, then column = packed order
+    row, first_col = keys // width, keys % width
+    same_row_next = torch.cat([row[1:] == row[:-1], torch.zeros(1, dtype=torch.bool, device=device)])
+    stop_col = torch.where(same_row_next, torch.cat([first_col[1:], first_col.new_full((1,), L)]), L)
+    start = offset[row] + first_col - start_col[row]
+    stop = start + (stop_col - first_col)
+
+    # parent of the first node: the node at first_col - 1 on the same path, owned by `row` itself when
+    # the segment starts inside the row's range, else by po(row).
+    inside = first_col > start_col[row]
+    parent_owner = torch.where(inside, row, owner_of_branch[row].clamp(min=0))
+    parent = offset[parent_owner] + first_col - 1 - start_col[parent_owner]
+    parent = torch.where(first_col == 0, -1, parent)
+
+    lcp_sentinel = torch.cat([lcp, lcp.new_full((1,), -1)])
+    last_row = _next_at_most(lcp_sentinel, row, stop_col - 1)
+    return {
+        "start": start,
+        "stop": stop,
+        "subtree_end": offset[last_row + 1],
+        "parent": parent,
+        "first_col": first_col,
+        "row": row,
+        "last_row": last_row,
+        "rep_row": _range_min(perm, row, last_row),
+    }
+
+
+def _dense_index(perm: Tensor, seg: dict, L: int) -> Tensor:
+    """index[b, t] = t + v(g), v(g) = start(g) - first_col(g), for g the segment of row b's path covering t.
+
+    Along a path v only changes where a segment begins, so index[b] = t + cumsum_t D[b] with
+    D[b, first_col(g)] = v(g) - v(parent segment of g) (v(g) for a root segment) for every segment g on
+    the path, i.e. for the sorted rows row(g)..last_row(g). Three passes over [B, L]."""
+    device = perm.device
+    B = perm.shape[0]
+    start, first_col, parent = seg["start"], seg["first_col"], seg["parent"]
+    value = start - first_col
+    parent_seg = torch.searchsorted(start, parent, right=True) - 1
+    delta = value - torch.where(parent >= 0, value[parent_seg.clamp(min=0)], 0)
+    rows_per_seg = seg["last_row"] - seg["row"] + 1
+    num_pairs = int(rows_per_seg.sum())
+    seg_ids = torch.arange(start.shape[0], device=device)
+    pair_seg = torch.repeat_interleave(seg_ids, rows_per_seg, output_size=num_pairs)
+    first_pair = torch.cumsum(rows_per_seg, dim=0) - rows_per_seg
+    pair_row = seg["row"][pair_seg] + torch.arange(num_pairs, device=device) - first_pair[pair_seg]
+    index = torch.zeros((B, L), dtype=torch.int64, device=device)
+    index.view(-1)[perm[pair_row] * L + first_col[pair_seg]] = delta[pair_seg]
+    index.cumsum_(dim=1)
+    return index.add_(torch.arange(L, device=device))
+
+
+def _previous_strictly_smaller(x: Tensor) -> Tensor:
+    """out[j] = max{r < j : x[r] < x[j]} (-1 if none), by binary lifting over a range-min table:
+    extend the window [pos, j) leftwards by 2^k while its minimum stays >= x[j]."""
+    n = x.shape[0]
+    table = _min_table(x)
+    pos = torch.arange(n, device=x.device)
+    for k in reversed(range(len(table))):
+        step = 1 << k
+        cand = pos - step
+        ok = (cand >= 0) & (table[k][cand.clamp(min=0)] >= x)
+        pos = torch.where(ok, cand, pos)
+    return pos - 1
+
+
+def _next_at_most(x: Tensor, begin: Tensor, bound: Tensor) -> Tensor:
+    """out[q] = min{j >= begin[q] : x[j] <= bound[q]}; requires x[-1] <= every bound (a sentinel)."""
+    n = x.shape[0]
+    table = _min_table(x)
+    pos = begin.clone()
+    for k in reversed(range(len(table))):
+        step = 1 << k
+        ok = (pos + step <= n) & (table[k][pos.clamp(max=n - step)] > bound)
+        pos = torch.where(ok, pos + step, pos)
+    return pos
+
+
+def _range_min(x: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """out[q] = min(x[lo[q] .. hi[q]]) (inclusive, lo <= hi): two overlapping power-of-two windows of a
+    range-min table, level = floor(log2(hi - lo + 1))."""
+    table = _min_table(x)
+    length = hi - lo + 1
+    level = sum((length >= (1 << k)).to(torch.int64) for k in range(len(table))) - 1
+    width = torch.bitwise_left_shift(torch.ones_like(level), level)
+    stacked = torch.stack([_padded(t, x.shape[0]) for t in table])  # [K, n]
+    return torch.minimum(stacked[level, lo], stacked[level, hi - width + 1])
+
+
+def _min_table(x: Tensor) -> list:
+    """table[k][r] = min(x[r : r + 2^k]) for r <= n - 2^k (sparse table, O(n log n))."""
+    table = [x]
+    step = 1
+    while 2 * step <= x.shape[0]:
+        prev = table[-1]
+        table.append(torch.minimum(prev[:-step], prev[step:]))
+        step *= 2
+    return table
+
+
+def _padded(t: Tensor, n: int) -> Tensor:
+    """t extended to length n (the padding is never read by _range_min)."""
+    return torch.cat([t, t.new_zeros(n - t.shape[0])])
