@@ -334,13 +334,23 @@ def _same_token_facts(ctx, node, tensors):
 
 @register_rule([torch.cat, torch.concat, torch.concatenate])
 def cat(ctx: AxesContext, node):
-    """cat along a non-token dim of operands that are all TOKEN with the same token dims (rotary halves)."""
+    """cat along a non-token dim of operands that are all TOKEN with the same token dims (rotary halves);
+    along any dim when every other operand is an empty constant (appending to an empty KV cache)."""
     tensors = node.args[0] if node.args else node.kwargs["tensors"]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    f = _same_token_facts(ctx, node, tensors)
-    if f is None or normalize_dim(dim, f.ndim) in f.token_dims():
+    # Empty constants (an empty KV cache: torch.tensor([]) or size 0 along dim) contribute nothing.
+    live = [t for t in tensors if not _is_empty_const(t, dim)]
+    f = _same_token_facts(ctx, node, live)
+    if f is None or (len(live) > 1 and normalize_dim(dim, f.ndim) in f.token_dims()):
         return dense_fallback(ctx, node, "cat of mixed operands or along a token dim")
     return f
+
+
+def _is_empty_const(t, dim) -> bool:
+    shp = shape_of(t)
+    if shp is None or not get_axes(t).is_const:
+        return False
+    return shp == (0,) or (len(shp) > 0 and shp[normalize_dim(dim, len(shp))] == 0)
 
 
 @register_rule([torch.stack])
