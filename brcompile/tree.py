@@ -8,7 +8,8 @@ node once (DESIGN.md §4).
 
 How the tree is found (exact, vectorised):
 
-1. Every input becomes an int64 code per token (floats by their bit pattern); the mask a bool.
+1. Every input becomes an int64 code per token (floats by their bit pattern), the mask a bool; codes
+   whose value ranges fit in 63 bits together are packed into one order-preserving int64 key.
 2. The rows are put in **lexicographic order** of their code sequences (per column, the tuple of the
    inputs' codes, compared as signed int64). Fast path: a per-token hash h(b, t) and the prefix hash
    H(b, t) = sum_{u <= t} h(b, u) (int64, wrapping); the first column where two rows differ is found by
@@ -160,7 +161,8 @@ def build_tree(
     part of node identity and gives ``valid``. All on one device; the outputs are on it too.
 
     ``hash_fn(codes) -> Tensor``: the per-token hash of the fast path. ``codes`` is a tuple of [B, L]
-    tensors: one int64 code per per-token input, then the bool mask if one is given; it returns an
+    tensors: one int64 code per per-token input, then the bool mask if one is given (or a single int64
+    key when they pack into one; equal tuples <=> equal tokens; do not modify them); it returns an
     integer [B, L] tensor h, and the prefix hash of (b, t) is the wrapping int64 sum of h[b, 0..t].
     Default: :func:`default_token_hash`. Any function is safe (the resulting order is verified exactly and
     replaced by an exact sort when wrong); a weak one only costs time. Unused when the exact sort is the
@@ -271,12 +273,9 @@ def _packed_codes(codes: tuple) -> tuple:
     """
     if len(codes) == 1:
         return codes
-    ranges = [(0, 1) if x.dtype == torch.bool else torch.aminmax(x) for x in codes]
-    bounds = torch.tensor([[int(lo), int(hi)] if isinstance(lo, int) else [0, 0] for lo, hi in ranges])
-    stacked = [torch.stack(r) for r in ranges if not isinstance(r[0], int)]
-    values = iter(torch.stack(stacked).tolist()) if stacked else iter(())
-    limits = [(lo, hi) if isinstance(lo, int) else tuple(next(values)) for lo, hi in ranges]
-    del bounds
+    numeric = [x for x in codes if x.dtype != torch.bool]
+    extrema = iter(torch.stack([torch.stack(torch.aminmax(x)) for x in numeric]).tolist() if numeric else [])
+    limits = [(0, 1) if x.dtype == torch.bool else tuple(next(extrema)) for x in codes]  # one sync
     widths = [(hi - lo).bit_length() for lo, hi in limits]
     if sum(widths) > 63:
         return codes
