@@ -1,10 +1,17 @@
-"""Shared test setup: the repo root on sys.path (for ``examples``/``benchmarks``), fresh Dynamo state
-and fresh brcompile counters in every test."""
+"""Shared test setup: TRITON_INTERPRET=1 without a GPU, the repo root on sys.path (for ``examples`` /
+``benchmarks``), fresh Dynamo state and fresh brcompile counters in every test."""
+import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
+
+# Triton kernels run in the interpreter on machines without a GPU (CI). It must be set before anything
+# imports triton (torch.utils.flop_counter and the backends may), so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

@@ -1,0 +1,1 @@
+"""How the rewritten graph's special ops execute (installed as ``brcompile.backends``)."""

@@ -1,0 +1,52 @@
+"""Triton tree-attention kernels (GPU; on CPU with TRITON_INTERPRET=1). Registers impl ``"triton"``.
+
+``brcompile.backends.ops`` imports this package when ``impl="triton"`` (or ``"auto"`` on CUDA) is first
+requested; importing it registers ``AttentionImpl("triton", tree_attention_forward,
+tree_attention_backward)``. The impl runs on CUDA tensors, and on any device when Triton's interpreter is
+active (TRITON_INTERPRET=1 set before triton is imported).
+"""
+from __future__ import annotations
+
+try:
+    import triton  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "brcompile.backends.triton needs the `triton` package (pip install 'brcompile[triton]', "
+        "triton>=3.6); use impl='cpu' or impl='reference' without it"
+    ) from e
+
+from brcompile.backends.ops import AttentionImpl, register_attention_impl
+
+from .tree_attention import (
+    KernelConfig,
+    KeyTiles,
+    LaunchConfig,
+    build_key_tiles,
+    default_launch_config,
+    is_interpreter,
+    tree_attention,
+    tree_attention_backward,
+    tree_attention_forward,
+)
+
+__all__ = [
+    "KernelConfig",
+    "KeyTiles",
+    "LaunchConfig",
+    "build_key_tiles",
+    "default_launch_config",
+    "is_interpreter",
+    "tree_attention",
+    "tree_attention_backward",
+    "tree_attention_forward",
+]
+
+
+register_attention_impl(
+    AttentionImpl(
+        name="triton",
+        forward=tree_attention_forward,
+        backward=tree_attention_backward,
+        device_types=None if is_interpreter() else frozenset({"cuda"}),
+    )
+)

@@ -1,0 +1,806 @@
+"""Triton tree attention over DFS-packed prefix-tree tokens (DESIGN §4, §6).
+
+Shapes (packed layout, one tree or a forest of ``N`` tokens in depth-first preorder)::
+
+    q        [Hq,  N, D]   query head h reads kv head h // (Hq // Hkv)  (GQA)
+    k, v     [Hkv, N, D]
+    end      [N] int       exclusive end of each token's subtree range
+    valid    [N] bool      key visible at all (padding keys are not)
+    segments [S, 3] int    rows (start, stop, subtree_end): maximal single-child chains; [start, stop)
+                           contiguous, the segment's descendants exactly [stop, subtree_end)
+    out      [Hq, N, D]    softmax(scale * q k^T + mask) v, 0 for a query that sees no key
+    lse      [Hq, N] f32   natural-log logsumexp of the visible scaled scores, -inf for such a query
+
+Mask: query ``q`` sees key ``k``  <=>  ``k <= q < end[k]`` and ``valid[k]``. On the device ``valid`` is
+folded into ``end`` (``kend = end if valid else 0``): a key with ``kend = 0`` is seen by nobody, so the
+kernels read one int32 per key.
+
+Schedule, without any N x N or (N/block)^2 structure:
+
+* Forward and dQ: a query block ``[b0, b1)`` can only see ``{k < b1 : kend[k] > b0}``, and for ``k < b0``
+  that is exactly the ancestors of token ``b0`` (subtree ranges are contiguous). So the block walks the
+  ancestor segments of ``b0``'s segment (whole), its own segment up to ``b0``, and the diagonal
+  ``[b0, b1)``; every visited tile is masked per element, which keeps blocks that straddle segment or
+  subtree boundaries exact. These key ranges are built on the tensors' device from the segment table in
+  O(N/BLOCK_M * depth) (:func:`build_key_tiles`), adjacent ranges merged, and cut into key tiles.
+
+  Layout (CSR of key tiles): ``tile_ptr[nblocks + 1]`` int32 and ``tiles[T, 2]`` int32 rows
+  ``(lo, hi)`` with ``0 < hi - lo <= BLOCK_N``; query block ``b`` visits tiles
+  ``tile_ptr[b] : tile_ptr[b + 1]`` and keys ``lo <= k < hi`` of each. Tiles of one block are disjoint
+  and cover every key the block can see.
+
+* dK/dV: the queries that see any key of the key block ``[c0, c1)`` lie in the one contiguous range
+  ``[c0, max kend over the block)``; the kernel walks it for every query head of its kv head's group
+  and accumulates dK and dV in registers — all branches' gradients in one pass, no atomics.
+
+The key tiles depend only on the segment table and the tile sizes; they are cached per segments
+tensor (same object, same version counter), so a model's layers and the backward share one build.
+
+Numerics follow Triton's fused-attention tutorial: base-2 online softmax in float32, scores scaled by
+``scale * log2(e)``; float32 operands use IEEE dots (no TF32) so float32 stays exact to ~1e-6.
+Supported: float16, bfloat16, float32; head dims 1..256 (padded to a power of two >= 16 and masked).
+Triton 3.6's interpreter cannot run these kernels with NumPy >= 2 (its ``__index__`` of a loaded loop
+bound fails; fixed in 3.7); compiled 3.6 is fine.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "KernelConfig",
+    "LaunchConfig",
+    "KeyTiles",
+    "TreeAttentionFunction",
+    "build_key_tiles",
+    "default_launch_config",
+    "is_interpreter",
+    "tree_attention",
+    "tree_attention_backward",
+    "tree_attention_forward",
+]
+
+_LOG2E = 1.4426950408889634  # the kernels spell log2(e) and ln(2) as literals (jit globals must be constexpr)
+_MAX_HEAD_DIM = 256
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DELTA_BLOCK_M = 32  # rows per program of the (memory-bound) delta kernel
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+# The kernels use only builtins of triton.language plus these combine functions, not its @jit helpers
+# (tl.zeros, tl.max, tl.sum): those are decorated when triton.language is first imported, and if that
+# happened before TRITON_INTERPRET=1 was set they would not run inside an interpreted kernel.
+@triton.jit
+def _maximum(a, b):
+    """Combine function of a max-reduction."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    """Combine function of a sum-reduction."""
+    return a + b
+
+
+@triton.jit
+def _block_and_head(NUM_HEADS, HEAVY_LAST: tl.constexpr):
+    """(block, head) of this program in a 1-D grid of nblocks * NUM_HEADS programs.
+
+    Heads vary fastest, so the query heads of one GQA group run together and share K/V reads in L2. With
+    HEAVY_LAST (forward, dQ: a query block's work grows with its position) blocks are handed out
+    last-to-first, so the heaviest do not form the tail; dK/dV work shrinks with position and keeps the
+    natural order. A 1-D grid also has no 65535 limit on the number of blocks.
+    """
+    pid = tl.program_id(0)
+    nblocks = tl.num_programs(0) // NUM_HEADS
+    block = pid // NUM_HEADS
+    if HEAVY_LAST:
+        block = nblocks - 1 - block
+    return block, pid % NUM_HEADS
+
+
+@triton.jit
+def _tree_attn_fwd(
+    Q, K, V, KEND, TILE_PTR, TILES, OUT, LSE,
+    stride_qh, stride_qn, stride_qd,
+    stride_kh, stride_kn, stride_kd,
+    stride_vh, stride_vn, stride_vd,
+    stride_oh, stride_on, stride_od,
+    stride_lh,
+    N, NUM_HEADS, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """out[h, q] = sum_k p[q, k] v[k],  p = softmax_k(scale * q.k) over visible k;  lse[h, q] = log sum exp.
+
+    One program per (query block, query head); see :func:`_block_and_head` for the order. Visible:
+    ``k <= q < kend[k]``. Online softmax in base 2:
+    ``s2 = q.k * scale * log2(e)``, running max ``m``, running sum ``l``; ``lse = (m + log2 l) * ln 2``.
+    A query that sees nothing keeps ``l = 0`` and gets ``out = 0``, ``lse = -inf``.
+    """
+    tl.static_assert(BLOCK_M >= 16)
+    tl.static_assert(BLOCK_N >= 16)
+    tl.static_assert(BLOCK_D >= 16)
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(GROUP >= 1)
+    pid_m, pid_h = _block_and_head(NUM_HEADS, True)
+    kv_h = pid_h // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    m_in = offs_m < N
+    d_in = offs_d < HEAD_DIM
+
+    q_ptrs = (Q + pid_h.to(tl.int64) * stride_qh + (pid_m * BLOCK_M).to(tl.int64) * stride_qn
+              + tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
+    k_head = K + kv_h.to(tl.int64) * stride_kh
+    v_head = V + kv_h.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+
+    t_begin = tl.load(TILE_PTR + pid_m)
+    t_end = tl.load(TILE_PTR + pid_m + 1)
+    for t in range(t_begin, t_end):
+        lo = tl.load(TILES + 2 * t)
+        hi = tl.load(TILES + 2 * t + 1)
+        offs_n = lo + offs_n0
+        n_in = offs_n < hi
+        kend = tl.load(KEND + offs_n, mask=n_in, other=0)
+        kT_ptrs = (k_head + lo.to(tl.int64) * stride_kn
+                   + offs_n0[None, :] * stride_kn + offs_d[:, None] * stride_kd)
+        kT = tl.load(kT_ptrs, mask=n_in[None, :] & d_in[:, None], other=0.0)
+        qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
+        s = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _maximum))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        v_ptrs = (v_head + lo.to(tl.int64) * stride_vn
+                  + offs_n0[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        v = tl.load(v_ptrs, mask=n_in[:, None] & d_in[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    o_ptrs = (OUT + pid_h.to(tl.int64) * stride_oh + (pid_m * BLOCK_M).to(tl.int64) * stride_on
+              + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=m_in[:, None] & d_in[None, :])
+    tl.store(LSE + pid_h.to(tl.int64) * stride_lh + offs_m, lse, mask=m_in)
+
+
+@triton.jit
+def _tree_attn_bwd_delta(
+    OUT, DO, DELTA,
+    stride_oh, stride_on, stride_od,
+    stride_doh, stride_don, stride_dod,
+    stride_lh,
+    N,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta[h, q] = sum_d dO[h, q, d] * out[h, q, d] in float32 (the softmax backward's row term)."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_in = offs_m < N
+    mask = m_in[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    o = tl.load(OUT + pid_h.to(tl.int64) * stride_oh + (pid_m * BLOCK_M).to(tl.int64) * stride_on
+                + rows * stride_on + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + pid_h.to(tl.int64) * stride_doh + (pid_m * BLOCK_M).to(tl.int64) * stride_don
+                 + rows * stride_don + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.reduce(o.to(tl.float32) * do.to(tl.float32), 1, _add)
+    tl.store(DELTA + pid_h.to(tl.int64) * stride_lh + offs_m, delta, mask=m_in)
+
+
+@triton.jit
+def _tree_attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, KEND, DK, DV,
+    stride_qh, stride_qn, stride_qd,
+    stride_kh, stride_kn, stride_kd,
+    stride_vh, stride_vn, stride_vd,
+    stride_doh, stride_don, stride_dod,
+    stride_dkh, stride_dkn, stride_dkd,
+    stride_dvh, stride_dvn, stride_dvd,
+    stride_lh,
+    N, NUM_HEADS, sm_scale, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """dV[k] = sum_q P[q, k] dO[q];  dK[k] = scale * sum_q dS[q, k] q[q],  dS = P (dO.v[k] - delta[q]).
+
+    One program per (key block [c0, c1), kv head); ``P = exp(scale q.k - lse[q])`` on visible pairs,
+    ``delta[q] = dO[q].out[q]``. Queries that see a key of the block lie in ``[c0, max kend)``; the
+    program walks that range for each of the GROUP query heads sharing this kv head (no atomics).
+    """
+    tl.static_assert(BLOCK_M >= 16)
+    tl.static_assert(BLOCK_N >= 16)
+    tl.static_assert(BLOCK_D >= 16)
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(GROUP >= 1)
+    pid_n, kv_h = _block_and_head(NUM_HEADS, False)
+    c0 = pid_n * BLOCK_N
+
+    offs_n = c0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_in = offs_n < N
+    d_in = offs_d < HEAD_DIM
+    nd_mask = n_in[:, None] & d_in[None, :]
+
+    kend = tl.load(KEND + offs_n, mask=n_in, other=0)
+    k_ptrs = (K + kv_h.to(tl.int64) * stride_kh + c0.to(tl.int64) * stride_kn
+              + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+    k = tl.load(k_ptrs, mask=nd_mask, other=0.0)
+    v_ptrs = (V + kv_h.to(tl.int64) * stride_vh + c0.to(tl.int64) * stride_vn
+              + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+    v = tl.load(v_ptrs, mask=nd_mask, other=0.0)
+
+    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
+    q_hi = tl.reduce(kend, 0, _maximum)
+    for g in range(GROUP):
+        h = kv_h * GROUP + g
+        q_head = Q + h.to(tl.int64) * stride_qh
+        do_head = DO + h.to(tl.int64) * stride_doh
+        l_head = LSE + h.to(tl.int64) * stride_lh
+        d_head = DELTA + h.to(tl.int64) * stride_lh
+        qT_ptrs = (q_head + c0.to(tl.int64) * stride_qn
+                   + offs_m0[None, :] * stride_qn + offs_d[:, None] * stride_qd)
+        do_ptrs = (do_head + c0.to(tl.int64) * stride_don
+                   + offs_m0[:, None] * stride_don + offs_d[None, :] * stride_dod)
+        for m0 in range(c0, q_hi, BLOCK_M):
+            offs_m = m0 + offs_m0
+            m_in = offs_m < q_hi
+            qT = tl.load(qT_ptrs, mask=d_in[:, None] & m_in[None, :], other=0.0)
+            lse = tl.load(l_head + offs_m, mask=m_in, other=0.0)
+            qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
+            visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < kend[:, None])
+            pT = tl.where(visible, tl.exp2(qkT * qk_scale - lse[None, :] * 1.4426950408889634), 0.0)
+            do = tl.load(do_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
+            dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
+            delta = tl.load(d_head + offs_m, mask=m_in, other=0.0)
+            dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+            dsT = pT * (dpT - delta[None, :])
+            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
+            qT_ptrs += BLOCK_M * stride_qn
+            do_ptrs += BLOCK_M * stride_don
+    dk = dk * sm_scale
+
+    dk_ptrs = (DK + kv_h.to(tl.int64) * stride_dkh + c0.to(tl.int64) * stride_dkn
+               + tl.arange(0, BLOCK_N)[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=nd_mask)
+    dv_ptrs = (DV + kv_h.to(tl.int64) * stride_dvh + c0.to(tl.int64) * stride_dvn
+               + tl.arange(0, BLOCK_N)[:, None] * stride_dvn + offs_d[None, :] * stride_dvd)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nd_mask)
+
+
+@triton.jit
+def _tree_attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, KEND, TILE_PTR, TILES, DQ,
+    stride_qh, stride_qn, stride_qd,
+    stride_kh, stride_kn, stride_kd,
+    stride_vh, stride_vn, stride_vd,
+    stride_doh, stride_don, stride_dod,
+    stride_dqh, stride_dqn, stride_dqd,
+    stride_lh,
+    N, NUM_HEADS, sm_scale, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """dQ[q] = scale * sum_k dS[q, k] k[k],  dS = P (dO[q].v[k] - delta[q]),  P = exp(scale q.k - lse[q]).
+
+    One program per (query block, query head), visiting the same key tiles as the forward.
+    """
+    tl.static_assert(BLOCK_M >= 16)
+    tl.static_assert(BLOCK_N >= 16)
+    tl.static_assert(BLOCK_D >= 16)
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(GROUP >= 1)
+    pid_m, pid_h = _block_and_head(NUM_HEADS, True)
+    kv_h = pid_h // GROUP
+    b0 = pid_m * BLOCK_M
+
+    offs_m = b0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    m_in = offs_m < N
+    d_in = offs_d < HEAD_DIM
+    md_mask = m_in[:, None] & d_in[None, :]
+
+    q = tl.load(Q + pid_h.to(tl.int64) * stride_qh + b0.to(tl.int64) * stride_qn
+                + tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=md_mask, other=0.0)
+    do = tl.load(DO + pid_h.to(tl.int64) * stride_doh + b0.to(tl.int64) * stride_don
+                 + tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                 mask=md_mask, other=0.0)
+    lse = tl.load(LSE + pid_h.to(tl.int64) * stride_lh + offs_m, mask=m_in, other=0.0)
+    delta = tl.load(DELTA + pid_h.to(tl.int64) * stride_lh + offs_m, mask=m_in, other=0.0)
+    lse2 = lse * 1.4426950408889634
+    k_head = K + kv_h.to(tl.int64) * stride_kh
+    v_head = V + kv_h.to(tl.int64) * stride_vh
+
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    t_begin = tl.load(TILE_PTR + pid_m)
+    t_end = tl.load(TILE_PTR + pid_m + 1)
+    for t in range(t_begin, t_end):
+        lo = tl.load(TILES + 2 * t)
+        hi = tl.load(TILES + 2 * t + 1)
+        offs_n = lo + offs_n0
+        n_in = offs_n < hi
+        kend = tl.load(KEND + offs_n, mask=n_in, other=0)
+        dn_mask = d_in[:, None] & n_in[None, :]
+        kT = tl.load(k_head + lo.to(tl.int64) * stride_kn
+                     + offs_n0[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=dn_mask, other=0.0)
+        vT = tl.load(v_head + lo.to(tl.int64) * stride_vn
+                     + offs_n0[None, :] * stride_vn + offs_d[:, None] * stride_vd,
+                     mask=dn_mask, other=0.0)
+        qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
+        p = tl.where(visible, tl.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+        dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
+    dq = dq * sm_scale
+
+    dq_ptrs = (DQ + pid_h.to(tl.int64) * stride_dqh + b0.to(tl.int64) * stride_dqn
+               + tl.arange(0, BLOCK_M)[:, None] * stride_dqn + offs_d[None, :] * stride_dqd)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=md_mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch settings
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch settings of one kernel: BLOCK_M queries x BLOCK_N keys per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and _is_pow2(value) and 16 <= value <= 256):
+                raise ValueError(f"KernelConfig.{name} must be a power of two in [16, 256], got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
+            raise ValueError(f"KernelConfig.num_stages must be an int in [1, 8], got {self.num_stages!r}")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Settings of the three kernels: forward, backward dK/dV, backward dQ."""
+
+    fwd: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import time)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_tree_attn_fwd, InterpretedFunction)
+
+
+def _block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two (>= 16, the smallest tl.dot size); padded lanes are masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# (fwd, dkdv, dq) per (operand width, padded head dim), each (block_m, block_n, num_warps, num_stages).
+# Chosen by compiling for sm_90 offline (ptxas -v): no register spills, shared memory <= 196 KiB; fp32 uses
+# IEEE FMA dots (no tensor cores), whose register use grows with the tile, hence its small tiles.
+_GPU_CONFIGS = {
+    ("16bit", 64): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 64, 8, 3)),
+    ("16bit", 128): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 64, 8, 3)),
+    ("16bit", 256): ((128, 64, 8, 2), (16, 64, 8, 2), (64, 32, 8, 2)),
+    ("fp32", 64): ((32, 32, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2)),
+    ("fp32", 128): ((16, 16, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2)),
+    ("fp32", 256): ((16, 32, 8, 2), (16, 16, 8, 2), (16, 32, 4, 2)),
+}
+_HOPPER_SMEM = 200 * 1024  # below this much shared memory per block: fewer stages, narrower D=256 tiles
+
+
+def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Tile sizes per head dim and dtype: 16x16 tiles in the interpreter, tuned ones on a GPU.
+
+    GPU tiles follow Triton's fused-attention tutorial (forward 128 queries x 64 keys; dK/dV 32 queries x
+    128 keys; dQ 128 x 64, which lets dQ reuse the forward's key tiles), tuned for H100/H200; on GPUs with
+    less shared memory per block the pipelines get at most 2 stages and D = 256 forward tiles 64 x 32.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        small = KernelConfig(16, 16, num_warps=1, num_stages=1)
+        return LaunchConfig(fwd=small, dkdv=small, dq=small)
+    width = "fp32" if dtype == torch.float32 else "16bit"
+    fwd, dkdv, dq = _GPU_CONFIGS[(width, max(64, _block_d(head_dim)))]
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    roomy = smem >= _HOPPER_SMEM if smem is not None else props.major in (9, 10)
+    if not roomy:
+        if width == "16bit" and _block_d(head_dim) == 256:
+            fwd = (64, 32, 8, 2)
+        fwd, dkdv, dq = ((bm, bn, w, min(st, 2)) for bm, bn, w, st in (fwd, dkdv, dq))
+    return LaunchConfig(fwd=KernelConfig(*fwd), dkdv=KernelConfig(*dkdv), dq=KernelConfig(*dq))
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-query-block key tiles (CSR)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyTiles:
+    """CSR of key tiles per query block: block b visits rows ``tiles[ptr[b]:ptr[b+1]]`` = (lo, hi)."""
+
+    ptr: torch.Tensor  # [nblocks + 1] int32
+    tiles: torch.Tensor  # [T, 2] int32, 0 < hi - lo <= block_n
+    block_m: int
+    block_n: int
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tiles.shape[0])
+
+
+def _sorted_segments(segments: torch.Tensor, n: int, end: torch.Tensor | None):
+    """Segments sorted by start and checked; returns (start, stop, subtree_end, depth, max_depth).
+
+    Checks: the segments partition [0, n) into contiguous chains, subtree ends lie in [stop, n], and,
+    when ``end`` is given, every token's end equals its segment's subtree end (true of a chain of
+    single-child nodes). ``depth[s]`` counts the strict ancestor segments of s:
+    ``#{p : start[p] < start[s] < subtree_end[p]}``, from a difference array over token positions.
+    One host synchronisation carries the checks and the maximum depth.
+    """
+    if segments.dim() != 2 or segments.shape[1] != 3:
+        raise ValueError(f"segments must be [S, 3] (start, stop, subtree_end), got shape {tuple(segments.shape)}")
+    if segments.dtype == torch.bool or segments.is_floating_point() or segments.is_complex():
+        raise TypeError(f"segments must be an integer tensor, got {segments.dtype}")
+    if segments.shape[0] == 0:
+        raise ValueError(f"segments is empty but there are {n} tokens")
+    seg = segments.to(torch.int64)
+    start, order = torch.sort(seg[:, 0])
+    stop = seg[order, 1]
+    subend = seg[order, 2]
+    diff = torch.zeros(n + 2, dtype=torch.int64, device=seg.device)
+    ones = torch.ones_like(start)
+    diff.index_add_(0, (start + 1).clamp(0, n + 1), ones)
+    diff.index_add_(0, subend.clamp(0, n + 1), -ones)
+    depth = torch.cumsum(diff, 0)[start.clamp(0, n + 1)]
+    checks = {
+        "first start is 0": start[0] == 0,
+        f"last stop is N={n}": stop[-1] == n,
+        "stop[i] == start[i+1]": (stop[:-1] == start[1:]).all(),
+        "stop > start": (stop > start).all(),
+        f"stop <= subtree_end <= N={n}": ((subend >= stop) & (subend <= n)).all(),
+    }
+    if end is not None:
+        tok = torch.arange(n, device=seg.device)
+        seg_of = (torch.searchsorted(start, tok, right=True) - 1).clamp(min=0)
+        checks["end[t] == subtree_end of t's segment"] = (end.to(torch.int64) == subend[seg_of]).all()
+    facts = torch.cat([torch.stack(list(checks.values())).to(torch.int64), depth.max().reshape(1)]).tolist()
+    failed = [name for name, good in zip(checks, facts[:-1]) if not good]
+    if failed:
+        raise ValueError(f"segments do not describe the {n} packed tokens as a DFS-ordered tree of chains: "
+                         f"failed {failed}")
+    return start, stop, subend, depth, int(facts[-1])
+
+
+def _segment_parents(start: torch.Tensor, depth: torch.Tensor, n: int) -> torch.Tensor:
+    """parent[s] = the segment holding the parent of token start[s], -1 for a root segment.
+
+    In DFS order the parent segment is the last segment before s one level shallower (every segment
+    in between lies inside the parent's subtree, so is deeper): sort segments by (depth, start) and
+    search for the last key below (depth[s] - 1, start[s]).
+    """
+    key = depth * (n + 1) + start
+    sorted_key, order = torch.sort(key)
+    idx = torch.searchsorted(sorted_key, key - (n + 1)) - 1
+    return torch.where(depth > 0, order[idx.clamp(min=0)], torch.full_like(order, -1))
+
+
+def build_key_tiles(segments: torch.Tensor, n: int, block_m: int, block_n: int,
+                    end: torch.Tensor | None = None) -> KeyTiles:
+    """Key tiles for each query block of ``block_m`` tokens, from the segment table; O(N/block_m * depth).
+
+    Query block ``[b0, b1)`` visits keys ``ancestors(b0) U [b0, b1)``: the ranges
+    ``[start[s0], b1)`` (own segment s0 of b0, up to the block end) and ``[start[p], stop[p])`` for each
+    ancestor segment p of s0. Adjacent ranges are merged; each range is cut into tiles of ``block_n``.
+    """
+    if n <= 0:
+        raise ValueError(f"build_key_tiles needs at least one token, got n={n}")
+    device = segments.device
+    start, stop, subend, depth, max_depth = _sorted_segments(segments, n, end)
+    parent = _segment_parents(start, depth, n)
+    nblocks = triton.cdiv(n, block_m)
+    b0 = torch.arange(nblocks, device=device, dtype=torch.int64) * block_m
+    b1 = (b0 + block_m).clamp(max=n)
+    cur = torch.searchsorted(start, b0, right=True) - 1
+
+    # ranges[b, j] for j = 0 (own segment + diagonal) .. max_depth (root), descending positions.
+    los = [start[cur]]
+    his = [b1]
+    for _ in range(max_depth):
+        cur = torch.where(cur >= 0, parent[cur.clamp(min=0)], cur)
+        alive = cur >= 0
+        idx = cur.clamp(min=0)
+        los.append(torch.where(alive, start[idx], 0))
+        his.append(torch.where(alive, stop[idx], 0))
+    lo = torch.stack(los[::-1], 1)  # ascending positions within a row
+    hi = torch.stack(his[::-1], 1)
+    row = torch.arange(nblocks, device=device).unsqueeze(1).expand_as(lo)
+    keep = hi > lo
+    lo, hi, row = lo[keep], hi[keep], row[keep]
+
+    # merge ranges that touch: a run starts where the row changes or the range does not continue.
+    prev_hi = torch.cat([hi.new_full((1,), -1), hi[:-1]])
+    prev_row = torch.cat([row.new_full((1,), -1), row[:-1]])
+    new_run = (row != prev_row) | (lo != prev_hi)
+    last_of_run = torch.cat([new_run[1:], new_run.new_ones(1)])
+    run_lo, run_hi, run_row = lo[new_run], hi[last_of_run], row[new_run]
+
+    ntiles = (run_hi - run_lo + block_n - 1) // block_n
+    first_tile = torch.cumsum(ntiles, 0) - ntiles
+    total = int(first_tile[-1] + ntiles[-1])
+    tile_run = torch.repeat_interleave(torch.arange(run_lo.numel(), device=device), ntiles,
+                                       output_size=total)
+    within = torch.arange(total, device=device) - first_tile[tile_run]
+    tile_lo = run_lo[tile_run] + within * block_n
+    tile_hi = torch.minimum(tile_lo + block_n, run_hi[tile_run])
+    per_block = torch.zeros(nblocks, dtype=torch.int64, device=device)
+    per_block.index_add_(0, run_row, ntiles)
+    ptr = torch.cat([per_block.new_zeros(1), torch.cumsum(per_block, 0)])
+    tiles = torch.stack([tile_lo, tile_hi], 1)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("key tiles: n=%d block_m=%d block_n=%d blocks=%d depth=%d tiles=%d",
+                  n, block_m, block_n, nblocks, max_depth, total)
+    return KeyTiles(ptr=ptr.to(torch.int32), tiles=tiles.to(torch.int32).contiguous(),
+                    block_m=block_m, block_n=block_n)
+
+
+class _KeyTileCache:
+    """Small cache of key tiles per segment tensor (a tree's layers share it within one call).
+
+    An entry holds a strong reference to the segments tensor, so a hit requires the very same tensor
+    object (its memory cannot have been reused) at the same version counter (no in-place change).
+    """
+
+    def __init__(self, maxsize: int = 8):
+        self.maxsize = maxsize
+        self._entries: list[tuple[torch.Tensor, int, int, int, int, KeyTiles]] = []
+
+    def get(self, segments: torch.Tensor, n: int, block_m: int, block_n: int,
+            end: torch.Tensor | None = None) -> KeyTiles:
+        """Cached :func:`build_key_tiles` (``end`` is checked against the segments when building)."""
+        try:
+            version = segments._version
+        except RuntimeError:  # inference-mode tensors track no version: do not cache
+            return build_key_tiles(segments, n, block_m, block_n, end)
+        for seg, ver, en, bm, bn, tiles in self._entries:
+            if seg is segments and ver == version and (en, bm, bn) == (n, block_m, block_n):
+                return tiles
+        tiles = build_key_tiles(segments, n, block_m, block_n, end)
+        self._entries.append((segments, version, n, block_m, block_n, tiles))
+        if len(self._entries) > self.maxsize:
+            self._entries.pop(0)
+        return tiles
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_TILE_CACHE = _KeyTileCache()
+
+
+# --------------------------------------------------------------------------------------------------
+# Host wrappers
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, end, valid, segments) -> None:
+    """Shapes, dtypes and devices of the tree-attention contract; raises a typed error otherwise."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [H, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    hq, n, d = q.shape
+    if k.shape != v.shape or k.shape[1] != n or k.shape[2] != d:
+        raise ValueError(f"k and v must be [Hkv, {n}, {d}] like q [Hq, N, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    hkv = k.shape[0]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {_MAX_HEAD_DIM}], got {d}")
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype of {_SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if end.shape != (n,) or valid.shape != (n,):
+        raise ValueError(f"end and valid must be [{n}]; got {tuple(end.shape)}, {tuple(valid.shape)}")
+    if end.is_floating_point() or end.dtype == torch.bool:
+        raise TypeError(f"end must be an integer tensor, got {end.dtype}")
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
+    devices = {t.device for t in (q, k, v, end, valid, segments)}
+    if len(devices) != 1:
+        raise ValueError(f"all tree-attention inputs must be on one device, got {sorted(map(str, devices))}")
+    if q.device.type != "cuda" and not is_interpreter():
+        raise RuntimeError(
+            f"Triton tree attention runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set before "
+            f"triton is imported); got device {q.device}")
+
+
+def _input_precision(dtype: torch.dtype) -> str | None:
+    """IEEE float32 dots for float32 operands (TF32 would cost ~1e-3 relative error); None (the
+    backend's default, irrelevant for 16-bit operands) otherwise."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _key_end(end: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """kend[k] = end[k] if valid[k] else 0: the one int32 array the kernels read per key."""
+    return torch.where(valid, end, torch.zeros((), dtype=end.dtype, device=end.device)).to(torch.int32).contiguous()
+
+
+def _launch(kernel, grid, cfg: KernelConfig, *args, **constexprs) -> None:
+    """kernel[grid](*args) with cfg's warps/stages; on OutOfResources (shared memory) retry with one stage,
+    then raise a RuntimeError naming the settings."""
+    try:
+        kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    except triton.runtime.errors.OutOfResources as e:
+        if cfg.num_stages == 1:
+            raise RuntimeError(f"{kernel.__name__}: launch settings {cfg} exceed this GPU's resources ({e}); "
+                               f"pass a smaller LaunchConfig") from e
+        log.warning("%s: %s with %s; retrying with num_stages=1", kernel.__name__, e, cfg)
+    kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=1)
+
+
+def tree_attention_forward(q, k, v, end, valid, segments, scale, *, config: LaunchConfig | None = None):
+    """(out [Hq, N, D] q.dtype, lse [Hq, N] float32) of tree attention; see the module docstring."""
+    _check_inputs(q, k, v, end, valid, segments)
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # every row is written by the kernel
+    lse = torch.empty((hq, n), dtype=torch.float32, device=q.device)
+    if n == 0 or hq == 0:
+        return out, lse
+    cfg = (config or default_launch_config(d, q.dtype, q.device)).fwd
+    kt = _TILE_CACHE.get(segments, n, cfg.block_m, cfg.block_n, end)
+    kend = _key_end(end, valid)
+    _launch(
+        _tree_attn_fwd, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
+        q, k, v, kend, kt.ptr, kt.tiles, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0),
+        n, hq, float(scale) * _LOG2E,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=_block_d(d),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INPUT_PRECISION=_input_precision(q.dtype),
+    )
+    return out, lse
+
+
+def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, *,
+                            config: LaunchConfig | None = None):
+    """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes."""
+    _check_inputs(q, k, v, end, valid, segments)
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != (hq, n):
+        raise ValueError(f"grad_out and out must be {tuple(q.shape)} and lse {(hq, n)}; got "
+                         f"{tuple(grad_out.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # every row is written by the kernels
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if n == 0 or hq == 0:
+        return dq, dk, dv
+    launch = config or default_launch_config(d, q.dtype, q.device)
+    grad_out = grad_out.to(q.dtype)
+    lse = lse.to(torch.float32).contiguous()
+    delta = torch.empty((hq, n), dtype=torch.float32, device=q.device)
+    _tree_attn_bwd_delta[(triton.cdiv(n, _DELTA_BLOCK_M), hq)](
+        out, grad_out, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        delta.stride(0), n,
+        HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=_DELTA_BLOCK_M,
+    )
+    kend = _key_end(end, valid)
+    sm_scale = float(scale)
+    qk_scale = sm_scale * _LOG2E
+    group = hq // hkv
+    common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=_block_d(d), INPUT_PRECISION=_input_precision(q.dtype))
+
+    cfg = launch.dkdv
+    _launch(
+        _tree_attn_bwd_dkdv, (triton.cdiv(n, cfg.block_n) * hkv,), cfg,
+        q, k, v, grad_out, lse, delta, kend, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        lse.stride(0),
+        n, hkv, sm_scale, qk_scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
+    )
+    cfg = launch.dq
+    kt = _TILE_CACHE.get(segments, n, cfg.block_m, cfg.block_n, end)
+    _launch(
+        _tree_attn_bwd_dq, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
+        q, k, v, grad_out, lse, delta, kend, kt.ptr, kt.tiles, dq,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        lse.stride(0),
+        n, hq, sm_scale, qk_scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
+    )
+    return dq, dk, dv
+
+
+class TreeAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: q [Hq, N, D], k/v [Hkv, N, D], tree arrays -> out [Hq, N, D] (lse not differentiable).
+
+    For standalone use and benchmarks; the graph rewrite calls ``torch.ops.brcompile.tree_attention``,
+    whose autograd lives in ``brcompile.backends.ops``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, end, valid, segments, scale, config):
+        out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, config=config)
+        ctx.save_for_backward(q, k, v, out, lse, end, valid, segments)
+        ctx.scale = scale
+        ctx.config = config
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, end, valid, segments = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale,
+                                             config=ctx.config)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def tree_attention(q, k, v, end, valid, segments, scale=None, *, config: LaunchConfig | None = None):
+    """Differentiable tree attention (Triton). scale defaults to 1/sqrt(D). Returns (out, lse)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return TreeAttentionFunction.apply(q, k, v, end, valid, segments, scale, config)

@@ -1,0 +1,439 @@
+"""Triton tree attention vs the float64 reference, on CPU through TRITON_INTERPRET=1 when no GPU exists.
+
+Trees are packed here by a small, independent trie builder (``pack_rows``) so the kernels are checked
+against the layout contract itself (DFS preorder, ``end``, ``valid``, ``segments``).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first `import triton` in this process
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from brcompile.backends import ops
+from brcompile.backends.reference import reference_backward, reference_forward
+from brcompile.backends.triton import (
+    KernelConfig,
+    LaunchConfig,
+    build_key_tiles,
+    is_interpreter,
+    tree_attention,
+    tree_attention_backward,
+    tree_attention_forward,
+)
+
+# the package re-exports the function `tree_attention`, which shadows the submodule's attribute name
+ta_module = importlib.import_module("brcompile.backends.triton.tree_attention")
+
+pytestmark = pytest.mark.triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Tiny tiles so a ~100-token tree spans many blocks in the interpreter; one config with unequal
+# forward/dq tiles and wide dK/dV key blocks.
+SMALL = LaunchConfig(KernelConfig(16, 16, 1, 1), KernelConfig(16, 16, 1, 1), KernelConfig(16, 16, 1, 1))
+MIXED = LaunchConfig(KernelConfig(32, 16, 1, 1), KernelConfig(16, 32, 1, 1), KernelConfig(16, 32, 1, 1))
+
+
+# ------------------------------------------------------------------------------------------ trees
+
+
+def pack_rows(rows, mask=None):
+    """Prefix tree of token rows -> (end[N] int64, valid[N] bool, segments[S, 3] int64).
+
+    A node is a (row prefix) of (token, mask bit) pairs; nodes are numbered in DFS preorder; ``end`` is
+    the exclusive end of each node's subtree; a segment is a maximal chain of single-child nodes.
+    """
+    children = [{}]  # node 0: virtual root
+    bit = [1]
+    for b, row in enumerate(rows):
+        cur = 0
+        for t, tok in enumerate(row):
+            key = (tok, 1 if mask is None else int(mask[b][t]))
+            if key not in children[cur]:
+                children.append({})
+                bit.append(key[1])
+                children[cur][key] = len(children) - 1
+            cur = children[cur][key]
+    order, pos, parent_fanout = [], {}, {}
+    for c in children[0].values():
+        parent_fanout[c] = 0  # roots start segments
+    stack = list(reversed(list(children[0].values())))
+    while stack:
+        node = stack.pop()
+        pos[node] = len(order)
+        order.append(node)
+        for c in children[node].values():
+            parent_fanout[c] = len(children[node])
+        stack.extend(reversed(list(children[node].values())))
+    n = len(order)
+    end = list(range(1, n + 1))
+    for node in reversed(order):  # children come after parents in preorder
+        for c in children[node].values():
+            end[pos[node]] = max(end[pos[node]], end[pos[c]])
+    segments = []
+    for i, node in enumerate(order):
+        if parent_fanout[node] == 1:
+            segments[-1][1] = i + 1
+        else:
+            segments.append([i, i + 1, end[i]])
+    valid = [bool(bit[node]) for node in order]
+    return (torch.tensor(end, dtype=torch.int64), torch.tensor(valid, dtype=torch.bool),
+            torch.tensor(segments, dtype=torch.int64).reshape(-1, 3))
+
+
+def rl_rows(seed, groups=3, rollouts=4, prompt=(3, 20), response=(1, 12), vocab=3):
+    """Groups of rollouts sharing a prompt; small vocab so responses share prefixes and nest branches."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(groups):
+        p = [rng.randrange(100, 104) for _ in range(rng.randint(*prompt))]
+        for _ in range(rollouts):
+            rows.append(p + [rng.randrange(vocab) for _ in range(rng.randint(*response))])
+    return rows
+
+
+def padded(rows, side):
+    """Pad rows to one length with token -1 and mask bit 0 on the given side."""
+    length = max(map(len, rows))
+    out, mask = [], []
+    for r in rows:
+        pad = length - len(r)
+        if side == "left":
+            out.append([-1] * pad + r)
+            mask.append([0] * pad + [1] * len(r))
+        else:
+            out.append(r + [-1] * pad)
+            mask.append([1] * len(r) + [0] * pad)
+    return out, mask
+
+
+def make_tree(case):
+    """Named tree cases: nesting, padding (incl. queries that see nothing), a forest, tiny trees."""
+    if case == "rl":
+        return pack_rows(rl_rows(0))
+    if case == "left_pad":  # left padding: pad-only prefixes are queries that see no key
+        return pack_rows(*padded(rl_rows(1, groups=2, rollouts=3), "left"))
+    if case == "right_pad":
+        return pack_rows(*padded(rl_rows(2, groups=2, rollouts=3), "right"))
+    if case == "deep":  # one token per branch level: many short segments, deep ancestor chains
+        rows = [[7] * d + [d % 3, 5, 5] for d in range(0, 40, 3)]
+        return pack_rows(rows)
+    if case == "holes":  # invalid keys scattered inside shared prefixes
+        end, valid, segments = pack_rows(rl_rows(3, groups=2, rollouts=3))
+        valid[torch.arange(0, end.numel(), 7)] = False
+        return end, valid, segments
+    if case == "tiny":
+        return pack_rows([[1, 2, 3], [1, 2, 4, 5]])
+    if case == "single":
+        return pack_rows([[9]])
+    raise KeyError(case)
+
+
+def visible_keys_brute(end, b0, b1):
+    """Keys some query in [b0, b1) may see: k < b1 with end[k] > b0 (validity aside)."""
+    return {k for k in range(b1) if int(end[k]) > b0}
+
+
+# ------------------------------------------------------------------------------------- comparison
+
+
+def assert_rel_close(actual, expected, rel, what):
+    """|a - e| <= rel * (|e| + max(max|e|, 1)): relative to the tensor's scale, with diagnostics.
+
+    Inputs are unit-scale randn, so the floor of 1 only matters for a gradient that is zero in exact
+    arithmetic (e.g. dq of a query that sees one key), where float32 leaves ~1e-7 of roundoff.
+    """
+    expected = expected.to(torch.float64)
+    scale = max(expected.abs().max().item() if expected.numel() else 0.0, 1.0)
+    torch.testing.assert_close(actual.to(torch.float64), expected, rtol=rel, atol=rel * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def random_qkv(hq, hkv, n, d, dtype, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(hq, n, d, generator=g, dtype=torch.float64)
+    k = torch.randn(hkv, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(hkv, n, d, generator=g, dtype=torch.float64)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+def check_against_reference(q, k, v, end, valid, segments, scale, config, rel, grad_out=None):
+    """Forward (out, lse) and backward (dq, dk, dv) of the kernels vs the float64 reference."""
+    out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, config=config)
+    r_out, r_lse = reference_forward(q.double(), k.double(), v.double(), end, valid, segments, scale)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert_rel_close(out, r_out, rel, "out")
+    seen = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "lse must be -inf exactly for queries that see no key"
+    assert_rel_close(lse[seen], r_lse[seen], rel, "lse")
+    assert torch.all(out[~seen] == 0), "a query that sees no key must output 0"
+    if grad_out is None:
+        grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+        grad_out = grad_out.to(q.device, q.dtype)
+    dq, dk, dv = tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
+                                         config=config)
+    r_dq, r_dk, r_dv = reference_backward(grad_out.double(), q.double(), k.double(), v.double(), r_out,
+                                          r_lse, end, valid, segments, scale)
+    assert (dq.dtype, dk.dtype, dv.dtype) == (q.dtype, k.dtype, v.dtype)
+    assert_rel_close(dq, r_dq, rel, "dq")
+    assert_rel_close(dk, r_dk, rel, "dk")
+    assert_rel_close(dv, r_dv, rel, "dv")
+    assert torch.all(dq[~seen] == 0), "a query that sees no key must get zero gradient"
+    return out, lse
+
+
+def tree_on(device, tree):
+    return tuple(t.to(device) for t in tree)
+
+
+# ---------------------------------------------------------------------------------------- key tiles
+
+
+@pytest.mark.parametrize("case", ["rl", "left_pad", "right_pad", "deep", "holes", "tiny", "single"])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 64)])
+def test_key_tiles_cover_exactly_the_visible_keys(case, block_m, block_n):
+    """Each query block's tiles are disjoint, within block_n, and cover ancestors(b0) U [b0, b1)."""
+    end, valid, segments = make_tree(case)
+    n = end.numel()
+    kt = build_key_tiles(segments, n, block_m, block_n, end)
+    nblocks = math.ceil(n / block_m)
+    assert kt.ptr.shape == (nblocks + 1,) and kt.ptr.dtype == torch.int32
+    assert kt.tiles.dtype == torch.int32 and kt.tiles.shape[1] == 2
+    assert int(kt.ptr[-1]) == kt.num_tiles
+    for b in range(nblocks):
+        b0, b1 = b * block_m, min(n, (b + 1) * block_m)
+        keys = []
+        for lo, hi in kt.tiles[kt.ptr[b]:kt.ptr[b + 1]].tolist():
+            assert 0 < hi - lo <= block_n
+            keys.extend(range(lo, hi))
+        assert len(keys) == len(set(keys)), f"block {b}: a key is visited twice"
+        assert set(keys) == visible_keys_brute(end, b0, b1), f"block {b}"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10**6),
+    groups=st.integers(1, 4),
+    rollouts=st.integers(1, 5),
+    vocab=st.integers(1, 3),
+    block_m=st.sampled_from([16, 32]),
+    block_n=st.sampled_from([16, 32]),
+)
+def test_key_tiles_property(seed, groups, rollouts, vocab, block_m, block_n):
+    """Random forests (shared prompts, nested response branches, equal rows): tiles == brute force."""
+    rows = rl_rows(seed, groups=groups, rollouts=rollouts, prompt=(1, 9), response=(1, 9), vocab=vocab)
+    end, valid, segments = pack_rows(rows)
+    n = end.numel()
+    kt = build_key_tiles(segments[torch.randperm(segments.shape[0])], n, block_m, block_n, end)
+    for b in range(math.ceil(n / block_m)):
+        b0, b1 = b * block_m, min(n, (b + 1) * block_m)
+        keys = [k for lo, hi in kt.tiles[kt.ptr[b]:kt.ptr[b + 1]].tolist() for k in range(lo, hi)]
+        assert sorted(keys) == sorted(visible_keys_brute(end, b0, b1))
+
+
+def test_key_tiles_merge_adjacent_ranges():
+    """A straight chain is one range per block: [0, b1) cut into ceil(b1 / block_n) tiles."""
+    end, valid, segments = pack_rows([list(range(50))])
+    kt = build_key_tiles(segments, 50, 16, 16, end)
+    assert kt.ptr.tolist() == [0, 1, 3, 6, 10]
+    assert kt.tiles[6:10].tolist() == [[0, 16], [16, 32], [32, 48], [48, 50]]
+
+
+def test_key_tiles_reject_bad_segments():
+    end, valid, segments = make_tree("rl")
+    n = end.numel()
+    gap = segments.clone()
+    gap[1, 0] += 1
+    with pytest.raises(ValueError, match="stop\\[i\\] == start\\[i\\+1\\]"):
+        build_key_tiles(gap, n, 16, 16)
+    with pytest.raises(ValueError, match="end\\[t\\] == subtree_end"):
+        bad_end = end.clone()
+        bad_end[3] = n
+        build_key_tiles(segments, n, 16, 16, bad_end)
+    with pytest.raises(ValueError, match="\\[S, 3\\]"):
+        build_key_tiles(segments[:, :2], n, 16, 16)
+
+
+def test_key_tile_cache_hits_same_tensor_and_rebuilds_after_inplace_change():
+    end, valid, segments = make_tree("tiny")
+    cache = ta_module._KeyTileCache(maxsize=2)
+    first = cache.get(segments, end.numel(), 16, 16)
+    assert cache.get(segments, end.numel(), 16, 16) is first
+    assert cache.get(segments.clone(), end.numel(), 16, 16) is not first
+    segments.add_(0)  # bumps the version counter
+    assert cache.get(segments, end.numel(), 16, 16) is not first
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@pytest.mark.parametrize("case", ["rl", "left_pad", "right_pad", "deep", "holes", "tiny", "single"])
+def test_matches_reference_float32(case):
+    """fp32, GQA 4/2, head dim 24 (padded to 32): out, lse, dq, dk, dv within 1e-4 of float64."""
+    end, valid, segments = tree_on(DEVICE, make_tree(case))
+    q, k, v = random_qkv(4, 2, end.numel(), 24, torch.float32, seed=1)
+    check_against_reference(q, k, v, end, valid, segments, 24 ** -0.5, SMALL, rel=1e-4)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(2, 2, 32), (3, 1, 64), (4, 4, 16), (2, 1, 128)])
+def test_heads_and_head_dims(hq, hkv, d):
+    """MHA and GQA groups of 1..3, head dims 16..128, with wide dK/dV key blocks (MIXED tiles)."""
+    end, valid, segments = tree_on(DEVICE, make_tree("left_pad"))
+    q, k, v = random_qkv(hq, hkv, end.numel(), d, torch.float32, seed=d + hq)
+    check_against_reference(q, k, v, end, valid, segments, 0.7 / math.sqrt(d), MIXED, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "dtype,rel",
+    [
+        # fp16 operands of both dots (p and dS are rounded to fp16 before P.V and dS.K): ~2^-10 relative
+        pytest.param(torch.float16, 4e-3, id="fp16"),
+        pytest.param(torch.bfloat16, 3e-2, id="bf16", marks=pytest.mark.skipif(
+            DEVICE != "cuda", reason="bf16 tl.dot is wrong in Triton's interpreter (needs a GPU)")),
+    ],
+)
+def test_half_precision(dtype, rel):
+    end, valid, segments = tree_on(DEVICE, make_tree("rl"))
+    q, k, v = random_qkv(4, 2, end.numel(), 32, dtype, seed=5)
+    check_against_reference(q, k, v, end, valid, segments, 32 ** -0.5, SMALL, rel=rel)
+
+
+def test_strided_inputs_and_stride0_grad():
+    """q/k/v as transposed views of [N, H, D] storage; grad_out from out.sum() (all strides 0)."""
+    end, valid, segments = tree_on(DEVICE, make_tree("right_pad"))
+    n = end.numel()
+    q, k, v = random_qkv(4, 2, n, 32, torch.float32, seed=7)
+    qs = q.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    ks = k.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    vs = v.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    assert not qs.is_contiguous()
+    out, lse = tree_attention(qs, ks, vs, end, valid, segments, 0.2, config=SMALL)
+    out.sum().backward()
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    r_out, r_lse = reference_forward(q64, k64, v64, end, valid, segments, 0.2)
+    r_dq, r_dk, r_dv = reference_backward(torch.ones_like(r_out), q64, k64, v64, r_out, r_lse,
+                                          end, valid, segments, 0.2)
+    assert_rel_close(out.detach(), r_out, 1e-4, "out")
+    assert_rel_close(qs.grad, r_dq, 1e-4, "dq")
+    assert_rel_close(ks.grad, r_dk, 1e-4, "dk")
+    assert_rel_close(vs.grad, r_dv, 1e-4, "dv")
+
+
+def test_default_launch_config_runs():
+    """The registered impl path uses default_launch_config (interpreter: 16x16 tiles)."""
+    end, valid, segments = tree_on(DEVICE, make_tree("holes"))
+    q, k, v = random_qkv(2, 1, end.numel(), 32, torch.float32, seed=11)
+    check_against_reference(q, k, v, end, valid, segments, 0.3, None, rel=1e-4)
+
+
+def test_trees_from_build_tree():
+    """Layout produced by brcompile.tree.build_tree (ragged, right-padded, shared response starts)."""
+    from brcompile.tree import build_tree
+
+    rows, mask = padded(rl_rows(4, groups=2, rollouts=4, vocab=2), "right")
+    tree = build_tree(torch.tensor(rows), torch.tensor(mask)).to(DEVICE)
+    n = tree.num_tokens
+    for bm, bn in ((16, 16), (32, 16)):
+        kt = build_key_tiles(tree.segments, n, bm, bn, tree.end)
+        for b in range(math.ceil(n / bm)):
+            keys = [k for lo, hi in kt.tiles[kt.ptr[b]:kt.ptr[b + 1]].tolist() for k in range(lo, hi)]
+            assert sorted(keys) == sorted(visible_keys_brute(tree.end.cpu(), b * bm, min(n, (b + 1) * bm)))
+    q, k, v = random_qkv(2, 1, n, 32, torch.float32, seed=13)
+    check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 0.3, MIXED, rel=1e-4)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), groups=st.integers(1, 3), rollouts=st.integers(1, 4),
+       side=st.sampled_from(["left", "right", None]))
+def test_property_random_forests(seed, groups, rollouts, side):
+    rows = rl_rows(seed, groups=groups, rollouts=rollouts, prompt=(1, 12), response=(1, 10))
+    tree = pack_rows(*padded(rows, side)) if side else pack_rows(rows)
+    end, valid, segments = tree_on(DEVICE, tree)
+    q, k, v = random_qkv(2, 1, end.numel(), 16, torch.float32, seed=seed)
+    check_against_reference(q, k, v, end, valid, segments, 0.25, MIXED, rel=1e-4)
+
+
+# ------------------------------------------------------------------------------ ops registry, opcheck
+
+
+def _op_inputs(requires_grad):
+    end, valid, segments = tree_on(DEVICE, make_tree("left_pad"))
+    q, k, v = random_qkv(4, 2, end.numel(), 16, torch.float32, seed=3)
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    return q, k, v, end, valid, segments
+
+
+def test_registered_as_triton_impl():
+    impl = ops.get_attention_impl("triton", DEVICE)
+    assert impl.forward is tree_attention_forward and impl.backward is tree_attention_backward
+
+
+def test_custom_op_matches_reference_impl():
+    """torch.ops.brcompile.tree_attention(..., "triton") vs (..., "reference"): output and grads."""
+    q, k, v, end, valid, segments = _op_inputs(True)
+    out = torch.ops.brcompile.tree_attention(q, k, v, end, valid, segments, 0.25, "triton")
+    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r_out = torch.ops.brcompile.tree_attention(q64, k64, v64, end, valid, segments, 0.25, "reference")
+    r_grads = torch.autograd.grad((r_out * r_out).sum(), (q64, k64, v64))
+    assert_rel_close(out.detach(), r_out.detach(), 1e-4, "out")
+    for name, g, r in zip("qkv", grads, r_grads):
+        assert_rel_close(g, r, 1e-4, f"d{name}")
+
+
+def test_opcheck_forward_and_backward_ops():
+    q, k, v, end, valid, segments = _op_inputs(True)
+    torch.library.opcheck(torch.ops.brcompile.tree_attention_forward,
+                          (q, k, v, end, valid, segments, 0.25, "triton"))
+    with torch.no_grad():
+        out, lse = torch.ops.brcompile.tree_attention_forward(q, k, v, end, valid, segments, 0.25, "triton")
+    grad_out = torch.ones_like(out).expand(out.shape)
+    torch.library.opcheck(torch.ops.brcompile.tree_attention_backward,
+                          (grad_out, q.detach(), k.detach(), v.detach(), out, lse, end, valid, segments,
+                           0.25, "triton"))
+
+
+# ------------------------------------------------------------------------------------ input checks
+
+
+def test_launch_config_out_of_range():
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        KernelConfig(24, 16)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        KernelConfig(16, 512)
+    with pytest.raises(ValueError, match="num_warps"):
+        KernelConfig(16, 16, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        KernelConfig(16, 16, num_stages=0)
+
+
+def test_bad_inputs_raise():
+    end, valid, segments = tree_on(DEVICE, make_tree("tiny"))
+    n = end.numel()
+    q, k, v = random_qkv(3, 2, n, 16, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        tree_attention_forward(q, k, v, end, valid, segments, 1.0)
+    q, k, v = random_qkv(2, 1, n, 300, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="head dim"):
+        tree_attention_forward(q, k, v, end, valid, segments, 1.0)
+    q, k, v = random_qkv(2, 1, n, 16, torch.float64, seed=0)
+    with pytest.raises(TypeError, match="dtype"):
+        tree_attention_forward(q, k, v, end, valid, segments, 1.0)
+    q, k, v = random_qkv(2, 1, n, 16, torch.float32, seed=0)
+    with pytest.raises(TypeError, match="valid must be a bool"):
+        tree_attention_forward(q, k, v, end, valid.long(), segments, 1.0)
+
+
+def test_runs_in_interpreter_on_cpu():
+    """Guards the module setup: without a GPU the kernels must be the interpreter's."""
+    assert is_interpreter() == (DEVICE == "cpu")
