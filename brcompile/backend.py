@@ -32,11 +32,18 @@ class Options:
         "reference", "triton".
     compiler: how the packed graph runs: "inductor" (compiled once with dynamic shapes: one compile
         serves every batch), "aot_eager" (AOTAutograd, no codegen), or "eager" (the FX graph as is).
+    fuse_logprob: compute next-token log-probs (log_softmax -> gather, cross_entropy, and the entropy)
+        straight from the packed hidden states with brcompile::packed_logprob, never building [N, V]
+        logits (passes/rules/logprob.py).
+    dump_dir: when set, write every captured graph there, before and after the rewrite, as readable
+        Python and Graphviz .dot (+ .svg when ``dot`` is installed); see brcompile/dump.py.
     """
 
     min_dedup: float = 1.05
     attention: str = "auto"
     compiler: str = "inductor"
+    fuse_logprob: bool = True
+    dump_dir: Optional[str] = None
 
     def __post_init__(self):
         if self.compiler not in COMPILERS:
@@ -70,6 +77,7 @@ class GraphRecord:
     masks: tuple[str, ...] = ()
     materialisations: tuple[tuple[str, str, int, str], ...] = ()  # (node, user, numel, reason)
     lazy_gathers: tuple[str, ...] = ()
+    fused: tuple[str, ...] = ()  # one line per fused log-prob read-out (brcompile::packed_logprob)
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -90,24 +98,29 @@ class BranchReplayBackend:
         original = gm.forward
         try:
             an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
-            packed = build_packed_graph(an, PackOptions(attention=opts.attention))
+            packed = build_packed_graph(an, PackOptions(attention=opts.attention,
+                                                        fuse_logprob=opts.fuse_logprob))
         except CannotReplay as e:
-            return self._fallback(gid, gm, str(e), e.node_name)
+            return self._fallback(gid, gm, str(e), e.node_name, opts)
         except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
             log.warning("branch_replay: internal error while rewriting graph %d; running it unchanged",
                         gid, exc_info=True)
-            return self._fallback(gid, gm, f"internal error: {type(e).__name__}: {e}", None)
+            return self._fallback(gid, gm, f"internal error: {type(e).__name__}: {e}", None, opts)
         run_packed = packed.forward if opts.compiler == "eager" else torch.compile(
             packed, backend=opts.compiler, dynamic=True)
         rt = runtime.ReplayRuntime(original, run_packed, an.tree_input_positions,
-                                   an.keypad_position, opts.min_dedup, eager_packed=packed.forward)
+                                   an.keypad_position, opts.min_dedup, eager_packed=packed.forward,
+                                   guards=an.guards)
+        fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]
+        covered = {name for n in fused_nodes for name in n.meta.get("br_fused_covers", ())}
         rec = GraphRecord(
             gid, True, None, None, gm.code, packed.code,
             tree_inputs=tuple(p.name for p in an.tree_inputs),
             masks=tuple(f"{a.name}: {info}" for a, info in an.masks.items()),
             materialisations=tuple((m.node.name, m.user.name, m.numel, m.reason)
-                                   for m in an.materialisations),
-            lazy_gathers=tuple(n.name for n in an.lazy_gathers),
+                                   for m in an.materialisations if m.node.name not in covered),
+            lazy_gathers=tuple(n.name for n in an.lazy_gathers if n.name not in covered),
+            fused=tuple(n.meta["br_fused"] for n in fused_nodes),
             runtime=rt,
         )
         self.records.append(rec)
@@ -115,13 +128,29 @@ class BranchReplayBackend:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("branch_replay graph %d before:\n%s", gid, gm.code)
             log.debug("branch_replay graph %d after:\n%s", gid, packed.code)
+        self._dump(opts, an.gm, packed)  # an.gm: the analysed (canonical) copy, with the token facts
         return rt
 
-    def _fallback(self, gid: int, gm: fx.GraphModule, reason: str, node: Optional[str]):
+    def _fallback(self, gid: int, gm: fx.GraphModule, reason: str, node: Optional[str],
+                  opts: Optional[Options] = None):
         rt = runtime.FallbackRuntime(gm.forward, reason)
         self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, runtime=rt))
         runtime.record_graph(False, reason)
+        self._dump(opts or self.options, gm, None, reason, node)
         return rt
+
+    @staticmethod
+    def _dump(opts: Options, gm: fx.GraphModule, packed: Optional[fx.GraphModule], reason: Optional[str] = None,
+              node: Optional[str] = None) -> None:
+        """Writes the graph files when ``opts.dump_dir`` is set; a failed dump is logged, never raised."""
+        if not opts.dump_dir:
+            return
+        from brcompile.dump import dump_graphs
+
+        try:
+            dump_graphs(opts.dump_dir, gm, packed, reason=reason, failed_node=node)
+        except Exception:  # a diagnostic must never break compilation
+            log.warning("branch_replay: writing graph dumps to %s failed", opts.dump_dir, exc_info=True)
 
 
 _DEFAULT = BranchReplayBackend()

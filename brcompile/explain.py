@@ -1,23 +1,273 @@
-"""Reports: what was rewritten, why something fell back, logical vs executed tokens."""
+"""Reports: what was rewritten, why something fell back, logical vs executed tokens, predicted FLOPs.
+
+``brcompile.explain(fn, *args)`` compiles ``fn`` with a recording branch_replay backend, calls it once and
+returns an :class:`ExplainReport`: ``print(report)`` gives plain-text tables, ``report.print()`` the same
+tables with rich when it is installed (rich stays optional), ``report.to_dict()`` a JSON-serialisable dict.
+``from brcompile.explain import recording``; ``with recording() as rec: ...`` records every ``torch.compile``
+inside the block (``python -m brcompile explain script.py`` runs a script that way); ``rec.report()`` then.
+(``brcompile.explain`` itself is the function: import the module's other names with ``from brcompile.explain``.)
+
+Per captured graph: rewritten or fell back (the node and the reason), the tree inputs, each attention's
+mask, materialisations (packed values turned dense, with their sizes), lazy gathers, fused read-outs, the
+brcompile nodes of the packed graph (tree attention, packed gathers, ...) and the packed graph's code.
+
+Per call: rows, logical positions B*L vs executed tokens N, the dedup ratio, tree depth and segments, and
+(``measure=True``, the first ``measure_calls`` calls of each graph) the FLOPs and the bytes autograd saves
+for backward of one forward+backward, counted by running the *eager* graphs once more on the call's inputs
+(:func:`brcompile.bench.measure_fwd_bwd`; the compiled code computes the same graphs):
+
+    dense   = FlopCounterMode over the original (captured) graph: its forward, and its backward (gradient
+              of ones for every output that requires grad) w.r.t. every input that requires grad
+    packed  = the same over the packed graph, on the call's tree
+    limit   = (dense - dense_attention) * N / (B*L) + packed_attention
+
+``packed_attention`` is brcompile::tree_attention's registered formula: every visible (query, key) pair of
+the tree once, per query head 4D forward + 10D backward (D the head width). Dense attention is torch's SDPA
+formula over the whole s_q x s_k score matrix (no causal discount). Everything but attention (projections,
+MLP, LM head) costs the same per position, so over N tokens it costs N/(B*L) of the dense run: the limit is
+the cost of computing each distinct tree node once. Only matmul-like ops and attention are counted, as torch's
+flop counter does. Bytes saved for backward: distinct storages packed by ``saved_tensors_hooks`` during the
+forward, storages of inputs that require grad (parameters) excluded. A graph that mutates its inputs in place
+is not re-run (the measurement would apply the mutation again); its calls say so.
+"""
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
-from typing import Any, Optional
+import importlib.util
+import logging
+import operator
+import sys
+import textwrap
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.fx as fx
 
 from brcompile import runtime
-from brcompile.backend import BranchReplayBackend, GraphRecord
+from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
+
+log = logging.getLogger(__name__)
+
+LIMIT_FORMULA = "limit = (dense - dense_attention) * N / (B*L) + tree_attention (each visible pair once)"
+MAX_CALL_ROWS = 20  # calls shown in the tables; to_dict() has all of them
+
+
+# ----------------------------------------------------------------------------------------------------
+# tables: plain text, or rich when it is installed
+
+
+@dataclasses.dataclass
+class Table:
+    """A titled table: ``headers``, ``rows`` of str cells (a cell may hold newlines), ``notes`` below it."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        for r in self.rows:
+            if len(r) != len(self.headers):
+                raise ValueError(f"table {self.title!r}: row {r!r} has {len(r)} cells for {len(self.headers)} "
+                                 f"headers")
+
+    def numeric_columns(self) -> list[bool]:
+        """Columns whose non-empty cells all start with a number (right-aligned)."""
+        out = []
+        for i in range(len(self.headers)):
+            cells = [r[i] for r in self.rows if r[i] not in ("", "-")]
+            out.append(bool(cells) and all(_starts_with_number(c) for c in cells))
+        return out
+
+
+@dataclasses.dataclass
+class Code:
+    """A titled block of Python code."""
+
+    title: str
+    text: str
+
+
+def _starts_with_number(cell: str) -> bool:
+    head = cell.split()[0].rstrip("x%").replace(",", "") if cell.split() else ""
+    try:
+        float(head)
+    except ValueError:
+        return False
+    return True
+
+
+def text_table(t: Table, width: int = 110) -> str:
+    """A table as aligned plain text: title, header, rule, rows (multi-line cells), notes wrapped at ``width``."""
+    grid = [[c.splitlines() or [""] for c in row] for row in [t.headers] + t.rows]
+    widths = [max(len(line) for row in grid for line in row[i]) for i in range(len(t.headers))]
+    numeric = t.numeric_columns()
+
+    def lines_of(row, header=False):
+        out = []
+        for k in range(max(len(c) for c in row)):
+            parts = []
+            for i, cell in enumerate(row):
+                s = cell[k] if k < len(cell) else ""
+                parts.append(s.rjust(widths[i]) if numeric[i] and not header else s.ljust(widths[i]))
+            out.append("  ".join(parts).rstrip())
+        return out
+
+    out = [t.title, *lines_of(grid[0], header=True), "  ".join("-" * w for w in widths)]
+    for row in grid[1:]:
+        out += lines_of(row)
+    out += [textwrap.fill(n, width, subsequent_indent="    ") for n in t.notes]
+    return "\n".join(out)
+
+
+def render_text(blocks: Sequence[Any], width: int = 110) -> str:
+    """Plain text of a list of blocks (str lines, :class:`Table`, :class:`Code`), blank line between blocks."""
+    out = []
+    for b in blocks:
+        if isinstance(b, Table):
+            out.append(text_table(b, width))
+        elif isinstance(b, Code):
+            out.append(b.title + "\n" + textwrap.indent(b.text.strip("\n"), "    "))
+        else:
+            out.append(str(b))
+    return "\n\n".join(out)
+
+
+def rich_available() -> bool:
+    """Whether the optional ``rich`` package is installed."""
+    return importlib.util.find_spec("rich") is not None
+
+
+def render_rich(blocks: Sequence[Any], file=None) -> None:
+    """Prints blocks with rich: tables as rich tables, code highlighted in a panel (cells are not markup)."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.syntax import Syntax
+    from rich.table import Table as RichTable
+    from rich.text import Text
+
+    from rich import box
+
+    console = Console(file=file)
+    if not console.is_terminal:  # a file or a pipe: no terminal width to respect
+        console = Console(file=file, width=200)
+    for b in blocks:
+        if isinstance(b, Table):
+            rt = RichTable(title=Text(b.title, style="bold"), title_justify="left", header_style="bold",
+                           box=box.SIMPLE_HEAD)
+            for h, num in zip(b.headers, b.numeric_columns()):
+                rt.add_column(Text(h), justify="right" if num else "left", overflow="fold", no_wrap=num)
+            for row in b.rows:
+                rt.add_row(*(Text(c) for c in row))
+            console.print(rt)
+            for n in b.notes:
+                console.print(Text(n, style="dim"))
+        elif isinstance(b, Code):
+            console.print(Panel(Syntax(b.text.strip("\n"), "python", word_wrap=True), title=Text(b.title)))
+        else:
+            console.print(Text(str(b)))
+
+
+def print_blocks(blocks: Sequence[Any], file=None, rich: Optional[bool] = None) -> None:
+    """Prints blocks with rich when ``rich`` is True or (None) installed, else as plain text."""
+    if rich is None:
+        rich = rich_available()
+    if rich:
+        render_rich(blocks, file)
+    else:
+        print(render_text(blocks), file=file if file is not None else sys.stdout)
+
+
+# ----------------------------------------------------------------------------------------------------
+# formatting
+
+
+def fmt_count(n: Optional[float], unit: str = "", base: int = 1000) -> str:
+    """``1234567`` -> ``"1.23 M"`` + unit; '-' for None."""
+    if n is None:
+        return "-"
+    prefixes = ("", "k", "M", "G", "T", "P") if base == 1000 else ("", "Ki", "Mi", "Gi", "Ti", "Pi")
+    v, i = float(n), 0
+    while abs(v) >= base and i < len(prefixes) - 1:
+        v, i = v / base, i + 1
+    num = f"{v:.0f}" if i == 0 else f"{v:.3g}"
+    return f"{num} {prefixes[i]}{unit}".rstrip()
+
+
+def fmt_flops(n: Optional[float]) -> str:
+    return fmt_count(n, "FLOP")
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    return fmt_count(n, "B", base=1024)
+
+
+def fmt_int(n: Optional[int]) -> str:
+    """``12345`` -> ``"12,345"``; '-' for None."""
+    return "-" if n is None else f"{n:,}"
+
+
+def fmt_ratio(num: Optional[float], den: Optional[float]) -> str:
+    """``num / den`` as ``"1.23x"``; '-' when either is missing or den is 0."""
+    return "-" if num is None or not den else f"{num / den:.2f}x"
+
+
+def _wrap(text: Optional[str], width: int = 64) -> str:
+    return "-" if not text else "\n".join(textwrap.wrap(text, width, break_long_words=True)) or "-"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the report
+
+
+def packed_module(g: GraphRecord) -> Optional[fx.GraphModule]:
+    """The packed GraphModule of a rewritten graph: the owner of its runtime's eager packed callable."""
+    fn = getattr(g.runtime, "eager_packed", None)
+    fn = getattr(fn, "fn", fn)  # unwrap a recording spy
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, fx.GraphModule) else None
+
+
+def brcompile_nodes(gm: Optional[fx.GraphModule]) -> dict[str, int]:
+    """Calls of brcompile ops (``torch.ops.brcompile.*``) and brcompile functions (materialize, packed
+    gathers ...) in a graph, by name, with counts."""
+    counts: collections.Counter = collections.Counter()
+    if gm is None:
+        return {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if getattr(t, "namespace", None) == "brcompile":
+            counts[str(t).split(".")[1]] += 1
+        elif getattr(t, "__module__", "").startswith("brcompile"):
+            counts[getattr(t, "__name__", str(t))] += 1
+    return dict(counts)
+
+
+def _mask_summary(masks: Sequence[str]) -> str:
+    """``("out: causal", "out_2: causal")`` -> ``"causal x2"`` (one line per distinct mask kind)."""
+    kinds = collections.Counter(m.split(": ", 1)[-1] for m in masks)
+    return "\n".join(f"{k} x{n}" if n > 1 else k for k, n in kinds.items()) or "-"
 
 
 @dataclasses.dataclass
 class ExplainReport:
-    """The records of every graph captured by one ``explain`` run, plus the per-call tree stats."""
+    """The records of every graph captured by an ``explain`` run (or a :func:`recording` block) and one
+    entry per call: ``{"graph_id", "replayed", "reason", "tree": TreeStats dict, "cost": dict}``.
+
+    ``cost`` (when measured; see the module docstring): ``backward``, ``dense_flops``,
+    ``dense_attention_flops``, ``dense_saved_bytes``, and for a replayed call ``packed_flops``,
+    ``packed_attention_flops``, ``packed_saved_bytes``, ``limit_flops``; or ``{"skipped": reason}``.
+    """
 
     graphs: list[GraphRecord]
     calls: list[dict]
     stats: runtime.Stats
     result: Any = dataclasses.field(default=None, repr=False)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def rewritten(self) -> list[GraphRecord]:
@@ -27,77 +277,400 @@ class ExplainReport:
     def fallbacks(self) -> list[GraphRecord]:
         return [g for g in self.graphs if not g.rewritten]
 
-    def to_dict(self) -> dict:
+    @staticmethod
+    def graph_dict(g: GraphRecord) -> dict:
+        """One graph record as a JSON-serialisable dict."""
         return {
-            "graphs": [
-                {
-                    "graph_id": g.graph_id, "rewritten": g.rewritten, "reason": g.reason,
-                    "failed_node": g.failed_node, "tree_inputs": list(g.tree_inputs), "masks": list(g.masks),
-                    "materialisations": [dict(zip(("node", "user", "numel", "reason"), m))
-                                         for m in g.materialisations],
-                    "lazy_gathers": list(g.lazy_gathers), "packed_code": g.packed_code,
-                }
-                for g in self.graphs
-            ],
-            "calls": self.calls,
-            "stats": self.stats.to_dict(),
+            "graph_id": g.graph_id, "rewritten": g.rewritten, "reason": g.reason,
+            "failed_node": g.failed_node, "tree_inputs": list(g.tree_inputs), "masks": list(g.masks),
+            "materialisations": [dict(zip(("node", "user", "numel", "reason"), (n, u, int(k), r)))
+                                 for n, u, k, r in g.materialisations],
+            "lazy_gathers": list(g.lazy_gathers), "fused": [str(f) for f in getattr(g, "fused", ())],
+            "brcompile_nodes": brcompile_nodes(packed_module(g)),
+            "original_code": g.original_code, "packed_code": g.packed_code,
         }
 
-    def __str__(self) -> str:
-        out = [f"branch_replay: {len(self.graphs)} graph(s), {len(self.rewritten)} rewritten, "
-               f"{len(self.fallbacks)} fell back"]
+    def to_dict(self) -> dict:
+        """Everything in the report as plain JSON types (``json.dumps`` works on it)."""
+        return {
+            "graphs": [self.graph_dict(g) for g in self.graphs],
+            "calls": self.calls,
+            "stats": self.stats.to_dict(),
+            "notes": list(self.notes),
+            "limit_formula": LIMIT_FORMULA,
+        }
+
+    # --- tables ----------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        replayed = sum(1 for c in self.calls if c["replayed"])
+        return (f"branch_replay: {len(self.graphs)} graph(s), {len(self.rewritten)} rewritten, "
+                f"{len(self.fallbacks)} fell back; {len(self.calls)} call(s), {replayed} replayed, "
+                f"{len(self.calls) - replayed} ran the original graph")
+
+    def graph_table(self) -> Table:
+        has_fused = any(getattr(g, "fused", ()) for g in self.graphs)
+        headers = ["graph", "status", "tree inputs", "attention masks", "materialised", "lazy gathers",
+                   "brcompile nodes"] + (["fused read-outs"] if has_fused else [])
+        rows = []
         for g in self.graphs:
-            out.append("")
             if not g.rewritten:
-                out.append(f"graph {g.graph_id}: FELL BACK — {g.reason}")
-                continue
-            out.append(f"graph {g.graph_id}: REWRITTEN")
-            out.append(f"  tree inputs: {', '.join(g.tree_inputs)}")
-            for m in g.masks:
-                out.append(f"  attention {m}")
-            for node, user, numel, reason in g.materialisations:
-                out.append(f"  materialised {node} ({numel:,} elements) for {user}: {reason}")
-            for n in g.lazy_gathers:
-                out.append(f"  lazy gather {n}: packed[index, targets], no dense [B, L, V]")
-            out.append("  packed graph:")
-            out.extend("    " + line for line in (g.packed_code or "").strip().splitlines())
-        for i, c in enumerate(self.calls):
+                row = [str(g.graph_id), "FELL BACK"] + ["-"] * (len(headers) - 2)
+            else:
+                mats = g.materialisations
+                mat = f"{len(mats)} ({sum(int(m[2]) for m in mats):,} elements)" if mats else "0"
+                special = brcompile_nodes(packed_module(g))
+                row = [str(g.graph_id), "REWRITTEN", "\n".join(g.tree_inputs) or "-", _mask_summary(g.masks), mat,
+                       "\n".join(g.lazy_gathers) or "-",
+                       "\n".join(f"{k} x{n}" for k, n in special.items()) or "-"]
+                if has_fused:
+                    row.append("\n".join(_wrap(str(f), 48) for f in getattr(g, "fused", ())) or "-")
+            rows.append(row)
+        return Table("graphs", headers, rows)
+
+    def fallback_table(self) -> Table:
+        rows = [[str(g.graph_id), g.failed_node or "-", _wrap(g.reason, 80)] for g in self.fallbacks]
+        return Table("graphs that FELL BACK (the original graph runs unchanged)", ["graph", "failed at node", "reason"],
+                     rows)
+
+    def materialisation_table(self) -> Table:
+        rows = [[str(g.graph_id), node, user, f"{int(numel):,}", _wrap(reason, 60)]
+                for g in self.rewritten for node, user, numel, reason in g.materialisations]
+        return Table("materialisations (a packed value gathered to dense [B, L, ...]; elements at capture)",
+                     ["graph", "value", "used by", "elements", "why"], rows)
+
+    def call_tables(self, max_calls: int = MAX_CALL_ROWS) -> list[Table]:
+        shown = list(enumerate(self.calls))[:max_calls]
+        tree_rows, cost_rows, notes, cost_notes = [], [], [], []
+        for i, c in shown:
             t = c.get("tree") or {}
-            state = "replayed" if c["replayed"] else f"original ({c['reason']})"
-            out.append(f"call {i}: {state}; rows {t.get('rows')}, logical {t.get('logical_tokens')}, "
-                       f"executed {t.get('executed_tokens')}, dedup {t.get('dedup_ratio', 0):.2f}x, "
-                       f"depth {t.get('depth')}, segments {t.get('segments')}")
+            tree_rows.append([str(i), str(c["graph_id"]), "packed" if c["replayed"] else "original",
+                              *(fmt_int(t.get(k)) for k in ("rows", "logical_tokens", "valid_tokens",
+                                                            "executed_tokens")),
+                              fmt_ratio(t.get("logical_tokens"), t.get("executed_tokens")),
+                              fmt_int(t.get("depth")), fmt_int(t.get("segments"))])
+            if not c["replayed"]:
+                notes.append(f"call {i} (graph {c['graph_id']}) ran the original graph: {c.get('reason')}")
+            cost = c.get("cost")
+            if cost is None:
+                continue
+            if "skipped" in cost:
+                cost_notes.append(f"call {i}: not measured: {cost['skipped']}")
+                continue
+            d, p, lim = cost.get("dense_flops"), cost.get("packed_flops"), cost.get("limit_flops")
+            ds, ps = cost.get("dense_saved_bytes"), cost.get("packed_saved_bytes")
+            cost_rows.append([str(i), "fwd+bwd" if cost.get("backward") else "fwd", fmt_flops(d), fmt_flops(p),
+                              fmt_flops(lim), fmt_ratio(d, p), fmt_ratio(p, lim), fmt_ratio(d, lim),
+                              fmt_bytes(ds), fmt_bytes(ps), fmt_bytes(None if ps is None else ds - ps)])
+        if len(self.calls) > max_calls:
+            notes.append(f"... {len(self.calls) - max_calls} more call(s) (all of them in to_dict())")
+        tables = [Table("calls: the prefix tree of each batch",
+                        ["call", "graph", "ran", "rows", "logical B*L", "valid", "executed N", "dedup", "depth",
+                         "segments"], tree_rows, notes)]
+        if cost_rows or cost_notes:
+            cost_notes = ["FLOPs of one run of the eager graphs on the call's inputs (matmuls and attention, "
+                          "as torch's flop counter counts); " + LIMIT_FORMULA + "; dense attention counts the "
+                          "full score matrix.", *cost_notes]
+            tables.append(Table("calls: predicted cost (dense = original graph, packed = rewritten graph)",
+                                ["call", "run", "dense", "packed", "limit", "dense/packed", "packed/limit",
+                                 "dense/limit", "saved for bwd: dense", "packed", "saving"], cost_rows, cost_notes))
+        return tables
+
+    def blocks(self, code: bool = True, max_calls: int = MAX_CALL_ROWS) -> list:
+        """The report as a list of blocks (str, :class:`Table`, :class:`Code`) for the renderers."""
+        out: list = [self.summary(), self.graph_table()]
+        if self.fallbacks:
+            out.append(self.fallback_table())
+        if any(g.materialisations for g in self.rewritten):
+            out.append(self.materialisation_table())
+        out += self.call_tables(max_calls)
+        if code:
+            out += [Code(f"graph {g.graph_id}: packed graph", g.packed_code or "") for g in self.rewritten]
         out.append(str(self.stats))
-        return "\n".join(out)
+        out += list(self.notes)
+        return out
+
+    def render_text(self, code: bool = True, max_calls: int = MAX_CALL_ROWS) -> str:
+        """The report as plain-text tables."""
+        return render_text(self.blocks(code, max_calls))
+
+    def print(self, file=None, *, code: bool = True, rich: Optional[bool] = None,
+              max_calls: int = MAX_CALL_ROWS) -> None:
+        """Prints the report: rich tables when rich is installed (or ``rich=True``), else plain text."""
+        print_blocks(self.blocks(code, max_calls), file=file, rich=rich)
+
+    def __str__(self) -> str:
+        return self.render_text()
 
 
-def explain(fn, *args, backend: Optional[BranchReplayBackend] = None, **kwargs) -> ExplainReport:
-    """Compile ``fn`` with a fresh branch_replay backend, call it once on ``args``, and report.
+# ----------------------------------------------------------------------------------------------------
+# recording: a backend that logs (and measures) every call of every graph it compiles
 
-    ``str(report)`` shows each captured graph (rewritten or the fallback reason, the packed graph's code,
-    materialisations and lazy gathers) and each call's tree stats; ``report.to_dict()`` is for tools.
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul}
+
+
+def mutating_node(gm: fx.GraphModule) -> Optional[str]:
+    """The first node of ``gm`` that may mutate a tensor in place (``x.add_``, ``operator.iadd``, a mutable
+    op schema, ``inplace=True``), formatted; None when there is none. Best effort, on the side of caution."""
+    for n in gm.graph.nodes:
+        if n.op == "call_method":
+            name = str(n.target)
+        elif n.op == "call_function":
+            if n.target in _INPLACE_OPERATORS:
+                return n.format_node()
+            if getattr(n.target, "__module__", None) in ("_operator", "operator"):
+                continue  # operator.and_, operator.not_ ...: the trailing "_" is not in-place
+            schema = getattr(n.target, "_schema", None)
+            if schema is not None and schema.is_mutable:
+                return n.format_node()
+            name = getattr(n.target, "__name__", "")
+        else:
+            continue
+        if (name.endswith("_") and not name.startswith("_")) or n.kwargs.get("inplace") is True:
+            return n.format_node()
+    return None
+
+
+class _ArgSpy:
+    """Stands in for a runtime's callable attribute: remembers whether it was called, and with what."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.called = False
+        self.last: Optional[tuple] = None
+
+    def __call__(self, *args):
+        self.called, self.last = True, args
+        return self.fn(*args)
+
+    def reset(self) -> None:
+        self.called, self.last = False, None
+
+
+def _spy_on(obj: Any, name: str) -> Optional[_ArgSpy]:
+    """Replaces ``obj.name`` (a callable) by an :class:`_ArgSpy` of it; None when there is none to replace."""
+    fn = getattr(obj, name, None)
+    if fn is None or isinstance(fn, _ArgSpy):
+        return fn
+    spy = _ArgSpy(fn)
+    try:
+        setattr(obj, name, spy)
+    except (AttributeError, TypeError):  # a read-only attribute: this runtime is not spied on
+        return None
+    return spy
+
+
+def _unwrap(fn: Any) -> Any:
+    return fn.fn if isinstance(fn, _ArgSpy) else fn
+
+
+def _cuda_devices(args: Sequence[Any]) -> list[int]:
+    return sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+
+
+class _LoggedRuntime:
+    """The callable a :class:`RecordingBackend` returns: runs the backend's runtime, then logs the call."""
+
+    def __init__(self, owner: "RecordingBackend", graph_id: int, rt: Callable):
+        self.owner, self.graph_id, self.rt = owner, graph_id, rt
+        self.spies = {name: _spy_on(rt, name) for name in ("packed", "eager_packed", "original")}
+        self.measured = 0
+
+    def __call__(self, *args):
+        calls = getattr(self.rt, "calls", None)
+        n_logged = len(calls) if calls is not None else 0
+        for s in self.spies.values():
+            if s is not None:
+                s.reset()
+        out = self.rt(*args)
+        entry = self._entry(calls, n_logged)
+        if self.owner.measure and self.measured < self.owner.measure_calls:
+            self.measured += 1
+            entry["cost"] = self._cost(args, entry)
+        self.owner.calls.append(entry)
+        for s in self.spies.values():  # drop the references to this call's tensors
+            if s is not None:
+                s.reset()
+        return out
+
+    def _packed_spy(self) -> Optional[_ArgSpy]:
+        for name in ("packed", "eager_packed"):
+            s = self.spies[name]
+            if s is not None and s.called:
+                return s
+        return None
+
+    def _entry(self, calls, n_logged: int) -> dict:
+        if calls is not None and len(calls) > n_logged:
+            c = calls[-1]
+            return {"graph_id": self.graph_id, "replayed": bool(c.replayed), "reason": c.reason,
+                    "tree": c.tree_stats}
+        replayed = self._packed_spy() is not None
+        tree = getattr(self.rt, "last_tree", None)
+        reason = None if replayed else getattr(self.rt, "reason", "the runtime ran the original graph")
+        return {"graph_id": self.graph_id, "replayed": replayed, "reason": reason,
+                "tree": None if tree is None else tree.stats.to_dict()}
+
+    def _cost(self, args: tuple, entry: dict) -> dict:
+        """FLOPs and bytes saved for backward of the eager original graph and, for a replayed call, of the
+        eager packed graph on the same tree; the limit (module docstring)."""
+        from brcompile.bench import limit_flops, measure_fwd_bwd
+
+        original = _unwrap(getattr(self.rt, "original", None))
+        if original is None:
+            return {"skipped": "the runtime has no original graph to re-run"}
+        gm = getattr(original, "__self__", None)
+        mutation = mutating_node(gm) if isinstance(gm, fx.GraphModule) else None
+        if mutation is not None:
+            return {"skipped": f"the graph mutates a tensor in place (`{mutation}`); it is not run again"}
+        spy = self._packed_spy() if entry["replayed"] else None
+        eager_packed = _unwrap(getattr(self.rt, "eager_packed", None))
+        try:
+            with torch.random.fork_rng(devices=_cuda_devices(args)):
+                dense = measure_fwd_bwd(original, args)
+                packed = None
+                if spy is not None and eager_packed is not None:
+                    packed = measure_fwd_bwd(eager_packed, spy.last)
+        except Exception as e:  # a diagnostic must never break the user's run
+            log.warning("explain: measuring graph %d failed", self.graph_id, exc_info=True)
+            return {"skipped": f"measuring failed: {type(e).__name__}: {e}"}
+        cost = {"backward": dense.backward, "dense_flops": dense.flops,
+                "dense_attention_flops": dense.attention_flops, "dense_saved_bytes": dense.saved_bytes}
+        if packed is not None:
+            cost.update(packed_flops=packed.flops, packed_attention_flops=packed.attention_flops,
+                        packed_saved_bytes=packed.saved_bytes)
+            tree = entry.get("tree")
+            if tree and tree.get("logical_tokens"):
+                cost["limit_flops"] = limit_flops(dense, tree["logical_tokens"], tree["executed_tokens"],
+                                                  packed.attention_flops)
+        return cost
+
+
+class _Bound:
+    """A torch.compile backend: ``RecordingBackend.compile_with(backend, ...)`` for one given backend."""
+
+    def __init__(self, owner: "RecordingBackend", backend: BranchReplayBackend):
+        self.owner, self.backend = owner, backend
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, options: Optional[dict] = None):
+        return self.owner.compile_with(self.backend, gm, example_inputs, options)
+
+
+class RecordingBackend:
+    """A torch.compile backend that compiles with a :class:`BranchReplayBackend` and logs every call of every
+    graph it returns (tree stats; with ``measure``, the predicted cost of the first ``measure_calls`` calls
+    of each graph). ``report()`` gives the :class:`ExplainReport` of everything since it was created."""
+
+    def __init__(self, backend: Optional[BranchReplayBackend] = None, *, measure: bool = True,
+                 measure_calls: int = 4):
+        self.backend = backend if backend is not None else BranchReplayBackend()
+        self.measure = measure
+        self.measure_calls = measure_calls
+        self.graphs: list[GraphRecord] = []
+        self.calls: list[dict] = []
+        self.left_alone: collections.Counter = collections.Counter()
+        self.dropped_options: list[str] = []
+        self._stats_before = runtime.stats()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, options: Optional[dict] = None):
+        return self.compile_with(self.backend, gm, example_inputs, options)
+
+    def compile_with(self, backend: BranchReplayBackend, gm: fx.GraphModule, example_inputs,
+                     options: Optional[dict] = None):
+        """Compiles ``gm`` with ``backend``; the graph's record joins this recording, numbered in order."""
+        n = len(backend.records)
+        rt = backend(gm, example_inputs, options)
+        if len(backend.records) != n + 1:
+            raise RuntimeError(f"{type(backend).__name__} kept {len(backend.records) - n} records for one graph")
+        rec = backend.records[-1]
+        gid = len(self.graphs)
+        self.graphs.append(rec if rec.graph_id == gid else dataclasses.replace(rec, graph_id=gid))
+        return _LoggedRuntime(self, gid, rt)
+
+    def redirect(self, kwargs: dict, take_over_default: bool = True) -> dict:
+        """``torch.compile`` keyword arguments with the backend replaced by this recording when it is
+        branch_replay (by name, function or object) or, with ``take_over_default``, the default "inductor"
+        (its ``mode``/``options`` are Inductor's, so they are dropped). Other backends are left alone."""
+        kwargs = dict(kwargs)
+        be = kwargs.get("backend", "inductor")
+        if isinstance(be, (RecordingBackend, _Bound)):
+            return kwargs
+        if isinstance(be, BranchReplayBackend):
+            kwargs["backend"] = _Bound(self, be)
+        elif be is branch_replay or (isinstance(be, str) and be == "branch_replay"):
+            kwargs["backend"] = self
+        elif isinstance(be, str) and be == "inductor" and take_over_default:
+            dropped = {k: kwargs.pop(k) for k in ("mode", "options") if kwargs.get(k) is not None}
+            if dropped:
+                self.dropped_options.append(f"{dropped}")
+            kwargs["backend"] = self
+        else:
+            self.left_alone[be if isinstance(be, str) else getattr(be, "__name__", type(be).__name__)] += 1
+        return kwargs
+
+    def report(self, result: Any = None) -> ExplainReport:
+        notes = [f"torch.compile(backend={name!r}) left alone x{n}" for name, n in self.left_alone.items()]
+        notes += [f"Inductor settings dropped (the graph compiled with branch_replay): {d}"
+                  for d in self.dropped_options]
+        return ExplainReport(list(self.graphs), list(self.calls), stats_delta(self._stats_before, runtime.stats()),
+                             result, notes)
+
+
+def stats_delta(before: runtime.Stats, after: runtime.Stats) -> runtime.Stats:
+    """The counters accumulated between two ``brcompile.stats()`` snapshots (every numeric and Counter field;
+    other fields as in ``after``)."""
+    delta = {}
+    for f in dataclasses.fields(runtime.Stats):
+        a, b = getattr(after, f.name), getattr(before, f.name)
+        if isinstance(a, collections.Counter):
+            delta[f.name] = a - b
+        elif isinstance(a, (int, float)) and not isinstance(a, bool):
+            delta[f.name] = a - b
+        else:
+            delta[f.name] = a
+    return runtime.Stats(**delta)
+
+
+@contextlib.contextmanager
+def recording(backend: Optional[BranchReplayBackend] = None, *, measure: bool = True, measure_calls: int = 4,
+              take_over_default: bool = True):
+    """Within the block, ``torch.compile`` (also ``nn.Module.compile``) compiles with branch_replay and records:
+    calls that name branch_replay, and with ``take_over_default`` those using the default backend; other
+    backends are left alone (and listed in the report). Yields the :class:`RecordingBackend`.
+
+        from brcompile.explain import recording
+
+        with recording() as rec:
+            train_step()                 # calls torch.compile(...) somewhere
+        rec.report().print()
     """
-    be = backend or BranchReplayBackend()
-    before = runtime.stats()
+    rec = RecordingBackend(backend, measure=measure, measure_calls=measure_calls)
+    real_compile = torch.compile
+
+    def compile_with_recording(model=None, **kwargs):
+        return real_compile(model, **rec.redirect(kwargs, take_over_default))
+
+    compile_with_recording.__doc__ = real_compile.__doc__
+    compile_with_recording.__wrapped__ = real_compile
+    torch.compile = compile_with_recording
+    try:
+        yield rec
+    finally:
+        torch.compile = real_compile
+
+
+def explain(fn, *args, backend: Optional[BranchReplayBackend] = None, measure: bool = True,
+            **kwargs) -> ExplainReport:
+    """Compile ``fn`` with a recording branch_replay backend (``backend``'s options, or the defaults), call it
+    once on ``args``/``kwargs`` and report (see the module docstring; ``report.result`` is fn's result).
+
+    ``measure`` re-runs the eager original and packed graphs of each call once, forward and backward, to
+    count FLOPs and the bytes saved for backward (no ``.grad`` is touched).
+    """
+    rec = RecordingBackend(backend, measure=measure)
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=be)
+    compiled = torch.compile(fn, backend=rec)
     result = compiled(*args, **kwargs)
-    calls = []
-    for g in be.records:
-        for c in getattr(g.runtime, "calls", []):
-            calls.append({"graph_id": g.graph_id, "replayed": c.replayed, "reason": c.reason,
-                          "tree": c.tree_stats})
-    for g in be.records:
-        if not g.rewritten:
-            calls.append({"graph_id": g.graph_id, "replayed": False, "reason": g.reason, "tree": None})
-    after = runtime.stats()
-    delta = runtime.Stats(
-        replayed_calls=after.replayed_calls - before.replayed_calls,
-        fallback_calls=after.fallback_calls - before.fallback_calls,
-        logical_tokens=after.logical_tokens - before.logical_tokens,
-        executed_tokens=after.executed_tokens - before.executed_tokens,
-        compiled_graphs=after.compiled_graphs - before.compiled_graphs,
-        rewritten_graphs=after.rewritten_graphs - before.rewritten_graphs,
-        fallback_reasons=after.fallback_reasons - before.fallback_reasons,
-    )
-    return ExplainReport(list(be.records), calls, delta, result)
+    return rec.report(result)

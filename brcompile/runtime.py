@@ -5,7 +5,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -89,14 +89,16 @@ class CallRecord:
 class ReplayRuntime:
     """The callable the backend returns for a rewritten graph.
 
-    Each call builds the prefix tree of the tree inputs, and runs the packed graph when the batch shares
-    enough (``dedup_ratio >= min_dedup``), else the original graph, recording why.
+    Each call checks the rewrite's per-call guards (``passes.guards``), builds the prefix tree of the tree
+    inputs, and runs the packed graph when the guards hold and the batch shares enough
+    (``dedup_ratio >= min_dedup``), else the original graph, recording why.
     """
 
     def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
                  keypad_position: Optional[int], min_dedup: float, max_calls_logged: int = 64,
-                 eager_packed: Optional[Callable] = None):
+                 eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = ()):
         self.original = original
+        self.guards = tuple(guards)  # passes.guards.BatchGuard: args -> None or the reason to fall back
         self.packed = packed
         self.eager_packed = eager_packed
         self.tree_positions = tree_positions
@@ -111,6 +113,13 @@ class ReplayRuntime:
             self.calls.append(rec)
 
     def __call__(self, *args):
+        for guard in self.guards:
+            reason = guard(args)
+            if reason is not None:
+                _record(fallback_calls=1, reason=reason)
+                self._log_call(CallRecord(False, None, reason))
+                log.debug("branch_replay call falls back: %s", reason)
+                return self.original(*args)
         per_token = [args[i] for i in self.tree_positions]
         mask = None if self.keypad_position is None else args[self.keypad_position]
         tree = build_tree(per_token, attention_mask=mask)

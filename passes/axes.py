@@ -299,6 +299,8 @@ def is_inplace(node: fx.Node) -> bool:
             return True
         if "out" in node.kwargs:
             return True
+        if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+            return False  # operator.and_/or_/xor/not_ are named with a trailing "_" but are pure
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.startswith("_") and not name.endswith("__")
     return False

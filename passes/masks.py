@@ -115,9 +115,21 @@ def _probe(x: torch.Tensor, gen: torch.Generator, i: int) -> torch.Tensor:
             p = torch.arange(L)[None, :] < lens
         else:
             p = torch.rand(B, L, generator=gen) < 0.6
-        return p.to(x.dtype)
+        return p.to(device=x.device, dtype=x.dtype)
     lo, hi = int(x.min()), int(x.max()) + 2
-    return torch.randint(lo, max(hi, lo + 2), (B, L), generator=gen).to(x.dtype)
+    return torch.randint(lo, max(hi, lo + 2), (B, L), generator=gen).to(device=x.device, dtype=x.dtype)
+
+
+def _trials(values: dict, inputs: Sequence[fx.Node], num_probes: int = NUM_PROBES) -> list[dict]:
+    """The given values, then ``num_probes`` copies with random 0/1 patterns (or ids) for ``inputs``."""
+    gen = torch.Generator().manual_seed(0)
+    trials = [dict(values)]
+    for i in range(num_probes):
+        v = dict(values)
+        for t in inputs:
+            v[t] = _probe(values[t], gen, i)
+        trials.append(v)
+    return trials
 
 
 def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
@@ -130,20 +142,83 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
                 and not is_static_input(n):
             raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
     candidates: list[Optional[fx.Node]] = [None] + inputs
-    gen = torch.Generator().manual_seed(0)
-    trials = [dict(values)]
-    for i in range(NUM_PROBES):
-        v = dict(values)
-        for t in inputs:
-            v[t] = _probe(values[t], gen, i)
-        trials.append(v)
+    trials = _trials(values, inputs)
     for cand in candidates:
         if all(_matches(evaluate(mask, v), cand, v, attn) for v in trials):
             info = MaskInfo("causal" if cand is None else "causal+keypad", cand)
             log.debug("mask of %s: %s", attn.name, info)
             return info
+    window = sliding_window(evaluate(mask, values), attn)
+    if window is not None:
+        raise CannotReplay(f"sliding-window attention (window {window} < sequence length "
+                           f"{visible(evaluate(mask, values), attn).shape[-1]}): tree attention sees every "
+                           "ancestor, so this mask is not supported", attn)
     raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input "
                        "(sliding window, prefix-LM and bias masks are not supported)", attn)
+
+
+def sliding_window(mask: torch.Tensor, attn: fx.Node) -> Optional[int]:
+    """``w`` when the visible pairs are causal and within ``w`` positions (``i - w < j <= i``) wherever
+    the mask shows a key at all, with ``w`` smaller than the length; else None (a diagnosis only)."""
+    vis = visible(mask, attn)
+    if vis.dim() < 2 or vis.shape[-1] != vis.shape[-2] or not bool(vis.any()):
+        return None
+    L = vis.shape[-1]
+    i = torch.arange(L)[:, None]
+    j = torch.arange(L)[None, :]
+    if bool((vis & (j > i)).any()):
+        return None
+    w = int(((i - j).expand_as(vis))[vis].max()) + 1
+    return w if w < L else None
+
+
+def symbolic_inputs(mask: fx.Node, values: dict[fx.Node, object]) -> list[fx.Node]:
+    """The SymInt placeholders (dynamic sizes) the mask subgraph reads."""
+    return [n for n in ancestors(mask) if n.op == "placeholder" and (
+        isinstance(values.get(n), torch.SymInt) or isinstance(n.meta.get("example_value"), torch.SymInt))]
+
+
+def meaning_guard(attn: fx.Node, mask: fx.Node, info: MaskInfo, tree_inputs: Sequence[fx.Node],
+                  placeholders: Sequence[fx.Node], values: dict[fx.Node, object]):
+    """A per-call guard for a mask whose subgraph reads dynamic sizes, or None when it reads none.
+
+    ``classify`` ran at the example sizes only. A mask built for symbolic sizes can mean something else
+    at other sizes — a sliding window of w is plain causal while L <= w — so for every new value of the
+    sizes it reads, the guard re-runs the check on the call's own inputs and two probes of their shape
+    (cost: the original's own mask construction, once per distinct size), and caches the verdict."""
+    from brcompile.passes.guards import BatchGuard  # local: guards has no pass dependencies
+
+    syms = symbolic_inputs(mask, values)
+    if not syms:
+        return None
+    anc = set(ancestors(mask))
+    pos = {n: placeholders.index(n) for n in anc if n.op == "placeholder"}
+    inputs = [t for t in tree_inputs if t in anc]
+    verdicts: dict[tuple, Optional[str]] = {}
+
+    def check(args):
+        key = tuple(int(args[pos[s]]) for s in syms)
+        if key not in verdicts:
+            vals = {n: args[i] for n, i in pos.items()}
+            try:
+                ok = all(_matches(evaluate(mask, v), info.keypad, v, attn) for v in _trials(vals, inputs, 2))
+            except CannotReplay:  # a bias at these sizes
+                ok = False
+            verdicts[key] = None if ok else _size_reason(attn, mask, info, vals, dict(zip(
+                (s.name for s in syms), key)))
+        return verdicts[key]
+
+    return BatchGuard(f"mask of {attn.name} is {info} at every size ({', '.join(s.name for s in syms)})", check)
+
+
+def _size_reason(attn, mask, info, vals, sizes) -> str:
+    """Why a mask classified at the example sizes is not ``info`` at ``sizes`` (a guard's reason)."""
+    try:
+        w = sliding_window(evaluate(mask, vals), attn)
+    except CannotReplay:
+        w = None
+    what = f"sliding-window attention (window {w})" if w is not None else f"not {info}"
+    return f"the mask of {attn.name} is {what} at sizes {sizes}; it was {info} at the compile-time sizes"
 
 
 def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn) -> bool:
@@ -153,11 +228,11 @@ def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn) -> bool:
     Lq, Lk = vis.shape[-2:]
     if Lq != Lk:
         return False
-    causal = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+    causal = torch.ones(Lq, Lk, dtype=torch.bool, device=vis.device).tril()
     if cand is None:
         expected = causal
     else:
-        kp = values[cand] != 0  # [B, L]
+        kp = (values[cand] != 0).to(vis.device)  # [B, L]
         expected = causal[None, None] & kp[:, None, None, :]
     try:
         a, b = torch.broadcast_tensors(vis, expected)
@@ -166,4 +241,5 @@ def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn) -> bool:
     return bool((a == b).all())
 
 
-__all__ = ["MaskInfo", "classify", "mask_only_nodes", "ancestors", "evaluate", "visible"]
+__all__ = ["MaskInfo", "classify", "mask_only_nodes", "ancestors", "evaluate", "visible", "sliding_window",
+           "meaning_guard", "symbolic_inputs"]

@@ -25,6 +25,8 @@ from brcompile.passes.axes import (
     AxesContext, CannotReplay, Materialisation, Window, example_value, get_axes, hint, node_args,
     propagate, rule_for, shape_of,
 )
+from brcompile.passes.guards import BatchGuard
+from brcompile.passes.rules import eager_attention
 from brcompile.passes.rules.attention import SDPA
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ _CHEAP = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "ex
 @dataclasses.dataclass
 class PackOptions:
     attention: str = "auto"
+    fuse_logprob: bool = True  # LM head -> log_softmax -> gather/cross_entropy as brcompile::packed_logprob
 
 
 @dataclasses.dataclass
@@ -54,6 +57,8 @@ class Analysis:
     attentions: list[fx.Node]
     masks: dict[fx.Node, masks_mod.MaskInfo]
     placeholders: list[fx.Node]
+    guards: list[BatchGuard] = dataclasses.field(default_factory=list)  # per-call (passes.guards)
+    canonical: list[str] = dataclasses.field(default_factory=list)  # what canonicalisation rewrote
 
     @property
     def tree_input_positions(self) -> list[int]:
@@ -93,10 +98,15 @@ def find_token_ids(gm: fx.GraphModule) -> fx.Node:
 
 
 def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool = True) -> Analysis:
-    """Check the graph and give every node its token-axis fact; raise CannotReplay with a reason."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(example_inputs):
+    """Check the graph and give every node its token-axis fact; raise CannotReplay with a reason.
+
+    Works on a canonical copy of ``gm`` (eager attention as SDPA, attention scalars as guarded
+    constants: :mod:`.rules.eager_attention`); ``gm`` itself is not modified."""
+    if len([n for n in gm.graph.nodes if n.op == "placeholder"]) != len(example_inputs):
         raise CannotReplay("example inputs do not match the graph's placeholders")
+    canon = eager_attention.canonicalize(gm, example_inputs)
+    gm = canon.gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # SymInt inputs (dynamic capture) become their example ints: evaluating the mask subgraph on them
     # must not add guards to the user's graph.
     values = {p: hint(v) for p, v in zip(placeholders, example_inputs)}
@@ -133,7 +143,15 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training)
     ctx.notes.update(classified)
     propagate(ctx)
-    return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders)
+    guards = canon.guards + eager_attention.mask_guards(canon, classified, placeholders)
+    raw = dict(zip(placeholders, example_inputs))
+    for m in dict.fromkeys(m for a, m in zip(attentions, mask_args) if a in classified and isinstance(m, fx.Node)):
+        a = next(a for a, mm in zip(attentions, mask_args) if mm is m)
+        g = masks_mod.meaning_guard(a, m, classified[a], tree_inputs, placeholders, raw)
+        if g is not None:  # the mask reads dynamic sizes: re-check its meaning per new size
+            guards.append(g)
+    return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
+                    guards, canon.notes)
 
 
 def _is_token_shaped(p: fx.Node, B: int, L: int) -> bool:

@@ -10,8 +10,9 @@ row, one program per row, BLOCK_V columns at a time, in float32::
     H        = -sum_v p log p,   log p = z - lse               (second pass, only when asked)
     draw     = (-p G - GH p (log p + H)) * scale * (1 - tanh^2(raw / softcap))    (backward, in place)
 
-``_logprob_row_stats`` writes lse [C] (and H [C]); ``_logprob_row_grad`` overwrites the chunk with
-draw (the one-hot target term and the matmuls stay in torch). Passes: 1 (lse), +1 (H), +1 (draw). Every
+``_logprob_row_stats`` writes lse [C] (and H [C]), the requests' log-probs are ``z[rows, targets] - lse``;
+``_logprob_row_grad`` overwrites the chunk with draw (the one-hot target term and the matmuls stay in
+torch). Passes: 1 (lse), +1 (H), +1 (draw). Every
 load and store is masked (the interpreter does not bounds-check). tanh is ``sign(y) (1 - e) / (1 + e)``
 with ``e = exp(-2 |y|)`` (no overflow; absolute error ~1e-7 in float32).
 
@@ -27,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from brcompile.backends.logprob import LogprobImpl, register_logprob_impl
+from brcompile.backends.logprob import LogprobImpl, register_logprob_impl, softcap_logits
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RowConfig", "is_interpreter", "row_grad", "row_stats"]
+__all__ = ["RowConfig", "is_interpreter", "row_forward", "row_grad", "row_stats"]
 
 
 @triton.jit
@@ -188,7 +189,17 @@ def row_stats(raw: torch.Tensor, scale: float, softcap: float, want_entropy: boo
     return lse, (ent if want_entropy else None)
 
 
-def row_grad(raw: torch.Tensor, scale: float, softcap: float, G, GH, config: RowConfig = DEFAULT_CONFIG):
+def row_forward(raw: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, scale: float, softcap: float,
+                want_entropy: bool, work=None, config: RowConfig = DEFAULT_CONFIG):
+    """(logp of the requests [r], entropy [C] or None): ``z[rows, targets] - lse[rows]`` with lse (and
+    the entropy) from :func:`row_stats`; the requests' logits are transformed in torch."""
+    z_t = softcap_logits(raw[rows, targets], scale, softcap)
+    lse, ent = row_stats(raw, scale, softcap, want_entropy, config)
+    return z_t - lse[rows], ent
+
+
+def row_grad(raw: torch.Tensor, scale: float, softcap: float, G, GH, work=None,
+             config: RowConfig = DEFAULT_CONFIG):
     """Overwrite ``raw`` [C, V] (float32) with d(-sum G lse + sum GH H)/d raw and return it."""
     _check_chunk(raw)
     C, V = raw.shape
@@ -203,7 +214,7 @@ def row_grad(raw: torch.Tensor, scale: float, softcap: float, G, GH, config: Row
 
 
 register_logprob_impl(LogprobImpl(
-    "triton", row_stats, row_grad,
+    "triton", row_forward, row_grad,
     device_types=None if is_interpreter() else frozenset({"cuda"}),
     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
 ))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from brcompile.passes.axes import (
     DENSE, AxesContext, dense_fallback, get_axes, normalize_dim, register_rule,
 )
+from brcompile.passes.rules.logprob import emit_fused_gather
 
 SDPA = [F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention]
 
@@ -74,6 +75,9 @@ def emit_gather(pk, node):
     note = pk.notes.get(node)
     if note != "lazy_gather":
         return pk.copy(node)
+    fused = emit_fused_gather(pk, node)  # head -> log_softmax -> gather as brcompile::packed_logprob
+    if fused is not None:
+        return fused
     x, dim, idx = node.args[0], node.args[1], node.args[2]
     ax = get_axes(x)
     return pk.graph.call_function(

@@ -283,6 +283,8 @@ def emit_getitem(pk, node):
     """The same index on the packed data, with token dims left whole (their slicing went to the index)."""
     x = node.args[0]
     ax = get_axes(x)
+    if isinstance(example_value(x), (tuple, list)):
+        return pk.copy(node)  # an element of a split/chunk result, not tensor indexing
     entries = _normalize_index(node.args[1], ax.ndim)
     new = []
     for d_in, _, e in _walk_index(entries):

@@ -87,6 +87,13 @@ def test_inplace_on_token_value_refused():
         facts(f, torch.randint(0, V, (B, L)))
 
 
+def test_logical_operators_are_not_inplace():
+    """operator.and_ / or_ end in "_" but are pure: a mask built from the ids is fine."""
+    ax, _ = facts(lambda ids: EMB(ids) * ((ids != 0) & (ids != 5) | (ids == 3))[..., None],
+                  torch.randint(0, V, (B, L)))
+    assert str(ax) == "token(row=0, pos=1)"
+
+
 def test_materialisation_is_recorded():
     _, ctx = facts(lambda ids: EMB(ids).mean(0), torch.randint(0, V, (B, L)))
     (m,) = ctx.materialised.values()

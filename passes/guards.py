@@ -1,0 +1,79 @@
+"""Per-call guards: conditions a rewrite assumed about the *values* of a call's inputs.
+
+Dynamo guards the shapes and Python constants a graph was captured with; a rewrite can rely on more than
+that, and each such assumption becomes a :class:`BatchGuard`. The runtime evaluates the guards of a
+graph on every call (before building the prefix tree); when one fails it runs the original graph and
+records the guard's reason — a fallback, never a wrong number. Examples:
+
+* a float read by ``.item()`` from a graph input (Dynamo's unspecialised floats under ``dynamic=True``:
+  ``attention_dropout``, ``scaling``) was specialised to its compile-time value;
+* an additive float mask (HF eager attention) was replaced by tree attention, which agrees with it only
+  where every query sees at least one key (a fully masked row is uniform or NaN in the original).
+
+A guard reads only the graph's inputs (by placeholder position) and costs O(B) at most.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGuard:
+    """``check(args) -> None`` when the packed graph is exact for this call, else the reason it is not.
+
+    ``what`` names the assumption for reports (``explain``)."""
+
+    what: str
+    check: Callable[[Sequence[object]], Optional[str]]
+
+    def __call__(self, args: Sequence[object]) -> Optional[str]:
+        return self.check(args)
+
+    def __str__(self) -> str:
+        return self.what
+
+
+def scalar_equals(position: int, value: float, what: str) -> BatchGuard:
+    """Input ``position`` (a 0-dim tensor or a Python number) must equal ``value`` exactly."""
+
+    def check(args):
+        x = args[position]
+        got = x.item() if isinstance(x, torch.Tensor) else x
+        if got != value:
+            return f"{what} is {got} in this call; the packed graph was specialised to {value}"
+        return None
+
+    return BatchGuard(f"{what} == {value} (input {position})", check)
+
+
+def no_query_without_keys(position: int, what: str) -> BatchGuard:
+    """For a causal & key-padding mask from the [B, L] input at ``position``: every query sees a key
+    iff every row's first position is a real token (``X[b, 0] != 0``) — no left padding, no empty row."""
+
+    def check(args):
+        x = args[position]
+        if x.shape[-1] > 0 and not bool((x[:, 0] != 0).all()):
+            return (f"{what}: a row starts with padding, so a query sees no key; the original graph's "
+                    "additive mask makes such a row uniform (or NaN), tree attention makes it 0")
+        return None
+
+    return BatchGuard(f"{what}: no left padding (input {position}[:, 0] != 0)", check)
+
+
+def first_failure(guards: Sequence[BatchGuard], args: Sequence[object]) -> Optional[str]:
+    """The reason of the first failing guard, or None when all hold."""
+    for g in guards:
+        reason = g(args)
+        if reason is not None:
+            log.debug("branch_replay guard failed: %s", reason)
+            return reason
+    return None
+
+
+__all__ = ["BatchGuard", "scalar_equals", "no_query_without_keys", "first_failure"]

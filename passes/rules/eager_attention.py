@@ -1,0 +1,476 @@
+"""Attention in canonical form, before the analysis: eager attention chains become
+``scaled_dot_product_attention`` nodes, and attention scalars read from graph inputs become constants.
+
+**Eager attention.** HuggingFace's ``eager_attention_forward`` (and any model written the same way)
+computes, with ``k``/``v`` already expanded to the query heads (``repeat_kv``)::
+
+    s = matmul(q, k.transpose(-2, -1)) * c         # or / c, or no scaling (c = 1)
+    s = s + M                                       # optional additive float mask, M of s's dtype
+    p = softmax(s, dim=-1[, dtype=d]).to(q.dtype)   # d of at least s's precision
+    p = dropout(p, p=0)                             # identity (p = 0 or not training)
+    o = matmul(p, v)
+
+which is, elementwise, ``o = softmax(c * q k^T + M) v`` — exactly
+``scaled_dot_product_attention(q, k, v, attn_mask=M, scale=c)`` with a float mask (added to the
+scaled scores), for every query row that has at least one finite score. The chain is replaced by that
+node in a *copy* of the graph (the user's graph is untouched and still runs as the original), so the
+mask classification (:mod:`..masks`) and the SDPA rule (:mod:`.attention`) decide the rest. Every step is
+checked: the transpose swaps exactly the last two dims of ``k``; the scale is a number (or a guarded
+scalar input); the mask is a float tensor of the scores' dtype that does not enlarge the scores; the
+softmax runs over the key dim in the scores' precision or higher (a float64 -> float32 softmax rounds the
+probabilities and overflows the mask's lowest float64 value to ``-inf``, which tree attention would not
+reproduce — refused); the cast returns to the query's dtype; dropout is the identity; and no
+intermediate (scores, probabilities) has another user (``output_attentions=True`` would read them).
+Anything else between the scores and the softmax (Gemma2's ``tanh`` logit soft-capping, a bias) is
+refused with the op named.
+
+A fully masked query row differs: the original's additive mask makes it uniform over all keys (or NaN
+when the lowest value overflows), tree attention makes it 0. Where the mask has key padding, the rewrite
+therefore adds a per-call guard (:func:`mask_guards`): no row may start with padding.
+
+**Scalars.** Under ``dynamic=True`` Dynamo passes float module attributes (``attention_dropout``,
+``scaling``) as 0-dim tensor inputs read with ``.item()``, without a guard on their value. An
+attention's ``dropout_p`` and ``scale`` read that way are replaced by their compile-time values, and a
+per-call guard (:func:`..guards.scalar_equals`) sends a call with another value to the original graph.
+
+Also: nodes without users (Dynamo keeps e.g. an unused full-attention mask of an all-sliding model) are
+removed from the copy when they are pure and not in-place, so they need no token-axis rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+import operator
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, normalize_dim
+from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
+from brcompile.passes.rules.attention import SDPA, _sdpa_args
+
+log = logging.getLogger(__name__)
+
+SOFTMAX = (F.softmax, torch.softmax, torch.special.softmax, "softmax")
+MATMUL = (torch.matmul, operator.matmul, "matmul", "__matmul__")
+TRANSPOSE = (torch.transpose, "transpose", torch.swapaxes, "swapaxes", torch.permute, "permute")
+MUL = (operator.mul, torch.mul, "mul", "__mul__", "__rmul__")
+DIV = (operator.truediv, torch.div, torch.true_divide, "div", "truediv", "__truediv__")
+ADD = (operator.add, torch.add, "add", "__add__", "__radd__")
+CAST = ("to", "type", "type_as", "float", "double", "half", "bfloat16")
+DROPOUT = (F.dropout, torch.dropout, "dropout")
+
+#: How far back from a softmax an unmatched chain is searched for a q @ k^T matmul, to tell an
+#: attention that cannot be canonicalised (refuse, with the op named) from an unrelated softmax.
+_SEARCH_DEPTH = 6
+
+
+@dataclasses.dataclass
+class Canonical:
+    """The canonical copy of a graph and what the canonicalisation assumed.
+
+    ``additive``: SDPA nodes built from eager chains with a float mask (they need :func:`mask_guards`).
+    ``guards``: per-call guards of specialised scalars. ``notes``: one line per rewrite, for reports.
+    """
+
+    gm: fx.GraphModule
+    guards: list[BatchGuard] = dataclasses.field(default_factory=list)
+    additive: list[fx.Node] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class EagerChain:
+    """A matched eager attention: ``out = matmul(probs, v)`` computes ``softmax(scale * q k^T + mask) v``."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: Any  # number or a scalar node (resolved later)
+    mask: Optional[fx.Node]
+    dropout_p: Any
+    dropout_training: Any
+    out: fx.Node
+    dead: list[fx.Node]  # chain nodes replaced by the SDPA node, output-side first
+
+
+# --------------------------------------------------------------------------------------------------
+# driver
+
+
+def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical:
+    """A copy of ``gm`` with eager attention chains as SDPA nodes and attention scalars as constants."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new_gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    canon = Canonical(new_gm)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    values = dict(zip(placeholders, example_inputs))
+    removed = _remove_dead_code(graph)
+    for sm in [n for n in graph.nodes if _is_softmax(n)]:
+        chain = match_eager_attention(sm)
+        if chain is not None:
+            canon.additive.extend(_replace_with_sdpa(graph, chain, canon))
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA]:
+        _specialise_scalars(node, placeholders, values, canon)
+    for node in [n for n in graph.nodes if _call_in(n, DROPOUT)]:
+        _specialise_dropout(node, placeholders, values, canon)
+    removed += _remove_dead_code(graph)
+    if not removed and not canon.notes:
+        return Canonical(gm)  # nothing to canonicalise: analyse the graph itself
+    graph.lint()
+    new_gm.recompile()
+    return canon
+
+
+def mask_guards(canon: Canonical, classified: dict, placeholders: Sequence[fx.Node]) -> list[BatchGuard]:
+    """Guards for the canonicalised eager attentions whose mask has key padding (module docstring)."""
+    keypads = []
+    for a in canon.additive:
+        info = classified.get(a)
+        if info is not None and info.keypad is not None and info.keypad not in keypads:
+            keypads.append(info.keypad)
+    return [no_query_without_keys(placeholders.index(k), f"eager attention with an additive mask on {k.name}")
+            for k in keypads]
+
+
+def _remove_dead_code(graph: fx.Graph) -> int:
+    """Erase nodes without users that are pure and not in-place (FX's own DCE keeps no such promise for
+    ``call_method`` mutations, so it is not used here); returns how many."""
+    removed = 0
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("call_function", "call_method", "get_attr") and not node.users \
+                and not _mutates(node) and not node.is_impure():
+            graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+_OPERATOR_NOT_INPLACE = (operator.and_, operator.or_, operator.xor, operator.not_, operator.is_,
+                         operator.is_not, operator.concat)
+
+
+def _mutates(node: fx.Node) -> bool:
+    """``axes.is_inplace``, except that ``operator.and_``/``or_``… (named with a trailing ``_`` only to
+    avoid Python keywords) do not mutate."""
+    return node.target not in _OPERATOR_NOT_INPLACE and is_inplace(node)
+
+
+# --------------------------------------------------------------------------------------------------
+# matching
+
+
+def _is_softmax(n: fx.Node) -> bool:
+    return n.op in ("call_function", "call_method") and n.target in SOFTMAX
+
+
+def _tensor(n: Any) -> Optional[torch.Tensor]:
+    v = example_value(n)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _is_scalar(a: Any) -> bool:
+    """A Python number or a node producing one (``.item()`` of a scalar input)."""
+    if isinstance(a, bool):
+        return False
+    if isinstance(a, numbers.Number):
+        return True
+    return isinstance(a, fx.Node) and isinstance(example_value(a), (torch.SymFloat, torch.SymInt, float, int))
+
+
+def _only_user(n: fx.Node) -> Optional[fx.Node]:
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+def _softmax_args(sm: fx.Node) -> tuple[fx.Node, Any, Any]:
+    """(input, dim, dtype) of a softmax call (``F.softmax(x, dim, _stacklevel, dtype)``,
+    ``torch.softmax(x, dim, dtype)``, ``x.softmax(dim, dtype)``)."""
+    a = list(sm.args)
+    dim = sm.kwargs.get("dim", a[1] if len(a) > 1 else None)
+    dtype_pos = 3 if sm.target is F.softmax else 2
+    dtype = sm.kwargs.get("dtype", a[dtype_pos] if len(a) > dtype_pos else None)
+    return a[0], dim, dtype
+
+
+def _transposed_last_two(n: fx.Node) -> Optional[fx.Node]:
+    """``k`` if ``n`` is ``k.transpose(-2, -1)`` (any spelling) of a 4-D ``k``, else None."""
+    if n.op not in ("call_function", "call_method") or n.target not in TRANSPOSE:
+        return None
+    k = n.args[0]
+    t = _tensor(k)
+    if t is None or t.dim() != 4:
+        return None
+    if n.target in (torch.permute, "permute"):
+        dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+        if not dims:
+            dims = n.kwargs.get("dims", ())
+        return k if [normalize_dim(d, 4) for d in dims] == [0, 1, 3, 2] else None
+    d = list(n.args[1:3]) or [n.kwargs.get("dim0"), n.kwargs.get("dim1")]
+    if None in d or {normalize_dim(x, 4) for x in d} != {2, 3}:
+        return None
+    return k
+
+
+def _scores_matmul(n: Any) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(q, k) if ``n`` is ``matmul(q, k^T)`` of two 4-D values."""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method") or n.target not in MATMUL:
+        return None
+    if len(n.args) != 2 or n.kwargs:
+        return None
+    q, kt = n.args
+    k = _transposed_last_two(kt) if isinstance(kt, fx.Node) else None
+    tq = _tensor(q)
+    if k is None or tq is None or tq.dim() != 4:
+        return None
+    return q, k
+
+
+def _refuse(sm: fx.Node, at: fx.Node, why: str):
+    """An attention (the softmax ``sm``) whose chain is not exactly the eager math: stop, naming ``at``."""
+    raise CannotReplay(f"eager attention: {why}", at)
+
+
+def _looks_like_attention(start: Any) -> bool:
+    """A q @ k^T matmul within a few nodes upstream of ``start`` (so an unmatched softmax is an attention
+    we cannot canonicalise, not an unrelated softmax such as a router's)."""
+    frontier = [start]
+    for _ in range(_SEARCH_DEPTH):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, fx.Node):
+                continue
+            if _scores_matmul(n) is not None:
+                return True
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    return False
+
+
+def _op_name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
+
+
+def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
+    """The eager chain around softmax ``sm`` (module docstring), None when ``sm`` is not an attention's
+    softmax; raises CannotReplay when it is one but the chain is not exactly that math."""
+    x, dim, dtype = _softmax_args(sm)
+    if not isinstance(x, fx.Node) or _tensor(x) is None:
+        return None
+    attention_like = _looks_like_attention(x)
+    if not attention_like:
+        return None
+    scores_t = _tensor(x)
+    if scores_t.dim() != 4 or dim is None or normalize_dim(dim, 4) != 3:
+        _refuse(sm, sm, f"softmax over dim {dim} of a {scores_t.dim()}-D value, not the key dim")
+    dead = [sm]
+    # backward: [add mask] -> [mul/div scale] -> matmul(q, k^T)
+    mask = None
+    cur = x
+    if _call_in(cur, ADD) and len(cur.args) == 2 and not cur.kwargs:
+        a, b = cur.args
+        side = [o for o in (a, b) if isinstance(o, fx.Node) and _looks_like_attention(o)]
+        if len(side) != 1:
+            _refuse(sm, cur, "an addition to the scores where the mask operand cannot be told apart "
+                    "(both or neither operand comes from q @ k^T)")
+        mask = b if side[0] is a else a
+        dead.append(cur)
+        cur = side[0]
+    scale: Any = 1.0
+    if _call_in(cur, MUL + DIV) and len(cur.args) == 2 and not cur.kwargs:
+        a, b = cur.args
+        if _scores_matmul(a) is not None and _is_scalar(b):
+            scale = ("div", b) if cur.target in DIV else b
+            dead.append(cur)
+            cur = a
+        elif cur.target in MUL and _scores_matmul(b) is not None and _is_scalar(a):
+            scale = a
+            dead.append(cur)
+            cur = b
+    qk = _scores_matmul(cur)
+    if qk is None:
+        path = _path_to_scores(cur)
+        capped = " (logit soft-capping)" if "tanh" in path else ""
+        _refuse(sm, cur, f"`{' <- '.join(path)}` between the scores matmul and the softmax{capped} "
+                "is not supported")
+    q, k = qk
+    dead.append(cur)
+    # shapes and dtypes
+    tq, tk, ts = _tensor(q), _tensor(k), _tensor(cur)
+    if mask is not None:
+        tm = _tensor(mask)
+        if tm is None or not tm.is_floating_point():
+            _refuse(sm, x, "the value added to the scores is not a float tensor (a bool mask added is a bias)")
+        if tm.dtype != ts.dtype:
+            _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}")
+        if tuple(_tensor(x).shape) != tuple(ts.shape):
+            _refuse(sm, x, "the additive mask enlarges the scores")
+    if tq.shape[:2] != tk.shape[:2]:
+        _refuse(sm, cur, "query and key heads differ (no repeat_kv before the scores)")
+    sd = ts.dtype
+    sm_dtype = dtype if isinstance(dtype, torch.dtype) else sd
+    if sm_dtype.itemsize < sd.itemsize:
+        _refuse(sm, sm, f"the softmax of {sd} scores is computed in {sm_dtype}: the original rounds the "
+                f"probabilities to {sm_dtype} (and overflows a lowest-{sd} mask value to -inf), which tree "
+                f"attention in {sd} does not reproduce; use {sd} throughout or attn_implementation='sdpa'")
+    # forward: [cast] -> [dropout] -> matmul(probs, v)
+    cur = sm
+    nxt = _only_user(cur)
+    if nxt is not None and nxt.op == "call_method" and nxt.target in CAST and nxt.args[0] is cur:
+        if _tensor(nxt) is None or _tensor(nxt).dtype != tq.dtype:
+            _refuse(sm, nxt, "the probabilities are not cast back to the query's dtype")
+        dead.insert(0, nxt)
+        cur, nxt = nxt, _only_user(nxt)
+    p, training = 0.0, False
+    if nxt is not None and nxt.target in DROPOUT and nxt.args[0] is cur:
+        p = nxt.kwargs.get("p", nxt.args[1] if len(nxt.args) > 1 else 0.5)
+        training = nxt.kwargs.get("training", nxt.args[2] if len(nxt.args) > 2 else True)
+        if nxt.kwargs.get("inplace", nxt.args[3] if len(nxt.args) > 3 else False):
+            _refuse(sm, nxt, "in-place dropout of the probabilities")
+        dead.insert(0, nxt)
+        cur, nxt = nxt, _only_user(nxt)
+    if nxt is None:
+        _refuse(sm, cur, "the attention probabilities have other users (output_attentions=True?)")
+    if nxt.target not in MATMUL or len(nxt.args) != 2 or nxt.args[0] is not cur or nxt.kwargs:
+        _refuse(sm, nxt, f"the probabilities go to `{_op_name(nxt)}`, not to a matmul with the values")
+    v = nxt.args[1]
+    tv = _tensor(v)
+    if tv is None or tv.dim() != 4 or tv.shape[:2] != tq.shape[:2] or tv.shape[2] != tk.shape[2]:
+        _refuse(sm, nxt, "the values are not [B, H, Lk, D] like the keys")
+    for n in dead:
+        if len(n.users) != 1:
+            _refuse(sm, n, f"the intermediate `{n.name}` has other users (attention weights returned?)")
+    if _tensor(cur).dtype != tq.dtype:
+        _refuse(sm, cur, f"the probabilities are {_tensor(cur).dtype}, the query is {tq.dtype}")
+    dead.insert(0, nxt)
+    return EagerChain(q, k, v, scale, mask, p, training, nxt, dead)
+
+
+def _call_in(n: Any, targets) -> bool:
+    return isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and n.target in targets
+
+
+def _path_to_scores(n: fx.Node) -> list[str]:
+    """Op names from ``n`` back to the scores matmul, following the input that leads there."""
+    names = []
+    while isinstance(n, fx.Node) and _scores_matmul(n) is None and len(names) < _SEARCH_DEPTH:
+        names.append(_op_name(n))
+        n = next((a for a in n.all_input_nodes if _looks_like_attention(a)), None)
+    return names + ["q @ k^T"]
+
+
+# --------------------------------------------------------------------------------------------------
+# rewriting
+
+
+def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> list[fx.Node]:
+    """Insert ``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c, dropout_p=p)`` after the
+    chain's output matmul, redirect its users, erase the chain. Returns the node if it has a mask."""
+    scale = ch.scale
+    if isinstance(scale, tuple):  # division by c
+        c = scale[1]
+        if isinstance(c, fx.Node):  # 1.0 / x.item(): resolved to a constant by _specialise_scalars
+            with graph.inserting_after(c):
+                scale = graph.call_function(operator.truediv, (1.0, c))
+        else:
+            scale = 1.0 / c
+    p = ch.dropout_p if ch.dropout_training is not False else 0.0
+    with graph.inserting_after(ch.out):
+        node = graph.call_function(
+            F.scaled_dot_product_attention, (ch.q, ch.k, ch.v),
+            {"attn_mask": ch.mask, "dropout_p": p, "is_causal": False, "scale": scale})
+    node.meta.update(ch.out.meta)
+    node.meta["br_canonical"] = "eager attention"
+    chain = " -> ".join(n.name for n in reversed(ch.dead))
+    ch.out.replace_all_uses_with(node)
+    for n in ch.dead:
+        if not n.users:
+            graph.erase_node(n)
+    # k^T (and a no-longer-used repeat_kv) become dead: removed by the final dead-code pass.
+    canon.notes.append(f"{node.name}: eager attention {chain} -> scaled_dot_product_attention")
+    log.debug("canonical attention %s from eager chain %s", node.name, chain)
+    return [node] if ch.mask is not None else []
+
+
+def _specialise_scalars(node: fx.Node, placeholders: list[fx.Node], values: dict, canon: Canonical) -> None:
+    """Replace a node-valued ``dropout_p``/``scale`` of an SDPA node by its value, under a guard."""
+    a = _sdpa_args(node)
+    for name in ("dropout_p", "scale"):
+        arg = a[name]
+        if not isinstance(arg, fx.Node):
+            continue
+        value, guard_src = _scalar_value(arg, placeholders, values)
+        if value is None:
+            raise CannotReplay(f"attention {name} is computed in the graph, not read from a scalar input",
+                               node)
+        pos, transform = guard_src
+        what = f"attention {name} of {node.name}"
+        expected = transform(value)
+        canon.guards.append(scalar_equals(pos, value, f"{what} (input {placeholders[pos].name})"))
+        _set_sdpa_arg(node, name, expected)
+        canon.notes.append(f"{node.name}: {name} specialised to {expected}")
+
+
+def _specialise_dropout(node: fx.Node, placeholders: list[fx.Node], values: dict, canon: Canonical) -> None:
+    """A hidden-state dropout whose ``p`` is a scalar input (``dynamic=True``): its value, under a guard
+    (the dropout rule then sees a number: identity at 0, refused otherwise)."""
+    in_args = len(node.args) > 1
+    p = node.args[1] if in_args else node.kwargs.get("p")
+    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    if not isinstance(p, fx.Node) or training is False:
+        return  # a number, or an identity whatever p is
+    value, src = _scalar_value(p, placeholders, values)
+    if value is None:
+        return  # left to the dropout rule, which refuses a non-constant p
+    pos, transform = src
+    canon.guards.append(scalar_equals(pos, value, f"dropout p of {node.name} (input {placeholders[pos].name})"))
+    if in_args:
+        node.args = (node.args[0], transform(value)) + tuple(node.args[2:])
+    else:
+        node.kwargs = {**node.kwargs, "p": transform(value)}
+    canon.notes.append(f"{node.name}: p specialised to {transform(value)}")
+
+
+def _scalar_value(arg: fx.Node, placeholders, values):
+    """(value of the scalar input, (placeholder position, f)) for ``arg`` = ``x.item()``,
+    ``1.0 / x.item()`` or a scalar placeholder ``x``; f maps the input's value to ``arg``'s."""
+    ident = lambda v: v  # noqa: E731
+    recip = lambda v: 1.0 / v  # noqa: E731
+    f = ident
+    n = arg
+    if n.op == "call_function" and n.target is operator.truediv and n.args[0] == 1.0 and isinstance(
+            n.args[1], fx.Node):
+        f, n = recip, n.args[1]
+    if n.op == "call_method" and n.target == "item" and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    if n.op != "placeholder" or n not in values:
+        return None, None
+    v = values[n]
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            return None, None
+        v = v.item()
+    v = hint(v)
+    if not isinstance(v, numbers.Number):
+        return None, None
+    return v, (placeholders.index(n), f)
+
+
+def _set_sdpa_arg(node: fx.Node, name: str, value) -> None:
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    i = names.index(name)
+    if i < len(node.args):
+        args = list(node.args)
+        args[i] = value
+        node.args = tuple(args)
+    else:
+        kwargs = dict(node.kwargs)
+        kwargs[name] = value
+        node.kwargs = kwargs
+
+
+__all__ = ["Canonical", "EagerChain", "canonicalize", "mask_guards", "match_eager_attention"]

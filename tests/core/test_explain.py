@@ -1,0 +1,222 @@
+"""brcompile.explain: report content (replayed graph, fallback with reason), predicted FLOPs against independent
+counts, the recording context, graph dumps and TORCH_LOGS=+brcompile."""
+import io
+import json
+import operator
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import brcompile
+from brcompile.dump import COLOURS
+from brcompile.explain import ExplainReport, mutating_node, recording
+from examples.gpt import GPT, GPTConfig
+from examples.grpo import grpo_loss, make_grpo_batch
+
+EAGER = dict(compiler="eager")  # the packed graph as an FX graph: no compile time in these tests
+CFG = dict(vocab_size=37, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48)
+
+
+def tiny_model():
+    return GPT(GPTConfig(**CFG), seed=0).double()
+
+
+def tiny_batch(seed=3):
+    return make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(5, 9), response_len=(2, 5), vocab_size=37,
+                           shared_response_prefix=1, dtype=torch.float64, seed=seed)
+
+
+def trie_pairs(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """(nodes, visible pairs) of the rows' prefix trie, counted in Python: a node is a distinct row prefix of
+    (token, mask bit); it sees its ancestors-or-self whose mask bit is 1."""
+    root, nodes, pairs = {}, 0, 0
+    for row_ids, row_bits in zip(ids.tolist(), mask.bool().tolist()):
+        children, valid = root, 0
+        for tok, bit in zip(row_ids, row_bits):
+            valid += bit
+            if (tok, bit) not in children:
+                children[(tok, bit)] = {}
+                nodes += 1
+                pairs += valid
+            children = children[(tok, bit)]
+    return nodes, pairs
+
+
+class Bidirectional(torch.nn.Module):
+    """A one-layer LM whose attention is not causal: branch_replay must fall back."""
+
+    def __init__(self, V=37, d=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, d)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.head = torch.nn.Linear(d, V, bias=False)
+
+    def forward(self, ids):
+        B, L = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(B, L, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return self.head(o.transpose(1, 2).reshape(B, L, -1))
+
+
+def lm_loss(model, ids):
+    logits = model(ids)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def test_report_of_a_replayed_graph_with_predicted_flops():
+    model, batch = tiny_model(), tiny_batch()
+    report = brcompile.explain(grpo_loss, model, **batch, backend=brcompile.backend(**EAGER))
+
+    # it replayed, and the result is the eager loss; measuring left every .grad alone
+    assert report.stats.replayed_calls == 1 and report.stats.fallback_calls == 0, str(report.stats)
+    torch.testing.assert_close(report.result, grpo_loss(model, **batch), rtol=1e-12, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+
+    (g,) = report.rewritten
+    assert not report.fallbacks
+    text = str(report)
+    for needle in ("REWRITTEN", "causal+keypad", "tree_attention_forward x2", "calls: the prefix tree",
+                   "predicted cost", "limit = (dense - dense_attention)", "packed graph", "def forward"):
+        assert needle in text, needle
+
+    (call,) = report.calls
+    B, L = batch["input_ids"].shape
+    nodes, pairs = trie_pairs(batch["input_ids"], batch["attention_mask"])
+    tree = call["tree"]
+    assert call["replayed"] and tree["rows"] == B and tree["logical_tokens"] == B * L
+    assert tree["executed_tokens"] == nodes < B * L
+
+    cost = call["cost"]
+    D, H, layers = CFG["dim"] // CFG["n_heads"], CFG["n_heads"], CFG["n_layers"]
+    per_pair = (4 + 10) * D * H * layers  # fwd q.k and p.v, bwd 5 matmuls; every head and layer
+    assert cost["backward"]
+    assert cost["dense_attention_flops"] == per_pair * B * L * L  # torch's SDPA formula: the full score matrix
+    assert cost["packed_attention_flops"] == per_pair * pairs  # the tree: each visible pair once
+    limit = (cost["dense_flops"] - cost["dense_attention_flops"]) * nodes / (B * L) + per_pair * pairs
+    assert cost["limit_flops"] == pytest.approx(limit, abs=1)
+    # the packed graph runs within 5% of the limit (DESIGN §9) and saves less for backward than dense
+    assert cost["limit_flops"] <= cost["packed_flops"] <= 1.05 * cost["limit_flops"], cost
+    assert cost["packed_flops"] < cost["dense_flops"]
+    assert 0 < cost["packed_saved_bytes"] < cost["dense_saved_bytes"]
+
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["graphs"][0]["rewritten"] and d["graphs"][0]["brcompile_nodes"]["tree_attention_forward"] == 2
+    assert d["graphs"][0]["packed_code"] and d["calls"][0]["cost"]["limit_flops"] == cost["limit_flops"]
+    assert d["stats"]["replayed_calls"] == 1
+
+
+def test_report_of_a_fallback_names_node_and_reason():
+    torch.manual_seed(0)
+    model = Bidirectional().double()
+    ids = torch.randint(1, 37, (3, 7))
+    report = brcompile.explain(lm_loss, model, ids, backend=brcompile.backend(**EAGER))
+    assert not report.rewritten and report.stats.fallback_calls == 1
+    (g,) = report.fallbacks
+    assert "bidirectional" in g.reason and g.failed_node
+    text = str(report)
+    assert "FELL BACK" in text and g.failed_node in text and "bidirectional" in text
+    (call,) = report.calls
+    assert not call["replayed"] and "bidirectional" in call["reason"]
+    assert call["cost"]["dense_flops"] > 0 and "packed_flops" not in call["cost"]
+    assert "ran the original graph" in text
+    assert json.loads(json.dumps(report.to_dict()))["graphs"][0]["failed_node"] == g.failed_node
+
+
+def test_report_prints_plain_and_rich():
+    model, batch = tiny_model(), tiny_batch()
+    report = brcompile.explain(grpo_loss, model, **batch, backend=brcompile.backend(**EAGER), measure=False)
+    assert "cost" not in report.calls[0]
+    plain = io.StringIO()
+    report.print(plain, rich=False, code=False)
+    assert plain.getvalue() == report.render_text(code=False) + "\n"
+    assert "def forward" not in plain.getvalue() and "executed N" in plain.getvalue()
+    pytest.importorskip("rich")
+    fancy = io.StringIO()
+    report.print(fancy, rich=True)
+    out = fancy.getvalue()
+    assert "REWRITTEN" in out and "executed N" in out and "def forward" in out
+
+
+def test_recording_takes_over_default_backend_and_leaves_others():
+    model = tiny_model()
+    real_compile = torch.compile
+    with recording(brcompile.backend(**EAGER), measure=False) as rec:
+        step = torch.compile(grpo_loss)  # default backend: compiled with branch_replay
+        other = torch.compile(lambda x: x.cos() * 2, backend="eager")  # left alone
+        for seed in (1, 2):
+            step(model, **tiny_batch(seed))
+        other(torch.ones(3))
+    assert torch.compile is real_compile
+    report = rec.report()
+    assert len(report.calls) == 2 and all(c["replayed"] for c in report.calls)
+    assert report.graphs and all(g.rewritten for g in report.graphs)
+    assert [g.graph_id for g in report.graphs] == list(range(len(report.graphs)))
+    assert any("backend='eager'" in n for n in report.notes)
+    assert isinstance(report, ExplainReport) and report.stats.replayed_calls == 2
+
+
+def test_mutating_node_detection():
+    def mutates(x):
+        x.add_(1)
+        return x * 2
+
+    def ands(x):
+        return operator.and_(x > 0, x < 1) & (x != 0.5)
+
+    assert "add_" in mutating_node(fx.symbolic_trace(mutates))
+    assert mutating_node(fx.symbolic_trace(ands)) is None
+
+
+def test_dump_dir_writes_python_and_coloured_dot(tmp_path):
+    model, batch = tiny_model(), tiny_batch()
+    out = torch.compile(grpo_loss, backend=brcompile.backend(dump_dir=str(tmp_path / "ok"), **EAGER))(model, **batch)
+    torch.testing.assert_close(out, grpo_loss(model, **batch), rtol=1e-12, atol=0)
+    assert brcompile.stats().replayed_calls == 1
+    names = {p.name for p in (tmp_path / "ok").iterdir()}
+    expected = {"graph_0_before.py", "graph_0_after.py", "graph_0_before.dot", "graph_0_after.dot"}
+    if shutil.which("dot"):
+        expected |= {"graph_0_before.svg", "graph_0_after.svg"}
+    assert names == expected
+    before = (tmp_path / "ok" / "graph_0_before.py").read_text()
+    after = (tmp_path / "ok" / "graph_0_after.py").read_text()
+    for src in (before, after):
+        compile(src, "dump", "exec")  # readable Python, and valid
+    assert "REWRITTEN" in before and "token(row=0, pos=1)" in before and "tree_attention" in after
+    dot_after = (tmp_path / "ok" / "graph_0_after.dot").read_text()
+    for kind in ("token", "dense", "const", "tree", "brcompile"):
+        assert f'fillcolor="{COLOURS[kind][0]}"' in dot_after, kind
+    assert dot_after.count("->") > 50 and dot_after.startswith("digraph")
+
+    torch.manual_seed(0)
+    torch.compile(lm_loss, backend=brcompile.backend(dump_dir=str(tmp_path / "fb"), **EAGER))(
+        Bidirectional().double(), torch.randint(1, 37, (3, 7)))
+    (reason,) = brcompile.stats().fallback_reasons
+    assert "bidirectional" in reason
+    before = (tmp_path / "fb" / "graph_0_before.py").read_text()
+    assert "FELL BACK" in before and "bidirectional" in before
+    assert not (tmp_path / "fb" / "graph_0_after.py").exists()
+    assert "penwidth=4" in (tmp_path / "fb" / "graph_0_before.dot").read_text()  # the node it stopped at
+
+
+def test_torch_logs_plus_brcompile_logs_before_and_after_graphs():
+    code = (
+        "import torch, brcompile\n"
+        "from examples.gpt import GPT, GPTConfig\n"
+        "m = GPT(GPTConfig(vocab_size=31, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16)).double()\n"
+        "ids = torch.randint(1, 31, (3, 7)); ids[1:, :4] = ids[0, :4]\n"
+        "torch.compile(m, backend=brcompile.backend(compiler='eager'))(ids)\n"
+        "assert brcompile.stats().replayed_calls == 1\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TORCH_LOGS": "+brcompile", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "branch_replay graph 0 before:" in proc.stderr and "branch_replay graph 0 after:" in proc.stderr
+    assert "tree_attention" in proc.stderr
