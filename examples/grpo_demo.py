@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", type=int, default=2, help="number of prompts (groups)")
     p.add_argument("--group-size", type=int, default=8, help="rollouts per prompt (G)")
-    p.add_argument("--prompt-len", type=parse_len, default=(24, 40), help="N or LO:HI (inclusive)")
-    p.add_argument("--response-len", type=parse_len, default=(8, 16), help="N or LO:HI (inclusive)")
+    p.add_argument("--prompt-len", type=parse_len, default=(192, 256), help="N or LO:HI (inclusive)")
+    p.add_argument("--response-len", type=parse_len, default=(16, 48), help="N or LO:HI (inclusive)")
     p.add_argument("--shared-response", type=int, default=0,
                    help="leading response tokens shared within a group")
     p.add_argument("--left-pad", action="store_true", help="left-pad prompts (TRL layout)")
