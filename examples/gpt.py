@@ -219,7 +219,8 @@ class GPT(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The trunk: embeddings -> blocks -> final norm, [B, L, dim] (heads read it: LM head, value head)."""
         B, L = input_ids.shape
         h = self.tok_emb(input_ids)
         cos, sin = self.rotary_cos_sin(L, input_ids.device, h.dtype)
@@ -230,7 +231,13 @@ class GPT(nn.Module):
             mask = causal[None, None] & attention_mask[:, None, None, :].bool()
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
-        h = self.norm(h)
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head on trunk outputs (tied to the embedding when ``lm_head`` is None)."""
         if self.lm_head is None:
             return F.linear(h, self.tok_emb.weight)
         return self.lm_head(h)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, attention_mask))

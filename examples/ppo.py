@@ -34,7 +34,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 if __package__ in (None, ""):  # run as a script: make `examples` importable
@@ -67,19 +66,8 @@ class ActorCritic(nn.Module):
             self.value_head.bias.zero_()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        lm = self.lm
-        B, L = input_ids.shape
-        h = lm.tok_emb(input_ids)
-        cos, sin = lm.rotary_cos_sin(L, input_ids.device, h.dtype)
-        mask = None
-        if attention_mask is not None:  # causal & key padding, built once (as GPT.forward does)
-            idx = torch.arange(L, device=input_ids.device)
-            mask = (idx[:, None] >= idx[None, :])[None, None] & attention_mask[:, None, None, :].bool()
-        for layer in lm.layers:
-            h = layer(h, cos, sin, mask)
-        h = lm.norm(h)
-        logits = F.linear(h, lm.tok_emb.weight) if lm.lm_head is None else lm.lm_head(h)
-        return logits, self.value_head(h).squeeze(-1)
+        h = self.lm.hidden_states(input_ids, attention_mask)
+        return self.lm.logits(h), self.value_head(h).squeeze(-1)
 
 
 def _action_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import logging
 import operator
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx

@@ -78,7 +78,7 @@ def emit_gather(pk, node):
     fused = emit_fused_gather(pk, node)  # head -> log_softmax -> gather as brcompile::packed_logprob
     if fused is not None:
         return fused
-    x, dim, idx = node.args[0], node.args[1], node.args[2]
+    x, idx = node.args[0], node.args[2]
     ax = get_axes(x)
     return pk.graph.call_function(
         packed_gather, (pk.packed(x), pk.index(ax.window), ax.row, ax.pos, pk.dense(idx)))
