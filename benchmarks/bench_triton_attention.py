@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import prompt_tails_tree  # noqa: E402  (the same tree as the CPU benchmark)
 
 log = logging.getLogger("bench_triton_attention")
 
@@ -45,16 +48,7 @@ ASSUMED_EFFICIENCY = 0.35  # of the matmul peak, for the time estimate that deci
 
 def group_tree(g: int, p: int, t: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(end, valid, segments) of one prompt of p tokens followed by g distinct tails of t tokens."""
-    n = p + g * t
-    end = torch.empty(n, dtype=torch.int64)
-    end[:p] = n
-    segments = [(0, p, n)]
-    for i in range(g):
-        a, b = p + i * t, p + (i + 1) * t
-        end[a:b] = b
-        segments.append((a, b, b))
-    return (end.to(device), torch.ones(n, dtype=torch.bool, device=device),
-            torch.tensor(segments, dtype=torch.int64, device=device))
+    return tuple(x.to(device) for x in prompt_tails_tree(p, g, t))
 
 
 def visible_pairs(end: torch.Tensor, valid: torch.Tensor) -> int:

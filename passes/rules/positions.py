@@ -24,7 +24,7 @@ def _arange_bounds(node):
     return node.kwargs.get("start", 0), node.kwargs.get("end"), node.kwargs.get("step", 1)
 
 
-def _sym_hint(ctx, v):
+def _sym_hint(v):
     if hasattr(v, "meta"):
         return hint(example_value(v))
     return hint(v)
@@ -44,7 +44,7 @@ def arange(ctx: AxesContext, node):
     """``arange(L)`` (start 0, step 1, end the token length) gives positions; any other arange is a
     constant."""
     start, end, step = _arange_bounds(node)
-    if _sym_hint(ctx, start) == 0 and _sym_hint(ctx, step) == 1 and _sym_hint(ctx, end) == ctx.L:
+    if _sym_hint(start) == 0 and _sym_hint(step) == 1 and _sym_hint(end) == ctx.L:
         return token(1, None, 0, ctx.full_window())
     return CONST
 
