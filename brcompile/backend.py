@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 
 COMPILERS = ("inductor", "aot_eager", "eager")
+MODES = ("packed", "replay", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,14 @@ class Options:
         logits (passes/rules/logprob.py).
     dump_dir: when set, write every captured graph there, before and after the rewrite, as readable
         Python and Graphviz .dot (+ .svg when ``dot`` is installed); see brcompile/dump.py.
+    mode: "packed" (every packed token's activations live at once), "replay" (streaming replay, DESIGN
+        §7: the shared prefix once, then the tails in chunks of at most ``chunk_tokens`` tokens; peak
+        activation memory is the prefix's plus one chunk's, independent of the group size), or "auto"
+        (replay for a batch whose packed activations are estimated above ``memory_budget``).
+    memory_budget: bytes of activations "auto" allows the packed mode (required for "auto").
+    chunk_tokens: most tail tokens per replay chunk (a single longer leaf chain is a chunk of its own).
+    drop_padding: leave positions whose attention-mask bit is 0 out of the tree (DESIGN §4): outputs
+        there are zeros, and a gradient reaching one raises (the loss read padding it should mask).
     """
 
     min_dedup: float = 1.05
@@ -44,12 +53,22 @@ class Options:
     compiler: str = "inductor"
     fuse_logprob: bool = True
     dump_dir: Optional[str] = None
+    drop_padding: bool = False
+    mode: str = "packed"
+    memory_budget: Optional[int] = None
+    chunk_tokens: int = 2048
 
     def __post_init__(self):
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler={self.compiler!r}; choose one of {COMPILERS}")
         if self.attention not in ("auto", "cpu", "reference", "triton"):
             raise ValueError(f"attention={self.attention!r}; choose auto, cpu, reference or triton")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r}; choose one of {MODES}")
+        if self.mode == "auto" and (self.memory_budget is None or self.memory_budget <= 0):
+            raise ValueError("mode='auto' needs memory_budget=<bytes of activations the packed mode may use>")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={self.chunk_tokens} must be >= 1")
         if not self.min_dedup >= 1.0:
             raise ValueError(f"min_dedup={self.min_dedup} must be >= 1")
 
@@ -78,6 +97,8 @@ class GraphRecord:
     materialisations: tuple[tuple[str, str, int, str], ...] = ()  # (node, user, numel, reason)
     lazy_gathers: tuple[str, ...] = ()
     fused: tuple[str, ...] = ()  # one line per fused log-prob read-out (brcompile::packed_logprob)
+    replay: Optional[dict] = None  # streaming split (mode replay/auto): trunk, frontier, cached K/V
+    replay_reason: Optional[str] = None  # why the streaming split was refused (packed mode is used)
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -106,11 +127,21 @@ class BranchReplayBackend:
             log.warning("branch_replay: internal error while rewriting graph %d; running it unchanged",
                         gid, exc_info=True)
             return self._fallback(gid, gm, f"internal error: {type(e).__name__}: {e}", None, opts)
-        run_packed = packed.forward if opts.compiler == "eager" else torch.compile(
-            packed, backend=opts.compiler, dynamic=True)
+        run_packed = self._compile(packed, opts)
+        streaming, replay_info, replay_reason = None, None, None
+        if opts.mode != "packed":
+            try:
+                streaming, replay_info = self._streaming(an, packed, example_inputs, opts)
+            except CannotReplay as e:
+                replay_reason = str(e)
+            except Exception as e:  # never worse than the packed mode
+                log.warning("branch_replay: internal error in the streaming split of graph %d", gid, exc_info=True)
+                replay_reason = f"internal error: {type(e).__name__}: {e}"
+            if replay_reason is not None:
+                log.info("branch_replay: graph %d runs packed only: %s", gid, replay_reason)
         rt = runtime.ReplayRuntime(original, run_packed, an.tree_input_positions,
                                    an.keypad_position, opts.min_dedup, eager_packed=packed.forward,
-                                   guards=an.guards)
+                                   guards=an.guards, drop_padding=opts.drop_padding, streaming=streaming)
         fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]
         covered = {name for n in fused_nodes for name in n.meta.get("br_fused_covers", ())}
         rec = GraphRecord(
@@ -121,6 +152,8 @@ class BranchReplayBackend:
                                    for m in an.materialisations if m.node.name not in covered),
             lazy_gathers=tuple(n.name for n in an.lazy_gathers if n.name not in covered),
             fused=tuple(n.meta["br_fused"] for n in fused_nodes),
+            replay=replay_info,
+            replay_reason=replay_reason,
             runtime=rt,
         )
         self.records.append(rec)
@@ -130,6 +163,38 @@ class BranchReplayBackend:
             log.debug("branch_replay graph %d after:\n%s", gid, packed.code)
         self._dump(opts, an.gm, packed)  # an.gm: the analysed (canonical) copy, with the token facts
         return rt
+
+    @staticmethod
+    def _compile(gm: fx.GraphModule, opts: Options):
+        """The packed (or a replay) graph as it will run: compiled once with dynamic shapes."""
+        return gm.forward if opts.compiler == "eager" else torch.compile(gm, backend=opts.compiler, dynamic=True)
+
+    def _streaming(self, an, packed: fx.GraphModule, example_inputs, opts: Options):
+        """(runtime.Streaming, explain dict) for mode replay/auto; raises CannotReplay (passes/replay.py)."""
+        from brcompile.backends import cached  # noqa: F401  (registers tree_attention_cached_forward)
+        from brcompile.passes.axes import hint
+        from brcompile.passes.pack import TREE_INPUTS
+        from brcompile.passes.replay import split_for_replay
+        from brcompile.replay import ReplayTrunk, TrunkGraphs
+        from brcompile.tree import build_tree
+
+        args = [hint(a) for a in example_inputs]
+        mask = None if an.keypad_position is None else args[an.keypad_position]
+        tree = build_tree([args[i] for i in an.tree_input_positions], attention_mask=mask)
+        tree_args = dict(index=tree.index, rep_row=tree.rep_row, position=tree.position, end=tree.end,
+                         valid=tree.valid, all_valid=torch.ones_like(tree.valid), segments=tree.segments)
+        split = split_for_replay(packed, [*args, *(tree_args[n] for n in TREE_INPUTS)])
+        graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
+                             tuple(d for _, d in split.frontier), 2 * len(split.cached))
+        split.outer.replay_trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
+        streaming = runtime.Streaming(opts.mode, opts.memory_budget, split.bytes_per_token,
+                                      self._compile(split.outer, opts), split.outer.replay_trunk)
+        info = dict(trunk_nodes=split.trunk_nodes, ext_inputs=split.ext_inputs,
+                    frontier=tuple(f"{n} (token dim {d})" for n, d in split.frontier), cached=split.cached,
+                    bytes_per_token=split.bytes_per_token, chunk_tokens=opts.chunk_tokens,
+                    memory_budget=opts.memory_budget, mode=opts.mode,
+                    prefix_code=split.prefix.code, tail_code=split.tail.code, outer_code=split.outer.code)
+        return streaming, info
 
     def _fallback(self, gid: int, gm: fx.GraphModule, reason: str, node: Optional[str],
                   opts: Optional[Options] = None):

@@ -288,6 +288,7 @@ class ExplainReport:
             "lazy_gathers": list(g.lazy_gathers), "fused": [str(f) for f in getattr(g, "fused", ())],
             "brcompile_nodes": brcompile_nodes(packed_module(g)),
             "original_code": g.original_code, "packed_code": g.packed_code,
+            "replay": getattr(g, "replay", None), "replay_reason": getattr(g, "replay_reason", None),
         }
 
     def to_dict(self) -> dict:
@@ -338,12 +339,48 @@ class ExplainReport:
         return Table("materialisations (a packed value gathered to dense [B, L, ...]; elements at capture)",
                      ["graph", "value", "used by", "elements", "why"], rows)
 
+    def streaming_tables(self, max_calls: int = MAX_CALL_ROWS) -> list[Table]:
+        """The streaming split of each graph (mode replay/auto) and the chunk schedule of each streamed call."""
+        graphs = [g for g in self.rewritten if getattr(g, "replay", None) or getattr(g, "replay_reason", None)]
+        if not graphs:
+            return []
+        rows, notes = [], []
+        for g in graphs:
+            r = g.replay
+            if r is None:
+                notes.append(f"graph {g.graph_id}: streaming refused, packed mode only: {g.replay_reason}")
+                continue
+            budget = "-" if r["memory_budget"] is None else fmt_bytes(r["memory_budget"])
+            rows.append([str(g.graph_id), r["mode"], str(r["trunk_nodes"]),
+                         "\n".join(f"K/V of {a}" for a in r["cached"]), "\n".join(r["frontier"]),
+                         fmt_bytes(r["bytes_per_token"]), str(r["chunk_tokens"]), budget])
+        tables = [Table("streaming replay: prefix graph (shared segments, records the cached K/V) + tail graph "
+                        "(one chunk of leaf chains against the cache)",
+                        ["graph", "mode", "trunk nodes", "cached K/V (replay nodes)", "frontier (read by the loss)",
+                         "activations/token", "chunk_tokens", "memory_budget"], rows, notes)]
+        srows = []
+        for i, c in list(enumerate(self.calls))[:max_calls]:
+            sch = c.get("schedule")
+            if c.get("mode") != "replay" or not sch:
+                continue
+            sizes = sch["chunk_tokens"]
+            shown = ", ".join(map(str, sizes[:8])) + (f" ... ({len(sizes)} in all)" if len(sizes) > 8 else "")
+            srows.append([str(i), str(c["graph_id"]), fmt_int(sch["tokens"]), fmt_int(sch["prefix_tokens"]),
+                          str(sch["prefix_segments"]), str(sch["chunks"]), shown, str(sch["cross_calls"])])
+        if srows:
+            tables.append(Table("streamed calls: the chunk schedule (prefix once, then the chunks in order; "
+                                "backward re-runs each chunk, then the prefix once)",
+                                ["call", "graph", "tokens N", "prefix tokens", "prefix segments", "chunks",
+                                 "chunk sizes", "cross calls"], srows))
+        return tables
+
     def call_tables(self, max_calls: int = MAX_CALL_ROWS) -> list[Table]:
         shown = list(enumerate(self.calls))[:max_calls]
         tree_rows, cost_rows, notes, cost_notes = [], [], [], []
         for i, c in shown:
             t = c.get("tree") or {}
-            tree_rows.append([str(i), str(c["graph_id"]), "packed" if c["replayed"] else "original",
+            ran = ("streamed" if c.get("mode") == "replay" else "packed") if c["replayed"] else "original"
+            tree_rows.append([str(i), str(c["graph_id"]), ran,
                               *(fmt_int(t.get(k)) for k in ("rows", "logical_tokens", "valid_tokens",
                                                             "executed_tokens")),
                               fmt_ratio(t.get("logical_tokens"), t.get("executed_tokens")),
@@ -383,8 +420,14 @@ class ExplainReport:
         if any(g.materialisations for g in self.rewritten):
             out.append(self.materialisation_table())
         out += self.call_tables(max_calls)
+        out += self.streaming_tables(max_calls)
         if code:
             out += [Code(f"graph {g.graph_id}: packed graph", g.packed_code or "") for g in self.rewritten]
+            for g in self.rewritten:
+                r = getattr(g, "replay", None)
+                if r:
+                    out += [Code(f"graph {g.graph_id}: streaming {part} graph", r[f"{part}_code"])
+                            for part in ("prefix", "tail", "outer")]
         out.append(str(self.stats))
         out += list(self.notes)
         return out
@@ -506,7 +549,8 @@ class _LoggedRuntime:
         if calls is not None and len(calls) > n_logged:
             c = calls[-1]
             return {"graph_id": self.graph_id, "replayed": bool(c.replayed), "reason": c.reason,
-                    "tree": c.tree_stats}
+                    "tree": c.tree_stats, "mode": getattr(c, "mode", "packed"),
+                    "schedule": getattr(c, "schedule", None)}
         replayed = self._packed_spy() is not None
         tree = getattr(self.rt, "last_tree", None)
         reason = None if replayed else getattr(self.rt, "reason", "the runtime ran the original graph")

@@ -5,10 +5,11 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from brcompile import tree as tree_mod
 from brcompile.tree import PackedTree, build_tree
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ class Stats:
     for a replay."""
 
     replayed_calls: int = 0
+    streamed_calls: int = 0  # replayed calls that ran in streaming mode (prefix + tail chunks)
     fallback_calls: int = 0
     logical_tokens: int = 0
     executed_tokens: int = 0
@@ -84,6 +86,31 @@ class CallRecord:
     replayed: bool
     tree_stats: Optional[dict]
     reason: Optional[str] = None
+    mode: str = "packed"  # "packed" or "replay" (streaming) for a replayed call
+    schedule: Optional[dict] = None  # the streaming chunk schedule (brcompile.replay.ReplaySchedule.summary)
+
+
+@dataclasses.dataclass
+class Streaming:
+    """What a rewritten graph needs to run in streaming mode (brcompile/replay.py)."""
+
+    mode: str  # "replay" or "auto"
+    memory_budget: Optional[int]
+    bytes_per_token: int  # trunk activation bytes per packed token (passes/replay.py)
+    outer: Callable  # the packed graph with its trunk replaced by ``trunk``
+    trunk: Any  # brcompile.replay.ReplayTrunk
+
+    def choose(self, tree: PackedTree) -> Optional[str]:
+        """None to stream this batch, or why the packed mode runs instead."""
+        seg = tree.segments
+        leaf = seg[:, 1] == seg[:, 2]
+        if bool(leaf.all()):
+            return "no shared prefix to cache"
+        if self.mode == "auto":
+            need = self.bytes_per_token * tree.stats.executed_tokens
+            if need <= self.memory_budget:
+                return f"packed activations ~{need / 2**20:.1f} MiB fit memory_budget"
+        return None
 
 
 class ReplayRuntime:
@@ -96,7 +123,8 @@ class ReplayRuntime:
 
     def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
                  keypad_position: Optional[int], min_dedup: float, max_calls_logged: int = 64,
-                 eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = ()):
+                 eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = (),
+                 drop_padding: bool = False, streaming: Optional[Streaming] = None):
         self.original = original
         self.guards = tuple(guards)  # passes.guards.BatchGuard: args -> None or the reason to fall back
         self.packed = packed
@@ -107,6 +135,8 @@ class ReplayRuntime:
         self.calls: list[CallRecord] = []
         self.max_calls_logged = max_calls_logged
         self.last_tree: Optional[PackedTree] = None
+        self.drop_padding = drop_padding
+        self.streaming = streaming
 
     def _log_call(self, rec: CallRecord) -> None:
         if len(self.calls) < self.max_calls_logged:
@@ -123,6 +153,8 @@ class ReplayRuntime:
         per_token = [args[i] for i in self.tree_positions]
         mask = None if self.keypad_position is None else args[self.keypad_position]
         tree = build_tree(per_token, attention_mask=mask)
+        if self.drop_padding and mask is not None:
+            tree = tree_mod.drop_padding(tree)
         self.last_tree = tree
         st = tree.stats
         if st.dedup_ratio < self.min_dedup:
@@ -133,6 +165,15 @@ class ReplayRuntime:
             return self.original(*args)
         tree_args = (tree.index, tree.rep_row, tree.position, tree.end, tree.valid,
                      torch.ones_like(tree.valid), tree.segments)
+        if self.streaming is not None and self.streaming.choose(tree) is None:
+            out = self.streaming.outer(*args, *tree_args)
+            schedule = self.streaming.trunk.last_schedule
+            _record(replayed_calls=1, streamed_calls=1, logical_tokens=st.logical_tokens,
+                    executed_tokens=st.executed_tokens)
+            self._log_call(CallRecord(True, st.to_dict(), mode="replay",
+                                      schedule=None if schedule is None else schedule.summary()))
+            log.debug("branch_replay streaming call: %s", st)
+            return out
         try:
             out = self.packed(*args, *tree_args)
         except torch._dynamo.exc.BackendCompilerFailed:

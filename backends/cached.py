@@ -1,0 +1,253 @@
+"""Tree attention of a chunk of tail tokens against cached prefix K/V (streaming replay, DESIGN §7).
+
+``brcompile::tree_attention_cached_forward(q, k, v, end, valid, segments, k_cache, v_cache,
+cache_valid, cross, scale, impl) -> (out, lse)``
+
+The queries are the n tokens of one chunk (q [Hq, n, D]); they see two key sets:
+
+- their own chunk: ``k``/``v`` [Hkv, n, D] with the chunk's tree arrays ``end``/``valid``/``segments``
+  (the tree mask of brcompile::tree_attention, computed by the impl named ``impl``);
+- the cached prefix: ``k_cache``/``v_cache`` [Hkv, P, D], keys whose ``cache_valid`` bit is set, through
+  ``cross`` [C, 4] int64 rows ``(q_start, q_stop, k_start, k_stop)``: queries [q_start, q_stop) of the
+  chunk see cache keys [k_start, k_stop) (all of them: a cached segment is an ancestor chain of every
+  chunk token below it, so the pair is non-causal — Hydragen's shared-prefix call).
+
+Both parts merge by logsumexp, exactly as the CPU segment-pair schedule merges its calls:
+
+    lse = logaddexp(lse_a, lse_b),   out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
+
+Backward of each part runs with the MERGED out and lse (``p = exp(s - lse)``, ``delta = rowsum(dout *
+out)``), which is the exact gradient of the combined softmax restricted to that part's pairs; dq sums
+over the parts, dk_cache/dv_cache collect the chunk's contribution to the prefix K/V (the streaming
+runtime sums them over chunks before the prefix backward). The cached K/V is never copied.
+
+Cross pairs run through ``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU and by explicit
+float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from brcompile.backends.ops import (
+    TreeAttentionError, _check_impl_name, _check_inputs, count_visible_pairs, get_attention_impl, lse_dtype_for,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["cross_calls", "tree_attention_cached"]
+
+
+def cross_calls(cross: Tensor, cache_valid: Tensor) -> list:
+    """The cross rows as backends.cpu.AttentionCall objects (non-causal; q range in the chunk, k range in
+    the cache), each trimmed to its first..last valid cache key; rows without a valid key are dropped."""
+    from brcompile.backends.cpu import AttentionCall
+
+    cross, cache_valid = cross.cpu(), cache_valid.cpu()
+    calls = []
+    if cross.numel() == 0:
+        return calls
+    valid_before = torch.zeros(cache_valid.shape[0] + 1, dtype=torch.int64)
+    valid_before[1:] = cache_valid.cumsum(0)
+    valid_pos = cache_valid.nonzero().flatten()
+    for q0, q1, k0, k1 in cross.tolist():
+        count = int(valid_before[k1] - valid_before[k0])
+        if q1 <= q0 or count == 0:
+            continue
+        first = int(valid_pos[int(valid_before[k0])])
+        last = int(valid_pos[int(valid_before[k0]) + count - 1])
+        calls.append(AttentionCall(q0, q1, first, last + 1, causal=False, holes=(last - first + 1) != count))
+    return calls
+
+
+def _check_cached(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor) -> None:
+    """Raise TreeAttentionError unless the cache tensors fit q (works on fake tensors)."""
+    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise TreeAttentionError(f"tree_attention_cached: k_cache {tuple(k_cache.shape)} and v_cache "
+                                 f"{tuple(v_cache.shape)} must both be [Hkv, P, D]")
+    if k_cache.shape[2] != q.shape[2] or q.shape[0] % k_cache.shape[0] != 0:
+        raise TreeAttentionError(f"tree_attention_cached: cache {tuple(k_cache.shape)} does not fit q "
+                                 f"{tuple(q.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TreeAttentionError("tree_attention_cached: the cache must have q's dtype")
+    if cache_valid.dtype != torch.bool or cache_valid.shape != k_cache.shape[1:2]:
+        raise TreeAttentionError(f"tree_attention_cached: cache_valid must be bool [P={k_cache.shape[1]}]")
+    if cross.dtype != torch.int64 or cross.dim() != 2 or cross.shape[1] != 4:
+        raise TreeAttentionError(f"tree_attention_cached: cross must be int64 [C, 4], got {cross.dtype} "
+                                 f"{tuple(cross.shape)}")
+
+
+def _merge(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor, rows: slice) -> None:
+    """In place on rows: logsumexp-merge a partial result (finite lse) into the accumulators."""
+    lse_new = torch.logaddexp(lse_acc[:, rows], lse_part)
+    w_old = torch.exp(lse_acc[:, rows] - lse_new).unsqueeze(-1)
+    w_new = torch.exp(lse_part - lse_new).unsqueeze(-1)
+    out_acc[:, rows] = out_acc[:, rows] * w_old + out_part.to(out_acc.dtype) * w_new
+    lse_acc[:, rows] = lse_new
+
+
+def _grouped(t: Tensor, call, g: int) -> Tensor:
+    """Cache keys/values of the call, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0."""
+    kv = t[:, call.k_start:call.k_stop]
+    return kv.unsqueeze(1).expand(kv.shape[0], g, kv.shape[1], kv.shape[2])
+
+
+def _scores(qg: Tensor, kg: Tensor, keys_valid: Tensor, scale: float) -> Tensor:
+    """s = scale q.k^T over [Hkv, g, nq, nk], -inf for invalid keys."""
+    s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
+    return s.masked_fill(~keys_valid, float("-inf"))
+
+
+def _cross_forward(q, k_cache, v_cache, cache_valid, calls, scale, out, lse):
+    """Merge every cross call's (out_i, lse_i) into (out, lse)."""
+    from brcompile.backends.cpu import _flash_fwd, _key_mask
+
+    hkv = k_cache.shape[0]
+    g = q.shape[0] // hkv
+    qg = q.unflatten(0, (hkv, g))
+    for call in calls:
+        qs = slice(call.q_start, call.q_stop)
+        kg, vg = _grouped(k_cache, call, g), _grouped(v_cache, call, g)
+        if q.device.type == "cpu":
+            o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=_key_mask(cache_valid, call, q.dtype),
+                              scale=scale)
+        else:
+            s = _scores(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), cache_valid[call.k_start:call.k_stop], scale)
+            l = torch.logsumexp(s, -1)
+            o = torch.matmul(torch.exp(s - l.unsqueeze(-1)), vg.to(lse.dtype))
+        _merge(out, lse, o.flatten(0, 1), l.flatten(0, 1), qs)
+
+
+def _cross_backward(grad_out, q, k_cache, v_cache, cache_valid, out, lse, calls, scale, dq, dk, dv):
+    """Accumulate the cross calls' (dq, dk_cache, dv_cache) with the merged out and lse."""
+    from brcompile.backends.cpu import _flash_bwd, _key_mask
+
+    hkv = k_cache.shape[0]
+    g = q.shape[0] // hkv
+    qg, gog, outg = (t.unflatten(0, (hkv, g)) for t in (q, grad_out.to(q.dtype), out))
+    lseg = lse.unflatten(0, (hkv, g))
+    for call in calls:
+        qs, ks = slice(call.q_start, call.q_stop), slice(call.k_start, call.k_stop)
+        kg, vg = _grouped(k_cache, call, g), _grouped(v_cache, call, g)
+        if q.device.type == "cpu":
+            gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
+                                    False, attn_mask=_key_mask(cache_valid, call, q.dtype), scale=scale)
+        else:
+            acc = lse.dtype
+            q_, k_, v_, do = qg[:, :, qs].to(acc), kg.to(acc), vg.to(acc), gog[:, :, qs].to(acc)
+            p = torch.exp(_scores(q_, k_, cache_valid[ks], scale) - lseg[:, :, qs].unsqueeze(-1))
+            dp = torch.matmul(do, v_.transpose(-1, -2))
+            delta = (do * outg[:, :, qs].to(acc)).sum(-1, keepdim=True)
+            ds = p * (dp - delta)
+            gq = torch.matmul(ds, k_) * scale
+            gk = torch.matmul(ds.transpose(-1, -2), q_) * scale
+            gv = torch.matmul(p.transpose(-1, -2), do)
+        dq[:, qs] += gq.flatten(0, 1).to(dq.dtype)
+        dk[:, ks] += gk.sum(1, dtype=dk.dtype)
+        dv[:, ks] += gv.sum(1, dtype=dv.dtype)
+
+
+@torch.library.custom_op("brcompile::tree_attention_cached_forward", mutates_args=())
+def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor,
+                       k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor, scale: float,
+                       impl: str) -> tuple[Tensor, Tensor]:
+    """(out [Hq, n, D], lse [Hq, n]) over the chunk's own tree keys and its cached prefix keys."""
+    _check_inputs(q, k, v, end, valid, segments)
+    _check_cached(q, k_cache, v_cache, cache_valid, cross)
+    chosen = get_attention_impl(impl, q.device)
+    out_t, lse_t = chosen.forward(q, k, v, end, valid, segments, scale)
+    acc = lse_dtype_for(q.dtype)
+    out, lse = out_t.to(acc).contiguous(), lse_t.to(acc).contiguous()
+    _cross_forward(q, k_cache, v_cache, cache_valid, cross_calls(cross, cache_valid), scale, out, lse)
+    return out.to(q.dtype), lse
+
+
+@_cached_forward_op.register_fake
+def _cached_forward_fake(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl):
+    _check_inputs(q, k, v, end, valid, segments)
+    _check_cached(q, k_cache, v_cache, cache_valid, cross)
+    _check_impl_name(impl)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=lse_dtype_for(q.dtype))
+
+
+@torch.library.custom_op("brcompile::tree_attention_cached_backward", mutates_args=())
+def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        end: Tensor, valid: Tensor, segments: Tensor, k_cache: Tensor, v_cache: Tensor,
+                        cache_valid: Tensor, cross: Tensor, scale: float,
+                        impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dk_cache, dv_cache): each part's backward with the merged out and lse."""
+    chosen = get_attention_impl(impl, q.device)
+    dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale)
+    acc = lse_dtype_for(q.dtype)
+    dq = dq.to(acc).contiguous()
+    dkc = torch.zeros(k_cache.shape, dtype=acc, device=q.device)
+    dvc = torch.zeros(v_cache.shape, dtype=acc, device=q.device)
+    _cross_backward(grad_out, q, k_cache, v_cache, cache_valid, out, lse.to(acc), cross_calls(cross, cache_valid),
+                    scale, dq, dkc, dvc)
+    return dq.to(q.dtype), dk, dv, dkc.to(k_cache.dtype), dvc.to(v_cache.dtype)
+
+
+@_cached_backward_op.register_fake
+def _cached_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
+                          cross, scale, impl):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), k_cache.new_empty(k_cache.shape),
+            v_cache.new_empty(v_cache.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross)
+    ctx.scale, ctx.impl = scale, impl
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross = ctx.saved_tensors
+    dq, dk, dv, dkc, dvc = torch.ops.brcompile.tree_attention_cached_backward(
+        grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, ctx.scale,
+        ctx.impl)
+    return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None
+
+
+torch.library.register_autograd("brcompile::tree_attention_cached_forward", _backward,
+                                setup_context=_setup_context)
+
+
+def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor, v_cache: Tensor,
+                          cache_valid: Tensor, cross: Tensor, scale: float, impl: str = "auto") -> Tensor:
+    """Out [Hq, n, D] of a chunk's queries over its own tree (``tree``: (end, valid, segments)) and the
+    cached prefix K/V through ``cross`` (see the module docstring). Differentiable in q, k, v and the cache."""
+    end, valid, segments = tree
+    return torch.ops.brcompile.tree_attention_cached_forward(
+        q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, float(scale), impl)[0]
+
+
+def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
+    """Visible (query, cached key) pairs: per cross row, its queries times its valid cache keys."""
+    from brcompile.backends.ops import _has_data
+
+    if not (_has_data(cross) and _has_data(cache_valid)):
+        return 0
+    before = torch.zeros(cache_valid.shape[0] + 1, dtype=torch.int64, device=cache_valid.device)
+    before[1:] = cache_valid.cumsum(0)
+    c = cross.to(before.device)
+    return int(((c[:, 1] - c[:, 0]) * (before[c[:, 3]] - before[c[:, 2]])).sum().item()) if c.numel() else 0
+
+
+@register_flop_formula(torch.ops.brcompile.tree_attention_cached_forward, get_raw=True)
+def _cached_forward_flop(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
+                         *args, out_val=None, **kwargs) -> int:
+    """As tree_attention_forward's, over the chunk's own visible pairs plus its cross pairs."""
+    pairs = count_visible_pairs(end, valid) + _cross_pairs(cross, cache_valid)
+    return pairs * q.shape[0] * (2 * q.shape[-1] + 2 * v.shape[-1])
+
+
+@register_flop_formula(torch.ops.brcompile.tree_attention_cached_backward, get_raw=True)
+def _cached_backward_flop(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
+                          cross, scale, impl, *args, out_val=None, **kwargs) -> int:
+    pairs = count_visible_pairs(end, valid) + _cross_pairs(cross, cache_valid)
+    return pairs * q.shape[0] * (6 * q.shape[-1] + 4 * v.shape[-1])

@@ -1,0 +1,274 @@
+"""Streaming replay at run time (DESIGN §7): prefix once, tails in chunks, one ``loss.backward()``.
+
+The packed tree is cut in two (:func:`plan_replay`):
+
+- the **prefix**: every segment that has children (a shared chain: a prompt, a shared response prefix,
+  at any depth). It is closed under ancestors, so it is a forest of its own, in the same DFS order;
+- the **tails**: the leaf segments (a chain that ends in a leaf — one rollout's own suffix). A leaf
+  segment's ancestors are all prefix tokens, so a chunk of leaf segments needs, besides its own tokens,
+  only the prefix's K/V ("everything above the chunk is cached").
+
+:class:`ReplayFunction` is one autograd node around the token-local part of the packed graph (the
+"trunk", split off by :mod:`brcompile.passes.replay`):
+
+forward
+    run the prefix graph once with grad (its activations are the only ones kept; it also returns every
+    attention's K/V: the cached replay nodes), then each tail chunk under ``no_grad`` against the
+    detached cache, writing the chunk's outputs into the full [.., N, ..] outputs.
+backward
+    re-run each chunk with grad against the cache (leaves), pull the chunk's share of the upstream
+    gradient through it (``torch.autograd.grad``), accumulate its parameter gradients and its dK/dV of
+    the cache; then one backward through the prefix with (its own output gradients, the summed cache
+    gradients). Parameter gradients are returned as this node's input gradients, so they accumulate in
+    ``.grad`` exactly as in the dense run, and ``torch.autograd.grad`` works too.
+
+Peak activation memory: the prefix's activations + one chunk's, independent of the group size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Chunk", "ReplayFunction", "ReplaySchedule", "ReplayTrunk", "plan_replay"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One chunk of tail tokens: packed ids ``ids`` (sorted) and its own tree arrays (local ids)."""
+
+    ids: Tensor  # [n] int64 packed ids of the chunk's tokens
+    end: Tensor  # [n] local subtree ends (a chunk is a set of leaf chains)
+    segments: Tensor  # [s, 3] local (start, stop, subtree_end)
+    cross: Tensor  # [C, 4] (q_start, q_stop, k_start, k_stop): chunk queries x prefix keys
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaySchedule:
+    """The prefix/tail cut of one tree and the chunk schedule."""
+
+    prefix_ids: Tensor  # [P] packed ids of the prefix tokens (sorted)
+    prefix_end: Tensor  # [P] prefix-local subtree ends
+    prefix_segments: Tensor  # [Sp, 3] prefix-local segments
+    chunks: tuple[Chunk, ...]
+    n_tokens: int  # N
+
+    @property
+    def prefix_tokens(self) -> int:
+        return int(self.prefix_ids.shape[0])
+
+    def summary(self) -> dict:
+        """Sizes for explain() and logs."""
+        sizes = [c.tokens for c in self.chunks]
+        return {"tokens": self.n_tokens, "prefix_tokens": self.prefix_tokens,
+                "prefix_segments": int(self.prefix_segments.shape[0]), "chunks": len(sizes),
+                "chunk_tokens": sizes, "largest_chunk": max(sizes, default=0),
+                "cross_calls": sum(int(c.cross.shape[0]) for c in self.chunks)}
+
+
+def _count_before(mask: Tensor) -> Tensor:
+    """c[i] = number of True in mask[:i], for i in 0..len(mask)."""
+    c = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
+    c[1:] = mask.long().cumsum(0)
+    return c
+
+
+def plan_replay(end: Tensor, segments: Tensor, chunk_tokens: int) -> ReplaySchedule:
+    """Cut a packed tree into prefix + chunks of leaf segments of at most ``chunk_tokens`` tokens each
+    (a leaf segment longer than that is a chunk of its own).
+
+    A segment (s0, s1, e) is a leaf chain iff s1 == e. Prefix = all other segments; in prefix-local ids a
+    token's subtree end is the number of prefix tokens before its end. For a chunk with sorted packed ids
+    ``ids`` and a prefix segment (s0, s1, e), the chunk's queries below it are the contiguous local
+    range [searchsorted(ids, s1), searchsorted(ids, e)) and they see its keys [cnt(s0), cnt(s1)).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    end, segments = end.cpu(), segments.cpu()
+    n = int(end.shape[0])
+    s0, s1, e = segments[:, 0], segments[:, 1], segments[:, 2]
+    leaf = s1 == e
+    seg_len = s1 - s0
+    in_prefix = torch.repeat_interleave(~leaf, seg_len, output_size=n)
+    before = _count_before(in_prefix)
+    prefix_ids = in_prefix.nonzero().flatten()
+    psegs = segments[~leaf]
+    prefix_segments = torch.stack([before[psegs[:, 0]], before[psegs[:, 1]], before[psegs[:, 2]]], 1)
+    prefix_end = before[end[prefix_ids]]
+
+    leaves = segments[leaf]
+    chunks = []
+    sizes = (leaves[:, 1] - leaves[:, 0]).tolist()
+    start = 0
+    while start < len(sizes):
+        stop, total = start + 1, sizes[start]
+        while stop < len(sizes) and total + sizes[stop] <= chunk_tokens:
+            total += sizes[stop]
+            stop += 1
+        chunks.append(_chunk(leaves[start:stop], psegs, before))
+        start = stop
+    return ReplaySchedule(prefix_ids, prefix_end, prefix_segments, tuple(chunks), n)
+
+
+def _chunk(leaves: Tensor, psegs: Tensor, before: Tensor) -> Chunk:
+    """The chunk made of leaf segments ``leaves`` [s, 3] (packed ids), with its cross rows."""
+    lens = leaves[:, 1] - leaves[:, 0]
+    total = int(lens.sum())
+    stops = lens.cumsum(0)
+    starts = stops - lens
+    ids = torch.repeat_interleave(leaves[:, 0] - starts, lens, output_size=total) + torch.arange(total)
+    end = torch.repeat_interleave(stops, lens, output_size=total)
+    segments = torch.stack([starts, stops, stops], 1)
+    q0 = torch.searchsorted(ids, psegs[:, 1].contiguous())
+    q1 = torch.searchsorted(ids, psegs[:, 2].contiguous())
+    hit = q1 > q0
+    cross = torch.stack([q0[hit], q1[hit], before[psegs[hit, 0]], before[psegs[hit, 1]]], 1)
+    return Chunk(ids, end, segments, cross)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrunkGraphs:
+    """The two compiled halves of a trunk (see brcompile.passes.replay.ReplaySplit)."""
+
+    prefix: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments) -> (*frontier, *kv)
+    tail: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments, *kv_cache, cache_valid,
+    #                 cache_all_valid, cross) -> (*frontier)
+    frontier_dims: tuple[int, ...]  # the token dim of each frontier output
+    n_cached: int  # number of cached tensors (2 per attention: K and V)
+
+
+def _leaf(x):
+    """A detached stand-in for an input: a leaf that requires grad iff the input did."""
+    if isinstance(x, Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    return x
+
+
+def _take(x: Tensor, ids: Tensor) -> Tensor:
+    """x[ids] along dim 0 for per-token arrays."""
+    return x.index_select(0, ids.to(x.device))
+
+
+class ReplayFunction(torch.autograd.Function):
+    """The trunk of a packed graph run as prefix + streamed tail chunks (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, graphs: TrunkGraphs, schedule: ReplaySchedule, n_ext: int, *inputs):
+        ext, (rep_row, position, end, valid, all_valid, segments) = inputs[:n_ext], inputs[n_ext:]
+        dev = position.device
+        need_grad = any(isinstance(x, Tensor) and x.requires_grad for x in ext)
+        leaves = [_leaf(x) for x in ext]
+        pid = schedule.prefix_ids.to(dev)
+        pre_valid = _take(valid, pid)
+        with torch.set_grad_enabled(need_grad):
+            pre = graphs.prefix(*leaves, _take(rep_row, pid), _take(position, pid), schedule.prefix_end.to(dev),
+                                pre_valid, torch.ones_like(pre_valid), schedule.prefix_segments.to(dev))
+        nf = len(graphs.frontier_dims)
+        pre_front, cache = tuple(pre[:nf]), tuple(pre[nf:])
+        outs = [_full(t, d, schedule.n_tokens) for t, d in zip(pre_front, graphs.frontier_dims)]
+        for o, t, d in zip(outs, pre_front, graphs.frontier_dims):
+            o.index_copy_(d, pid, t.detach())
+        detached_cache = [c.detach() for c in cache]
+        with torch.no_grad():
+            for chunk in schedule.chunks:
+                part = _run_tail(graphs, leaves, chunk, rep_row, position, valid, detached_cache, pre_valid)
+                for o, t, d in zip(outs, part, graphs.frontier_dims):
+                    o.index_copy_(d, chunk.ids.to(dev), t)
+        ctx.graphs, ctx.schedule, ctx.n_ext = graphs, schedule, n_ext
+        ctx.leaves, ctx.pre_front, ctx.cache = leaves, pre_front, cache
+        ctx.tree = (rep_row, position, valid, pre_valid)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        graphs, schedule, leaves = ctx.graphs, ctx.schedule, ctx.leaves
+        rep_row, position, valid, pre_valid = ctx.tree
+        dev = position.device
+        wrt = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad]
+        acc: list[Optional[Tensor]] = [None] * len(leaves)
+        cache_grads = [torch.zeros_like(c) for c in ctx.cache]
+        dims = graphs.frontier_dims
+        for chunk in schedule.chunks:
+            ids = chunk.ids.to(dev)
+            g_out = [None if g is None else g.index_select(d, ids) for g, d in zip(grads, dims)]
+            if all(g is None for g in g_out):
+                continue
+            cache = [c.detach().requires_grad_() for c in ctx.cache]
+            with torch.enable_grad():
+                part = _run_tail(graphs, leaves, chunk, rep_row, position, valid, cache, pre_valid)
+                used = [(t, g) for t, g in zip(part, g_out) if g is not None and t.requires_grad]
+                got = torch.autograd.grad([t for t, _ in used], [leaves[i] for i in wrt] + cache,
+                                          [g for _, g in used], allow_unused=True) if used else ()
+            for i, g in zip(wrt, got[:len(wrt)]):
+                _accumulate(acc, i, g)
+            for cg, g in zip(cache_grads, got[len(wrt):]):
+                if g is not None:
+                    cg.add_(g)
+        pid = schedule.prefix_ids.to(dev)
+        outs, gouts = [], []
+        for t, g, d in zip(ctx.pre_front, grads, dims):
+            if g is not None and t.requires_grad:
+                outs.append(t)
+                gouts.append(g.index_select(d, pid))
+        for c, g in zip(ctx.cache, cache_grads):
+            if c.requires_grad:
+                outs.append(c)
+                gouts.append(g)
+        if outs and wrt:
+            got = torch.autograd.grad(outs, [leaves[i] for i in wrt], gouts, allow_unused=True)
+            for i, g in zip(wrt, got):
+                _accumulate(acc, i, g)
+        ctx.leaves = ctx.pre_front = ctx.cache = None  # free the prefix graph
+        return (None, None, None, *acc, None, None, None, None, None, None)
+
+
+def _accumulate(acc: list, i: int, g: Optional[Tensor]) -> None:
+    if g is not None:
+        acc[i] = g if acc[i] is None else acc[i] + g
+
+
+def _full(like: Tensor, dim: int, n: int) -> Tensor:
+    """An uninitialised tensor like ``like`` with size ``n`` along ``dim`` (every row is written)."""
+    shape = list(like.shape)
+    shape[dim] = n
+    return like.new_empty(shape)
+
+
+def _run_tail(graphs: TrunkGraphs, ext: Sequence, chunk: Chunk, rep_row: Tensor, position: Tensor,
+              valid: Tensor, cache: Sequence[Tensor], pre_valid: Tensor) -> tuple:
+    """The tail graph on one chunk against the cache."""
+    dev = position.device
+    ids = chunk.ids.to(dev)
+    v = _take(valid, ids)
+    out = graphs.tail(*ext, _take(rep_row, ids), _take(position, ids), chunk.end.to(dev), v, torch.ones_like(v),
+                      chunk.segments.to(dev), *cache, pre_valid, torch.ones_like(pre_valid), chunk.cross.to(dev))
+    return tuple(out)
+
+
+class ReplayTrunk(torch.nn.Module):
+    """The outer graph's call into the trunk: plans the schedule for the tree and applies
+    :class:`ReplayFunction`. ``last_schedule`` is kept for explain()."""
+
+    def __init__(self, graphs: TrunkGraphs, n_ext: int, chunk_tokens: int):
+        super().__init__()
+        self.graphs = graphs
+        self.n_ext = n_ext
+        self.chunk_tokens = chunk_tokens
+        self.last_schedule: Optional[ReplaySchedule] = None
+
+    @torch._dynamo.disable
+    def forward(self, *args):
+        end, segments = args[self.n_ext + 2], args[self.n_ext + 5]
+        schedule = plan_replay(end, segments, self.chunk_tokens)
+        self.last_schedule = schedule
+        log.debug("branch_replay streaming: %s", schedule.summary())
+        return ReplayFunction.apply(self.graphs, schedule, self.n_ext, *args)

@@ -1,0 +1,215 @@
+"""Streaming replay, the graph side (DESIGN §7): split a packed graph into trunk (prefix / tail) + outer.
+
+The packed graph (passes/pack.py) computes every TOKEN value on the N packed tokens, then reads them
+densely through ``tree_index`` (materialize, the lazy gather, the fused log-prob). The **trunk** is the
+token-local part between the two:
+
+    trunk = descendants of the per-token tree arrays (rep_row, position, end, valid, all_valid, segments)
+            that do not depend on tree_index
+
+Every trunk value carries the token dim N exactly once (checked on a fake-tensor run with a symbolic N),
+and the only op that mixes tokens is tree attention; so the trunk can run on any token subset whose
+ancestors it can see. :func:`split_for_replay` emits three graphs:
+
+- **prefix**: the trunk on the prefix tokens; outputs the frontier (trunk values the outer graph reads)
+  and, per attention, its K and V: the **cached replay nodes**;
+- **tail**: the trunk on one chunk of tail tokens; each ``tree_attention_forward`` becomes
+  ``tree_attention_cached_forward`` that also attends the cached K/V (backends/cached.py);
+- **outer**: the packed graph with the trunk replaced by one call of ``replay_trunk`` (a
+  brcompile.replay.ReplayTrunk submodule) that returns the frontier at all N tokens.
+
+Nothing here changes what is computed: the outer graph sees the same frontier values, the trunk the same
+per-token inputs, attention the same keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from brcompile.passes.axes import CannotReplay
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ReplaySplit", "split_for_replay", "TOKEN_ARRAYS"]
+
+#: Per-token tree arrays of the packed graph that the trunk reads (in the trunk graphs' order).
+TOKEN_ARRAYS = ("rep_row", "position", "end", "valid", "all_valid", "segments")
+_ATTENTION = torch.ops.brcompile.tree_attention_forward.default
+
+
+@dataclasses.dataclass
+class ReplaySplit:
+    """The three graphs of a streaming split and what explain() shows about it."""
+
+    outer: fx.GraphModule
+    prefix: fx.GraphModule
+    tail: fx.GraphModule
+    ext_inputs: tuple[str, ...]  # outer values passed into the trunk (parameters, tables …)
+    frontier: tuple[tuple[str, int], ...]  # (trunk node, its token dim) read by the outer graph
+    cached: tuple[str, ...]  # attention nodes whose K/V the prefix caches
+    trunk_nodes: int
+    bytes_per_token: int  # trunk activation bytes per packed token (an upper bound of what is saved)
+
+
+def _symbolic_run(gm: fx.GraphModule, args: Sequence[Any], token_positions: dict[str, int]):
+    """Fake-tensor propagation with the packed token count N symbolic; returns N's sympy symbol.
+
+    Tree arrays get a dynamic dim 0; the shape environment gives equal sizes one symbol (duck sizing),
+    so every value's N-sized dims show as that symbol."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    fakes = []
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            fakes.append(a)
+            continue
+        dynamic = i in token_positions.values()
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if (dynamic and d == 0) else
+                                                      DimDynamic.STATIC for d in range(a.dim())])
+        fakes.append(mode.from_tensor(a, symbolic_context=ctx, source=ConstantSource(f"arg{i}")))
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    # the tree arrays' sizes were unified by the ops that combine them (guards s_i == s_j)
+    return mode.shape_env, fakes[token_positions["position"]].shape[0].node.expr
+
+
+def _token_dims(val, n) -> list[int]:
+    """The dims of ``val`` whose size is the packed token count (``n`` = (shape env, N's symbol))."""
+    env, sym = n
+    return [d for d, s in enumerate(val.shape)
+            if isinstance(s, torch.SymInt) and env.simplify(s.node.expr) == env.simplify(sym)]
+
+
+def _descendants(roots: Sequence[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> ReplaySplit:
+    """Split a packed graph (see module docstring); ``example_args`` are its inputs for one real batch
+    (the original inputs followed by the tree arrays). Raises CannotReplay when the trunk is not a
+    token-local function of the per-token arrays."""
+    placeholders = [n for n in packed.graph.nodes if n.op == "placeholder"]
+    by_name = {p.name: i for i, p in enumerate(placeholders)}
+    tok_pos = {a: by_name[f"tree_{a}"] for a in TOKEN_ARRAYS}
+    tok_nodes = [placeholders[i] for i in tok_pos.values()]
+    n_sym = _symbolic_run(packed, example_args, tok_pos)
+    index = placeholders[by_name["tree_index"]]
+    outer_side = _descendants([index]) | {index}
+    trunk = [n for n in packed.graph.nodes
+             if n in _descendants(tok_nodes) and n not in outer_side and n.op != "output"]
+    trunk_set = set(trunk)
+    if not any(n.target is _ATTENTION for n in trunk):
+        raise CannotReplay("streaming replay: no tree attention in the token-local part of the graph")
+    bytes_per_token = 0
+    for n in trunk:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dims = _token_dims(val, n_sym)
+            if len(dims) != 1:
+                raise CannotReplay(f"streaming replay: {n.name} has {len(dims)} packed-token dims "
+                                   f"(shape {tuple(val.shape)}); the trunk must be token-local", n)
+            per = 1
+            for d, s in enumerate(val.shape):
+                if d != dims[0]:
+                    per *= int(s)
+            bytes_per_token += per * val.element_size()
+    frontier = [n for n in trunk if any(u not in trunk_set for u in n.users)]
+    for n in frontier:
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            raise CannotReplay(f"streaming replay: the outer graph reads {n.name}, which is not a tensor", n)
+    ext = list(dict.fromkeys(a for n in trunk for a in n.all_input_nodes
+                             if a not in trunk_set and a not in tok_nodes))
+    attentions = [n for n in trunk if n.target is _ATTENTION]
+    for a in attentions:
+        if a.args[4] not in (placeholders[tok_pos["valid"]], placeholders[tok_pos["all_valid"]]):
+            raise CannotReplay("streaming replay: an attention's key validity is not a tree array", a)
+    dims = tuple(_token_dims(n.meta["val"], n_sym)[0] for n in frontier)
+    prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, cached=False)
+    tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, cached=True)
+    outer = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
+    return ReplaySplit(outer, prefix, tail, tuple(n.name for n in ext),
+                       tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
+                       len(trunk), bytes_per_token)
+
+
+def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached: bool) -> fx.GraphModule:
+    """The trunk as a graph of (*ext, *token arrays[, *cache, cache_valid, cache_all_valid, cross])."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in ext:
+        env[n] = g.placeholder(f"ext_{n.name}")
+    for n, name in zip(tok_nodes, TOKEN_ARRAYS):
+        env[n] = g.placeholder(f"tree_{name}")
+    if cached:
+        cache = {a: (g.placeholder(f"cache_k_{a.name}"), g.placeholder(f"cache_v_{a.name}")) for a in attentions}
+        cache_valid = {tok_nodes[3]: g.placeholder("cache_valid"), tok_nodes[4]: g.placeholder("cache_all_valid")}
+        cross = g.placeholder("cross")
+    for n in trunk:
+        if cached and n.target is _ATTENTION:
+            q, k, v, end, valid, segments, scale, impl = n.args
+            kc, vc = cache[n]
+            new = g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default,
+                                  (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc,
+                                   cache_valid[valid], cross, scale, impl))
+        else:
+            new = g.node_copy(n, lambda a: env[a])
+        new.meta.update(n.meta)
+        env[n] = new
+    outs = [env[n] for n in frontier]
+    if not cached:
+        outs += [env[x] for a in attentions for x in (a.args[1], a.args[2])]
+    g.output(tuple(outs))
+    g.lint()
+    gm = fx.GraphModule(packed, g, class_name="ReplayTail" if cached else "ReplayPrefix")
+    gm.recompile()
+    return gm
+
+
+def _fetch(mod: torch.nn.Module, target: str):
+    for part in target.split("."):
+        mod = getattr(mod, part)
+    return mod
+
+
+def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> fx.GraphModule:
+    """The packed graph with the trunk replaced by ``replay_trunk(*ext, *token arrays)``; nodes that
+    read the frontier are emitted after the call, all others (ext inputs among them) before it."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    after = _descendants(frontier) - trunk_set
+    nodes = [n for n in packed.graph.nodes if n not in trunk_set and n.op != "output"]
+    for n in nodes:
+        if n not in after:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    call = g.call_module("replay_trunk", tuple(env[n] for n in ext) + tuple(env[n] for n in tok_nodes))
+    for i, n in enumerate(frontier):
+        env[n] = g.call_function(operator.getitem, (call, i))
+    for n in nodes:
+        if n in after:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    out = next(n for n in packed.graph.nodes if n.op == "output")
+    g.output(fx.node.map_arg(out.args[0], lambda a: env[a]))
+    g.lint()
+    root: dict[str, Any] = {"replay_trunk": torch.nn.Identity()}  # replaced by brcompile.replay.ReplayTrunk
+    for n in g.nodes:
+        if n.op in ("get_attr", "call_module") and n.target != "replay_trunk":
+            root[n.target] = _fetch(packed, n.target)
+    gm = fx.GraphModule(root, g, class_name="ReplayOuter")
+    gm.recompile()
+    return gm

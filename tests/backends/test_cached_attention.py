@@ -1,0 +1,120 @@
+"""brcompile::tree_attention_cached_forward and the streaming schedule (brcompile.replay.plan_replay).
+
+The oracle is tree attention over the whole tree (impl "reference", float64). The schedule cuts the tree
+into prefix + chunks; the prefix's queries run ordinary tree attention on the prefix forest, every
+chunk's queries the cached op against the prefix K/V. Together they must give the same out at every
+token and — through sum(out * w) — the same gradients of q, k and v as the whole tree.
+"""
+import pytest
+import torch
+
+import brcompile.backends.cached  # noqa: F401  (registers the op)
+from brcompile.backends.cached import tree_attention_cached
+from brcompile.backends.ops import tree_attention
+from brcompile.replay import plan_replay
+from brcompile.tree import build_tree
+
+
+def nested_batch(seed: int, pad: bool):
+    """Two groups: group 0 has 5 rows, 3 of them share 3 response tokens (a 3-level tree), group 1 has
+    3 rows; optional left padding of group 1's prompt and right padding of some responses."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for prompt_len, n in ((9, 5), (6, 3)):
+        prompt = torch.randint(1, 50, (prompt_len,), generator=g)
+        for i in range(n):
+            resp = torch.randint(1, 50, (5,), generator=g)
+            if i < 3 and n == 5:
+                resp[:3] = torch.tensor([7, 8, 9])
+            rows.append(torch.cat([prompt, resp]))
+    L = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        off = L - len(r) if (pad and b >= 5) else 0
+        ids[b, off:off + len(r)] = r
+        mask[b, off:off + len(r)] = 1
+    if pad:
+        mask[1, -2:] = 0  # right padding (ids stay: padding is defined by the mask)
+        mask[6, -1] = 0
+    return ids, mask
+
+
+def streamed(q, k, v, tree, chunk_tokens, impl):
+    """out [Hq, N, D] assembled from the prefix run and the cached chunk runs."""
+    sched = plan_replay(tree.end, tree.segments, chunk_tokens)
+    out = torch.zeros_like(q)
+    pid = sched.prefix_ids
+    pv = tree.valid[pid]
+    out[:, pid] = tree_attention(q[:, pid], k[:, pid], v[:, pid], (sched.prefix_end, pv, sched.prefix_segments),
+                                 scale=0.3, impl=impl)
+    for c in sched.chunks:
+        out[:, c.ids] = tree_attention_cached(q[:, c.ids], k[:, c.ids], v[:, c.ids],
+                                              (c.end, tree.valid[c.ids], c.segments), k[:, pid], v[:, pid], pv,
+                                              c.cross, 0.3, impl)
+    return out, sched
+
+
+def qkv(n, dtype, hq=4, hkv=2, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(h, n, d, generator=g, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]
+
+
+@pytest.mark.parametrize("impl,dtype,tol", [("cpu", torch.float64, 1e-12), ("reference", torch.float64, 1e-12),
+                                            ("triton", torch.float32, 2e-5)])
+@pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("chunk_tokens", [1, 6, 1000])
+def test_streamed_equals_whole_tree(impl, dtype, tol, pad, chunk_tokens):
+    if impl == "triton":
+        pytest.importorskip("triton")
+    ids, mask = nested_batch(0, pad)
+    tree = build_tree(ids, attention_mask=mask)
+    q, k, v = qkv(tree.stats.executed_tokens, dtype)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    want = tree_attention(q, k, v, tree, scale=0.3, impl="reference")
+    gwant = torch.autograd.grad((want * w).sum(), (q, k, v))
+    got, sched = streamed(q, k, v, tree, chunk_tokens, impl)
+    ggot = torch.autograd.grad((got * w).sum(), (q, k, v))
+    assert sched.prefix_tokens > 0 and len(sched.chunks) >= 1
+    if chunk_tokens == 1:
+        assert len(sched.chunks) == 8  # one chunk per leaf chain (rows)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for name, a, b in zip("qkv", ggot, gwant):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_schedule_cuts_at_leaf_chains():
+    """Prefix = the segments with children (both prompts and the shared response prefix); every chunk's
+    cross rows name exactly its ancestors in the prefix."""
+    ids, mask = nested_batch(2, pad=False)
+    tree = build_tree(ids, attention_mask=mask)
+    sched = plan_replay(tree.end, tree.segments, 4)
+    segs = tree.segments
+    shared = segs[segs[:, 1] < segs[:, 2]]
+    assert sched.prefix_tokens == int((shared[:, 1] - shared[:, 0]).sum())
+    assert sched.prefix_segments.shape[0] == 3  # prompt 0, shared response of group 0, prompt 1
+    pid = sched.prefix_ids
+    for c in sched.chunks:
+        assert c.tokens <= 4 or c.segments.shape[0] == 1
+        for qi, tok in enumerate(c.ids.tolist()):
+            seen = set()
+            for q0, q1, k0, k1 in c.cross.tolist():
+                if q0 <= qi < q1:
+                    seen.update(pid[k0:k1].tolist())
+            anc = {int(a) for a in pid if a <= tok < tree.end[a]}
+            assert seen == anc, f"token {tok}"
+    covered = torch.cat([pid] + [c.ids for c in sched.chunks]).sort().values
+    assert torch.equal(covered, torch.arange(tree.stats.executed_tokens))
+
+
+def test_opcheck():
+    ids, mask = nested_batch(3, pad=True)
+    tree = build_tree(ids, attention_mask=mask)
+    sched = plan_replay(tree.end, tree.segments, 5)
+    q, k, v = qkv(tree.stats.executed_tokens, torch.float64)
+    c, pid = sched.chunks[0], sched.prefix_ids
+    args = (q[:, c.ids].detach().requires_grad_(), k[:, c.ids].detach().requires_grad_(),
+            v[:, c.ids].detach().requires_grad_(), c.end, tree.valid[c.ids], c.segments,
+            k[:, pid].detach().requires_grad_(), v[:, pid].detach().requires_grad_(), tree.valid[pid], c.cross,
+            0.3, "cpu")
+    torch.library.opcheck(torch.ops.brcompile.tree_attention_cached_forward.default, args)
