@@ -27,6 +27,7 @@ float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -41,9 +42,21 @@ log = logging.getLogger(__name__)
 __all__ = ["cross_calls", "tree_attention_cached"]
 
 
-def cross_calls(cross: Tensor, cache_valid: Tensor) -> list:
+#: Largest cache-key range one cross call covers off the CPU, where the pair is explicit matmuls: the
+#: [Hq, nq, nk] score block stays bounded, and the blocks merge by logsumexp like any other part.
+MATH_KEY_BLOCK = 4096
+#: Cross calls on CPU use the CPU flash kernel; False selects the explicit matmuls there too (tests).
+USE_CPU_FLASH = True
+
+
+def _flash(q: Tensor) -> bool:
+    return q.device.type == "cpu" and USE_CPU_FLASH
+
+
+def cross_calls(cross: Tensor, cache_valid: Tensor, max_keys: Optional[int] = None) -> list:
     """The cross rows as backends.cpu.AttentionCall objects (non-causal; q range in the chunk, k range in
-    the cache), each trimmed to its first..last valid cache key; rows without a valid key are dropped."""
+    the cache), each trimmed to its first..last valid cache key, optionally cut into key ranges of at most
+    ``max_keys`` (each trimmed again); ranges without a valid key are dropped."""
     from brcompile.backends.cpu import AttentionCall
 
     cross, cache_valid = cross.cpu(), cache_valid.cpu()
@@ -54,13 +67,21 @@ def cross_calls(cross: Tensor, cache_valid: Tensor) -> list:
     valid_before[1:] = cache_valid.cumsum(0)
     valid_pos = cache_valid.nonzero().flatten()
     for q0, q1, k0, k1 in cross.tolist():
-        count = int(valid_before[k1] - valid_before[k0])
-        if q1 <= q0 or count == 0:
-            continue
-        first = int(valid_pos[int(valid_before[k0])])
-        last = int(valid_pos[int(valid_before[k0]) + count - 1])
-        calls.append(AttentionCall(q0, q1, first, last + 1, causal=False, holes=(last - first + 1) != count))
+        step = max_keys or max(k1 - k0, 1)
+        for b0 in range(k0, k1, step):
+            b1 = min(b0 + step, k1)
+            count = int(valid_before[b1] - valid_before[b0])
+            if q1 <= q0 or count == 0:
+                continue
+            first = int(valid_pos[int(valid_before[b0])])
+            last = int(valid_pos[int(valid_before[b0]) + count - 1])
+            calls.append(AttentionCall(q0, q1, first, last + 1, causal=False, holes=(last - first + 1) != count))
     return calls
+
+
+def _calls_for(q: Tensor, cross: Tensor, cache_valid: Tensor) -> list:
+    """Cross calls as the device runs them: whole on CPU (flash kernel), key-blocked elsewhere."""
+    return cross_calls(cross, cache_valid, None if _flash(q) else MATH_KEY_BLOCK)
 
 
 def _check_cached(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor) -> None:
@@ -111,7 +132,7 @@ def _cross_forward(q, k_cache, v_cache, cache_valid, calls, scale, out, lse):
     for call in calls:
         qs = slice(call.q_start, call.q_stop)
         kg, vg = _grouped(k_cache, call, g), _grouped(v_cache, call, g)
-        if q.device.type == "cpu":
+        if _flash(q):
             o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=_key_mask(cache_valid, call, q.dtype),
                               scale=scale)
         else:
@@ -132,7 +153,7 @@ def _cross_backward(grad_out, q, k_cache, v_cache, cache_valid, out, lse, calls,
     for call in calls:
         qs, ks = slice(call.q_start, call.q_stop), slice(call.k_start, call.k_stop)
         kg, vg = _grouped(k_cache, call, g), _grouped(v_cache, call, g)
-        if q.device.type == "cpu":
+        if _flash(q):
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     False, attn_mask=_key_mask(cache_valid, call, q.dtype), scale=scale)
         else:
@@ -161,7 +182,7 @@ def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tens
     out_t, lse_t = chosen.forward(q, k, v, end, valid, segments, scale)
     acc = lse_dtype_for(q.dtype)
     out, lse = out_t.to(acc).contiguous(), lse_t.to(acc).contiguous()
-    _cross_forward(q, k_cache, v_cache, cache_valid, cross_calls(cross, cache_valid), scale, out, lse)
+    _cross_forward(q, k_cache, v_cache, cache_valid, _calls_for(q, cross, cache_valid), scale, out, lse)
     return out.to(q.dtype), lse
 
 
@@ -185,7 +206,7 @@ def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     dq = dq.to(acc).contiguous()
     dkc = torch.zeros(k_cache.shape, dtype=acc, device=q.device)
     dvc = torch.zeros(v_cache.shape, dtype=acc, device=q.device)
-    _cross_backward(grad_out, q, k_cache, v_cache, cache_valid, out, lse.to(acc), cross_calls(cross, cache_valid),
+    _cross_backward(grad_out, q, k_cache, v_cache, cache_valid, out, lse.to(acc), _calls_for(q, cross, cache_valid),
                     scale, dq, dkc, dvc)
     return dq.to(q.dtype), dk, dv, dkc.to(k_cache.dtype), dvc.to(v_cache.dtype)
 

@@ -18,6 +18,9 @@ Math, for packed hidden states ``h [N, D]``, head weight ``W [V, D]``, optional 
 A request is one dense position: ``index [B', L']`` gives its packed token, ``targets [B', L']`` the
 token whose log-prob it reads. lse and H are computed once per packed token that some request reads
 (the distinct values of ``index``); at a branch point one packed token serves several requests.
+``index_r == -1`` marks a dropped position (padding left out of the tree, brcompile.tree.drop_padding):
+``logp[r] = 0`` and ``entropy[r] = 0`` there, and its gradient must be exactly 0 (a nonzero one raises
+brcompile.tree.DroppedPositionGradError: the loss read padding it should have masked).
 
 Backward (``g`` = grad of logp, ``gH`` = grad of entropy; ``G[k] = sum_{r: index_r = k} g_r`` and
 ``GH[k]`` likewise)::
@@ -59,6 +62,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
+
+from brcompile.tree import check_dropped_grad
 
 log = logging.getLogger(__name__)
 
@@ -264,9 +269,10 @@ def _chunk_rows(chunk: int, V: int, M: int, device: torch.device) -> int:
 class _Plan:
     """Which packed tokens are read, and which requests fall in each chunk of them.
 
-    tokens [M]: distinct packed tokens read (sorted); inv [R]: position in ``tokens`` of each request;
-    order [R]: requests sorted by ``inv``; chunk c covers tokens[starts[c]:starts[c + 1]] and the
-    requests order[bounds[c]:bounds[c + 1]]; ``contiguous``: tokens == arange(N) (no gather needed).
+    tokens [M]: distinct packed tokens read (sorted, -1 excluded); inv [R]: position in ``tokens`` of
+    each request (-1 for a dropped request, index -1); order [R]: requests sorted by ``inv`` (the
+    ``dropped`` dropped ones first); chunk c covers tokens[starts[c]:starts[c + 1]] and the requests
+    order[bounds[c]:bounds[c + 1]]; ``contiguous``: tokens == arange(N) (no gather needed).
     """
 
     tokens: Tensor
@@ -277,6 +283,11 @@ class _Plan:
     bounds: list
     contiguous: bool
     rows: int
+    dropped: int
+
+    def kept_requests(self) -> tuple[Tensor, Tensor]:
+        """(requests, their positions in ``tokens``) of every request that is not dropped, by token."""
+        return self.order[self.dropped:], self.inv_sorted[self.dropped:]
 
     def chunks(self):
         for c in range(len(self.starts) - 1):
@@ -289,14 +300,19 @@ class _Plan:
 
 
 def _plan(index: Tensor, N: int, V: int, chunk: int) -> _Plan:
+    """The plan of the requests ``index`` (values in [-1, N)); -1 (sorted first by unique) is not a
+    token: its requests get inv = -1 and sort before every chunk."""
     flat = index.reshape(-1)
     tokens, inv = torch.unique(flat, sorted=True, return_inverse=True)
     inv_sorted, order = torch.sort(inv, stable=True)
+    if bool(tokens[:1].lt(0).any()):  # some request is dropped
+        tokens, inv, inv_sorted = tokens[1:], inv - 1, inv_sorted - 1
     M = tokens.numel()
     rows = _chunk_rows(chunk, V, M, index.device)
     starts = list(range(0, M, rows)) + [M]
     bounds = torch.searchsorted(inv_sorted, torch.tensor(starts, device=index.device)).tolist()
-    return _Plan(tokens, inv, inv_sorted, order, starts, bounds, contiguous=(M == N), rows=min(rows, M))
+    return _Plan(tokens, inv, inv_sorted, order, starts, bounds, contiguous=(M == N), rows=min(rows, M),
+                 dropped=bounds[0])
 
 
 class _Workspace:
@@ -318,12 +334,14 @@ class _Workspace:
 
 
 def _check_values(index: Tensor, targets: Tensor, N: int, V: int) -> None:
-    """Raise LogprobError for an index outside [0, N) or a target outside [0, V) (one device sync)."""
+    """Raise LogprobError for an index outside [-1, N) (-1: dropped) or a target outside [0, V) (one
+    device sync)."""
     if index.numel() == 0:
         return
     lo_i, hi_i, lo_t, hi_t = torch.stack([index.min(), index.max(), targets.min(), targets.max()]).tolist()
-    if lo_i < 0 or hi_i >= N:
-        raise LogprobError(f"packed_logprob: index values must be in [0, N={N}), got [{lo_i}, {hi_i}]")
+    if lo_i < -1 or hi_i >= N:
+        raise LogprobError(f"packed_logprob: index values must be in [0, N={N}) or -1 (a dropped position), "
+                           f"got [{lo_i}, {hi_i}]")
     if lo_t < 0 or hi_t >= V:
         raise LogprobError(f"packed_logprob: targets must be in [0, V={V}), got [{lo_t}, {hi_t}]")
 
@@ -335,8 +353,8 @@ def logprob_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inde
     _check_values(index, targets, N, V)
     cdt = _compute_dtype(hidden.dtype)
     R = index.numel()
-    logp = torch.empty(R, dtype=cdt, device=hidden.device)
-    ent = torch.empty(R, dtype=cdt, device=hidden.device) if want_entropy else None
+    logp = torch.zeros(R, dtype=cdt, device=hidden.device)  # stays 0 at dropped requests
+    ent = torch.zeros(R, dtype=cdt, device=hidden.device) if want_entropy else None
     if R:
         plan = _plan(index, N, V, chunk)
         tflat = targets.reshape(-1)
@@ -368,12 +386,13 @@ def logprob_backward(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]
     db = None if bias is None else torch.zeros(bias.shape, dtype=cdt, device=bias.device)
     if work:
         plan = _plan(index, N, V, chunk)
+        if plan.dropped:
+            _check_dropped(grad_logp, grad_entropy, index)
         M = plan.tokens.numel()
         tflat = targets.reshape(-1)
         g = None if grad_logp is None else grad_logp.reshape(-1).to(cdt)
-        G = None if g is None else torch.zeros(M, dtype=cdt, device=hidden.device).index_add_(0, plan.inv, g)
-        GH = None if grad_entropy is None else torch.zeros(M, dtype=cdt, device=hidden.device).index_add_(
-            0, plan.inv, grad_entropy.reshape(-1).to(cdt))
+        G = None if g is None else _per_token_sum(g, plan, M)
+        GH = None if grad_entropy is None else _per_token_sum(grad_entropy.reshape(-1).to(cdt), plan, M)
         ws = _Workspace(plan.rows, V, hidden.dtype, cdt, hidden.device)
         for c0, c1, lo, hi in plan.chunks():
             tok, hc = plan.rows_of(hidden, c0, c1)
@@ -400,6 +419,20 @@ def logprob_backward(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]
             if db is not None:
                 db += draw.sum(0)
     return dh, dW.to(weight.dtype), (None if db is None else db.to(bias.dtype))
+
+
+def _per_token_sum(grad: Tensor, plan: _Plan, M: int) -> Tensor:
+    """[M]: the sum of ``grad`` (one per request) over the kept requests of each read token."""
+    req, inv = plan.kept_requests()
+    return torch.zeros(M, dtype=grad.dtype, device=grad.device).index_add_(0, inv, grad[req])
+
+
+def _check_dropped(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], index: Tensor) -> None:
+    """DroppedPositionGradError unless both gradients are exactly 0 at every request with index -1."""
+    dropped = index < 0
+    for name, grad in (("log-prob", grad_logp), ("entropy", grad_entropy)):
+        if grad is not None:
+            check_dropped_grad(grad, dropped, f"packed_logprob backward ({name})")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -509,12 +542,13 @@ torch.library.register_autograd("brcompile::packed_logprob", _backward, setup_co
 
 
 def count_read_tokens(index: Tensor, N: int) -> int:
-    """Distinct packed tokens ``index`` reads; N (the bound) for tensors without data (tracing)."""
+    """Distinct packed tokens ``index`` reads (-1, dropped, is none); N (the bound) for tensors without
+    data (tracing)."""
     from torch._subclasses.fake_tensor import is_fake
 
     if index.device.type == "meta" or is_fake(index):
         return N
-    return int(torch.unique(index).numel())
+    return int(torch.unique(index).ge(0).sum())
 
 
 @register_flop_formula(torch.ops.brcompile.packed_logprob, get_raw=True)
@@ -550,11 +584,14 @@ def packed_logprob(hidden: Tensor, weight: Tensor, index: Tensor, targets: Tenso
 def reference_packed_logprob(hidden: Tensor, weight: Tensor, index: Tensor, targets: Tensor,
                              bias: Optional[Tensor] = None, *, scale: float = 1.0, softcap: float = 0.0,
                              want_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-    """The oracle: dense [N, V] logits and ``log_softmax`` with plain torch autograd (O(N * V) memory)."""
+    """The oracle: dense [N, V] logits and ``log_softmax`` with plain torch autograd (O(N * V) memory);
+    0 where ``index`` is -1 (no check of the gradient there: that is the op's contract, not math)."""
     raw = F.linear(hidden, weight, bias)
     z = torch.tanh(raw / softcap) * softcap * scale if softcap > 0 else raw * scale
     logp_all = torch.log_softmax(z, dim=-1)
-    logp = logp_all[index, targets]
+    kept = index >= 0
+    rows = index.clamp(min=0)
+    logp = torch.where(kept, logp_all[rows, targets], 0.0)
     if not want_entropy:
         return logp, None
-    return logp, (-(logp_all.exp() * logp_all).sum(-1))[index]
+    return logp, torch.where(kept, (-(logp_all.exp() * logp_all).sum(-1))[rows], 0.0)

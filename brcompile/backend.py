@@ -119,8 +119,8 @@ class BranchReplayBackend:
         original = gm.forward
         try:
             an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
-            packed = build_packed_graph(an, PackOptions(attention=opts.attention,
-                                                        fuse_logprob=opts.fuse_logprob))
+            packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
+                                                        drop_padding=opts.drop_padding))
         except CannotReplay as e:
             return self._fallback(gid, gm, str(e), e.node_name, opts)
         except Exception as e:  # a bug in a pass must never produce a wrong number: run the original

@@ -162,10 +162,9 @@ class ReplayFunction(torch.autograd.Function):
     """The trunk of a packed graph run as prefix + streamed tail chunks (module docstring)."""
 
     @staticmethod
-    def forward(ctx, graphs: TrunkGraphs, schedule: ReplaySchedule, n_ext: int, *inputs):
+    def forward(ctx, graphs: TrunkGraphs, schedule: ReplaySchedule, need_grad: bool, n_ext: int, *inputs):
         ext, (rep_row, position, end, valid, all_valid, segments) = inputs[:n_ext], inputs[n_ext:]
         dev = position.device
-        need_grad = any(isinstance(x, Tensor) and x.requires_grad for x in ext)
         leaves = [_leaf(x) for x in ext]
         pid = schedule.prefix_ids.to(dev)
         pre_valid = _take(valid, pid)
@@ -190,6 +189,9 @@ class ReplayFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.leaves is None:
+            raise RuntimeError("branch_replay streaming: this graph was already backpropagated through and its "
+                               "prefix graph freed; a second backward (retain_graph=True) needs mode='packed'")
         graphs, schedule, leaves = ctx.graphs, ctx.schedule, ctx.leaves
         rep_row, position, valid, pre_valid = ctx.tree
         dev = position.device
@@ -228,7 +230,7 @@ class ReplayFunction(torch.autograd.Function):
             for i, g in zip(wrt, got):
                 _accumulate(acc, i, g)
         ctx.leaves = ctx.pre_front = ctx.cache = None  # free the prefix graph
-        return (None, None, None, *acc, None, None, None, None, None, None)
+        return (None, None, None, None, *acc, None, None, None, None, None, None)
 
 
 def _accumulate(acc: list, i: int, g: Optional[Tensor]) -> None:
@@ -271,4 +273,6 @@ class ReplayTrunk(torch.nn.Module):
         schedule = plan_replay(end, segments, self.chunk_tokens)
         self.last_schedule = schedule
         log.debug("branch_replay streaming: %s", schedule.summary())
-        return ReplayFunction.apply(self.graphs, schedule, self.n_ext, *args)
+        need_grad = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
+                                                    for x in args[:self.n_ext])
+        return ReplayFunction.apply(self.graphs, schedule, need_grad, self.n_ext, *args)

@@ -157,6 +157,11 @@ class ReplayRuntime:
             tree = tree_mod.drop_padding(tree)
         self.last_tree = tree
         st = tree.stats
+        if st.executed_tokens == 0:
+            reason = "every position of the batch is padding (drop_padding left no token)"
+            _record(fallback_calls=1, reason=reason)
+            self._log_call(CallRecord(False, st.to_dict(), reason))
+            return self.original(*args)
         if st.dedup_ratio < self.min_dedup:
             reason = f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}"
             _record(fallback_calls=1, reason=reason)

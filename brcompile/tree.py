@@ -35,6 +35,11 @@ i..m with m = min{j >= i : lcp[j] <= last column of the segment}, so end, rep_ro
 
 Complexity: O(B*L) elementwise work plus O(B^2 log L) gathers for the pairwise search (the exact order
 is used directly when that is cheaper: many rows, short rows); no Python loop over tokens or columns.
+
+Padding (``drop_padding=True``): :func:`drop_padding` deletes the invalid tokens from a built tree (the
+rest stays a preorder forest, every kept token under its nearest kept ancestor) and marks their dense
+positions with index -1. Dense reads of packed values go through :func:`read_packed` (0 at -1); a nonzero
+gradient at a dropped position raises :class:`DroppedPositionGradError` in backward.
 """
 from __future__ import annotations
 
@@ -51,12 +56,16 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "PAIRWISE_MAX_ROWS",
+    "DroppedPositionGradError",
     "PackedTree",
     "TreeInputError",
     "TreeStats",
     "build_tree",
+    "check_dropped_grad",
     "counters",
     "default_token_hash",
+    "drop_padding",
+    "read_packed",
 ]
 
 counters: collections.Counter = collections.Counter()
@@ -83,6 +92,13 @@ class TreeInputError(ValueError):
     """The per-token inputs or the attention mask cannot describe a batch of rows."""
 
 
+class DroppedPositionGradError(RuntimeError):
+    """A nonzero gradient reached a dense position that :func:`drop_padding` left out of the tree.
+
+    Dropped positions read as 0 in the packed graph; their true values (the model's outputs at padding)
+    were never computed, so a loss that depends on them has no exact gradient."""
+
+
 @dataclass(frozen=True)
 class TreeStats:
     """Sizes of one tree. dedup_ratio = logical_tokens / executed_tokens (>= 1)."""
@@ -92,7 +108,7 @@ class TreeStats:
     executed_tokens: int  # N (packed tokens)
     valid_tokens: int  # number of (b, t) whose attention-mask bit is 1 (B*L without a mask)
     dedup_ratio: float  # logical_tokens / executed_tokens
-    depth: int  # longest root path in tokens (= L for non-empty batches)
+    depth: int  # longest root path in tokens (= L from build_tree; the most valid tokens of a row after drop_padding)
     segments: int  # S
 
     def to_dict(self) -> dict:
@@ -104,12 +120,13 @@ class TreeStats:
 class PackedTree:
     """The prefix tree of a [B, L] batch in packed (depth-first preorder) layout; N packed tokens.
 
-    index[b, t] is the packed id of position (b, t). For packed tokens k, q: k is an ancestor-or-self of
+    index[b, t] is the packed id of position (b, t), or -1 for a position that :func:`drop_padding` left
+    out (read it with :func:`read_packed`, which gives 0 there). For packed tokens k, q: k is an ancestor-or-self of
     q iff k <= q < end[k]. segments[s] = (start, stop, subtree_end): the packed range of a maximal chain
     of single-child nodes and the end of the subtree of its first node (= end[start]).
     """
 
-    index: Tensor  # [B, L] int64: dense (b, t) -> packed token id in [0, N)
+    index: Tensor  # [B, L] int64: dense (b, t) -> packed token id in [0, N); -1: dropped (drop_padding)
     parent: Tensor  # [N] int64: packed id of the parent token, -1 for a root
     end: Tensor  # [N] int64: exclusive end of the token's subtree range in packed order
     position: Tensor  # [N] int64: the column t of the token (every row containing it has it at t)
@@ -609,3 +626,195 @@ def _min_table(x: Tensor) -> list:
 def _padded(t: Tensor, n: int) -> Tensor:
     """t extended to length n (the padding is never read by _range_min)."""
     return torch.cat([t, t.new_zeros(n - t.shape[0])])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# padding left out of the tree (drop_padding=True, DESIGN §4)
+
+
+def drop_padding(tree: PackedTree) -> PackedTree:
+    """The tree without its invalid (attention-mask bit 0) tokens; dropped dense positions get index -1.
+
+    Deleting nodes from a depth-first preorder leaves a preorder of the forest in which every kept node
+    hangs under its nearest kept ancestor. With keep = valid and before[k] = #kept tokens < k (the new id
+    of a kept k)::
+
+        index'[b, t] = before[index[b, t]] if valid there, else -1
+        end'[k']     = before[end[k]]          (the kept part of k's subtree range [k, end[k]))
+        parent'[k']  = the new id of the last kept column < position[k] in row rep_row[k], or -1
+        position', rep_row' = position, rep_row at the kept tokens;  valid' = True
+
+    so "k' is an ancestor-or-self of q'  <=>  k' <= q' < end'[k']" still holds. A dropped token is a key
+    nobody sees (its mask bit is 0), so every kept query attends exactly the keys it did before. Segments
+    are recomputed as the maximal single-child chains of the new forest (:func:`_chain_segments`). Stats:
+    executed_tokens = N' (dedup_ratio = B*L / N', inf when every position is padding), depth = the most
+    valid tokens of a row; rows, logical_tokens, valid_tokens unchanged. A tree without invalid tokens is
+    returned as is. Vectorised: O(B*L + N) work, two host synchronisations.
+    """
+    keep = tree.valid
+    if bool(keep.all()):
+        return tree
+    B, L = tree.batch_shape
+    before = torch.zeros(tree.num_tokens + 1, dtype=torch.int64, device=keep.device)
+    torch.cumsum(keep, dim=0, out=before[1:])
+    kept = keep.nonzero().squeeze(1)  # old ids of the kept tokens, ascending (= new order)
+    index = torch.where(keep, before[:-1], -1)[tree.index]  # [B, L]
+    dense_keep = index >= 0  # the mask bit of every position
+    position = tree.position[kept]
+    rep_row = tree.rep_row[kept]
+    end = before[tree.end[kept]]
+    parent = _kept_parent(index, dense_keep, rep_row, position)
+    segments = _chain_segments(parent, end)
+    n_kept, depth = torch.stack([before[-1], dense_keep.sum(dim=1).max()]).tolist()
+    stats = dataclasses.replace(
+        tree.stats,
+        executed_tokens=n_kept,
+        dedup_ratio=B * L / n_kept if n_kept else float("inf"),
+        depth=depth,
+        segments=segments.shape[0],
+    )
+    valid = torch.ones(n_kept, dtype=torch.bool, device=keep.device)
+    out = PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
+    log.debug("drop_padding: %d of %d packed tokens kept; %s", n_kept, tree.num_tokens, stats)
+    return out
+
+
+def _kept_parent(index: Tensor, dense_keep: Tensor, rep_row: Tensor, position: Tensor) -> Tensor:
+    """parent'[k] = index[r, c] for r = rep_row[k] and c = the last column < position[k] whose position
+    is kept in row r (-1 when there is none). Every row through k agrees with row r on every earlier
+    column, so any of them gives the same node. prev[b, t] = max{c < t : keep[b, c]} is a running max."""
+    B, L = index.shape
+    cols = torch.arange(L, device=index.device)
+    last_kept = torch.where(dense_keep, cols, -1).cummax(dim=1).values  # max{c <= t : keep[b, c]}
+    prev = torch.cat([last_kept.new_full((B, 1), -1), last_kept[:, :-1]], dim=1)
+    col = prev[rep_row, position]
+    return torch.where(col >= 0, index[rep_row, col.clamp(min=0)], -1)
+
+
+def _chain_segments(parent: Tensor, end: Tensor) -> Tensor:
+    """[S, 3] (start, stop, subtree_end): the maximal chains of single-child nodes of a preorder forest.
+
+    Token k continues the chain of k - 1 iff parent[k] == k - 1 and k - 1 has exactly one child, i.e. no
+    sibling follows k's subtree inside k - 1's: end[k] == end[k - 1]. Every other token starts a segment."""
+    n = parent.shape[0]
+    if n == 0:
+        return torch.zeros((0, 3), dtype=torch.int64, device=parent.device)
+    ids = torch.arange(n, device=parent.device)
+    continues = torch.zeros(n, dtype=torch.bool, device=parent.device)
+    continues[1:] = (parent[1:] == ids[:-1]) & (end[1:] == end[:-1])
+    starts = (~continues).nonzero().squeeze(1)
+    stops = torch.cat([starts[1:], starts.new_full((1,), n)])
+    return torch.stack([starts, stops, end[starts]], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dense reads of packed values: index -1 reads 0, and no gradient may flow there
+
+
+def check_dropped_grad(grad: Tensor, dropped: Tensor, where: str) -> None:
+    """Raise DroppedPositionGradError unless ``grad`` is exactly 0 at every dropped position.
+
+    ``dropped``: bool, the leading dims of ``grad`` (one entry per dense position); ``grad`` may have
+    trailing dims (a position counts once however many of its entries are nonzero; NaN counts). One host
+    synchronisation, plus one more when some position is dropped."""
+    n_dropped = int(dropped.sum())
+    if n_dropped == 0:
+        return
+    at_dropped = grad[dropped].reshape(n_dropped, -1)
+    bad = int((at_dropped != 0).any(dim=1).sum())
+    if bad:
+        raise DroppedPositionGradError(
+            f"{where}: the gradient is nonzero at {bad} of the {n_dropped} padded position(s) that "
+            f"drop_padding=True left out of the tree; the loss reads padded positions: multiply by the mask "
+            f"(attention/completion mask) or use drop_padding=False")
+
+
+def read_packed(data: Tensor, index: Tensor, cols: Optional[Tensor] = None) -> Tensor:
+    """Dense reads of packed rows, 0 where ``index`` is -1 (a position drop_padding left out).
+
+    Without ``cols``: ``out[i] = data[index[i]]`` for ``data [N, ...]`` (shape ``index.shape +
+    data.shape[1:]``). With ``cols`` (``index.shape + (J,)``, int64) and ``data [N, V]``:
+    ``out[i, j] = data[index[i], cols[i, j]]``. Backward (in ``data``): a scatter-add over the kept
+    positions, after checking that the gradient is exactly 0 at every dropped one
+    (DroppedPositionGradError otherwise). Registered as ``brcompile::read_packed`` (opaque to Inductor,
+    so the check runs inside a compiled backward too)."""
+    return torch.ops.brcompile.read_packed(data, index, cols)
+
+
+def _check_read_args(data: Tensor, index: Tensor, cols: Optional[Tensor]) -> None:
+    """Shapes and dtypes of read_packed (fake-tensor safe)."""
+    if index.dtype != torch.int64:
+        raise TypeError(f"read_packed: index must be int64, got {index.dtype}")
+    if data.dim() < 1:
+        raise ValueError("read_packed: data must have a leading packed-token dim")
+    if cols is not None:
+        if cols.dtype != torch.int64 or data.dim() != 2 or cols.dim() != index.dim() + 1 \
+                or cols.shape[:-1] != index.shape:
+            raise ValueError(f"read_packed: cols must be int64 of shape index.shape + (J,) with data [N, V]; "
+                             f"got data {tuple(data.shape)}, index {tuple(index.shape)}, cols "
+                             f"{tuple(cols.shape)} {cols.dtype}")
+
+
+def _read_shape(data: Tensor, index: Tensor, cols: Optional[Tensor]) -> tuple:
+    return tuple(cols.shape) if cols is not None else tuple(index.shape) + tuple(data.shape[1:])
+
+
+def _safe_indices(index: Tensor, cols: Optional[Tensor]) -> tuple:
+    """(kept, rows[, cols]): the mask of kept positions and indices that are in range everywhere (row 0,
+    column 0 at dropped positions)."""
+    kept = index >= 0
+    rows = index.clamp(min=0)
+    if cols is None:
+        return kept, (rows,)
+    return kept, (rows.unsqueeze(-1).expand_as(cols), torch.where(kept.unsqueeze(-1), cols, 0))
+
+
+@torch.library.custom_op("brcompile::read_packed", mutates_args=())
+def _read_packed_op(data: Tensor, index: Tensor, cols: Optional[Tensor]) -> Tensor:
+    """See :func:`read_packed`."""
+    _check_read_args(data, index, cols)
+    shape = _read_shape(data, index, cols)
+    if data.shape[0] == 0:  # every position dropped: nothing to read
+        return data.new_zeros(shape)
+    kept, where = _safe_indices(index, cols)
+    out = data[where]
+    return out.masked_fill_(~kept.reshape(kept.shape + (1,) * (out.dim() - kept.dim())), 0)
+
+
+@_read_packed_op.register_fake
+def _read_packed_fake(data, index, cols):
+    _check_read_args(data, index, cols)
+    return data.new_empty(_read_shape(data, index, cols))
+
+
+@torch.library.custom_op("brcompile::read_packed_backward", mutates_args=())
+def _read_packed_backward_op(grad: Tensor, index: Tensor, cols: Optional[Tensor],
+                             data_shape: Sequence[int]) -> Tensor:
+    """d(read_packed)/d(data) for the upstream ``grad``: checks the dropped positions, then
+    ``ddata[index[i](, cols[i, j])] += grad[i(, j)]`` (accumulating: a token read by several positions
+    sums their gradients)."""
+    check_dropped_grad(grad, index < 0, "read_packed backward")
+    out = grad.new_zeros(data_shape)
+    if out.shape[0] == 0 or grad.numel() == 0:
+        return out
+    _, where = _safe_indices(index, cols)
+    return out.index_put_(where, grad, accumulate=True)
+
+
+@_read_packed_backward_op.register_fake
+def _read_packed_backward_fake(grad, index, cols, data_shape):
+    return grad.new_empty(data_shape)
+
+
+def _read_packed_setup(ctx, inputs, output):
+    data, index, cols = inputs
+    ctx.save_for_backward(index, cols)
+    ctx.data_shape = list(data.shape)
+
+
+def _read_packed_grad(ctx, grad):
+    index, cols = ctx.saved_tensors
+    return torch.ops.brcompile.read_packed_backward(grad, index, cols, ctx.data_shape), None, None
+
+
+torch.library.register_autograd("brcompile::read_packed", _read_packed_grad, setup_context=_read_packed_setup)

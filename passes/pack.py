@@ -28,6 +28,7 @@ from brcompile.passes.axes import (
 from brcompile.passes.guards import BatchGuard
 from brcompile.passes.rules import eager_attention
 from brcompile.passes.rules.attention import SDPA
+from brcompile.tree import read_packed
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ _CHEAP = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "ex
 class PackOptions:
     attention: str = "auto"
     fuse_logprob: bool = True  # LM head -> log_softmax -> gather/cross_entropy as brcompile::packed_logprob
+    drop_padding: bool = False  # the index may hold -1 (padding left out of the tree): reads check it
 
 
 @dataclasses.dataclass
@@ -164,14 +166,19 @@ def _is_token_shaped(p: fx.Node, B: int, L: int) -> bool:
 # emission
 
 
-def materialize(data: torch.Tensor, index: torch.Tensor, row: int, pos: int) -> torch.Tensor:
-    """Dense value of a packed one: ``dense[.., b, .., t, ..] = data[.., 0, .., index[b, t], ..]``.
+def materialize(data: torch.Tensor, index: torch.Tensor, row: int, pos: int, dropped: bool = False) -> torch.Tensor:
+    """Dense value of a packed one: ``dense[.., b, .., t, ..] = data[.., 0, .., index[b, t], ..]``, and 0
+    where ``index[b, t] == -1`` (a padded position that ``drop_padding=True`` left out of the tree).
 
     ``data`` has extent 1 at ``row`` and N at ``pos``; ``index`` is the (windowed) [B', L'] index.
-    Its backward is a scatter-add: a packed token used by several (b, t) sums their gradients.
+    Its backward is a scatter-add: a packed token used by several (b, t) sums their gradients; a nonzero
+    gradient at a dropped position raises brcompile.tree.DroppedPositionGradError (the loss read padding).
+
+    ``dropped`` (option drop_padding): the index may hold -1, read through brcompile::read_packed (opaque to
+    Inductor, so the backward check runs compiled); otherwise a plain gather Inductor can fuse.
     """
     x = data.movedim((row, pos), (0, 1))[0]  # [N, ...]
-    x = x[index]  # [B', L', ...]
+    x = read_packed(x, index) if dropped else x[index]  # [B', L', ...]
     return x.movedim((0, 1), (row, pos))
 
 
@@ -253,7 +260,8 @@ class Packer:
                 self._dense[arg] = self._emit_copy(arg, self.dense)
             else:
                 self._dense[arg] = self.graph.call_function(
-                    materialize, (self.packed(arg), self.index(ax.window), ax.row, ax.pos))
+                    materialize, (self.packed(arg), self.index(ax.window), ax.row, ax.pos,
+                                  self.options.drop_padding))
         return self._dense[arg]
 
     def _input_derived(self, n: fx.Node) -> bool:

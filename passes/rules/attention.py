@@ -20,6 +20,7 @@ from brcompile.passes.axes import (
     DENSE, AxesContext, dense_fallback, get_axes, normalize_dim, register_rule,
 )
 from brcompile.passes.rules.logprob import emit_fused_gather
+from brcompile.tree import read_packed
 
 SDPA = [F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention]
 
@@ -81,7 +82,8 @@ def emit_gather(pk, node):
     x, idx = node.args[0], node.args[2]
     ax = get_axes(x)
     return pk.graph.call_function(
-        packed_gather, (pk.packed(x), pk.index(ax.window), ax.row, ax.pos, pk.dense(idx)))
+        packed_gather, (pk.packed(x), pk.index(ax.window), ax.row, ax.pos, pk.dense(idx),
+                        pk.options.drop_padding))
 
 
 @register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather)
@@ -107,9 +109,13 @@ def gather(ctx: AxesContext, node):
     return dense_fallback(ctx, node, "gather with an index that is not aligned")
 
 
-def packed_gather(data: torch.Tensor, index: torch.Tensor, row: int, pos: int, idx: torch.Tensor):
+def packed_gather(data: torch.Tensor, index: torch.Tensor, row: int, pos: int, idx: torch.Tensor,
+                  dropped: bool = False):
     """``out[b, t, j] = data[0, index[b, t], idx[b, t, j]]`` for packed ``data`` [1, N, V], index [B', L'],
-    idx [B', L', J] — the dense ``gather(data[index], 2, idx)`` without forming [B', L', V]."""
+    idx [B', L', J] — the dense ``gather(data[index], 2, idx)`` without forming [B', L', V]. 0 where
+    ``index[b, t] == -1`` (dropped padding); a nonzero gradient there raises DroppedPositionGradError
+    (brcompile::read_packed)."""
     flat = data.squeeze(row)  # [N, V]
-    rows = index.unsqueeze(-1).expand_as(idx)
-    return flat[rows, idx]
+    if dropped:
+        return read_packed(flat, index, idx)
+    return flat[index.unsqueeze(-1).expand_as(idx), idx]

@@ -83,6 +83,26 @@ def test_streamed_equals_whole_tree(impl, dtype, tol, pad, chunk_tokens):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"grad of {name}: {m}")
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
+def test_math_cross_path_with_key_blocks(pad, monkeypatch):
+    """The explicit-matmul cross path (what runs off the CPU), with cache keys cut into blocks of 3."""
+    import brcompile.backends.cached as cached
+
+    monkeypatch.setattr(cached, "USE_CPU_FLASH", False)
+    monkeypatch.setattr(cached, "MATH_KEY_BLOCK", 3)
+    ids, mask = nested_batch(4, pad)
+    tree = build_tree(ids, attention_mask=mask)
+    q, k, v = qkv(tree.stats.executed_tokens, torch.float64)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = tree_attention(q, k, v, tree, scale=0.3, impl="reference")
+    gwant = torch.autograd.grad((want * w).sum(), (q, k, v))
+    got, _ = streamed(q, k, v, tree, 6, "cpu")
+    ggot = torch.autograd.grad((got * w).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for a, b in zip(ggot, gwant):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
 def test_schedule_cuts_at_leaf_chains():
     """Prefix = the segments with children (both prompts and the shared response prefix); every chunk's
     cross rows name exactly its ancestors in the prefix."""

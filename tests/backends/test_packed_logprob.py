@@ -246,6 +246,20 @@ def test_flop_formula_counts_read_tokens():
     assert counter.get_total_flops() == 2 * M * 5 * 19 + 6 * M * 5 * 19
 
 
+def test_dropped_index_reads_zero_and_counts_no_token():
+    """index -1 (a position drop_padding left out): log-prob and entropy 0, no token read; -2 is refused."""
+    h, w, b, index, targets = make_inputs(7, 4, 13, (2, 5))
+    index[0, 3:] = -1
+    assert count_read_tokens(index, 7) == int(torch.unique(index[index >= 0]).numel())
+    out, ent = packed_logprob(h, w, index, targets, b, want_entropy=True, impl="cpu")
+    ref, rent = reference_packed_logprob(h, w, index, targets, b, want_entropy=True)
+    assert bool((out[0, 3:] == 0).all()) and bool((ent[0, 3:] == 0).all())
+    assert_close(out, ref, **TOL[torch.float64])
+    assert_close(ent, rent, **TOL[torch.float64])
+    with pytest.raises(LogprobError, match="or -1"):
+        packed_logprob(h, w, index.clamp(min=-1) - (index < 0).long(), targets, b, impl="cpu")
+
+
 def test_bad_inputs_raise():
     h, w, b, index, targets = make_inputs(6, 3, 11, (2, 3))
     with pytest.raises(LogprobError, match="disagree on D"):

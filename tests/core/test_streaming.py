@@ -72,6 +72,19 @@ def test_grpo_streamed_exact(name, chunk_tokens):
     assert rec.schedule["largest_chunk"] <= max(chunk_tokens, 7)  # a leaf chain longer than a chunk is alone
 
 
+@pytest.mark.parametrize("attention,dtype,tol", [("reference", torch.float64, TOL), ("triton", torch.float32, 1e-5)])
+def test_attention_impls(attention, dtype, tol):
+    """The tail chunks' own-tree part runs on the chosen impl (triton: the interpreter on CPU, float32)."""
+    if attention == "triton":
+        pytest.importorskip("triton")
+    model = gpt().to(dtype)
+    batch = make_grpo_batch(vocab_size=61, seed=8, dtype=dtype, **BATCHES["nested"])
+    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=9, attention=attention)
+    rec = check(functools.partial(grpo_loss, model), grpo_args(batch), list(model.parameters()), backend, tol=tol)
+    assert_streamed(rec)
+    assert f"'{attention}'" in backend.records[0].replay["tail_code"]
+
+
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compilers_and_dynamic(compiler):
     """The three graphs compiled (AOTAutograd / Inductor, dynamic shapes): two batch shapes, one capture."""
@@ -110,6 +123,16 @@ def test_model_only_logits_and_backward_accumulates():
     for n, p in model.named_parameters():
         assert rel_err(p.grad, gref[n]) <= TOL, n
     assert brcompile.stats().streamed_calls == 1
+
+
+def test_second_backward_is_refused_clearly():
+    model = gpt()
+    args = grpo_args(make_grpo_batch(vocab_size=61, seed=5, dtype=torch.float64, **BATCHES["nested"]))
+    loss = torch.compile(functools.partial(grpo_loss, model),
+                         backend=brcompile.backend(compiler="eager", mode="replay", chunk_tokens=8))(*args)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
 
 
 def test_no_grad_call():
@@ -197,3 +220,25 @@ def test_hf_qwen2_streamed(norms, monkeypatch):
     rec = check(logits, (batch["input_ids"], batch["attention_mask"]), list(model.parameters()), backend,
                 grad_tol=TOL if norms == "float64" else 1e-5)
     assert_streamed(rec)
+
+
+def test_memory_benchmark_worker_and_table():
+    """benchmarks/bench_replay.py: one in-process worker per mode on a tiny grid; the table reports them."""
+    from benchmarks import bench_replay
+
+    args = bench_replay.build_parser().parse_args(
+        ["--prompt-len", "40", "--response-len", "6", "--dim", "32", "--layers", "1", "--heads", "4",
+         "--kv-heads", "2", "--vocab", "64", "--chunk-tokens", "12", "--compiler", "eager", "--repeats", "1",
+         "--threads", "1"])
+    results = []
+    for mode in bench_replay.MODES:
+        args.mode, args.group = mode, 6
+        brcompile.reset_stats()
+        torch._dynamo.reset()
+        results.append(bench_replay.worker(args))
+    by = {r["mode"]: r for r in results}
+    assert by["replay"]["streamed"] == 3 and by["packed"]["streamed"] == 0  # warm-up, measured, timed
+    assert by["replay"]["max_grad_rel_err"] < 1e-4 and by["packed"]["max_grad_rel_err"] < 1e-4
+    assert by["replay"]["saved"] < by["packed"]["saved"] < by["dense"]["saved"]
+    table = bench_replay.markdown(results, args)
+    assert table.count("\n| 6 |") == 1 and "replay grad err" in table
