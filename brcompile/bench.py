@@ -72,6 +72,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from brcompile.testing import rel_err
+
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
@@ -467,13 +469,6 @@ class CaseResult:
         d["name"] = self.case.name
         d["flop_ratio_limit"] = self.flop_ratio_limit
         return d
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want| (the absolute error when want is all zeros)."""
-    scale = want.abs().max().item()
-    diff = (got - want).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
 def _short(exc: BaseException) -> str:

@@ -163,7 +163,8 @@ class ReplayFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphs: TrunkGraphs, schedule: ReplaySchedule, need_grad: bool, n_ext: int, *inputs):
-        ext, (rep_row, position, end, valid, all_valid, segments) = inputs[:n_ext], inputs[n_ext:]
+        ext = inputs[:n_ext]  # then the token arrays rep_row, position, end, valid, all_valid, segments
+        rep_row, position, valid = inputs[n_ext], inputs[n_ext + 1], inputs[n_ext + 3]
         dev = position.device
         leaves = [_leaf(x) for x in ext]
         pid = schedule.prefix_ids.to(dev)

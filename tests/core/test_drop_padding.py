@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import brcompile
+from brcompile.testing import assert_exact, assert_subtree_ranges
 from brcompile.backends.cpu import _check_segments
 from brcompile.backends.logprob import packed_logprob, reference_packed_logprob
 from brcompile.tree import DroppedPositionGradError, build_tree, drop_padding, read_packed
@@ -32,17 +33,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 HINT = "multiply by the mask"
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (the absolute difference when b is 0)."""
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
-def assert_exact(got, want, dtype, what):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = rel_err(got.detach(), want.detach())
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -93,16 +85,7 @@ def check_dropped_tree(tree, tokens, mask):
         assert tree.position[i] == t and tree.rep_row[i] == rows[0]
         assert parent[i] == (-1 if par is None else id_of[par])
     assert bool(tree.valid.all()) and tree.valid.shape == (n,)
-    ancestors = []
-    for q in range(n):
-        chain, k = set(), q
-        while k != -1:
-            chain.add(k)
-            k = parent[k]
-        ancestors.append(chain)
-    for k in range(n):
-        for q in range(n):
-            assert (k <= q < end[k]) == (k in ancestors[q]), f"end[{k}]={end[k]} wrong for q={q}"
+    assert_subtree_ranges(parent, end)
     _check_segments(tree.end, tree.segments)  # partition + end[k] == subtree_end, as attention requires
     check_maximal_chains(tree.segments.tolist(), parent, n)
     valid_rows = (mask != 0).sum(1)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import brcompile
+from brcompile.testing import rel_err
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss
 
@@ -16,11 +17,6 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 V = 61
 
 
-def rel_err(a, b) -> float:
-    """max |a - b| / max |b|."""
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
 def make_model(dtype=torch.float64, **kw):

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import brcompile
+from brcompile.testing import assert_exact
 from examples.grpo import make_grpo_batch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -55,20 +56,8 @@ def make_model(family: str, impl: str, dtype=None, **overrides):
     return AutoModelForCausalLM.from_config(cfg).to(dtype or DTYPE.get(impl, torch.float64))
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (NaN-aware: a NaN anywhere is an infinite error)."""
-    if torch.isnan(a).any() or torch.isnan(b).any():
-        return float("inf") if not torch.equal(torch.isnan(a), torch.isnan(b)) else rel_err(
-            torch.nan_to_num(a), torch.nan_to_num(b))
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
-def assert_exact(got, want, dtype, what):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = rel_err(got.detach(), want.detach())
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e}"
 
 
 def assert_replayed(calls=1):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import brcompile
+from brcompile.testing import assert_exact
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss
 
@@ -18,16 +19,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 BACKEND = brcompile.backend(compiler="aot_eager")
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (0 when both are 0)."""
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
-def assert_exact(got, want, dtype, what):
-    err = rel_err(got, want)
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e}"
 
 
 def make_model(dtype=torch.float64, **kw):

@@ -10,16 +10,13 @@ import pytest
 import torch
 
 import brcompile
+from brcompile.testing import rel_err
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch
 
 TOL = 1e-10
 
 
-def rel_err(a, b) -> float:
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
 def gpt(**kw):

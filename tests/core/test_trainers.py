@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import brcompile
+from brcompile.testing import assert_exact, rel_err
 from examples import dpo, ppo
 from examples.gpt import GPTConfig, GPT
 
@@ -18,16 +19,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 BACKEND_OPTIONS = dict(compiler="aot_eager")  # no Inductor codegen: fast on 2 CPU cores
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (the plain difference when b is all zeros)."""
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
-def assert_exact(got, want, dtype, what):
-    err = rel_err(got, want)
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e}"
 
 
 def tiny_config(**kw) -> GPTConfig:

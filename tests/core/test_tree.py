@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from brcompile.testing import assert_subtree_ranges
 from brcompile import tree as tree_mod
 from brcompile.tree import PackedTree, TreeInputError, TreeStats, build_tree
 
@@ -79,16 +80,7 @@ def check_against_trie(tree, inputs, mask):
         assert parent[k] == (id_of[key[:-1]] if t > 0 else -1)
 
     # packed order is a DFS preorder: k <= q < end[k]  <=>  k is an ancestor-or-self of q
-    ancestors = []
-    for q in range(n):
-        chain, k = set(), q
-        while k != -1:
-            chain.add(k)
-            k = parent[k]
-        ancestors.append(chain)
-    for k in range(n):
-        for q in range(n):
-            assert (k <= q < end[k]) == (k in ancestors[q]), f"end[{k}]={end[k]} wrong for q={q}"
+    assert_subtree_ranges(parent, end)
 
     check_segments(tree.segments.tolist(), parent, end, n)
     assert tree.stats == TreeStats(
