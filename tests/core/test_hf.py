@@ -164,7 +164,7 @@ def run_cell(model, path, batch, dynamic, backend=EAGER_ONLY, grad_tol=GRAD_TOL)
 @pytest.mark.parametrize("path", ["model", "loss"])
 @pytest.mark.parametrize("padding", ["none", "padded"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_hf_exact(family, impl, padding, path, dynamic):
     model = make_model(family, impl)
     run_cell(model, path, make_batch(padding, impl), dynamic)
@@ -172,26 +172,38 @@ def test_hf_exact(family, impl, padding, path, dynamic):
 
 
 def _rmsnorm_in_input_dtype(self, hidden_states):
-    """HF's Llama/Qwen RMSNorm with its math in the input's dtype (HF's own casts to float32)."""
+    """HF's Llama/Qwen/Mistral RMSNorm with its math in the input's dtype (HF's own casts to float32)."""
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _gemma_rmsnorm_in_input_dtype(self, x):
+    """Gemma3's RMSNorm (``x * rsqrt(mean(x^2) + eps) * (1 + w)``) without its ``x.float()``."""
+    return self._norm(x) * (1.0 + self.weight)
+
+
 @pytest.fixture
 def float64_norms(monkeypatch):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    for cls in (LlamaRMSNorm, Qwen3RMSNorm):
+    for cls in (LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm):
         monkeypatch.setattr(cls, "forward", _rmsnorm_in_input_dtype)
+    monkeypatch.setattr(Gemma3RMSNorm, "forward", _gemma_rmsnorm_in_input_dtype)
 
 
-@pytest.mark.parametrize("family,path", [("llama", "loss"), ("qwen3", "model")])
-def test_grads_float64_exact_with_float64_norms(float64_norms, family, path):
-    """With the norms in float64 (the only float32 step of these models under SDPA), every parameter
-    gradient meets the float64 bound too: the 1e-7 of the unmodified models is HF's float32 norm."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("path", ["model", "loss"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_grads_float64_exact_with_float64_norms(float64_norms, family, path, dynamic):
+    """The five families (SDPA, float64, left+right padding) with the norms in float64 — the only float32
+    step of these models under SDPA: every parameter gradient meets the float64 bound (1e-10) too, so the
+    ~1e-7 of the unmodified models is HF's float32 norm, not the rewrite."""
     model = make_model(family, "sdpa")
-    run_cell(model, path, make_batch("padded", "sdpa"), dynamic=False, grad_tol=torch.float64)
+    run_cell(model, path, make_batch("padded", "sdpa"), dynamic=dynamic, grad_tol=torch.float64)
     assert_replayed()
 
 
@@ -231,13 +243,15 @@ def selective_log_softmax(logits, index):
     return torch.gather(logits.log_softmax(-1), dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
 
 
+@pytest.mark.parametrize("mode", ["packed", "replay"])
 @pytest.mark.parametrize("position_ids", [False, True], ids=["no_pos", "pos_ids"])
 @pytest.mark.parametrize("use_cache", [None, False], ids=["cache_default", "no_cache"])
-def test_trl_per_token_logps(use_cache, position_ids):
+def test_trl_per_token_logps(use_cache, position_ids, mode):
     """TRL's GRPO layout: left-padded prompts + right-padded completions; the model alone is compiled,
     called with ``logits_to_keep = completion length + 1``; then (eagerly, as TRL does)
     ``logits[:, :-1] / T`` -> last C positions -> selective log-softmax. Log-probs at every completion
-    position and all parameter grads of an advantage-weighted sum equal the eager ones."""
+    position and all parameter grads of an advantage-weighted sum equal the eager ones — packed, and
+    streamed (mode="replay": prompts cached, completions in chunks of 4 tokens)."""
     model = make_model("qwen2", "sdpa")
     b = padded_batch(seed=4)
     ids, am, cm = b["input_ids"], b["attention_mask"], b["completion_mask"]
@@ -250,7 +264,8 @@ def test_trl_per_token_logps(use_cache, position_ids):
         return model(input_ids=ids, attention_mask=am, logits_to_keep=C + 1, **kw, **extra).logits
 
     pos = (am.cumsum(-1) - 1).clamp(min=0) if position_ids else None
-    compiled = torch.compile(forward, backend=EAGER_ONLY)
+    backend = EAGER_ONLY if mode == "packed" else brcompile.backend(compiler="eager", mode="replay", chunk_tokens=4)
+    compiled = torch.compile(forward, backend=backend)
 
     def per_token_logps(fn):
         logits = fn(ids, am, pos)[:, :-1, :] / 0.9
@@ -261,6 +276,7 @@ def test_trl_per_token_logps(use_cache, position_ids):
     adv = torch.randn(ids.shape[0], 1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     check_grads(model, ref, out, adv * cm[:, P:])
     assert_replayed()
+    assert brcompile.stats().streamed_calls == (mode == "replay")
 
 
 # --------------------------------------------------------------------------------------------------
