@@ -53,7 +53,7 @@ class ReplaySplit:
     frontier: tuple[tuple[str, int], ...]  # (trunk node, its token dim) read by the outer graph
     cached: tuple[str, ...]  # attention nodes whose K/V the prefix caches
     trunk_nodes: int
-    bytes_per_token: int  # trunk activation bytes per packed token (an upper bound of what is saved)
+    bytes_per_token: int  # bytes per packed token of the trunk's non-view values (a bound on what is saved)
 
 
 def _symbolic_run(gm: fx.GraphModule, args: Sequence[Any], token_positions: dict[str, int]):
@@ -124,6 +124,8 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
             if len(dims) != 1:
                 raise CannotReplay(f"streaming replay: {n.name} has {len(dims)} packed-token dims "
                                    f"(shape {tuple(val.shape)}); the trunk must be token-local", n)
+            if val._is_view():  # shares its base's storage: no bytes of its own
+                continue
             per = 1
             for d, s in enumerate(val.shape):
                 if d != dims[0]:
