@@ -3,6 +3,13 @@
     python benchmarks/bench_grpo.py                 # G=8, P in {512, 2048}, T=128, float32
     python benchmarks/bench_grpo.py --quick         # a tiny grid (seconds)
     python benchmarks/bench_grpo.py --backend aot_eager --quick   # the plumbing without brcompile
+    python benchmarks/bench_grpo.py --model qwen2 --prompt-lens 512  # HF Qwen2, TRL-style (see below)
+
+``--model qwen2`` runs an unmodified HuggingFace ``Qwen2ForCausalLM`` of the same sizes (examples/hf.py) the
+way TRL does: prompts left-padded, only the model compiled, called with ``logits_to_keep = C + 1``, the
+GRPO loss eager over those logits (:func:`examples.hf.trl_grpo_loss`). There the LM head runs on the last
+C + 1 columns only, so the limit below counts it over the tree nodes in those columns instead of N (see
+:func:`limit_flops`). ``--model both`` runs the GPT grid, then the Qwen2 one.
 
 For each case, in one run and on the same model and batch:
 
@@ -47,8 +54,9 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -166,21 +174,27 @@ class TreeCount:
     nodes: int
     tree_pairs: int      # sum over tree nodes of its valid (mask bit 1) ancestors, itself included
     dense_pairs: int     # the same sum over all B*L dense positions
+    window: int = 0      # the last ``window`` columns (where an LM head with logits_to_keep runs) ...
+    window_nodes: int = 0  # ... hold this many tree nodes
 
 
-def count_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TreeCount:
+def count_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, window: int = 0) -> TreeCount:
     """Builds the trie of the rows (a node = a distinct row prefix of (token, mask bit) pairs) in Python.
 
     A position's visible keys are its valid ancestors (itself included), so a node contributes
     ``valid_prefix_count`` pairs once in the tree, and once per row that contains it in the dense batch.
+    ``window_nodes`` counts the nodes in the last ``window`` columns (depth >= L - window).
     """
     ids = input_ids.cpu().tolist()
     bits = attention_mask.cpu().bool().tolist()
     root: dict = {}
-    nodes = tree_pairs = dense_pairs = 0
+    B, L = input_ids.shape
+    if not 0 <= window <= L:
+        raise ValueError(f"window={window} must be in [0, L={L}]")
+    nodes = tree_pairs = dense_pairs = window_nodes = 0
     for row_ids, row_bits in zip(ids, bits):
         children, valid = root, 0
-        for tok, bit in zip(row_ids, row_bits):
+        for col, (tok, bit) in enumerate(zip(row_ids, row_bits)):
             valid += bit
             dense_pairs += valid
             key = (tok, bit)
@@ -189,14 +203,30 @@ def count_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TreeCou
                 child = children[key] = {}
                 nodes += 1
                 tree_pairs += valid
+                window_nodes += col >= L - window
             children = child
-    B, L = input_ids.shape
-    return TreeCount(rows=B, logical=B * L, nodes=nodes, tree_pairs=tree_pairs, dense_pairs=dense_pairs)
+    return TreeCount(rows=B, logical=B * L, nodes=nodes, tree_pairs=tree_pairs, dense_pairs=dense_pairs,
+                     window=window, window_nodes=window_nodes)
+
+
+def lm_head_flops(config: GPTConfig, positions: int) -> int:
+    """FLOPs of an LM head (a bias-free ``dim -> vocab`` linear) over ``positions`` positions, forward and
+    backward: ``y = x W^T`` (2 dim vocab), ``dx = dy W`` (2 dim vocab), ``dW = dy^T x`` (2 dim vocab)."""
+    return 3 * 2 * config.dim * config.vocab_size * positions
 
 
 def limit_flops(dense: FlopCount, tree: TreeCount, config: GPTConfig) -> FlopCount:
-    """The limit (module docstring): non-attention dense FLOPs scaled by N/(B L) plus exact tree attention."""
-    other = dense.other * tree.nodes / tree.logical
+    """The limit (module docstring): non-attention dense FLOPs scaled by N/(B L) plus exact tree attention.
+
+    With ``tree.window`` > 0 the LM head ran on the last ``window`` columns only (``logits_to_keep``): its
+    dense FLOPs (:func:`lm_head_flops` over B * window positions) are scaled by window_nodes / (B * window)
+    instead, the rest by N / (B L)."""
+    if tree.window:
+        head = lm_head_flops(config, tree.rows * tree.window)
+        other = (dense.other - head) * tree.nodes / tree.logical \
+            + head * tree.window_nodes / (tree.rows * tree.window)
+    else:
+        other = dense.other * tree.nodes / tree.logical
     attention = config.n_layers * config.n_heads * tree.tree_pairs \
         * (FWD_PAIR_FLOPS_PER_D + BWD_PAIR_FLOPS_PER_D) * config.head_dim
     return FlopCount(total=int(round(other + attention)), attention=int(attention))
@@ -276,6 +306,48 @@ class Case:
     left_pad_prompts: bool = False
 
 
+@dataclass
+class Subject:
+    """The model a grid runs, its sizes, and its loss: ``losses(batch, backend)`` returns the dense and the
+    compiled loss, each ``fn(model, **batch)`` -> scalar (called after ``torch._dynamo.reset()``)."""
+
+    name: str
+    model: torch.nn.Module
+    config: GPTConfig            # the sizes: the batch's vocabulary and the FLOP limit's layers/heads/head_dim
+    losses: Callable[[dict, str], tuple[Callable, Callable]]
+    left_pad_prompts: bool = False   # TRL's layout (forced on for every case of this subject)
+    head_window: Callable[[dict], int] | None = None   # batch -> columns the LM head runs on (logits_to_keep)
+
+
+def gpt_subject(config: GPTConfig, seed: int, dtype: torch.dtype, device: torch.device) -> Subject:
+    """The example GPT; the whole GRPO loss compiled."""
+    model = GPT(config, seed=seed).to(device=device, dtype=dtype)
+    return Subject("gpt", model, config, lambda batch, backend: (grpo_loss, torch.compile(grpo_loss, backend=backend)))
+
+
+def qwen2_subject(config: GPTConfig, seed: int, dtype: torch.dtype, device: torch.device,
+                  max_positions: int) -> Subject:
+    """A HF Qwen2 of ``config``'s sizes, TRL-style: the model compiled alone, ``logits_to_keep = C + 1``,
+    the loss eager (examples/hf.py); prompts left-padded."""
+    from examples.hf import completion_width, qwen2_model, trl_grpo_loss
+
+    model = qwen2_model(config, max_positions=max_positions, seed=seed, dtype=dtype).to(device)
+
+    def losses(batch, backend):
+        C = completion_width(batch["completion_mask"])
+        compiled_model = torch.compile(model, backend=backend)
+
+        def dense(m, **b):
+            return trl_grpo_loss(m, **b, completion_len=C)
+
+        def compiled(m, **b):
+            return trl_grpo_loss(compiled_model, **b, completion_len=C)
+        return dense, compiled
+
+    return Subject("qwen2", model, config, losses, left_pad_prompts=True,
+                   head_window=lambda batch: completion_width(batch["completion_mask"]) + 1)
+
+
 def make_cases(quick: bool, group_size: int = 8, response_len: int = 128,
                prompt_lens: tuple[int, ...] = (512, 2048)) -> list[Case]:
     """The grid: per prompt length P, one group of G equal-length tails (the best case for prefix
@@ -290,6 +362,13 @@ def make_cases(quick: bool, group_size: int = 8, response_len: int = 128,
         cases.append(Case(f"2 groups ragged, P<={P}", 2, group_size, (P // 2, P), (T // 4, T),
                           shared_response_prefix=T // 8))
     return cases
+
+
+def max_row_len(cases: list[Case]) -> int:
+    """The longest row any case can build: the longest prompt plus the longest response."""
+    def hi(n):
+        return n if isinstance(n, int) else n[1]
+    return max(hi(c.prompt_len) + hi(c.response_len) for c in cases)
 
 
 @dataclass
@@ -350,16 +429,19 @@ def _reset_stats(backend: str) -> None:
         brcompile.reset_stats()
 
 
-def run_case(case: Case, model: GPT, args, device: torch.device) -> Result:
+def run_case(case: Case, subject: Subject, args, device: torch.device) -> Result:
     """Measures one case: dense FLOPs and saved bytes, then the compiled loss (its gradients against the
     dense ones), wall-clock of both interleaved, the compiled saved bytes and FLOPs. A failure of the
     compiled run is recorded in the result, and the dense run is timed alone."""
+    model = subject.model
     batch = make_grpo_batch(num_prompts=case.num_prompts, group_size=case.group_size, prompt_len=case.prompt_len,
                             response_len=case.response_len, shared_response_prefix=case.shared_response_prefix,
-                            vocab_size=model.config.vocab_size, left_pad_prompts=case.left_pad_prompts,
+                            vocab_size=subject.config.vocab_size,
+                            left_pad_prompts=case.left_pad_prompts or subject.left_pad_prompts,
                             seed=args.seed, device=device, dtype=next(model.parameters()).dtype)
     B, L = batch["input_ids"].shape
-    tree = count_tree(batch["input_ids"], batch["attention_mask"])
+    window = subject.head_window(batch) if subject.head_window else 0
+    tree = count_tree(batch["input_ids"], batch["attention_mask"], window)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def step_with(fn):
@@ -368,17 +450,18 @@ def run_case(case: Case, model: GPT, args, device: torch.device) -> Result:
             fn(model, **batch).backward()
         return step
 
-    dense_step = step_with(grpo_loss)
+    torch._dynamo.reset()
+    dense_fn, compiled_fn = subject.losses(batch, args.backend)
+    dense_step = step_with(dense_fn)
     dense_step()
     ref = _grads(model)
     dense = count_flops(dense_step)
     dense_saved = saved_activation_bytes(dense_step, params)
-    limit = limit_flops(dense, tree, model.config)
+    limit = limit_flops(dense, tree, subject.config)
     result = Result(case.name, B, L, tree.nodes, float("nan"), dense.total, dense.attention, dense_saved,
                     limit.total, limit.attention)
 
-    torch._dynamo.reset()
-    compiled_step = step_with(torch.compile(grpo_loss, backend=args.backend))
+    compiled_step = step_with(compiled_fn)
     try:
         _reset_stats(args.backend)
         compiled_step()                                      # compiles
@@ -458,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model and grid (seconds)")
+    p.add_argument("--model", choices=("gpt", "qwen2", "both"), default="gpt",
+                   help="the example GPT (loss compiled), a HF Qwen2 of the same sizes (model compiled, TRL "
+                        "layout; needs transformers), or both")
     p.add_argument("--backend", default="branch_replay")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (median)")
     p.add_argument("--dim", type=int, default=None, help="model width (default 256; 64 with --quick)")
@@ -480,12 +566,23 @@ def main(argv=None) -> list[Result]:
     dim = args.dim or (64 if args.quick else 256)
     layers = args.layers or (2 if args.quick else 4)
     config = GPTConfig(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2)
-    model = GPT(config, seed=args.seed).to(device=device, dtype=getattr(torch, args.dtype))
-    print(f"model: dim {dim}, layers {layers}, heads {config.n_heads} (kv {config.n_kv_heads}), {args.dtype}, "
-          f"{device.type}; backend {args.backend}; median of {args.repeats} after a warm-up\n")
-    results = [run_case(case, model, args, device)
-               for case in make_cases(args.quick, args.group_size, args.response_len,
-                                   tuple(int(p) for p in args.prompt_lens.split(",")))]
+    dtype = getattr(torch, args.dtype)
+    cases = make_cases(args.quick, args.group_size, args.response_len,
+                       tuple(int(p) for p in args.prompt_lens.split(",")))
+    subjects = []
+    if args.model in ("gpt", "both"):
+        subjects.append(gpt_subject(config, args.seed, dtype, device))
+    if args.model in ("qwen2", "both"):
+        subjects.append(qwen2_subject(config, args.seed, dtype, device, max_positions=max_row_len(cases)))
+    print(f"model: dim {dim}, layers {layers}, heads {config.n_heads} (kv {config.n_kv_heads}), "
+          f"{' and '.join(s.name for s in subjects)}, {args.dtype}, {device.type}; backend {args.backend}; "
+          f"median of {args.repeats} after a warm-up\n")
+    results = []
+    for subject in subjects:
+        for case in cases:
+            if subject.name != "gpt":
+                case = replace(case, name=f"{subject.name}: {case.name}")
+            results.append(run_case(case, subject, args, device))
     print(markdown(results, args.backend))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

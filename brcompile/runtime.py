@@ -170,7 +170,10 @@ class ReplayRuntime:
             return self.original(*args)
         tree_args = (tree.index, tree.rep_row, tree.position, tree.end, tree.valid,
                      torch.ones_like(tree.valid), tree.segments)
-        if self.streaming is not None and self.streaming.choose(tree) is None:
+        why_packed = None if self.streaming is None else self.streaming.choose(tree)
+        if why_packed is not None:
+            log.debug("branch_replay call runs packed, not streamed: %s", why_packed)
+        if self.streaming is not None and why_packed is None:
             out = self.streaming.outer(*args, *tree_args)
             schedule = self.streaming.trunk.last_schedule
             _record(replayed_calls=1, streamed_calls=1, logical_tokens=st.logical_tokens,

@@ -1,16 +1,26 @@
-"""Demo: one GRPO loss forward+backward, dense eager vs ``torch.compile(grpo_loss, backend=...)``.
+"""Demo: one GRPO loss forward+backward, dense eager vs ``torch.compile(..., backend=...)``, on two models.
 
-    python examples/grpo_demo.py                       # branch_replay, float64, 2 groups of 8
-    python examples/grpo_demo.py --dtype float32 --groups 4 --shared-response 4
+    python examples/grpo_demo.py                       # both models, branch_replay, float64, 2 groups of 8
+    python examples/grpo_demo.py --model gpt --dtype float32 --groups 4 --shared-response 4
     python examples/grpo_demo.py --backend aot_eager   # the plumbing without brcompile
 
-Prints the loss of each run, the largest relative gradient error over all parameters (PASS/FAIL
-against 1e-10 in float64, 1e-5 in float32), brcompile's statistics (logical vs executed tokens,
-the dedup ratio, fallbacks and why) and the wall-clock of both runs. Exits with status 1 on FAIL.
+* ``gpt``: the example Llama-style GPT (examples/gpt.py); the whole loss function is compiled.
+* ``qwen2``: an unmodified HuggingFace ``Qwen2ForCausalLM`` (random weights, SDPA) of the same sizes, vocab
+  512 (examples/hf.py). Only the model is compiled, as TRL does: left-padded prompts, right-padded
+  completions, ``attention_mask`` and ``logits_to_keep = C + 1``; the GRPO loss runs eagerly on its logits.
+
+For each: the loss of both runs, the largest relative gradient error over all parameters with PASS/FAIL
+(float64: 1e-10, float32: 1e-5; the Qwen2 gradients in float64 against the float32 bound 1e-5, because
+HF's RMSNorm computes in float32 -- the loss is still held to 1e-10), brcompile's statistics (logical vs
+executed tokens, the dedup ratio, fallbacks and why) and the wall-clock of both runs. A run whose checked
+call did not replay (it fell back to the original graph) is a FAIL too. Exits with status 1 on any FAIL.
+``--model both`` (the default) skips qwen2 with a note when transformers is not installed
+(``pip install -e ".[hf]"``).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import statistics
 import sys
@@ -28,6 +38,11 @@ from examples.grpo import grpo_loss, make_grpo_batch  # noqa: E402
 log = logging.getLogger(__name__)
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+QWEN2_VOCAB = 512
+#: why the Qwen2 gradients are held to the float32 bound in a float64 model (the loss keeps the float64 one)
+HF_GRAD_REASON = ("HF's Qwen2RMSNorm computes in float32 even in a float64 model; a shared token's gradient "
+                  "is summed over its branches before the norm's float32 backward (dense: after it), a "
+                  "reassociation around a float32 rounding, so gradients meet the float32 bound")
 
 
 def parse_len(text: str):
@@ -43,15 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The demo's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("gpt", "qwen2", "both"), default="both",
+                   help="the example GPT (whole loss compiled), a HF Qwen2 (model compiled, TRL-style), or both")
     p.add_argument("--groups", type=int, default=2, help="number of prompts (groups)")
     p.add_argument("--group-size", type=int, default=8, help="rollouts per prompt (G)")
     p.add_argument("--prompt-len", type=parse_len, default=(192, 256), help="N or LO:HI (inclusive)")
     p.add_argument("--response-len", type=parse_len, default=(16, 48), help="N or LO:HI (inclusive)")
     p.add_argument("--shared-response", type=int, default=0,
                    help="leading response tokens shared within a group")
-    p.add_argument("--left-pad", action="store_true", help="left-pad prompts (TRL layout)")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--left-pad", action="store_true", help="left-pad prompts (TRL layout; the qwen2 run always does)")
+    p.add_argument("--dim", type=int, default=128, help="model width (both models)")
+    p.add_argument("--layers", type=int, default=2, help="layers (both models)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float64")
     p.add_argument("--backend", default="branch_replay", help="torch.compile backend (eager, aot_eager for plumbing)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (median reported)")
@@ -143,41 +160,129 @@ def report_stats(stats) -> None:
             print(f"  fallback x{count}: {reason}")
 
 
+def replay_failure(stats) -> str | None:
+    """Why ``stats`` (brcompile's counters over the compiled calls) do not show a replay: None when every
+    call replayed (at least one, no fallback), else a one-line reason. ``stats`` None (another backend,
+    the plumbing runs) checks nothing."""
+    if stats is None:
+        return None
+    if stats.fallback_calls or not stats.replayed_calls:
+        reasons = "; ".join(stats.fallback_reasons) or "no call reached the backend's runtime"
+        return (f"did not replay ({stats.replayed_calls} replayed, {stats.fallback_calls} fell back: {reasons}); "
+                "the compiled numbers are the original graph's")
+    return None
+
+
+def check_and_time(model, dense_fn, compiled_fn, batch, args, device: torch.device, loss_tol: float,
+                   grad_tol: float, grad_reason: str | None = None) -> bool:
+    """Runs ``dense_fn`` and ``compiled_fn`` (each ``fn(model, **batch)`` -> loss) forward+backward, prints the
+    loss, the largest relative gradient error with PASS/FAIL, brcompile's statistics and the wall-clock of
+    both; returns True on PASS: loss within ``loss_tol``, every gradient within ``grad_tol`` (``grad_reason``
+    printed when that differs from ``loss_tol``), and -- for branch_replay -- every compiled call replayed."""
+    ref_loss, ref_grads = loss_and_grads(dense_fn, model, batch)
+    brcompile_reset_stats(args.backend)
+    loss, grads = loss_and_grads(compiled_fn, model, batch)
+    not_replayed = replay_failure(brcompile_stats(args.backend))
+
+    tiny = torch.finfo(ref_loss.dtype).tiny
+    loss_err = float((loss - ref_loss).abs() / ref_loss.abs().clamp(min=tiny))
+    grad_err, where = max_relative_grad_error(grads, ref_grads)
+    ok = loss_err <= loss_tol and grad_err <= grad_tol and not_replayed is None
+    print(f"loss: dense eager {ref_loss.item():.12g}, {args.backend} {loss.item():.12g} "
+          f"(rel err {loss_err:.2e} vs {loss_tol:.0e})")
+    if grad_reason and grad_tol != loss_tol:
+        print(f"gradients against {grad_tol:.0e}, not {loss_tol:.0e}: {grad_reason}")
+    verdict = "PASS" if ok else "FAIL" + (f": the checked call {not_replayed}" if not_replayed else "")
+    print(f"max relative grad error {grad_err:.2e} ({where}) vs {grad_tol:.0e}: {verdict}")
+
+    t_dense, t_comp = time_fwd_bwd([dense_fn, compiled_fn], model, batch, args.repeats, device)
+    stats = brcompile_stats(args.backend)
+    report_stats(stats)
+    later = replay_failure(stats)
+    if ok and later:
+        print(f"FAIL: a timed call {later}")
+        ok = False
+    print(f"fwd+bwd wall-clock (median of {args.repeats}): dense eager {t_dense * 1e3:.1f} ms, "
+          f"{args.backend} {t_comp * 1e3:.1f} ms, speedup {t_dense / t_comp:.2f}x")
+    return ok
+
+
+def make_batch(args, vocab_size: int, dtype: torch.dtype, device: torch.device, left_pad: bool):
+    """The demo's GRPO batch (make_grpo_batch) from the command line."""
+    return make_grpo_batch(num_prompts=args.groups, group_size=args.group_size, prompt_len=args.prompt_len,
+                           response_len=args.response_len, shared_response_prefix=args.shared_response,
+                           vocab_size=vocab_size, left_pad_prompts=left_pad, seed=args.seed, device=device,
+                           dtype=dtype)
+
+
+def run_gpt(args, dtype: torch.dtype, device: torch.device) -> bool:
+    """The example GPT with ``torch.compile(grpo_loss, backend=...)``: the whole loss compiled."""
+    config = GPTConfig(dim=args.dim, n_layers=args.layers)
+    model = GPT(config, seed=args.seed).to(device=device, dtype=dtype)
+    batch = make_batch(args, config.vocab_size, dtype, device, args.left_pad)
+    B, L = batch["input_ids"].shape
+    print(f"== gpt (examples/gpt.py, the loss function compiled): dim {args.dim}, layers {args.layers}, "
+          f"{args.dtype}, {device.type}; batch: B={B} L={L} ({args.groups} groups x {args.group_size}), "
+          f"real tokens {int(batch['attention_mask'].sum())}")
+    torch._dynamo.reset()
+    compiled = torch.compile(grpo_loss, backend=args.backend)
+    tol = TOLERANCE[dtype]
+    return check_and_time(model, grpo_loss, compiled, batch, args, device, tol, tol)
+
+
+def run_qwen2(args, dtype: torch.dtype, device: torch.device) -> bool:
+    """A HF Qwen2 with ``torch.compile(model, backend=...)``, TRL-style (examples/hf.py): left-padded prompts,
+    ``logits_to_keep = C + 1``, the GRPO loss eager over the returned logits."""
+    from examples.hf import completion_width, qwen2_model, trl_grpo_loss
+
+    config = GPTConfig(dim=args.dim, n_layers=args.layers, vocab_size=QWEN2_VOCAB)
+    batch = make_batch(args, config.vocab_size, dtype, device, left_pad=True)
+    B, L = batch["input_ids"].shape
+    C = completion_width(batch["completion_mask"])
+    model = qwen2_model(config, max_positions=L, seed=args.seed, dtype=dtype).to(device)
+    print(f"== qwen2 (transformers Qwen2ForCausalLM, sdpa; the model compiled, loss eager): hidden {args.dim}, "
+          f"layers {args.layers}, heads {config.n_heads} (kv {config.n_kv_heads}), vocab {config.vocab_size}, "
+          f"{args.dtype}, {device.type}; batch: B={B} L={L} ({args.groups} groups x {args.group_size}, prompts "
+          f"left-padded), completions C={C} (logits_to_keep={C + 1}), real tokens {int(batch['attention_mask'].sum())}")
+    torch._dynamo.reset()
+    compiled_model = torch.compile(model, backend=args.backend)
+
+    def dense(m, **b):
+        return trl_grpo_loss(m, **b, completion_len=C)
+
+    def compiled(m, **b):
+        return trl_grpo_loss(compiled_model, **b, completion_len=C)
+
+    tol = TOLERANCE[dtype]
+    grad_tol = max(tol, TOLERANCE[torch.float32])
+    return check_and_time(model, dense, compiled, batch, args, device, tol, grad_tol, HF_GRAD_REASON)
+
+
+def transformers_available() -> bool:
+    """Whether ``transformers`` is installed (the qwen2 run needs it)."""
+    return importlib.util.find_spec("transformers") is not None
+
+
 def main(argv=None) -> int:
     """Runs the demo; returns the exit status (0 PASS, 1 FAIL)."""
     args = build_parser().parse_args(argv)
     dtype = getattr(torch, args.dtype)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else torch.device(args.device)
-
-    config = GPTConfig(dim=args.dim, n_layers=args.layers)
-    model = GPT(config, seed=args.seed).to(device=device, dtype=dtype)
-    batch = make_grpo_batch(num_prompts=args.groups, group_size=args.group_size, prompt_len=args.prompt_len,
-                            response_len=args.response_len, shared_response_prefix=args.shared_response,
-                            vocab_size=config.vocab_size, left_pad_prompts=args.left_pad, seed=args.seed,
-                            device=device, dtype=dtype)
-    B, L = batch["input_ids"].shape
-    print(f"model: dim {args.dim}, layers {args.layers}, {args.dtype}, {device.type}; batch: B={B} L={L} "
-          f"({args.groups} groups x {args.group_size}), real tokens {int(batch['attention_mask'].sum())}")
-
-    torch._dynamo.reset()
-    compiled = torch.compile(grpo_loss, backend=args.backend)
-    ref_loss, ref_grads = loss_and_grads(grpo_loss, model, batch)
-    brcompile_reset_stats(args.backend)
-    loss, grads = loss_and_grads(compiled, model, batch)
-
-    tol = TOLERANCE[dtype]
-    loss_err = float((loss - ref_loss).abs() / ref_loss.abs().clamp(min=torch.finfo(dtype).tiny))
-    grad_err, where = max_relative_grad_error(grads, ref_grads)
-    ok = loss_err <= tol and grad_err <= tol
-    print(f"loss: dense eager {ref_loss.item():.12g}, {args.backend} {loss.item():.12g} (rel err {loss_err:.2e})")
-    print(f"max relative grad error {grad_err:.2e} ({where}) vs {tol:.0e}: {'PASS' if ok else 'FAIL'}")
-
-    t_dense, t_comp = time_fwd_bwd([grpo_loss, compiled], model, batch, args.repeats, device)
-    report_stats(brcompile_stats(args.backend))
-    print(f"fwd+bwd wall-clock (median of {args.repeats}): dense eager {t_dense * 1e3:.1f} ms, "
-          f"{args.backend} {t_comp * 1e3:.1f} ms, speedup {t_dense / t_comp:.2f}x")
-    return 0 if ok else 1
+    names = ("gpt", "qwen2") if args.model == "both" else (args.model,)
+    if "qwen2" in names and not transformers_available():
+        if args.model == "qwen2":
+            raise SystemExit('--model qwen2 needs transformers >= 5: pip install -e ".[hf]"')
+        print('== qwen2: skipped, transformers is not installed (pip install -e ".[hf]")')
+        names = ("gpt",)
+    runs = {"gpt": run_gpt, "qwen2": run_qwen2}
+    results = {}
+    for name in names:
+        results[name] = runs[name](args, dtype, device)
+        print()
+    if len(results) > 1:
+        print("; ".join(f"{name}: {'PASS' if ok else 'FAIL'}" for name, ok in results.items()))
+    return 0 if all(results.values()) else 1
 
 
 if __name__ == "__main__":

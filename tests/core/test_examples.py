@@ -402,3 +402,98 @@ def test_bench_quick_runs_with_eager_backend(capsys):
         assert r.error is None and r.max_rel_grad_err <= 1e-5
         assert r.compiled_flops == r.dense_flops            # aot_eager runs the same ops
         assert r.limit_flops < r.dense_flops and r.nodes < r.B * r.L
+
+
+# ----------------------------------------------------------------------------------------------------
+# The HF (Qwen2) side of the demo: TRL's layout and loss, and the replay check (eager, no brcompile backend)
+
+def test_completion_width_by_hand():
+    """Completions starting at column 3 of L = 7 -> C = 4; a row without a completion is ignored."""
+    from examples.hf import completion_width
+    cm = torch.tensor([[0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    assert completion_width(cm) == 4
+    with pytest.raises(ValueError, match="not one column"):
+        completion_width(torch.tensor([[0, 1, 1], [0, 0, 1]]))
+    with pytest.raises(ValueError, match="no completion token"):
+        completion_width(torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_trl_grpo_loss_equals_grpo_loss_over_all_logits():
+    """The loss from the last C + 1 logits (logits_to_keep) equals grpo_loss over all L positions, and so
+    do its gradients: completion_mask and old_logprobs are 0 before the completion columns. A Qwen2 of
+    odd sizes (dim 24: 3 heads of 8, 1 KV head, SwiGLU 40, vocab 53), float64, eager."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from examples.hf import completion_width, qwen2_model, trl_grpo_loss
+    config = small_config(n_layers=1)
+    model = qwen2_model(config, max_positions=64, seed=3, dtype=torch.float64)
+    assert model.config.hidden_size == 24 and model.config.intermediate_size == 40
+    assert model.model.layers[0].self_attn.q_proj.bias is not None      # Qwen2's q/k/v biases
+    batch = make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(5, 9), response_len=(2, 5), vocab_size=53,
+                            left_pad_prompts=True, seed=4, dtype=torch.float64)
+    C = completion_width(batch["completion_mask"])
+    assert C == int(batch["completion_mask"].sum(1).max())               # the longest completion
+
+    def full_loss():
+        return grpo_loss(lambda ids, am: model(input_ids=ids, attention_mask=am).logits, **batch)
+
+    def window_loss():
+        return trl_grpo_loss(model, **batch, completion_len=C)
+
+    params = list(model.parameters())
+    want = full_loss()
+    g_want = torch.autograd.grad(want, params)
+    got = window_loss()
+    g_got = torch.autograd.grad(got, params)
+    assert_close(got, want, **F64)
+    for a, b in zip(g_got, g_want):
+        assert_close(a, b, **F64)
+    with pytest.raises(ValueError, match="completion_len"):
+        trl_grpo_loss(model, **batch, completion_len=batch["input_ids"].shape[1])
+
+
+def test_demo_replay_failure():
+    """A run is a replay only with >= 1 replayed call and no fallback; other backends check nothing."""
+    import collections
+    from brcompile.runtime import Stats
+    assert grpo_demo.replay_failure(None) is None
+    assert grpo_demo.replay_failure(Stats(replayed_calls=2)) is None
+    mixed = Stats(replayed_calls=1, fallback_calls=1, fallback_reasons=collections.Counter({"too small": 1}))
+    assert "1 fell back: too small" in grpo_demo.replay_failure(mixed)
+    assert "no call reached" in grpo_demo.replay_failure(Stats())
+
+
+def test_bench_count_tree_window_by_hand():
+    """Rows [5 6 7 8], [5 6 9 0], [5 6 7 8], [4 0 0 0]; the last 2 columns hold the nodes 7, 8 | 9, pad |
+    pad, pad = 6 (row 3 repeats row 1)."""
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0], [5, 6, 7, 8], [4, 0, 0, 0]])
+    tree = bench_grpo.count_tree(ids, (ids != 0).long(), window=2)
+    assert (tree.nodes, tree.window, tree.window_nodes) == (10, 2, 6)
+    assert bench_grpo.count_tree(ids, (ids != 0).long(), window=4).window_nodes == tree.nodes
+    with pytest.raises(ValueError, match="window"):
+        bench_grpo.count_tree(ids, (ids != 0).long(), window=5)
+
+
+def test_bench_limit_formula_with_a_head_window():
+    """logits_to_keep: the head's dense FLOPs (6 dim vocab per position, B * window positions) scale by
+    window_nodes / (B * window), the rest of the non-attention FLOPs by N / (B L)."""
+    config = GPTConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=100)
+    head = 6 * 64 * 100 * 4 * 10
+    assert bench_grpo.lm_head_flops(config, 4 * 10) == head
+    dense = bench_grpo.FlopCount(total=10_000_000 + head, attention=4_000_000)
+    tree = bench_grpo.TreeCount(rows=4, logical=400, nodes=100, tree_pairs=1000, dense_pairs=5000, window=10,
+                                window_nodes=25)
+    limit = bench_grpo.limit_flops(dense, tree, config)
+    assert limit.attention == 3 * 4 * 1000 * 14 * 16
+    assert limit.total == 6_000_000 // 4 + head * 25 // 40 + limit.attention
+
+
+def test_demo_without_transformers(capsys, monkeypatch):
+    """--model both skips qwen2 with a note (the GPT run still decides the status); --model qwen2 stops."""
+    monkeypatch.setattr(grpo_demo, "transformers_available", lambda: False)
+    argv = ["--backend", "eager", "--groups", "2", "--group-size", "3", "--prompt-len", "5:9", "--response-len", "3:6",
+            "--dim", "32", "--layers", "1", "--repeats", "1", "--device", "cpu"]
+    assert grpo_demo.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "== qwen2: skipped, transformers is not installed" in out and out.count("PASS") == 1, out
+    with pytest.raises(SystemExit, match="needs transformers"):
+        grpo_demo.main(["--model", "qwen2", *argv])
