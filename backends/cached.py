@@ -26,6 +26,7 @@ float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -34,7 +35,8 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from brcompile.backends.ops import (
-    TreeAttentionError, _check_impl_name, _check_inputs, count_visible_pairs, get_attention_impl, lse_dtype_for,
+    TreeAttentionError, _check_impl_name, _check_inputs, _check_window, _window_kwargs, count_visible_pairs,
+    get_attention_impl, lse_dtype_for,
 )
 
 log = logging.getLogger(__name__)
@@ -102,64 +104,108 @@ def _check_cached(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_valid: Tens
 
 
 def _merge(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor, rows: slice) -> None:
-    """In place on rows: logsumexp-merge a partial result (finite lse) into the accumulators."""
+    """In place on rows: logsumexp-merge a partial result into the accumulators (either lse may be -inf:
+    a row that has seen nothing keeps weight 0)."""
     lse_new = torch.logaddexp(lse_acc[:, rows], lse_part)
-    w_old = torch.exp(lse_acc[:, rows] - lse_new).unsqueeze(-1)
-    w_new = torch.exp(lse_part - lse_new).unsqueeze(-1)
+    none = torch.isneginf(lse_new)
+    w_old = torch.where(none, 0.0, torch.exp(lse_acc[:, rows] - lse_new)).unsqueeze(-1)
+    w_new = torch.where(none, 0.0, torch.exp(lse_part - lse_new)).unsqueeze(-1)
     out_acc[:, rows] = out_acc[:, rows] * w_old + out_part.to(out_acc.dtype) * w_new
     lse_acc[:, rows] = lse_new
 
 
-def _grouped(t: Tensor, call, g: int) -> Tensor:
-    """Cache keys/values of the call, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0."""
-    kv = t[:, call.k_start:call.k_stop]
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """One cross kernel call: chunk queries [q0, q1) x cache keys [k0, k1); ``seen`` [1 or nq, nk] bool
+    (None: every key visible); ``empty`` [nq] rows that see no key here (window only)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    seen: Optional[Tensor]
+    empty: Optional[Tensor]
+
+
+def _pieces(calls, cache_valid: Tensor, window: int, position: Optional[Tensor], cache_position: Optional[Tensor],
+            block: int = 512):
+    """The cross calls as kernel calls; with a window, query blocks whose keys are trimmed to the reachable
+    positions (a cached segment's positions increase along its chain) and masked by the window."""
+    for call in calls:
+        if not window:
+            seen = cache_valid[None, call.k_start:call.k_stop] if call.holes else None
+            yield _Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, seen, None)
+            continue
+        kpos = cache_position[call.k_start:call.k_stop]
+        for q0 in range(call.q_start, call.q_stop, block):
+            q1 = min(q0 + block, call.q_stop)
+            qpos = position[q0:q1]
+            k0 = call.k_start + int(torch.searchsorted(kpos, qpos.min() - window + 1))
+            if k0 >= call.k_stop:
+                continue
+            seen = ((qpos[:, None] - cache_position[None, k0:call.k_stop]) < window) \
+                & cache_valid[None, k0:call.k_stop]
+            yield _Piece(q0, q1, k0, call.k_stop, seen, ~seen.any(1))
+
+
+def _grouped(t: Tensor, pc: _Piece, g: int) -> Tensor:
+    """Cache keys/values of a piece, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0."""
+    kv = t[:, pc.k0:pc.k1]
     return kv.unsqueeze(1).expand(kv.shape[0], g, kv.shape[1], kv.shape[2])
 
 
-def _scores(qg: Tensor, kg: Tensor, keys_valid: Tensor, scale: float) -> Tensor:
-    """s = scale q.k^T over [Hkv, g, nq, nk], -inf for invalid keys."""
+def _additive(seen: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return None if seen is None else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
+
+
+def _scores(qg: Tensor, kg: Tensor, seen: Optional[Tensor], scale: float) -> Tensor:
+    """s = scale q.k^T over [Hkv, g, nq, nk], -inf where not seen."""
     s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
-    return s.masked_fill(~keys_valid, float("-inf"))
+    return s if seen is None else s.masked_fill(~seen.to(s.device), float("-inf"))
 
 
-def _cross_forward(q, k_cache, v_cache, cache_valid, calls, scale, out, lse):
-    """Merge every cross call's (out_i, lse_i) into (out, lse)."""
-    from brcompile.backends.cpu import _flash_fwd, _key_mask
+def _cross_forward(q, k_cache, v_cache, pieces, scale, out, lse):
+    """Merge every cross piece's (out_i, lse_i) into (out, lse)."""
+    from brcompile.backends.cpu import _flash_fwd
 
     hkv = k_cache.shape[0]
     g = q.shape[0] // hkv
     qg = q.unflatten(0, (hkv, g))
-    for call in calls:
-        qs = slice(call.q_start, call.q_stop)
-        kg, vg = _grouped(k_cache, call, g), _grouped(v_cache, call, g)
+    for pc in pieces:
+        qs = slice(pc.q0, pc.q1)
+        kg, vg = _grouped(k_cache, pc, g), _grouped(v_cache, pc, g)
         if _flash(q):
-            o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=_key_mask(cache_valid, call, q.dtype),
-                              scale=scale)
+            o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=_additive(pc.seen, q.dtype), scale=scale)
         else:
-            s = _scores(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), cache_valid[call.k_start:call.k_stop], scale)
+            s = _scores(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), pc.seen, scale)
             l = torch.logsumexp(s, -1)
-            o = torch.matmul(torch.exp(s - l.unsqueeze(-1)), vg.to(lse.dtype))
-        _merge(out, lse, o.flatten(0, 1), l.flatten(0, 1), qs)
+            o = torch.matmul(torch.exp(s - l.unsqueeze(-1)).nan_to_num(0.0), vg.to(lse.dtype))
+        o, l = o.flatten(0, 1), l.flatten(0, 1)
+        if pc.empty is not None:
+            e = pc.empty.to(o.device)
+            o, l = o.masked_fill(e[None, :, None], 0.0), l.masked_fill(e[None, :], float("-inf"))
+        _merge(out, lse, o, l, qs)
 
 
-def _cross_backward(grad_out, q, k_cache, v_cache, cache_valid, out, lse, calls, scale, dq, dk, dv):
-    """Accumulate the cross calls' (dq, dk_cache, dv_cache) with the merged out and lse."""
-    from brcompile.backends.cpu import _flash_bwd, _key_mask
+def _cross_backward(grad_out, q, k_cache, v_cache, out, lse, pieces, scale, dq, dk, dv):
+    """Accumulate the cross pieces' (dq, dk_cache, dv_cache) with the merged out and lse (a row that sees
+    nothing at all gets lse = +inf, so every p of it is 0)."""
+    from brcompile.backends.cpu import _flash_bwd
 
     hkv = k_cache.shape[0]
     g = q.shape[0] // hkv
     qg, gog, outg = (t.unflatten(0, (hkv, g)) for t in (q, grad_out.to(q.dtype), out))
-    lseg = lse.unflatten(0, (hkv, g))
-    for call in calls:
-        qs, ks = slice(call.q_start, call.q_stop), slice(call.k_start, call.k_stop)
-        kg, vg = _grouped(k_cache, call, g), _grouped(v_cache, call, g)
+    lseg = lse.masked_fill(torch.isneginf(lse), float("inf")).unflatten(0, (hkv, g))
+    for pc in pieces:
+        qs, ks = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
+        kg, vg = _grouped(k_cache, pc, g), _grouped(v_cache, pc, g)
         if _flash(q):
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
-                                    False, attn_mask=_key_mask(cache_valid, call, q.dtype), scale=scale)
+                                    False, attn_mask=_additive(pc.seen, q.dtype), scale=scale)
         else:
             acc = lse.dtype
             q_, k_, v_, do = qg[:, :, qs].to(acc), kg.to(acc), vg.to(acc), gog[:, :, qs].to(acc)
-            p = torch.exp(_scores(q_, k_, cache_valid[ks], scale) - lseg[:, :, qs].unsqueeze(-1))
+            p = torch.exp(_scores(q_, k_, pc.seen, scale) - lseg[:, :, qs].unsqueeze(-1))
             dp = torch.matmul(do, v_.transpose(-1, -2))
             delta = (do * outg[:, :, qs].to(acc)).sum(-1, keepdim=True)
             ds = p * (dp - delta)
@@ -174,20 +220,32 @@ def _cross_backward(grad_out, q, k_cache, v_cache, cache_valid, out, lse, calls,
 @torch.library.custom_op("brcompile::tree_attention_cached_forward", mutates_args=())
 def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor,
                        k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor, scale: float,
-                       impl: str) -> tuple[Tensor, Tensor]:
+                       impl: str, window: int = 0, position: Optional[Tensor] = None,
+                       cache_position: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out [Hq, n, D], lse [Hq, n]) over the chunk's own tree keys and its cached prefix keys."""
     _check_inputs(q, k, v, end, valid, segments)
     _check_cached(q, k_cache, v_cache, cache_valid, cross)
+    _check_window(window, position, q.shape[1])
+    _check_window(window, cache_position, k_cache.shape[1])
     chosen = get_attention_impl(impl, q.device)
-    out_t, lse_t = chosen.forward(q, k, v, end, valid, segments, scale)
+    out_t, lse_t = chosen.forward(q, k, v, end, valid, segments, scale, **_window_kwargs(chosen, window, position))
     acc = lse_dtype_for(q.dtype)
     out, lse = out_t.to(acc).contiguous(), lse_t.to(acc).contiguous()
-    _cross_forward(q, k_cache, v_cache, cache_valid, _calls_for(q, cross, cache_valid), scale, out, lse)
+    _cross_forward(q, k_cache, v_cache, _cross_pieces(q, cross, cache_valid, window, position, cache_position),
+                   scale, out, lse)
     return out.to(q.dtype), lse
 
 
+def _cross_pieces(q, cross, cache_valid, window, position, cache_position) -> list:
+    cv = cache_valid.cpu()
+    pos = None if position is None else position.cpu()
+    cpos = None if cache_position is None else cache_position.cpu()
+    return list(_pieces(_calls_for(q, cross, cv), cv, window, pos, cpos))
+
+
 @_cached_forward_op.register_fake
-def _cached_forward_fake(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl):
+def _cached_forward_fake(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
+                         window=0, position=None, cache_position=None):
     _check_inputs(q, k, v, end, valid, segments)
     _check_cached(q, k_cache, v_cache, cache_valid, cross)
     _check_impl_name(impl)
@@ -198,40 +256,45 @@ def _cached_forward_fake(q, k, v, end, valid, segments, k_cache, v_cache, cache_
 def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         end: Tensor, valid: Tensor, segments: Tensor, k_cache: Tensor, v_cache: Tensor,
                         cache_valid: Tensor, cross: Tensor, scale: float,
-                        impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        impl: str, window: int = 0, position: Optional[Tensor] = None,
+                        cache_position: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dk_cache, dv_cache): each part's backward with the merged out and lse."""
     chosen = get_attention_impl(impl, q.device)
-    dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale)
+    dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
+                                 **_window_kwargs(chosen, window, position))
     acc = lse_dtype_for(q.dtype)
     dq = dq.to(acc).contiguous()
     dkc = torch.zeros(k_cache.shape, dtype=acc, device=q.device)
     dvc = torch.zeros(v_cache.shape, dtype=acc, device=q.device)
-    _cross_backward(grad_out, q, k_cache, v_cache, cache_valid, out, lse.to(acc), _calls_for(q, cross, cache_valid),
-                    scale, dq, dkc, dvc)
+    _cross_backward(grad_out, q, k_cache, v_cache, out, lse.to(acc),
+                    _cross_pieces(q, cross, cache_valid, window, position, cache_position), scale, dq, dkc, dvc)
     return dq.to(q.dtype), dk, dv, dkc.to(k_cache.dtype), dvc.to(v_cache.dtype)
 
 
 @_cached_backward_op.register_fake
 def _cached_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
-                          cross, scale, impl):
+                          cross, scale, impl, window=0, position=None, cache_position=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), k_cache.new_empty(k_cache.shape),
             v_cache.new_empty(v_cache.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl = inputs
+    (q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl, window, position,
+     cache_position) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross)
-    ctx.scale, ctx.impl = scale, impl
+    ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, position,
+                          cache_position)
+    ctx.scale, ctx.impl, ctx.window = scale, impl, window
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross = ctx.saved_tensors
+    (q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, position,
+     cache_position) = ctx.saved_tensors
     dq, dk, dv, dkc, dvc = torch.ops.brcompile.tree_attention_cached_backward(
         grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, ctx.scale,
-        ctx.impl)
-    return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None
+        ctx.impl, ctx.window, position, cache_position)
+    return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("brcompile::tree_attention_cached_forward", _backward,
@@ -239,12 +302,15 @@ torch.library.register_autograd("brcompile::tree_attention_cached_forward", _bac
 
 
 def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor, v_cache: Tensor,
-                          cache_valid: Tensor, cross: Tensor, scale: float, impl: str = "auto") -> Tensor:
+                          cache_valid: Tensor, cross: Tensor, scale: float, impl: str = "auto", window: int = 0,
+                          position: Optional[Tensor] = None, cache_position: Optional[Tensor] = None) -> Tensor:
     """Out [Hq, n, D] of a chunk's queries over its own tree (``tree``: (end, valid, segments)) and the
-    cached prefix K/V through ``cross`` (see the module docstring). Differentiable in q, k, v and the cache."""
+    cached prefix K/V through ``cross`` (see the module docstring); ``window`` > 0 with the chunk's and the
+    cache's positions: HF's sliding window. Differentiable in q, k, v and the cache."""
     end, valid, segments = tree
     return torch.ops.brcompile.tree_attention_cached_forward(
-        q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, float(scale), impl)[0]
+        q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, float(scale), impl, window, position,
+        cache_position)[0]
 
 
 def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
@@ -261,14 +327,16 @@ def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_cached_forward, get_raw=True)
 def _cached_forward_flop(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
-                         *args, out_val=None, **kwargs) -> int:
-    """As tree_attention_forward's, over the chunk's own visible pairs plus its cross pairs."""
-    pairs = count_visible_pairs(end, valid) + _cross_pairs(cross, cache_valid)
+                         window=0, position=None, cache_position=None, *args, out_val=None, **kwargs) -> int:
+    """As tree_attention_forward's, over the chunk's own visible pairs plus its cross pairs (with a window,
+    the cross pairs are counted without it: an upper bound)."""
+    pairs = count_visible_pairs(end, valid, window, position) + _cross_pairs(cross, cache_valid)
     return pairs * q.shape[0] * (2 * q.shape[-1] + 2 * v.shape[-1])
 
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_cached_backward, get_raw=True)
 def _cached_backward_flop(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
-                          cross, scale, impl, *args, out_val=None, **kwargs) -> int:
-    pairs = count_visible_pairs(end, valid) + _cross_pairs(cross, cache_valid)
+                          cross, scale, impl, window=0, position=None, cache_position=None, *args, out_val=None,
+                          **kwargs) -> int:
+    pairs = count_visible_pairs(end, valid, window, position) + _cross_pairs(cross, cache_valid)
     return pairs * q.shape[0] * (6 * q.shape[-1] + 4 * v.shape[-1])

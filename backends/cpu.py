@@ -26,11 +26,19 @@ over calls, dk/dv of a key sum over the (at most two) calls of its segment.
 
 GQA: query heads are viewed as [Hkv, g, L, D]; K/V of a segment are expanded over g with stride 0 (no
 copy by us). Memory: O(N * Hq * D) accumulators plus one call's operands and results.
+
+Sliding window W (HF's, over tree positions): query q also needs ``pos[q] - pos[k] < W``. Each call is
+then cut into query blocks of at most ``WINDOW_QUERY_BLOCK`` rows; a block's keys are trimmed to the
+positions some query of the block can reach (a segment's positions increase along its chain), and the
+rest of the window is an explicit additive [nq, nk] mask (holes included). A block row that sees no key of
+the call gets out = 0, lse = -inf before the merge; in backward a row that sees nothing at all is given
+lse = +inf so that every p = exp(s - lse) of it is 0.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -149,6 +157,44 @@ def _require_cpu(*tensors: Tensor) -> None:
             raise TreeAttentionError(f"tree_attention impl 'cpu' needs CPU tensors, got one on {t.device}")
 
 
+WINDOW_QUERY_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One kernel call: queries [q0, q1) x keys [k0, k1), causal or with an explicit additive mask."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+    mask: Optional[Tensor]  # additive, [1 or nq, nk]
+    empty_rows: Optional[Tensor]  # [nq] bool: rows that see no key of this piece (window only)
+
+
+def _pieces(call: AttentionCall, valid: Tensor, dtype: torch.dtype, window: int, position: Optional[Tensor]):
+    """The kernel calls of one schedule call: itself, or with a window its query blocks (module docstring)."""
+    if not window:
+        yield _Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, call.causal,
+                     _key_mask(valid, call, dtype), None)
+        return
+    kpos = position[call.k_start:call.k_stop]
+    for q0 in range(call.q_start, call.q_stop, WINDOW_QUERY_BLOCK):
+        q1 = min(q0 + WINDOW_QUERY_BLOCK, call.q_stop)
+        qpos = position[q0:q1]
+        lo = int(torch.searchsorted(kpos, qpos.min() - window + 1))  # keys before lo are out of every window
+        k0 = call.k_start + lo
+        k1 = call.k_stop if not call.causal else min(call.k_stop, q1)
+        if k0 >= k1:
+            continue
+        seen = ((qpos[:, None] - position[None, k0:k1]) < window) & valid[None, k0:k1]
+        if call.causal:
+            seen &= torch.arange(k0, k1)[None, :] <= torch.arange(q0, q1)[:, None]
+        mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
+        yield _Piece(q0, q1, k0, k1, False, mask, ~seen.any(1))
+
+
 def _key_mask(valid: Tensor, call: AttentionCall, dtype: torch.dtype):
     """Additive [1, Lk] mask (0 for valid keys, -inf for holes) in q's dtype, or None without holes."""
     if not call.holes:
@@ -157,9 +203,10 @@ def _key_mask(valid: Tensor, call: AttentionCall, dtype: torch.dtype):
     return torch.zeros((1, keys.shape[0]), dtype=dtype).masked_fill(~keys[None, :], float("-inf"))
 
 
-def _group_kv(t: Tensor, call: AttentionCall, g: int) -> Tensor:
-    """Keys/values of the call, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0 (no copy)."""
-    kv = t[:, call.k_start : call.k_stop]
+def _group_kv(t: Tensor, call, g: int) -> Tensor:
+    """Keys/values of a call or piece, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0 (no copy)."""
+    k0, k1 = (call.k0, call.k1) if isinstance(call, _Piece) else (call.k_start, call.k_stop)
+    kv = t[:, k0:k1]
     return kv.unsqueeze(1).expand(kv.shape[0], g, kv.shape[1], kv.shape[2])
 
 
@@ -177,7 +224,8 @@ def _merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Te
 
 
 def cpu_forward(
-    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float
+    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float,
+    window: int = 0, position: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by the segment-pair schedule with logsumexp merging."""
     _require_cpu(q, k, v)
@@ -190,24 +238,41 @@ def cpu_forward(
     qg = q.unflatten(0, (hkv, g))
     valid_cpu = valid.cpu()
     touched = torch.zeros(n, dtype=torch.bool)  # rows that already hold a partial result
+    pos_cpu = None if position is None else position.cpu()
     for call in segment_schedule(end, valid, segments):
-        o, l = _flash_fwd(
-            qg[:, :, call.q_start : call.q_stop],
-            _group_kv(k, call, g),
-            _group_kv(v, call, g),
-            0.0,
-            call.causal,
-            attn_mask=_key_mask(valid_cpu, call, q.dtype),
-            scale=scale,
-        )
-        rows = slice(call.q_start, call.q_stop)
-        if touched[rows].any():
-            _merge_into(out[:, rows], lse[:, rows], o.flatten(0, 1), l.flatten(0, 1))
-        else:  # first contribution to these rows: the merge would be a copy
-            out[:, rows] = o.flatten(0, 1)
-            lse[:, rows] = l.flatten(0, 1)
-        touched[rows] = True
+        for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu):
+            o, l = _flash_fwd(
+                qg[:, :, pc.q0 : pc.q1],
+                _group_kv(k, pc, g),
+                _group_kv(v, pc, g),
+                0.0,
+                pc.causal,
+                attn_mask=pc.mask,
+                scale=scale,
+            )
+            o, l = o.flatten(0, 1), l.flatten(0, 1)
+            rows = slice(pc.q0, pc.q1)
+            if pc.empty_rows is not None and bool(pc.empty_rows.any()):  # window: rows that saw nothing here
+                o = o.masked_fill(pc.empty_rows[None, :, None], 0.0)
+                l = l.masked_fill(pc.empty_rows[None, :], float("-inf"))
+                _merge_safe(out[:, rows], lse[:, rows], o, l)
+            elif touched[rows].any():
+                _merge_into(out[:, rows], lse[:, rows], o, l)
+            else:  # first contribution to these rows: the merge would be a copy
+                out[:, rows] = o
+                lse[:, rows] = l
+            touched[rows] = True
     return out.to(q.dtype), lse
+
+
+def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
+    """_merge_into where either side may be -inf (a row that has seen nothing): weights 0 there."""
+    lse_new = torch.logaddexp(lse_acc, lse_part)
+    none = torch.isneginf(lse_new)
+    w_old = torch.where(none, 0.0, torch.exp(lse_acc - lse_new)).unsqueeze(-1)
+    w_new = torch.where(none, 0.0, torch.exp(lse_part - lse_new)).unsqueeze(-1)
+    out_acc.copy_(out_acc * w_old + out_part.to(out_acc.dtype) * w_new)
+    lse_acc.copy_(lse_new)
 
 
 def cpu_backward(
@@ -221,6 +286,8 @@ def cpu_backward(
     valid: Tensor,
     segments: Tensor,
     scale: float,
+    window: int = 0,
+    position: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): per call, the flash backward with the merged out and lse; dq accumulates over
     calls, dk/dv over the calls of each key's segment and over the query heads of its group."""
@@ -235,29 +302,35 @@ def cpu_backward(
     qg = q.unflatten(0, (hkv, g))
     gog = grad_out.to(q.dtype).unflatten(0, (hkv, g))
     outg = out.unflatten(0, (hkv, g))
-    lseg = lse.to(acc_dtype).unflatten(0, (hkv, g))
+    lse_k = lse.to(acc_dtype)
+    if window:  # a row that sees nothing anywhere: lse = +inf makes each of its p = exp(s - lse) zero
+        lse_k = lse_k.masked_fill(torch.isneginf(lse_k), float("inf"))
+    lseg = lse_k.unflatten(0, (hkv, g))
     valid_cpu = valid.cpu()
+    pos_cpu = None if position is None else position.cpu()
     for call in segment_schedule(end, valid, segments):
-        qs = slice(call.q_start, call.q_stop)
-        ks = slice(call.k_start, call.k_stop)
-        gq, gk, gv = _flash_bwd(
-            gog[:, :, qs],
-            qg[:, :, qs],
-            _group_kv(k, call, g),
-            _group_kv(v, call, g),
-            outg[:, :, qs],
-            lseg[:, :, qs],
-            0.0,
-            call.causal,
-            attn_mask=_key_mask(valid_cpu, call, q.dtype),
-            scale=scale,
-        )
-        dq[:, qs] += gq.flatten(0, 1)
-        dk[:, ks] += gk.sum(1, dtype=acc_dtype)
-        dv[:, ks] += gv.sum(1, dtype=acc_dtype)
+        for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu):
+            qs = slice(pc.q0, pc.q1)
+            ks = slice(pc.k0, pc.k1)
+            gq, gk, gv = _flash_bwd(
+                gog[:, :, qs],
+                qg[:, :, qs],
+                _group_kv(k, pc, g),
+                _group_kv(v, pc, g),
+                outg[:, :, qs],
+                lseg[:, :, qs],
+                0.0,
+                pc.causal,
+                attn_mask=pc.mask,
+                scale=scale,
+            )
+            dq[:, qs] += gq.flatten(0, 1)
+            dk[:, ks] += gk.sum(1, dtype=acc_dtype)
+            dv[:, ks] += gv.sum(1, dtype=acc_dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 register_attention_impl(
-    AttentionImpl(name="cpu", forward=cpu_forward, backward=cpu_backward, device_types=frozenset({"cpu"}))
+    AttentionImpl(name="cpu", forward=cpu_forward, backward=cpu_backward, device_types=frozenset({"cpu"}),
+                  supports_window=True)
 )

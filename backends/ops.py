@@ -19,8 +19,9 @@ Shapes (N packed tokens in DFS preorder, see brcompile.tree.PackedTree)::
     end [N] int64, valid [N] bool, segments [S, 3] int64 rows (start, stop, subtree_end)
     out [Hq, N, D] (q.dtype)   lse [Hq, N] (float32 for float16/bfloat16 inputs, else q.dtype)
 
-Mask: query q sees key k  <=>  k <= q < end[k] and valid[k]. A query that sees no key outputs 0 and gets
-zero gradient. ``out[:, q] = sum_k softmax_k(scale * q.k) v[:, k]`` over the visible keys.
+Mask: query q sees key k  <=>  k <= q < end[k] and valid[k] (and, with ``window`` W > 0, also
+position[q] - position[k] < W: HF's sliding window, over the tree positions = the batch columns). A query
+that sees no key outputs 0 and gets zero gradient. ``out[:, q] = sum_k softmax_k(scale * q.k) v[:, k]`` over the visible keys.
 
 Implementations are looked up by name in a registry (``register_attention_impl``); ``"reference"``,
 ``"cpu"`` and ``"triton"`` are imported lazily on first use and register themselves.
@@ -67,6 +68,9 @@ class AttentionImpl:
     forward(q, k, v, end, valid, segments, scale) -> (out, lse)
     backward(grad_out, q, k, v, out, lse, end, valid, segments, scale) -> (dq, dk, dv)
 
+    With ``supports_window``, both also take ``window=W, position=pos`` (keyword; only passed when W > 0):
+    query q then sees key k only if also ``pos[q] - pos[k] < W`` (a sliding window over tree positions).
+
     ``out``/``lse`` passed to backward are the ones forward returned (merged over the whole tree).
     ``device_types``: the ``torch.device.type`` values the impl runs on; ``None`` means any.
     """
@@ -75,6 +79,7 @@ class AttentionImpl:
     forward: Callable
     backward: Callable
     device_types: Optional[frozenset] = None
+    supports_window: bool = False
 
     def __post_init__(self):
         if not self.name or self.name == "auto":
@@ -199,6 +204,25 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, s
         )
 
 
+def _check_window(window: int, position: Optional[Tensor], n) -> None:
+    """A window needs the [N] int64 positions of the tokens."""
+    if window < 0:
+        raise TreeAttentionError(f"tree_attention: window={window} must be >= 0 (0: no window)")
+    if window and (position is None or position.dtype != torch.int64 or position.dim() != 1
+                   or position.shape[0] != n):
+        raise TreeAttentionError(f"tree_attention: window={window} needs position int64 [N={n}], got "
+                                 f"{None if position is None else (position.dtype, tuple(position.shape))}")
+
+
+def _window_kwargs(impl: "AttentionImpl", window: int, position: Optional[Tensor]) -> dict:
+    """The impl's extra arguments for a window (none without one); refuses impls without window support."""
+    if not window:
+        return {}
+    if not impl.supports_window:
+        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
+    return {"window": window, "position": position}
+
+
 def _check_impl_name(impl: str) -> None:
     """Raise AttentionImplError for a name that is neither 'auto' nor known (usable at trace time)."""
     if impl != "auto" and impl not in _IMPLS and impl not in _LAZY_MODULES:
@@ -221,21 +245,24 @@ def _check_result(name: str, what: str, got: Tensor, like_shape, like_dtype) -> 
 
 @torch.library.custom_op("brcompile::tree_attention_forward", mutates_args=())
 def _tree_attention_forward_op(
-    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float, impl: str
+    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float, impl: str,
+    window: int = 0, position: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D], lse [Hq, N]) of tree attention, computed by the impl named ``impl``."""
     _check_inputs(q, k, v, end, valid, segments)
+    _check_window(window, position, q.shape[1])
     chosen = get_attention_impl(impl, q.device)
-    out, lse = chosen.forward(q, k, v, end, valid, segments, scale)
+    out, lse = chosen.forward(q, k, v, end, valid, segments, scale, **_window_kwargs(chosen, window, position))
     _check_result(chosen.name, "out", out, q.shape, q.dtype)
     _check_result(chosen.name, "lse", lse, q.shape[:2], lse_dtype_for(q.dtype))
     return out, lse
 
 
 @_tree_attention_forward_op.register_fake
-def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl):
+def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, window=0, position=None):
     """Shapes only: out like q (contiguous), lse [Hq, N]."""
     _check_inputs(q, k, v, end, valid, segments)
+    _check_window(window, position, q.shape[1])
     _check_impl_name(impl)
     out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:2], dtype=lse_dtype_for(q.dtype))
@@ -255,11 +282,15 @@ def _tree_attention_backward_op(
     segments: Tensor,
     scale: float,
     impl: str,
+    window: int = 0,
+    position: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of tree attention for the upstream gradient ``grad_out`` (any strides)."""
     _check_inputs(q, k, v, end, valid, segments)
+    _check_window(window, position, q.shape[1])
     chosen = get_attention_impl(impl, q.device)
-    dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale)
+    dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
+                                 **_window_kwargs(chosen, window, position))
     _check_result(chosen.name, "dq", dq, q.shape, q.dtype)
     _check_result(chosen.name, "dk", dk, k.shape, k.dtype)
     _check_result(chosen.name, "dv", dv, v.shape, v.dtype)
@@ -267,7 +298,8 @@ def _tree_attention_backward_op(
 
 
 @_tree_attention_backward_op.register_fake
-def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl):
+def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0,
+                                  position=None):
     """Shapes only: dq like q, dk like k, dv like v (contiguous)."""
     _check_inputs(q, k, v, end, valid, segments)
     _check_impl_name(impl)
@@ -276,21 +308,22 @@ def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segme
 
 def _forward_setup_context(ctx, inputs, output):
     """Save what backward needs; lse is an auxiliary output without gradient."""
-    q, k, v, end, valid, segments, scale, impl = inputs
+    q, k, v, end, valid, segments, scale, impl, window, position = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, end, valid, segments)
+    ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, position)
     ctx.scale = scale
     ctx.impl = impl
+    ctx.window = window
     ctx.mark_non_differentiable(lse)
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
     """d(out)/d(q, k, v) via the tree_attention_backward op; the tree arrays get no gradient."""
-    q, k, v, out, lse, end, valid, segments = ctx.saved_tensors
+    q, k, v, out, lse, end, valid, segments, position = ctx.saved_tensors
     dq, dk, dv = torch.ops.brcompile.tree_attention_backward(
-        grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale, ctx.impl
+        grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale, ctx.impl, ctx.window, position
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(
@@ -322,36 +355,49 @@ def _has_data(t: Tensor) -> bool:
     return t.device.type != "meta" and not is_fake(t)
 
 
-def count_visible_pairs(end: Tensor, valid: Tensor) -> int:
-    """Number of visible (query, key) pairs: sum over valid keys k of (end[k] - k).
+def count_visible_pairs(end: Tensor, valid: Tensor, window: int = 0, position: Optional[Tensor] = None) -> int:
+    """Number of visible (query, key) pairs: sum over valid keys k of (end[k] - k); with a window, of the
+    descendants q of k with position[q] - position[k] < window (counted in blocks of keys).
 
     On tensors without data (fake/meta, e.g. during tracing) returns the dense causal bound N(N+1)/2.
     """
     n = end.shape[0]
-    if not (_has_data(end) and _has_data(valid)):
+    if not (_has_data(end) and _has_data(valid)) or (window and not _has_data(position)):
         log.debug("tree_attention flops: tree arrays have no data; counting the causal bound over N=%s", n)
         return n * (n + 1) // 2
-    span = end - torch.arange(n, device=end.device, dtype=end.dtype)
-    return int(span.masked_fill(~valid, 0).sum().item())
+    idx = torch.arange(n, device=end.device, dtype=end.dtype)
+    if not window:
+        span = end - idx
+        return int(span.masked_fill(~valid, 0).sum().item())
+    total = 0
+    for k0 in range(0, n, 256):  # [keys, N] blocks: q in [k, end[k]) and pos[q] - pos[k] < window
+        k1 = min(k0 + 256, n)
+        keys = idx[k0:k1, None]
+        seen = (idx[None, :] >= keys) & (idx[None, :] < end[k0:k1, None]) \
+            & (position[None, :] - position[k0:k1, None] < window) & valid[k0:k1, None]
+        total += int(seen.sum().item())
+    return total
 
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_forward, get_raw=True)
-def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, *args, out_val=None, **kwargs) -> int:
+def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, window=0, position=None, *args,
+                                 out_val=None, **kwargs) -> int:
     """Forward: 2 matmuls (q.k and p.v) per visible pair and query head: 2*D + 2*Dv flops."""
     hq, _, d = q.shape
     dv = v.shape[-1]
-    return count_visible_pairs(end, valid) * hq * (2 * d + 2 * dv)
+    return count_visible_pairs(end, valid, window, position) * hq * (2 * d + 2 * dv)
 
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_backward, get_raw=True)
 def _tree_attention_backward_flop(
-    grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, *args, out_val=None, **kwargs
+    grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0, position=None, *args, out_val=None,
+    **kwargs
 ) -> int:
     """Backward, as SDPA's formula: recompute q.k, then dv, dp, dq, dk; 6*D + 4*Dv per pair and head
     (2.5x the forward when Dv == D)."""
     hq, _, d = q.shape
     dv = v.shape[-1]
-    return count_visible_pairs(end, valid) * hq * (6 * d + 4 * dv)
+    return count_visible_pairs(end, valid, window, position) * hq * (6 * d + 4 * dv)
 
 
 # ----------------------------------------------------------------------------------------- wrapper
@@ -374,15 +420,22 @@ def _tree_arrays(tree: TreeLike) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def tree_attention(
-    q: Tensor, k: Tensor, v: Tensor, tree: TreeLike, scale: Optional[float] = None, impl: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, tree: TreeLike, scale: Optional[float] = None, impl: str = "auto",
+    window: int = 0, position: Optional[Tensor] = None,
 ) -> Tensor:
     """Tree attention over packed tokens: out [Hq, N, D] for q [Hq, N, D], k/v [Hkv, N, D].
 
     ``tree``: a PackedTree or an (end, valid, segments) tuple. ``scale`` defaults to D**-0.5.
     ``impl``: "auto" (triton on CUDA when available, else cpu), "cpu", "reference", "triton" or any
-    registered name. Differentiable in q, k, v.
+    registered name. ``window`` > 0: a sliding window over ``position`` (default: the tree's positions when
+    ``tree`` is a PackedTree). Differentiable in q, k, v.
     """
     end, valid, segments = _tree_arrays(tree)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if window and position is None:
+        position = getattr(tree, "position", None)
+    if window:
+        return torch.ops.brcompile.tree_attention_forward(q, k, v, end, valid, segments, float(scale), impl, window,
+                                                          position)[0]
     return torch.ops.brcompile.tree_attention(q, k, v, end, valid, segments, float(scale), impl)

@@ -9,7 +9,7 @@ With s[h, q, k] = scale * q[h, q] . k[h // g, k] (g = Hq // Hkv) and M the tree 
     p[h, q, k] = exp(s[h, q, k] - lse[h, q]) if M[q, k] else 0
     out[h, q] = sum_k p[h, q, k] v[h // g, k]
 
-and the backward (explicit formulas, from the saved out and lse):
+(with a sliding window, M also requires ``position[q] - position[k] < window``) and the backward (explicit formulas, from the saved out and lse):
 
     dp = dout . v^T,  delta[h, q] = sum_d dout[h, q, d] out[h, q, d],  ds = p * (dp - delta)
     dq = scale * ds . k,  dk = scale * sum_{heads of the group} ds^T . q,  dv = sum_{group} p^T . dout
@@ -17,6 +17,7 @@ and the backward (explicit formulas, from the saved out and lse):
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -28,13 +29,17 @@ log = logging.getLogger(__name__)
 __all__ = ["dense_tree_mask", "reference_backward", "reference_forward"]
 
 
-def dense_tree_mask(end: Tensor, valid: Tensor) -> Tensor:
-    """[N, N] bool mask M[q, k] = (k <= q < end[k]) and valid[k]."""
+def dense_tree_mask(end: Tensor, valid: Tensor, window: int = 0, position: Optional[Tensor] = None) -> Tensor:
+    """[N, N] bool mask M[q, k] = (k <= q < end[k]) and valid[k] (and position[q] - position[k] < window
+    when window > 0)."""
     n = end.shape[0]
     pos = torch.arange(n, device=end.device)
     qi = pos[:, None]
     ki = pos[None, :]
-    return (ki <= qi) & (qi < end[None, :]) & valid[None, :]
+    m = (ki <= qi) & (qi < end[None, :]) & valid[None, :]
+    if window:
+        m &= (position[:, None] - position[None, :]) < window
+    return m
 
 
 def _expand_kv(t: Tensor, hq: int) -> Tensor:
@@ -61,10 +66,11 @@ def _probabilities(s: Tensor, lse64: Tensor) -> Tensor:
 
 
 def reference_forward(
-    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float
+    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float,
+    window: int = 0, position: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by dense masked attention computed in float64."""
-    mask = dense_tree_mask(end, valid)
+    mask = dense_tree_mask(end, valid, window, position)
     q64, k64, v64 = q.double(), k.double(), v.double()
     s = _masked_scores(q64, k64, mask, scale)
     lse64 = torch.logsumexp(s, dim=-1)
@@ -84,10 +90,12 @@ def reference_backward(
     valid: Tensor,
     segments: Tensor,
     scale: float,
+    window: int = 0,
+    position: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the saved out and lse, by the explicit formulas above, in float64."""
     hkv = k.shape[0]
-    mask = dense_tree_mask(end, valid)
+    mask = dense_tree_mask(end, valid, window, position)
     q64, k64, v64 = q.double(), k.double(), v.double()
     dout = grad_out.double()
     p = _probabilities(_masked_scores(q64, k64, mask, scale), lse.double())
@@ -100,4 +108,5 @@ def reference_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-register_attention_impl(AttentionImpl(name="reference", forward=reference_forward, backward=reference_backward))
+register_attention_impl(AttentionImpl(name="reference", forward=reference_forward, backward=reference_backward,
+                                      supports_window=True))

@@ -141,7 +141,7 @@ class TrunkGraphs:
 
     prefix: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments) -> (*frontier, *kv)
     tail: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments, *kv_cache, cache_valid,
-    #                 cache_all_valid, cross) -> (*frontier)
+    #                 cache_all_valid, cross, cache_position) -> (*frontier)
     frontier_dims: tuple[int, ...]  # the token dim of each frontier output
     n_cached: int  # number of cached tensors (2 per attention: K and V)
 
@@ -168,9 +168,9 @@ class ReplayFunction(torch.autograd.Function):
         dev = position.device
         leaves = [_leaf(x) for x in ext]
         pid = schedule.prefix_ids.to(dev)
-        pre_valid = _take(valid, pid)
+        pre_valid, pre_position = _take(valid, pid), _take(position, pid)
         with torch.set_grad_enabled(need_grad):
-            pre = graphs.prefix(*leaves, _take(rep_row, pid), _take(position, pid), schedule.prefix_end.to(dev),
+            pre = graphs.prefix(*leaves, _take(rep_row, pid), pre_position, schedule.prefix_end.to(dev),
                                 pre_valid, torch.ones_like(pre_valid), schedule.prefix_segments.to(dev))
         nf = len(graphs.frontier_dims)
         pre_front, cache = tuple(pre[:nf]), tuple(pre[nf:])
@@ -180,12 +180,13 @@ class ReplayFunction(torch.autograd.Function):
         detached_cache = [c.detach() for c in cache]
         with torch.no_grad():
             for chunk in schedule.chunks:
-                part = _run_tail(graphs, leaves, chunk, rep_row, position, valid, detached_cache, pre_valid)
+                part = _run_tail(graphs, leaves, chunk, rep_row, position, valid, detached_cache, pre_valid,
+                                 pre_position)
                 for o, t, d in zip(outs, part, graphs.frontier_dims):
                     o.index_copy_(d, chunk.ids.to(dev), t)
         ctx.graphs, ctx.schedule, ctx.n_ext = graphs, schedule, n_ext
         ctx.leaves, ctx.pre_front, ctx.cache = leaves, pre_front, cache
-        ctx.tree = (rep_row, position, valid, pre_valid)
+        ctx.tree = (rep_row, position, valid, pre_valid, pre_position)
         return tuple(outs)
 
     @staticmethod
@@ -194,7 +195,7 @@ class ReplayFunction(torch.autograd.Function):
             raise RuntimeError("branch_replay streaming: this graph was already backpropagated through and its "
                                "prefix graph freed; a second backward (retain_graph=True) needs mode='packed'")
         graphs, schedule, leaves = ctx.graphs, ctx.schedule, ctx.leaves
-        rep_row, position, valid, pre_valid = ctx.tree
+        rep_row, position, valid, pre_valid, pre_position = ctx.tree
         dev = position.device
         wrt = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad]
         acc: list[Optional[Tensor]] = [None] * len(leaves)
@@ -207,7 +208,7 @@ class ReplayFunction(torch.autograd.Function):
                 continue
             cache = [c.detach().requires_grad_() for c in ctx.cache]
             with torch.enable_grad():
-                part = _run_tail(graphs, leaves, chunk, rep_row, position, valid, cache, pre_valid)
+                part = _run_tail(graphs, leaves, chunk, rep_row, position, valid, cache, pre_valid, pre_position)
                 used = [(t, g) for t, g in zip(part, g_out) if g is not None and t.requires_grad]
                 got = torch.autograd.grad([t for t, _ in used], [leaves[i] for i in wrt] + cache,
                                           [g for _, g in used], allow_unused=True) if used else ()
@@ -247,13 +248,14 @@ def _full(like: Tensor, dim: int, n: int) -> Tensor:
 
 
 def _run_tail(graphs: TrunkGraphs, ext: Sequence, chunk: Chunk, rep_row: Tensor, position: Tensor,
-              valid: Tensor, cache: Sequence[Tensor], pre_valid: Tensor) -> tuple:
-    """The tail graph on one chunk against the cache."""
+              valid: Tensor, cache: Sequence[Tensor], pre_valid: Tensor, pre_position: Tensor) -> tuple:
+    """The tail graph on one chunk against the cache (``pre_*``: the prefix tokens' validity, positions)."""
     dev = position.device
     ids = chunk.ids.to(dev)
     v = _take(valid, ids)
     out = graphs.tail(*ext, _take(rep_row, ids), _take(position, ids), chunk.end.to(dev), v, torch.ones_like(v),
-                      chunk.segments.to(dev), *cache, pre_valid, torch.ones_like(pre_valid), chunk.cross.to(dev))
+                      chunk.segments.to(dev), *cache, pre_valid, torch.ones_like(pre_valid), chunk.cross.to(dev),
+                      pre_position)
     return tuple(out)
 
 

@@ -10,7 +10,7 @@ records the guard's reason — a fallback, never a wrong number. Examples:
 * an additive float mask (HF eager attention) was replaced by tree attention, which agrees with it only
   where every query sees at least one key (a fully masked row is uniform or NaN in the original).
 
-A guard reads only the graph's inputs (by placeholder position) and costs O(B) at most.
+A guard reads only the graph's inputs (by placeholder position) and costs O(B * L) at most.
 """
 from __future__ import annotations
 
@@ -52,17 +52,29 @@ def scalar_equals(position: int, value: float, what: str) -> BatchGuard:
     return BatchGuard(f"{what} == {value} (input {position})", check)
 
 
-def no_query_without_keys(position: int, what: str) -> BatchGuard:
-    """For a causal & key-padding mask from the [B, L] input at ``position``: every query sees a key
-    iff every row's first position is a real token (``X[b, 0] != 0``) — no left padding, no empty row."""
+def no_query_without_keys(position: int, what: str, window: int = 0) -> BatchGuard:
+    """For a causal & key-padding mask from the [B, L] input at ``position``: every query sees a key iff
+    every row's first position is a real token (``X[b, 0] != 0``) — no left padding, no empty row. With a
+    sliding window W, iff every window of columns (i - W, i] holds a real token: O(B * L) by a cumsum."""
 
     def check(args):
         x = args[position]
-        if x.shape[-1] > 0 and not bool((x[:, 0] != 0).all()):
-            return (f"{what}: a row starts with padding, so a query sees no key; the original graph's "
-                    "additive mask makes such a row uniform (or NaN), tree attention makes it 0")
+        if x.shape[-1] == 0:
+            return None
+        if not window:
+            ok = bool((x[:, 0] != 0).all())
+        else:
+            c = torch.nn.functional.pad((x != 0).long().cumsum(-1), (1, 0))  # c[:, i + 1] = real tokens in 0..i
+            i = torch.arange(x.shape[-1], device=x.device)
+            ok = bool(((c[:, i + 1] - c[:, (i + 1 - window).clamp(min=0)]) > 0).all())
+        if not ok:
+            where = "a row starts with padding" if not window else f"a window of {window} columns holds only padding"
+            return (f"{what}: {where}, so a query sees no key; the original graph's additive mask makes such a "
+                    "row uniform (or NaN), tree attention makes it 0")
         return None
 
+    if window:
+        return BatchGuard(f"{what}: every {window}-column window holds a real token (input {position})", check)
     return BatchGuard(f"{what}: no left padding (input {position}[:, 0] != 0)", check)
 
 

@@ -7,11 +7,13 @@ compare with each candidate meaning:
 
 * ``causal``:              visible(b, i, j) = j <= i
 * ``causal & keypad(X)``:  visible(b, i, j) = j <= i and X[b, j] != 0, for a [B, L] tree input X
+* either of them ``& window(W)``: also i - j < W (HF's sliding window over the batch columns, which are
+  the tree positions); W is read off the mask with every key-padding input set to ones
 
 A candidate is accepted only if it matches on the example batch and on several random probes (random
 0/1 key-padding patterns, left and right padding). Float masks must be exactly 0 where visible and
 ``-inf`` (or the dtype's lowest value) elsewhere — any other value is a bias, not a mask. Anything else
-(sliding windows, bidirectional prefixes, biases) stops the rewrite with the reason.
+(bidirectional prefixes, biases, other windows) stops the rewrite with the reason.
 """
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ NUM_PROBES = 4
 class MaskInfo:
     kind: str  # "causal" | "causal+keypad"
     keypad: Optional[fx.Node] = None
+    window: int = 0  # > 0: sliding window, query i sees keys j with i - j < window
 
     def __str__(self) -> str:
-        return self.kind if self.keypad is None else f"{self.kind}({self.keypad.name})"
+        s = self.kind if self.keypad is None else f"{self.kind}({self.keypad.name})"
+        return s + (f"+window({self.window})" if self.window else "")
 
 
 def ancestors(node: fx.Node) -> list[fx.Node]:
@@ -143,18 +147,26 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
             raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
     candidates: list[Optional[fx.Node]] = [None] + inputs
     trials = _trials(values, inputs)
-    for cand in candidates:
-        if all(_matches(evaluate(mask, v), cand, v, attn) for v in trials):
-            info = MaskInfo("causal" if cand is None else "causal+keypad", cand)
-            log.debug("mask of %s: %s", attn.name, info)
-            return info
-    window = sliding_window(evaluate(mask, values), attn)
-    if window is not None:
-        raise CannotReplay(f"sliding-window attention (window {window} < sequence length "
-                           f"{visible(evaluate(mask, values), attn).shape[-1]}): tree attention sees every "
-                           "ancestor, so this mask is not supported", attn)
-    raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input "
-                       "(sliding window, prefix-LM and bias masks are not supported)", attn)
+    for window in (0, _window_of(mask, inputs, values, attn)):
+        if window is None:
+            break
+        for cand in candidates:
+            if all(_matches(evaluate(mask, v), cand, v, attn, window) for v in trials):
+                info = MaskInfo("causal" if cand is None else "causal+keypad", cand, window)
+                log.debug("mask of %s: %s", attn.name, info)
+                return info
+    raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input, "
+                       "optionally with a sliding window (prefix-LM and bias masks are not supported)", attn)
+
+
+def _window_of(mask: fx.Node, inputs: Sequence[fx.Node], values: dict, attn: fx.Node) -> Optional[int]:
+    """The sliding window the mask shows with every 0/1 tree input set to ones (no key padding), or None."""
+    v = dict(values)
+    for t in inputs:
+        x = values[t]
+        if bool(((x == 0) | (x == 1)).all()):
+            v[t] = torch.ones_like(x)
+    return sliding_window(evaluate(mask, v), attn)
 
 
 def sliding_window(mask: torch.Tensor, attn: fx.Node) -> Optional[int]:
@@ -201,7 +213,8 @@ def meaning_guard(attn: fx.Node, mask: fx.Node, info: MaskInfo, tree_inputs: Seq
         if key not in verdicts:
             vals = {n: args[i] for n, i in pos.items()}
             try:
-                ok = all(_matches(evaluate(mask, v), info.keypad, v, attn) for v in _trials(vals, inputs, 2))
+                ok = all(_matches(evaluate(mask, v), info.keypad, v, attn, info.window)
+                         for v in _trials(vals, inputs, 2))
             except CannotReplay:  # a bias at these sizes
                 ok = False
             verdicts[key] = None if ok else _size_reason(attn, mask, info, vals, dict(zip(
@@ -221,7 +234,7 @@ def _size_reason(attn, mask, info, vals, sizes) -> str:
     return f"the mask of {attn.name} is {what} at sizes {sizes}; it was {info} at the compile-time sizes"
 
 
-def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn) -> bool:
+def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn, window: int = 0) -> bool:
     vis = visible(mask, attn)
     if vis.dim() < 2:
         return False
@@ -229,6 +242,8 @@ def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn) -> bool:
     if Lq != Lk:
         return False
     causal = torch.ones(Lq, Lk, dtype=torch.bool, device=vis.device).tril()
+    if window:
+        causal = causal & ~torch.ones(Lq, Lk, dtype=torch.bool, device=vis.device).tril(-window)
     if cand is None:
         expected = causal
     else:

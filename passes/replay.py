@@ -111,8 +111,8 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     n_sym = _symbolic_run(packed, example_args, tok_pos)
     index = placeholders[by_name["tree_index"]]
     outer_side = _descendants([index]) | {index}
-    trunk = [n for n in packed.graph.nodes
-             if n in _descendants(tok_nodes) and n not in outer_side and n.op != "output"]
+    token_side = _descendants(tok_nodes)
+    trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
     if not any(n.target is _ATTENTION for n in trunk):
         raise CannotReplay("streaming replay: no tree attention in the token-local part of the graph")
@@ -162,13 +162,19 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached:
         cache = {a: (g.placeholder(f"cache_k_{a.name}"), g.placeholder(f"cache_v_{a.name}")) for a in attentions}
         cache_valid = {tok_nodes[3]: g.placeholder("cache_valid"), tok_nodes[4]: g.placeholder("cache_all_valid")}
         cross = g.placeholder("cross")
+        cache_position = g.placeholder("cache_position")
     for n in trunk:
         if cached and n.target is _ATTENTION:
-            q, k, v, end, valid, segments, scale, impl = n.args
+            q, k, v, end, valid, segments, scale, impl = n.args[:8]
+            window, position = (tuple(n.args[8:]) + (0, None))[:2]
             kc, vc = cache[n]
-            new = g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default,
-                                  (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc,
-                                   cache_valid[valid], cross, scale, impl))
+            args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
+                    scale, impl)
+            if window:
+                if position is not tok_nodes[1]:
+                    raise CannotReplay("streaming replay: a windowed attention's positions are not the tree's", n)
+                args += (window, env[position], cache_position)
+            new = g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default, args)
         else:
             new = g.node_copy(n, lambda a: env[a])
         new.meta.update(n.meta)

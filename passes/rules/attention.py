@@ -1,10 +1,11 @@
 """Attention and the lazy gather.
 
 ``scaled_dot_product_attention(q, k, v, mask)`` with q, k, v TOKEN ([B, H, L, D], row 0, position 2) and
-a causal (optionally key-padded) mask equals tree attention over the packed tokens: in the dense batch
+a causal (optionally key-padded, optionally sliding-window) mask equals tree attention over the packed tokens: in the dense batch
 query (b, i) sees keys (b, j <= i) — exactly the ancestors-or-self of its tree node, since the rows that
 contain a node agree on every earlier token — so ``k <= q < end[k]`` (and ``valid[k]`` under key
-padding) selects the same keys with the same values, and the softmax over them is the same.
+padding) selects the same keys with the same values, and the softmax over them is the same. A sliding window W
+(query column i sees key columns j > i - W) is ``position[q] - position[k] < W`` on the tree positions.
 
 ``gather(x, -1, idx)`` of a TOKEN ``x`` (log-probs) with a dense index (the targets) reads
 ``x.packed[index[b, t], idx[b, t, j]]`` — B·L·J scalars, never the dense [B, L, V] value.
@@ -42,9 +43,10 @@ def emit_sdpa(pk, node):
     D = pk.static_shape(a["query"])[-1]
     scale = a["scale"] if a["scale"] is not None else D ** -0.5
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
-    out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default,
-                                     (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale),
-                                      pk.options.attention))
+    args = (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale), pk.options.attention)
+    if info.window:  # sliding window over the tree positions (= the batch columns)
+        args += (info.window, pk.tree("position"))
+    out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     return pk.graph.call_method("unsqueeze", (out, 0))
 

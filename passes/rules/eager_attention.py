@@ -129,13 +129,13 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical
 
 def mask_guards(canon: Canonical, classified: dict, placeholders: Sequence[fx.Node]) -> list[BatchGuard]:
     """Guards for the canonicalised eager attentions whose mask has key padding (module docstring)."""
-    keypads = []
+    keypads = []  # (key-padding input, window)
     for a in canon.additive:
         info = classified.get(a)
-        if info is not None and info.keypad is not None and info.keypad not in keypads:
-            keypads.append(info.keypad)
-    return [no_query_without_keys(placeholders.index(k), f"eager attention with an additive mask on {k.name}")
-            for k in keypads]
+        if info is not None and info.keypad is not None and (info.keypad, info.window) not in keypads:
+            keypads.append((info.keypad, info.window))
+    return [no_query_without_keys(placeholders.index(k), f"eager attention with an additive mask on {k.name}", w)
+            for k, w in keypads]
 
 
 def _remove_dead_code(graph: fx.Graph) -> int:

@@ -40,18 +40,18 @@ def nested_batch(seed: int, pad: bool):
     return ids, mask
 
 
-def streamed(q, k, v, tree, chunk_tokens, impl):
+def streamed(q, k, v, tree, chunk_tokens, impl, window=0):
     """out [Hq, N, D] assembled from the prefix run and the cached chunk runs."""
     sched = plan_replay(tree.end, tree.segments, chunk_tokens)
     out = torch.zeros_like(q)
     pid = sched.prefix_ids
-    pv = tree.valid[pid]
+    pv, ppos = tree.valid[pid], tree.position[pid]
     out[:, pid] = tree_attention(q[:, pid], k[:, pid], v[:, pid], (sched.prefix_end, pv, sched.prefix_segments),
-                                 scale=0.3, impl=impl)
+                                 scale=0.3, impl=impl, window=window, position=ppos)
     for c in sched.chunks:
         out[:, c.ids] = tree_attention_cached(q[:, c.ids], k[:, c.ids], v[:, c.ids],
                                               (c.end, tree.valid[c.ids], c.segments), k[:, pid], v[:, pid], pv,
-                                              c.cross, 0.3, impl)
+                                              c.cross, 0.3, impl, window, tree.position[c.ids], ppos)
     return out, sched
 
 
@@ -101,6 +101,30 @@ def test_math_cross_path_with_key_blocks(pad, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     for a, b in zip(ggot, gwant):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["cpu_flash", "math"])
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
+def test_streamed_with_window(window, pad, flash, monkeypatch):
+    """A sliding window (HF's, over tree positions) in the prefix run, the chunk's own tree and the cross
+    pairs against the cache; cross query blocks of 2 rows so the block trimming is exercised."""
+    import brcompile.backends.cached as cached
+
+    monkeypatch.setattr(cached, "USE_CPU_FLASH", flash)
+    orig = cached._pieces
+    monkeypatch.setattr(cached, "_pieces", lambda *a, **kw: orig(*a, block=2))
+    ids, mask = nested_batch(5, pad)
+    tree = build_tree(ids, attention_mask=mask)
+    q, k, v = qkv(tree.stats.executed_tokens, torch.float64)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = tree_attention(q, k, v, tree, scale=0.3, impl="reference", window=window)
+    gwant = torch.autograd.grad((want * w).sum(), (q, k, v))
+    got, _ = streamed(q, k, v, tree, 6, "cpu", window=window)
+    ggot = torch.autograd.grad((got * w).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip("qkv", ggot, gwant):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
 
 
 def test_schedule_cuts_at_leaf_chains():

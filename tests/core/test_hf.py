@@ -360,11 +360,43 @@ def test_gemma2_softcapping_is_refused_and_uncapped_replays():
 # sliding windows, dropout, and the per-call guards
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("path", ["model", "loss"])
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
-def test_active_sliding_window_falls_back(family):
+def test_active_sliding_window_replays(family, path, dynamic, float64_norms):
+    """A sliding window (4) shorter than the batch (left-padded prompts, right-padded completions): tree
+    attention applies it on the tree positions (= the batch columns); float64 norms, so every gradient meets
+    1e-10. Gemma3: both layers are sliding ones at this depth."""
     model = make_model(family, "sdpa", sliding_window=4)
-    run_cell(model, "loss", padded_batch(seed=7), dynamic=False)
-    assert_fell_back("sliding-window attention (window 4")
+    backend = brcompile.backend(compiler="eager")
+    run_cell(model, path, padded_batch(seed=7), dynamic=dynamic, backend=backend, grad_tol=torch.float64)
+    assert_replayed()
+    assert all("window(4)" in m for m in backend.records[0].masks), backend.records[0].masks
+
+
+def test_sliding_window_eager_and_streamed():
+    """Eager attention (float32, no padding) with a window of 3 replays; the same model streamed
+    (mode="replay": the window also applies to the cross pairs against the cached prompt) too."""
+    model = make_model("mistral", "eager", sliding_window=3)
+    run_cell(model, "loss", shared_batch(seed=8), dynamic=False)
+    assert_replayed()
+    brcompile.reset_stats()
+    torch._dynamo.reset()
+    model64 = make_model("mistral", "sdpa", sliding_window=3)
+    run_cell(model64, "model", padded_batch(seed=9), dynamic=False,
+             backend=brcompile.backend(compiler="eager", mode="replay", chunk_tokens=4))
+    assert_replayed()
+    assert brcompile.stats().streamed_calls == 1
+
+
+def test_eager_window_of_padding_falls_back():
+    """Eager attention's additive mask makes a query whose whole window is padding uniform over its row;
+    tree attention would give 0, so such a batch runs the original graph (per-call guard), exactly."""
+    model = make_model("mistral", "eager", sliding_window=2)
+    b = padded_batch(seed=10, left=False)
+    assert bool(((b["attention_mask"][:, -2:] == 0).all(1)).any()), "the batch needs a 2-column pad run"
+    run_cell(model, "loss", b, dynamic=False)
+    assert_fell_back("a window of 2 columns holds only padding")
 
 
 def test_sliding_window_longer_than_the_batch_under_dynamic_shapes():
