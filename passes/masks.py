@@ -8,7 +8,9 @@ compare with each candidate meaning:
 * ``causal``:              visible(b, i, j) = j <= i
 * ``causal & keypad(X)``:  visible(b, i, j) = j <= i and X[b, j] != 0, for a [B, L] tree input X
 * either of them ``& window(W)``: also i - j < W (HF's sliding window over the batch columns, which are
-  the tree positions); W is read off the mask with every key-padding input set to ones
+  the tree positions); W is read off the mask with every key-padding input set to ones — or, for a
+  mask built from dynamic sizes whose window is longer than the example batch, off the mask re-evaluated
+  at longer lengths (:func:`_window_at_larger_sizes`)
 
 A candidate is accepted only if it matches on the example batch and on several random probes (random
 0/1 key-padding patterns, left and right padding). Float masks must be exactly 0 where visible and
@@ -147,9 +149,8 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
             raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
     candidates: list[Optional[fx.Node]] = [None] + inputs
     trials = _trials(values, inputs)
-    for window in (0, _window_of(mask, inputs, values, attn)):
-        if window is None:
-            break
+    w = _window_of(mask, inputs, values, attn) or _window_at_larger_sizes(mask, inputs, values, attn)
+    for window in ([w] if w else []) + [0]:
         for cand in candidates:
             if all(_matches(evaluate(mask, v), cand, v, attn, window) for v in trials):
                 info = MaskInfo("causal" if cand is None else "causal+keypad", cand, window)
@@ -167,6 +168,45 @@ def _window_of(mask: fx.Node, inputs: Sequence[fx.Node], values: dict, attn: fx.
         if bool(((x == 0) | (x == 1)).all()):
             v[t] = torch.ones_like(x)
     return sliding_window(evaluate(mask, v), attn)
+
+
+#: Most mask elements a larger-size probe may build (B * L'^2).
+PROBE_MAX_ELEMENTS = 1 << 27
+
+
+def _window_at_larger_sizes(mask: fx.Node, inputs: Sequence[fx.Node], values: dict,
+                            attn: fx.Node) -> Optional[int]:
+    """For a mask built from dynamic sizes (SymInt inputs): a sliding window that is inactive at the
+    example length L (W >= L) shows at a longer one. Re-evaluate the mask subgraph with the sizes equal to
+    L scaled to L' = 4L, 16L, ... (tree inputs: ones, or random ids, of shape [B, L']) while B * L'^2 stays
+    under PROBE_MAX_ELEMENTS; the first window seen is returned. Any failure to evaluate means None (the
+    per-call meaning guard still protects every new size)."""
+    syms = symbolic_inputs(mask, values)
+    if not syms or not inputs:
+        return None
+    B, L = values[inputs[0]].shape
+    gen = torch.Generator().manual_seed(1)
+    Lp = 4 * L
+    while L > 0 and B * Lp * Lp <= PROBE_MAX_ELEMENTS:
+        v = dict(values)
+        for n in syms:
+            if int(values[n]) == L:
+                v[n] = Lp
+        for t in inputs:
+            x = values[t]
+            binary = bool(((x == 0) | (x == 1)).all())
+            v[t] = (torch.ones((B, Lp), dtype=x.dtype, device=x.device) if binary else
+                    torch.randint(1, 1 << 15, (B, Lp), generator=gen).to(device=x.device, dtype=x.dtype))
+        try:
+            w = sliding_window(evaluate(mask, v), attn)
+        except Exception:  # the subgraph does not scale this way: no conclusion
+            log.debug("mask of %s: no larger-size probe at L'=%d", attn.name, Lp, exc_info=True)
+            return None
+        if w is not None:
+            log.debug("mask of %s: sliding window %d found at L'=%d (inactive at L=%d)", attn.name, w, Lp, L)
+            return w
+        Lp *= 4
+    return None
 
 
 def sliding_window(mask: torch.Tensor, attn: fx.Node) -> Optional[int]:
