@@ -374,6 +374,16 @@ def test_active_sliding_window_replays(family, path, dynamic, float64_norms):
     assert all("window(4)" in m for m in backend.records[0].masks), backend.records[0].masks
 
 
+def test_gemma3_alternating_sliding_and_global_layers(float64_norms):
+    """Gemma3's layer pattern: sliding (window 3), global, sliding — each attention classified on its own."""
+    model = make_model("gemma3", "sdpa", num_hidden_layers=3, sliding_window=3,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    backend = brcompile.backend(compiler="eager")
+    run_cell(model, "loss", padded_batch(seed=11), dynamic=False, backend=backend, grad_tol=torch.float64)
+    assert_replayed()
+    assert [("window(3)" in m) for m in backend.records[0].masks] == [True, False, True], backend.records[0].masks
+
+
 def test_sliding_window_eager_and_streamed():
     """Eager attention (float32, no padding) with a window of 3 replays; the same model streamed
     (mode="replay": the window also applies to the cross pairs against the cached prompt) too."""
