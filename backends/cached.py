@@ -81,11 +81,6 @@ def cross_calls(cross: Tensor, cache_valid: Tensor, max_keys: Optional[int] = No
     return calls
 
 
-def _calls_for(q: Tensor, cross: Tensor, cache_valid: Tensor) -> list:
-    """Cross calls as the device runs them: whole on CPU (flash kernel), key-blocked elsewhere."""
-    return cross_calls(cross, cache_valid, None if _flash(q) else MATH_KEY_BLOCK)
-
-
 def _check_cached(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor) -> None:
     """Raise TreeAttentionError unless the cache tensors fit q (works on fake tensors)."""
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
@@ -158,13 +153,18 @@ def _additive(seen: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return None if seen is None else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
 
 
-def _scores(qg: Tensor, kg: Tensor, seen: Optional[Tensor], scale: float) -> Tensor:
-    """s = scale q.k^T over [Hkv, g, nq, nk], -inf where not seen."""
+def _scores(qg: Tensor, kg: Tensor, seen: Optional[Tensor], scale: float, softcap: float = 0.0):
+    """(s, t): s = scale q.k^T over [Hkv, g, nq, nk] (soft-capped: softcap * t, t = tanh(s / softcap);
+    t None without), -inf where not seen."""
     s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
-    return s if seen is None else s.masked_fill(~seen.to(s.device), float("-inf"))
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+    return (s if seen is None else s.masked_fill(~seen.to(s.device), float("-inf"))), t
 
 
-def _cross_forward(q, k_cache, v_cache, pieces, scale, out, lse):
+def _cross_forward(q, k_cache, v_cache, pieces, scale, out, lse, softcap=0.0):
     """Merge every cross piece's (out_i, lse_i) into (out, lse)."""
     from brcompile.backends.cpu import _flash_fwd
 
@@ -174,10 +174,10 @@ def _cross_forward(q, k_cache, v_cache, pieces, scale, out, lse):
     for pc in pieces:
         qs = slice(pc.q0, pc.q1)
         kg, vg = _grouped(k_cache, pc, g), _grouped(v_cache, pc, g)
-        if _flash(q):
+        if _flash(q) and not softcap:
             o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=_additive(pc.seen, q.dtype), scale=scale)
         else:
-            s = _scores(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), pc.seen, scale)
+            s, _ = _scores(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), pc.seen, scale, softcap)
             l = torch.logsumexp(s, -1)
             o = torch.matmul(torch.exp(s - l.unsqueeze(-1)).nan_to_num(0.0), vg.to(lse.dtype))
         o, l = o.flatten(0, 1), l.flatten(0, 1)
@@ -187,7 +187,7 @@ def _cross_forward(q, k_cache, v_cache, pieces, scale, out, lse):
         _merge(out, lse, o, l, qs)
 
 
-def _cross_backward(grad_out, q, k_cache, v_cache, out, lse, pieces, scale, dq, dk, dv):
+def _cross_backward(grad_out, q, k_cache, v_cache, out, lse, pieces, scale, dq, dk, dv, softcap=0.0):
     """Accumulate the cross pieces' (dq, dk_cache, dv_cache) with the merged out and lse (a row that sees
     nothing at all gets lse = +inf, so every p of it is 0)."""
     from brcompile.backends.cpu import _flash_bwd
@@ -199,16 +199,19 @@ def _cross_backward(grad_out, q, k_cache, v_cache, out, lse, pieces, scale, dq, 
     for pc in pieces:
         qs, ks = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
         kg, vg = _grouped(k_cache, pc, g), _grouped(v_cache, pc, g)
-        if _flash(q):
+        if _flash(q) and not softcap:
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     False, attn_mask=_additive(pc.seen, q.dtype), scale=scale)
         else:
             acc = lse.dtype
             q_, k_, v_, do = qg[:, :, qs].to(acc), kg.to(acc), vg.to(acc), gog[:, :, qs].to(acc)
-            p = torch.exp(_scores(q_, k_, pc.seen, scale) - lseg[:, :, qs].unsqueeze(-1))
+            sc, t = _scores(q_, k_, pc.seen, scale, softcap)
+            p = torch.exp(sc - lseg[:, :, qs].unsqueeze(-1))
             dp = torch.matmul(do, v_.transpose(-1, -2))
             delta = (do * outg[:, :, qs].to(acc)).sum(-1, keepdim=True)
             ds = p * (dp - delta)
+            if softcap:
+                ds = ds * (1 - t * t)
             gq = torch.matmul(ds, k_) * scale
             gk = torch.matmul(ds.transpose(-1, -2), q_) * scale
             gv = torch.matmul(p.transpose(-1, -2), do)
@@ -221,31 +224,33 @@ def _cross_backward(grad_out, q, k_cache, v_cache, out, lse, pieces, scale, dq, 
 def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor,
                        k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor, scale: float,
                        impl: str, window: int = 0, position: Optional[Tensor] = None,
-                       cache_position: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       cache_position: Optional[Tensor] = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """(out [Hq, n, D], lse [Hq, n]) over the chunk's own tree keys and its cached prefix keys."""
     _check_inputs(q, k, v, end, valid, segments)
     _check_cached(q, k_cache, v_cache, cache_valid, cross)
     _check_window(window, position, q.shape[1])
     _check_window(window, cache_position, k_cache.shape[1])
     chosen = get_attention_impl(impl, q.device)
-    out_t, lse_t = chosen.forward(q, k, v, end, valid, segments, scale, **_window_kwargs(chosen, window, position))
+    out_t, lse_t = chosen.forward(q, k, v, end, valid, segments, scale,
+                                  **_window_kwargs(chosen, window, position, softcap))
     acc = lse_dtype_for(q.dtype)
     out, lse = out_t.to(acc).contiguous(), lse_t.to(acc).contiguous()
-    _cross_forward(q, k_cache, v_cache, _cross_pieces(q, cross, cache_valid, window, position, cache_position),
-                   scale, out, lse)
+    _cross_forward(q, k_cache, v_cache, _cross_pieces(q, cross, cache_valid, window, position, cache_position,
+                                                      softcap), scale, out, lse, softcap)
     return out.to(q.dtype), lse
 
 
-def _cross_pieces(q, cross, cache_valid, window, position, cache_position) -> list:
+def _cross_pieces(q, cross, cache_valid, window, position, cache_position, softcap=0.0) -> list:
     cv = cache_valid.cpu()
     pos = None if position is None else position.cpu()
     cpos = None if cache_position is None else cache_position.cpu()
-    return list(_pieces(_calls_for(q, cross, cv), cv, window, pos, cpos))
+    max_keys = None if (_flash(q) and not softcap) else MATH_KEY_BLOCK
+    return list(_pieces(cross_calls(cross, cv, max_keys), cv, window, pos, cpos))
 
 
 @_cached_forward_op.register_fake
 def _cached_forward_fake(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
-                         window=0, position=None, cache_position=None):
+                         window=0, position=None, cache_position=None, softcap=0.0):
     _check_inputs(q, k, v, end, valid, segments)
     _check_cached(q, k_cache, v_cache, cache_valid, cross)
     _check_impl_name(impl)
@@ -257,34 +262,36 @@ def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                         end: Tensor, valid: Tensor, segments: Tensor, k_cache: Tensor, v_cache: Tensor,
                         cache_valid: Tensor, cross: Tensor, scale: float,
                         impl: str, window: int = 0, position: Optional[Tensor] = None,
-                        cache_position: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        cache_position: Optional[Tensor] = None,
+                        softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dk_cache, dv_cache): each part's backward with the merged out and lse."""
     chosen = get_attention_impl(impl, q.device)
     dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
-                                 **_window_kwargs(chosen, window, position))
+                                 **_window_kwargs(chosen, window, position, softcap))
     acc = lse_dtype_for(q.dtype)
     dq = dq.to(acc).contiguous()
     dkc = torch.zeros(k_cache.shape, dtype=acc, device=q.device)
     dvc = torch.zeros(v_cache.shape, dtype=acc, device=q.device)
     _cross_backward(grad_out, q, k_cache, v_cache, out, lse.to(acc),
-                    _cross_pieces(q, cross, cache_valid, window, position, cache_position), scale, dq, dkc, dvc)
+                    _cross_pieces(q, cross, cache_valid, window, position, cache_position, softcap), scale, dq, dkc,
+                    dvc, softcap)
     return dq.to(q.dtype), dk, dv, dkc.to(k_cache.dtype), dvc.to(v_cache.dtype)
 
 
 @_cached_backward_op.register_fake
 def _cached_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
-                          cross, scale, impl, window=0, position=None, cache_position=None):
+                          cross, scale, impl, window=0, position=None, cache_position=None, softcap=0.0):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), k_cache.new_empty(k_cache.shape),
             v_cache.new_empty(v_cache.shape))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl, window, position,
-     cache_position) = inputs
+     cache_position, softcap) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, position,
                           cache_position)
-    ctx.scale, ctx.impl, ctx.window = scale, impl, window
+    ctx.scale, ctx.impl, ctx.window, ctx.softcap = scale, impl, window, softcap
     ctx.mark_non_differentiable(lse)
 
 
@@ -293,8 +300,8 @@ def _backward(ctx, grad_out, grad_lse):
      cache_position) = ctx.saved_tensors
     dq, dk, dv, dkc, dvc = torch.ops.brcompile.tree_attention_cached_backward(
         grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, ctx.scale,
-        ctx.impl, ctx.window, position, cache_position)
-    return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None
+        ctx.impl, ctx.window, position, cache_position, ctx.softcap)
+    return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("brcompile::tree_attention_cached_forward", _backward,
@@ -303,14 +310,15 @@ torch.library.register_autograd("brcompile::tree_attention_cached_forward", _bac
 
 def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor, v_cache: Tensor,
                           cache_valid: Tensor, cross: Tensor, scale: float, impl: str = "auto", window: int = 0,
-                          position: Optional[Tensor] = None, cache_position: Optional[Tensor] = None) -> Tensor:
+                          position: Optional[Tensor] = None, cache_position: Optional[Tensor] = None,
+                          softcap: float = 0.0) -> Tensor:
     """Out [Hq, n, D] of a chunk's queries over its own tree (``tree``: (end, valid, segments)) and the
     cached prefix K/V through ``cross`` (see the module docstring); ``window`` > 0 with the chunk's and the
     cache's positions: HF's sliding window. Differentiable in q, k, v and the cache."""
     end, valid, segments = tree
     return torch.ops.brcompile.tree_attention_cached_forward(
         q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, float(scale), impl, window, position,
-        cache_position)[0]
+        cache_position, float(softcap))[0]
 
 
 def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
@@ -327,7 +335,8 @@ def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_cached_forward, get_raw=True)
 def _cached_forward_flop(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
-                         window=0, position=None, cache_position=None, *args, out_val=None, **kwargs) -> int:
+                         window=0, position=None, cache_position=None, softcap=0.0, *args, out_val=None,
+                         **kwargs) -> int:
     """As tree_attention_forward's, over the chunk's own visible pairs plus its cross pairs (with a window,
     the cross pairs are counted without it: an upper bound)."""
     pairs = count_visible_pairs(end, valid, window, position) + _cross_pairs(cross, cache_valid)
@@ -336,7 +345,7 @@ def _cached_forward_flop(q, k, v, end, valid, segments, k_cache, v_cache, cache_
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_cached_backward, get_raw=True)
 def _cached_backward_flop(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
-                          cross, scale, impl, window=0, position=None, cache_position=None, *args, out_val=None,
-                          **kwargs) -> int:
+                          cross, scale, impl, window=0, position=None, cache_position=None, softcap=0.0, *args,
+                          out_val=None, **kwargs) -> int:
     pairs = count_visible_pairs(end, valid, window, position) + _cross_pairs(cross, cache_valid)
     return pairs * q.shape[0] * (6 * q.shape[-1] + 4 * v.shape[-1])

@@ -33,6 +33,10 @@ positions some query of the block can reach (a segment's positions increase alon
 rest of the window is an explicit additive [nq, nk] mask (holes included). A block row that sees no key of
 the call gets out = 0, lse = -inf before the merge; in backward a row that sees nothing at all is given
 lse = +inf so that every p = exp(s - lse) of it is 0.
+
+Logit soft-capping c (Gemma2: scores ``c * tanh(scale * q.k / c)``): the CPU flash kernel has none, so
+each call runs in query blocks by explicit matmuls in the accumulation dtype (``_softcap_forward`` /
+``_softcap_backward``: ``ds = p (dp - delta) (1 - t^2)``), merged and differentiated like the rest.
 """
 from __future__ import annotations
 
@@ -162,7 +166,7 @@ WINDOW_QUERY_BLOCK = 512
 
 @dataclass(frozen=True)
 class _Piece:
-    """One kernel call: queries [q0, q1) x keys [k0, k1), causal or with an explicit additive mask."""
+    """One kernel call: queries [q0, q1) x keys [k0, k1), causal or with an explicit mask."""
 
     q0: int
     q1: int
@@ -170,29 +174,62 @@ class _Piece:
     k1: int
     causal: bool
     mask: Optional[Tensor]  # additive, [1 or nq, nk]
-    empty_rows: Optional[Tensor]  # [nq] bool: rows that see no key of this piece (window only)
+    empty_rows: Optional[Tensor]  # [nq] bool: rows that see no key of this piece (blocked pieces only)
+    seen: Optional[Tensor] = None  # [nq, nk] bool visibility (blocked pieces only)
 
 
-def _pieces(call: AttentionCall, valid: Tensor, dtype: torch.dtype, window: int, position: Optional[Tensor]):
-    """The kernel calls of one schedule call: itself, or with a window its query blocks (module docstring)."""
-    if not window:
+def _pieces(call: AttentionCall, valid: Tensor, dtype: torch.dtype, window: int, position: Optional[Tensor],
+            blocked: bool = False):
+    """The kernel calls of one schedule call: itself, or (with a window, or ``blocked``) its query blocks
+    with an explicit [nq, nk] visibility (module docstring)."""
+    if not (window or blocked):
         yield _Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, call.causal,
                      _key_mask(valid, call, dtype), None)
         return
-    kpos = position[call.k_start:call.k_stop]
+    kpos = position[call.k_start:call.k_stop] if window else None
     for q0 in range(call.q_start, call.q_stop, WINDOW_QUERY_BLOCK):
         q1 = min(q0 + WINDOW_QUERY_BLOCK, call.q_stop)
-        qpos = position[q0:q1]
-        lo = int(torch.searchsorted(kpos, qpos.min() - window + 1))  # keys before lo are out of every window
-        k0 = call.k_start + lo
+        k0 = call.k_start
+        if window:
+            qpos = position[q0:q1]
+            k0 += int(torch.searchsorted(kpos, qpos.min() - window + 1))  # keys before are out of every window
         k1 = call.k_stop if not call.causal else min(call.k_stop, q1)
         if k0 >= k1:
             continue
-        seen = ((qpos[:, None] - position[None, k0:k1]) < window) & valid[None, k0:k1]
+        seen = valid[None, k0:k1].expand(q1 - q0, k1 - k0)
+        if window:
+            seen = seen & ((qpos[:, None] - position[None, k0:k1]) < window)
         if call.causal:
-            seen &= torch.arange(k0, k1)[None, :] <= torch.arange(q0, q1)[:, None]
+            seen = seen & (torch.arange(k0, k1)[None, :] <= torch.arange(q0, q1)[:, None])
         mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
-        yield _Piece(q0, q1, k0, k1, False, mask, ~seen.any(1))
+        yield _Piece(q0, q1, k0, k1, False, mask, ~seen.any(1), seen)
+
+
+def _capped_scores(qb: Tensor, kb: Tensor, seen: Tensor, scale: float, softcap: float):
+    """(s, t) over [Hkv, g, nq, nk]: s = softcap * t, t = tanh(scale * q.k / softcap), -inf where unseen."""
+    t = torch.tanh(torch.matmul(qb, kb.transpose(-1, -2)) * (scale / softcap))
+    return (t * softcap).masked_fill(~seen, float("-inf")), t
+
+
+def _softcap_forward(qb: Tensor, kb: Tensor, vb: Tensor, seen: Tensor, scale: float, softcap: float):
+    """(out, lse) of one soft-capped piece by explicit math (the CPU flash kernel has no soft-cap)."""
+    s, _ = _capped_scores(qb, kb, seen, scale, softcap)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see nothing: lse = -inf -> p = 0
+    return torch.matmul(p, vb), lse
+
+
+def _softcap_backward(do: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Tensor, lse: Tensor, seen: Tensor,
+                      scale: float, softcap: float):
+    """(dq, dk, dv) of one soft-capped piece with the merged out and lse (lse = +inf: a row that sees
+    nothing): ds = p (dp - delta) (1 - t^2)."""
+    s, t = _capped_scores(qb, kb, seen, scale, softcap)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dp = torch.matmul(do, vb.transpose(-1, -2))
+    delta = (do * ob).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * (1 - t * t)
+    return torch.matmul(ds, kb) * scale, torch.matmul(ds.transpose(-1, -2), qb) * scale, \
+        torch.matmul(p.transpose(-1, -2), do)
 
 
 def _key_mask(valid: Tensor, call: AttentionCall, dtype: torch.dtype):
@@ -225,7 +262,7 @@ def _merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Te
 
 def cpu_forward(
     q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float,
-    window: int = 0, position: Optional[Tensor] = None,
+    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by the segment-pair schedule with logsumexp merging."""
     _require_cpu(q, k, v)
@@ -240,16 +277,20 @@ def cpu_forward(
     touched = torch.zeros(n, dtype=torch.bool)  # rows that already hold a partial result
     pos_cpu = None if position is None else position.cpu()
     for call in segment_schedule(end, valid, segments):
-        for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu):
-            o, l = _flash_fwd(
-                qg[:, :, pc.q0 : pc.q1],
-                _group_kv(k, pc, g),
-                _group_kv(v, pc, g),
-                0.0,
-                pc.causal,
-                attn_mask=pc.mask,
-                scale=scale,
-            )
+        for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu, blocked=bool(softcap)):
+            if softcap:
+                o, l = _softcap_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
+                                        _group_kv(v, pc, g).to(acc_dtype), pc.seen, scale, softcap)
+            else:
+                o, l = _flash_fwd(
+                    qg[:, :, pc.q0 : pc.q1],
+                    _group_kv(k, pc, g),
+                    _group_kv(v, pc, g),
+                    0.0,
+                    pc.causal,
+                    attn_mask=pc.mask,
+                    scale=scale,
+                )
             o, l = o.flatten(0, 1), l.flatten(0, 1)
             rows = slice(pc.q0, pc.q1)
             if pc.empty_rows is not None and bool(pc.empty_rows.any()):  # window: rows that saw nothing here
@@ -288,6 +329,7 @@ def cpu_backward(
     scale: float,
     window: int = 0,
     position: Optional[Tensor] = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): per call, the flash backward with the merged out and lse; dq accumulates over
     calls, dk/dv over the calls of each key's segment and over the query heads of its group."""
@@ -303,15 +345,24 @@ def cpu_backward(
     gog = grad_out.to(q.dtype).unflatten(0, (hkv, g))
     outg = out.unflatten(0, (hkv, g))
     lse_k = lse.to(acc_dtype)
-    if window:  # a row that sees nothing anywhere: lse = +inf makes each of its p = exp(s - lse) zero
+    if window or softcap:  # a row that sees nothing anywhere: lse = +inf makes each of its p = exp(s - lse) 0
         lse_k = lse_k.masked_fill(torch.isneginf(lse_k), float("inf"))
     lseg = lse_k.unflatten(0, (hkv, g))
     valid_cpu = valid.cpu()
     pos_cpu = None if position is None else position.cpu()
     for call in segment_schedule(end, valid, segments):
-        for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu):
+        for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu, blocked=bool(softcap)):
             qs = slice(pc.q0, pc.q1)
             ks = slice(pc.k0, pc.k1)
+            if softcap:
+                gq, gk, gv = _softcap_backward(
+                    gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
+                    _group_kv(v, pc, g).to(acc_dtype), outg[:, :, qs].to(acc_dtype), lseg[:, :, qs], pc.seen,
+                    scale, softcap)
+                dq[:, qs] += gq.flatten(0, 1)
+                dk[:, ks] += gk.sum(1, dtype=acc_dtype)
+                dv[:, ks] += gv.sum(1, dtype=acc_dtype)
+                continue
             gq, gk, gv = _flash_bwd(
                 gog[:, :, qs],
                 qg[:, :, qs],
@@ -332,5 +383,5 @@ def cpu_backward(
 
 register_attention_impl(
     AttentionImpl(name="cpu", forward=cpu_forward, backward=cpu_backward, device_types=frozenset({"cpu"}),
-                  supports_window=True)
+                  supports_window=True, supports_softcap=True)
 )

@@ -44,6 +44,7 @@ __all__ = [
     "AttentionImpl",
     "AttentionImplError",
     "TreeAttentionError",
+    "check_impl_supports",
     "count_visible_pairs",
     "get_attention_impl",
     "lse_dtype_for",
@@ -70,6 +71,8 @@ class AttentionImpl:
 
     With ``supports_window``, both also take ``window=W, position=pos`` (keyword; only passed when W > 0):
     query q then sees key k only if also ``pos[q] - pos[k] < W`` (a sliding window over tree positions).
+    With ``supports_softcap``, both also take ``softcap=c`` (keyword; only passed when c > 0): the scores
+    are ``c * tanh(scale * q.k / c)`` (Gemma2's logit soft-capping) before the softmax.
 
     ``out``/``lse`` passed to backward are the ones forward returned (merged over the whole tree).
     ``device_types``: the ``torch.device.type`` values the impl runs on; ``None`` means any.
@@ -80,6 +83,7 @@ class AttentionImpl:
     backward: Callable
     device_types: Optional[frozenset] = None
     supports_window: bool = False
+    supports_softcap: bool = False
 
     def __post_init__(self):
         if not self.name or self.name == "auto":
@@ -214,13 +218,25 @@ def _check_window(window: int, position: Optional[Tensor], n) -> None:
                                  f"{None if position is None else (position.dtype, tuple(position.shape))}")
 
 
-def _window_kwargs(impl: "AttentionImpl", window: int, position: Optional[Tensor]) -> dict:
-    """The impl's extra arguments for a window (none without one); refuses impls without window support."""
-    if not window:
-        return {}
-    if not impl.supports_window:
+def _window_kwargs(impl: "AttentionImpl", window: int, position: Optional[Tensor], softcap: float = 0.0) -> dict:
+    """The impl's extra arguments for a window and a soft-cap (none without them); refuses an impl that
+    does not support what is asked (see :func:`check_impl_supports`)."""
+    kw = {}
+    if window:
+        kw.update(window=window, position=position)
+    if softcap:
+        kw["softcap"] = softcap
+    if kw:
+        check_impl_supports(impl, window, softcap)
+    return kw
+
+
+def check_impl_supports(impl: "AttentionImpl", window: int = 0, softcap: float = 0.0) -> None:
+    """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped attention."""
+    if window and not impl.supports_window:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
-    return {"window": window, "position": position}
+    if softcap and not impl.supports_softcap:
+        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support logit soft-capping")
 
 
 def _check_impl_name(impl: str) -> None:
@@ -246,20 +262,21 @@ def _check_result(name: str, what: str, got: Tensor, like_shape, like_dtype) -> 
 @torch.library.custom_op("brcompile::tree_attention_forward", mutates_args=())
 def _tree_attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float, impl: str,
-    window: int = 0, position: Optional[Tensor] = None,
+    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D], lse [Hq, N]) of tree attention, computed by the impl named ``impl``."""
     _check_inputs(q, k, v, end, valid, segments)
     _check_window(window, position, q.shape[1])
     chosen = get_attention_impl(impl, q.device)
-    out, lse = chosen.forward(q, k, v, end, valid, segments, scale, **_window_kwargs(chosen, window, position))
+    out, lse = chosen.forward(q, k, v, end, valid, segments, scale,
+                              **_window_kwargs(chosen, window, position, softcap))
     _check_result(chosen.name, "out", out, q.shape, q.dtype)
     _check_result(chosen.name, "lse", lse, q.shape[:2], lse_dtype_for(q.dtype))
     return out, lse
 
 
 @_tree_attention_forward_op.register_fake
-def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, window=0, position=None):
+def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0):
     """Shapes only: out like q (contiguous), lse [Hq, N]."""
     _check_inputs(q, k, v, end, valid, segments)
     _check_window(window, position, q.shape[1])
@@ -284,13 +301,14 @@ def _tree_attention_backward_op(
     impl: str,
     window: int = 0,
     position: Optional[Tensor] = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of tree attention for the upstream gradient ``grad_out`` (any strides)."""
     _check_inputs(q, k, v, end, valid, segments)
     _check_window(window, position, q.shape[1])
     chosen = get_attention_impl(impl, q.device)
     dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
-                                 **_window_kwargs(chosen, window, position))
+                                 **_window_kwargs(chosen, window, position, softcap))
     _check_result(chosen.name, "dq", dq, q.shape, q.dtype)
     _check_result(chosen.name, "dk", dk, k.shape, k.dtype)
     _check_result(chosen.name, "dv", dv, v.shape, v.dtype)
@@ -299,7 +317,7 @@ def _tree_attention_backward_op(
 
 @_tree_attention_backward_op.register_fake
 def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0,
-                                  position=None):
+                                  position=None, softcap=0.0):
     """Shapes only: dq like q, dk like k, dv like v (contiguous)."""
     _check_inputs(q, k, v, end, valid, segments)
     _check_impl_name(impl)
@@ -308,12 +326,13 @@ def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segme
 
 def _forward_setup_context(ctx, inputs, output):
     """Save what backward needs; lse is an auxiliary output without gradient."""
-    q, k, v, end, valid, segments, scale, impl, window, position = inputs
+    q, k, v, end, valid, segments, scale, impl, window, position, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, position)
     ctx.scale = scale
     ctx.impl = impl
     ctx.window = window
+    ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
 
 
@@ -321,9 +340,9 @@ def _forward_backward(ctx, grad_out, grad_lse):
     """d(out)/d(q, k, v) via the tree_attention_backward op; the tree arrays get no gradient."""
     q, k, v, out, lse, end, valid, segments, position = ctx.saved_tensors
     dq, dk, dv = torch.ops.brcompile.tree_attention_backward(
-        grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale, ctx.impl, ctx.window, position
+        grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale, ctx.impl, ctx.window, position, ctx.softcap
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(
@@ -380,8 +399,8 @@ def count_visible_pairs(end: Tensor, valid: Tensor, window: int = 0, position: O
 
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_forward, get_raw=True)
-def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, window=0, position=None, *args,
-                                 out_val=None, **kwargs) -> int:
+def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0,
+                                 *args, out_val=None, **kwargs) -> int:
     """Forward: 2 matmuls (q.k and p.v) per visible pair and query head: 2*D + 2*Dv flops."""
     hq, _, d = q.shape
     dv = v.shape[-1]
@@ -390,8 +409,8 @@ def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, win
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_backward, get_raw=True)
 def _tree_attention_backward_flop(
-    grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0, position=None, *args, out_val=None,
-    **kwargs
+    grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0, *args,
+    out_val=None, **kwargs
 ) -> int:
     """Backward, as SDPA's formula: recompute q.k, then dv, dp, dq, dk; 6*D + 4*Dv per pair and head
     (2.5x the forward when Dv == D)."""
@@ -421,21 +440,22 @@ def _tree_arrays(tree: TreeLike) -> tuple[Tensor, Tensor, Tensor]:
 
 def tree_attention(
     q: Tensor, k: Tensor, v: Tensor, tree: TreeLike, scale: Optional[float] = None, impl: str = "auto",
-    window: int = 0, position: Optional[Tensor] = None,
+    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
 ) -> Tensor:
     """Tree attention over packed tokens: out [Hq, N, D] for q [Hq, N, D], k/v [Hkv, N, D].
 
     ``tree``: a PackedTree or an (end, valid, segments) tuple. ``scale`` defaults to D**-0.5.
     ``impl``: "auto" (triton on CUDA when available, else cpu), "cpu", "reference", "triton" or any
     registered name. ``window`` > 0: a sliding window over ``position`` (default: the tree's positions when
-    ``tree`` is a PackedTree). Differentiable in q, k, v.
+    ``tree`` is a PackedTree). ``softcap`` > 0: scores ``softcap * tanh(s / softcap)``. Differentiable in
+    q, k, v.
     """
     end, valid, segments = _tree_arrays(tree)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if window and position is None:
         position = getattr(tree, "position", None)
-    if window:
+    if window or softcap:
         return torch.ops.brcompile.tree_attention_forward(q, k, v, end, valid, segments, float(scale), impl, window,
-                                                          position)[0]
+                                                          position, float(softcap))[0]
     return torch.ops.brcompile.tree_attention(q, k, v, end, valid, segments, float(scale), impl)

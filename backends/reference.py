@@ -9,7 +9,8 @@ With s[h, q, k] = scale * q[h, q] . k[h // g, k] (g = Hq // Hkv) and M the tree 
     p[h, q, k] = exp(s[h, q, k] - lse[h, q]) if M[q, k] else 0
     out[h, q] = sum_k p[h, q, k] v[h // g, k]
 
-(with a sliding window, M also requires ``position[q] - position[k] < window``) and the backward (explicit formulas, from the saved out and lse):
+(with a sliding window, M also requires ``position[q] - position[k] < window``; with a soft-cap c the
+scores are ``c * tanh(s / c)``) and the backward (explicit formulas, from the saved out and lse):
 
     dp = dout . v^T,  delta[h, q] = sum_d dout[h, q, d] out[h, q, d],  ds = p * (dp - delta)
     dq = scale * ds . k,  dk = scale * sum_{heads of the group} ds^T . q,  dv = sum_{group} p^T . dout
@@ -53,10 +54,15 @@ def _reduce_kv(t: Tensor, hkv: int) -> Tensor:
     return t.view(hkv, hq // hkv, n, d).sum(1)
 
 
-def _masked_scores(q64: Tensor, k64: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """s = scale * q.k^T on visible pairs, -inf elsewhere: [Hq, N, N]."""
+def _masked_scores(q64: Tensor, k64: Tensor, mask: Tensor, scale: float, softcap: float = 0.0):
+    """(s, t): s = scale * q.k^T (soft-capped: softcap * t with t = tanh(scale * q.k^T / softcap)) on
+    visible pairs, -inf elsewhere: [Hq, N, N]; t is None without a soft-cap."""
     s = torch.matmul(q64, _expand_kv(k64, q64.shape[0]).transpose(-1, -2)) * scale
-    return s.masked_fill(~mask, float("-inf"))
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+    return s.masked_fill(~mask, float("-inf")), t
 
 
 def _probabilities(s: Tensor, lse64: Tensor) -> Tensor:
@@ -67,12 +73,12 @@ def _probabilities(s: Tensor, lse64: Tensor) -> Tensor:
 
 def reference_forward(
     q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float,
-    window: int = 0, position: Optional[Tensor] = None,
+    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by dense masked attention computed in float64."""
     mask = dense_tree_mask(end, valid, window, position)
     q64, k64, v64 = q.double(), k.double(), v.double()
-    s = _masked_scores(q64, k64, mask, scale)
+    s, _ = _masked_scores(q64, k64, mask, scale, softcap)
     lse64 = torch.logsumexp(s, dim=-1)
     p = _probabilities(s, lse64)
     out64 = torch.matmul(p, _expand_kv(v64, q.shape[0]))
@@ -92,16 +98,21 @@ def reference_backward(
     scale: float,
     window: int = 0,
     position: Optional[Tensor] = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) from the saved out and lse, by the explicit formulas above, in float64."""
+    """(dq, dk, dv) from the saved out and lse, by the explicit formulas above, in float64 (soft-capped:
+    ds is multiplied by d(softcap * tanh(x / softcap))/dx = 1 - t^2 before the q/k products)."""
     hkv = k.shape[0]
     mask = dense_tree_mask(end, valid, window, position)
     q64, k64, v64 = q.double(), k.double(), v.double()
     dout = grad_out.double()
-    p = _probabilities(_masked_scores(q64, k64, mask, scale), lse.double())
+    sc, t = _masked_scores(q64, k64, mask, scale, softcap)
+    p = _probabilities(sc, lse.double())
     dp = torch.matmul(dout, _expand_kv(v64, q.shape[0]).transpose(-1, -2))
     delta = (dout * out.double()).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    if softcap:
+        ds = ds * (1 - t * t)
     dq = torch.matmul(ds, _expand_kv(k64, q.shape[0])) * scale
     dk = _reduce_kv(torch.matmul(ds.transpose(-1, -2), q64) * scale, hkv)
     dv = _reduce_kv(torch.matmul(p.transpose(-1, -2), dout), hkv)
@@ -109,4 +120,4 @@ def reference_backward(
 
 
 register_attention_impl(AttentionImpl(name="reference", forward=reference_forward, backward=reference_backward,
-                                      supports_window=True))
+                                      supports_window=True, supports_softcap=True))

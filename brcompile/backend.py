@@ -121,6 +121,7 @@ class BranchReplayBackend:
             an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
             packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
                                                         drop_padding=opts.drop_padding))
+            _check_attention_support(packed, example_inputs, opts.attention)
         except CannotReplay as e:
             return self._fallback(gid, gm, str(e), e.node_name, opts)
         except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
@@ -216,6 +217,24 @@ class BranchReplayBackend:
             dump_graphs(opts.dump_dir, gm, packed, reason=reason, failed_node=node)
         except Exception:  # a diagnostic must never break compilation
             log.warning("branch_replay: writing graph dumps to %s failed", opts.dump_dir, exc_info=True)
+
+
+def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str) -> None:
+    """CannotReplay when the attention impl that will run on the inputs' device lacks a feature a packed
+    attention needs (a sliding window, logit soft-capping): the original graph runs, with the reason."""
+    from brcompile.backends.ops import AttentionImplError, check_impl_supports, get_attention_impl
+
+    device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    for n in packed.graph.nodes:
+        if n.target is not torch.ops.brcompile.tree_attention_forward.default:
+            continue
+        window, _, softcap = (tuple(n.args[8:]) + (0, None, 0.0))[:3]
+        if not (window or softcap):
+            continue
+        try:
+            check_impl_supports(get_attention_impl(attention, device), window, softcap)
+        except AttentionImplError as e:
+            raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
 
 
 _DEFAULT = BranchReplayBackend()

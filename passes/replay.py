@@ -166,14 +166,14 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached:
     for n in trunk:
         if cached and n.target is _ATTENTION:
             q, k, v, end, valid, segments, scale, impl = n.args[:8]
-            window, position = (tuple(n.args[8:]) + (0, None))[:2]
+            window, position, softcap = (tuple(n.args[8:]) + (0, None, 0.0))[:3]
             kc, vc = cache[n]
             args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
                     scale, impl)
-            if window:
-                if position is not tok_nodes[1]:
-                    raise CannotReplay("streaming replay: a windowed attention's positions are not the tree's", n)
-                args += (window, env[position], cache_position)
+            if window and position is not tok_nodes[1]:
+                raise CannotReplay("streaming replay: a windowed attention's positions are not the tree's", n)
+            if window or softcap:
+                args += (window, env[position] if window else None, cache_position if window else None, softcap)
             new = g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default, args)
         else:
             new = g.node_copy(n, lambda a: env[a])

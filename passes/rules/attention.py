@@ -44,8 +44,11 @@ def emit_sdpa(pk, node):
     scale = a["scale"] if a["scale"] is not None else D ** -0.5
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
     args = (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale), pk.options.attention)
-    if info.window:  # sliding window over the tree positions (= the batch columns)
-        args += (info.window, pk.tree("position"))
+    softcap = float(node.meta.get("br_softcap", 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
+    if info.window or softcap:  # sliding window over the tree positions (= the batch columns)
+        args += (info.window, pk.tree("position") if info.window else None)
+    if softcap:
+        args += (softcap,)
     out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     return pk.graph.call_method("unsqueeze", (out, 0))

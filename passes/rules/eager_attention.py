@@ -5,6 +5,7 @@
 computes, with ``k``/``v`` already expanded to the query heads (``repeat_kv``)::
 
     s = matmul(q, k.transpose(-2, -1)) * c         # or / c, or no scaling (c = 1)
+    s = tanh(s / cap) * cap                         # optional logit soft-capping (Gemma2)
     s = s + M                                       # optional additive float mask, M of s's dtype
     p = softmax(s, dim=-1[, dtype=d]).to(q.dtype)   # d of at least s's precision
     p = dropout(p, p=0)                             # identity (p = 0 or not training)
@@ -21,7 +22,9 @@ softmax runs over the key dim in the scores' precision or higher (a float64 -> f
 probabilities and overflows the mask's lowest float64 value to ``-inf``, which tree attention would not
 reproduce — refused); the cast returns to the query's dtype; dropout is the identity; and no
 intermediate (scores, probabilities) has another user (``output_attentions=True`` would read them).
-Anything else between the scores and the softmax (Gemma2's ``tanh`` logit soft-capping, a bias) is
+Soft-capping (``tanh(s / cap) * cap`` with one number ``cap`` on both sides) is kept on the SDPA node as
+``node.meta["br_softcap"]`` and becomes the ``softcap`` argument of tree attention (the canonical copy is
+only analysed, never run). Anything else between the scores and the softmax (a bias, another function) is
 refused with the op named.
 
 A fully masked query row differs: the original's additive mask makes it uniform over all keys (or NaN
@@ -95,6 +98,8 @@ class EagerChain:
     dropout_training: Any
     out: fx.Node
     dead: list[fx.Node]  # chain nodes replaced by the SDPA node, output-side first
+    softcap: Any = 0.0  # > 0: the scores were soft-capped, tanh(s / softcap) * softcap; or the two scalar
+    #                     nodes (divisor, factor) read from inputs under dynamic=True, resolved by canonicalize
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,6 +120,7 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical
         chain = match_eager_attention(sm)
         if chain is not None:
             canon.additive.extend(_replace_with_sdpa(graph, chain, canon))
+    _resolve_softcaps(graph, placeholders, values, canon)
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA]:
         _specialise_scalars(node, placeholders, values, canon)
     for node in [n for n in graph.nodes if _call_in(n, DROPOUT)]:
@@ -280,6 +286,7 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
         mask = b if side[0] is a else a
         dead.append(cur)
         cur = side[0]
+    softcap, cur = _match_softcap(cur, dead)
     scale: Any = 1.0
     if _call_in(cur, MUL + DIV) and len(cur.args) == 2 and not cur.kwargs:
         a, b = cur.args
@@ -347,7 +354,65 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     if _tensor(cur).dtype != tq.dtype:
         _refuse(sm, cur, f"the probabilities are {_tensor(cur).dtype}, the query is {tq.dtype}")
     dead.insert(0, nxt)
-    return EagerChain(q, k, v, scale, mask, p, training, nxt, dead)
+    return EagerChain(q, k, v, scale, mask, p, training, nxt, dead, softcap)
+
+
+TANH = (torch.tanh, "tanh", F.tanh)
+
+
+def _number(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else None
+
+
+def _match_softcap(cur: Any, dead: list) -> tuple[Any, Any]:
+    """(cap, scores) for ``mul(tanh(div(scores, cap)), cap)`` (either operand order of the mul): one
+    positive number ``cap`` on both sides, or two scalar nodes (``.item()`` of inputs under dynamic=True:
+    returned as a pair, resolved and guarded by :func:`_resolve_softcaps`); (0.0, cur) for anything else."""
+    if not (_call_in(cur, MUL) and len(cur.args) == 2 and not cur.kwargs):
+        return 0.0, cur
+    a, b = cur.args
+    th, factor = (a, b) if _call_in(a, TANH) else (b, a)
+    if not _call_in(th, TANH) or not _is_scalar(factor) or len(th.args) != 1 or th.kwargs:
+        return 0.0, cur
+    d = th.args[0]
+    if not (_call_in(d, DIV) and len(d.args) == 2 and not d.kwargs and _is_scalar(d.args[1])):
+        return 0.0, cur
+    divisor = d.args[1]
+    if isinstance(divisor, fx.Node) or isinstance(factor, fx.Node):
+        cap: Any = (divisor, factor)
+    elif _number(divisor) == _number(factor) and _number(factor) > 0:
+        cap = _number(factor)
+    else:
+        return 0.0, cur
+    dead.extend([cur, th, d])
+    return cap, d.args[0]
+
+
+def _resolve_softcaps(graph: fx.Graph, placeholders: list, values: dict, canon: "Canonical") -> None:
+    """Soft-caps read from scalar inputs: both sides must hold one positive value; it is specialised,
+    with a per-call guard on each input (like the attention scale)."""
+    for node in graph.nodes:
+        src = node.meta.get("br_softcap")
+        if not isinstance(src, tuple):
+            continue
+        got = []
+        for side in src:
+            if isinstance(side, fx.Node):
+                value, guard_src = _scalar_value(side, placeholders, values)
+                if value is None:
+                    raise CannotReplay("eager attention: the soft-cap is computed in the graph, not read from a "
+                                       "scalar input", node)
+                pos, transform = guard_src
+                canon.guards.append(scalar_equals(pos, value, f"attention soft-cap of {node.name} "
+                                                              f"(input {placeholders[pos].name})"))
+                got.append(float(transform(value)))
+            else:
+                got.append(float(side))
+        if got[0] != got[1] or got[0] <= 0:
+            raise CannotReplay(f"eager attention: tanh soft-capping divides by {got[0]} and multiplies by "
+                               f"{got[1]}", node)
+        node.meta["br_softcap"] = got[0]
+        canon.notes.append(f"{node.name}: soft-cap specialised to {got[0]}")
 
 
 def _call_in(n: Any, targets) -> bool:
@@ -385,6 +450,8 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> lis
             {"attn_mask": ch.mask, "dropout_p": p, "is_causal": False, "scale": scale})
     node.meta.update(ch.out.meta)
     node.meta["br_canonical"] = "eager attention"
+    if ch.softcap:
+        node.meta["br_softcap"] = ch.softcap
     chain = " -> ".join(n.name for n in reversed(ch.dead))
     ch.out.replace_all_uses_with(node)
     for n in ch.dead:

@@ -40,18 +40,18 @@ def nested_batch(seed: int, pad: bool):
     return ids, mask
 
 
-def streamed(q, k, v, tree, chunk_tokens, impl, window=0):
+def streamed(q, k, v, tree, chunk_tokens, impl, window=0, softcap=0.0):
     """out [Hq, N, D] assembled from the prefix run and the cached chunk runs."""
     sched = plan_replay(tree.end, tree.segments, chunk_tokens)
     out = torch.zeros_like(q)
     pid = sched.prefix_ids
     pv, ppos = tree.valid[pid], tree.position[pid]
     out[:, pid] = tree_attention(q[:, pid], k[:, pid], v[:, pid], (sched.prefix_end, pv, sched.prefix_segments),
-                                 scale=0.3, impl=impl, window=window, position=ppos)
+                                 scale=0.3, impl=impl, window=window, position=ppos, softcap=softcap)
     for c in sched.chunks:
         out[:, c.ids] = tree_attention_cached(q[:, c.ids], k[:, c.ids], v[:, c.ids],
                                               (c.end, tree.valid[c.ids], c.segments), k[:, pid], v[:, pid], pv,
-                                              c.cross, 0.3, impl, window, tree.position[c.ids], ppos)
+                                              c.cross, 0.3, impl, window, tree.position[c.ids], ppos, softcap)
     return out, sched
 
 
@@ -121,6 +121,23 @@ def test_streamed_with_window(window, pad, flash, monkeypatch):
     want = tree_attention(q, k, v, tree, scale=0.3, impl="reference", window=window)
     gwant = torch.autograd.grad((want * w).sum(), (q, k, v))
     got, _ = streamed(q, k, v, tree, 6, "cpu", window=window)
+    ggot = torch.autograd.grad((got * w).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip("qkv", ggot, gwant):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_streamed_with_softcap(window):
+    """Gemma2's logit soft-capping (c * tanh(s / c)) in the prefix, the chunk's own tree and the cross pairs
+    (explicit math there: the CPU flash kernel has no soft-cap)."""
+    ids, mask = nested_batch(6, True)
+    tree = build_tree(ids, attention_mask=mask)
+    q, k, v = qkv(tree.stats.executed_tokens, torch.float64)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = tree_attention(q, k, v, tree, scale=0.3, impl="reference", window=window, softcap=0.8)
+    gwant = torch.autograd.grad((want * w).sum(), (q, k, v))
+    got, _ = streamed(q, k, v, tree, 6, "cpu", window=window, softcap=0.8)
     ggot = torch.autograd.grad((got * w).sum(), (q, k, v))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     for name, a, b in zip("qkv", ggot, gwant):

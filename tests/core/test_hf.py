@@ -342,18 +342,35 @@ def test_eager_left_padding_falls_back_per_call():
     assert any("a row starts with padding" in r for r in s.fallback_reasons), str(s)
 
 
-def test_gemma2_softcapping_is_refused_and_uncapped_replays():
-    """Gemma2 (eager only in HF): tanh soft-capping of the attention logits is not tree attention -> a
-    fallback naming it; with ``attn_logit_softcapping=None`` the same model replays (its final-logit
-    soft-capping is pointwise)."""
-    model = make_model("gemma2", "eager")
-    run_cell(model, "loss", shared_batch(), dynamic=False)
-    assert_fell_back("logit soft-capping")
-    brcompile.reset_stats()
-    torch._dynamo.reset()
-    model = make_model("gemma2", "eager", attn_logit_softcapping=None)
-    run_cell(model, "loss", shared_batch(), dynamic=False)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("path", ["model", "loss"])
+@pytest.mark.parametrize("padding", ["none", "right"])
+def test_gemma2_softcapping_and_windows_replay(padding, path, dynamic):
+    """Gemma2 (eager only in HF, float32 softmax): attention logits soft-capped by tanh (cap 0.5 here, so
+    it bites), sliding (window 3) and global layers alternating, and the final-logit soft-capping
+    (pointwise): tree attention takes the cap and the window; replayed, float32 bound."""
+    model = make_model("gemma2", "eager", attn_logit_softcapping=0.5, sliding_window=3)
+    batch = shared_batch() if padding == "none" else padded_batch(seed=12, left=False)
+    if padding == "right":  # no 3-column window of pure padding (eager's guard would send it to the original)
+        batch["attention_mask"][:, -2:] = torch.where(batch["attention_mask"][:, -3:-2].bool(), 1,
+                                                      batch["attention_mask"][:, -2:])
+    backend = brcompile.backend(compiler="eager")
+    run_cell(model, path, batch, dynamic=dynamic, backend=backend)
     assert_replayed()
+    code = backend.records[0].packed_code
+    assert code.count("torch.ops.brcompile.tree_attention_forward.default(") == 2, code
+    assert code.count(", 0.5)") == 2, code  # the cap reaches both attentions
+    assert [("window(3)" in m) for m in backend.records[0].masks] == [True, False]
+
+
+def test_gemma2_softcapping_streamed():
+    """The same soft-capped, windowed attention in streaming mode: the cross pairs against the cached
+    prompt apply cap and window too."""
+    model = make_model("gemma2", "eager", attn_logit_softcapping=0.5, sliding_window=3)
+    run_cell(model, "loss", shared_batch(), dynamic=False,
+             backend=brcompile.backend(compiler="eager", mode="replay", chunk_tokens=3))
+    assert_replayed()
+    assert brcompile.stats().streamed_calls == 1
 
 
 # --------------------------------------------------------------------------------------------------
