@@ -2,8 +2,9 @@
 
 ``brcompile.backends.ops`` imports this package when ``impl="triton"`` (or ``"auto"`` on CUDA) is first
 requested; importing it registers ``AttentionImpl("triton", tree_attention_forward,
-tree_attention_backward)``. The impl runs on CUDA tensors, and on any device when Triton's interpreter is
-active (TRITON_INTERPRET=1 set before triton is imported).
+tree_attention_backward, supports_window=True)``: sliding windows over tree positions run in the kernels.
+The impl runs on CUDA tensors, and on any device when Triton's interpreter is active (TRITON_INTERPRET=1
+set before triton is imported).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .tree_attention import (
     tree_attention,
     tree_attention_backward,
     tree_attention_forward,
+    window_tile_starts,
 )
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "tree_attention",
     "tree_attention_backward",
     "tree_attention_forward",
+    "window_tile_starts",
 ]
 
 
@@ -48,5 +51,6 @@ register_attention_impl(
         forward=tree_attention_forward,
         backward=tree_attention_backward,
         device_types=None if is_interpreter() else frozenset({"cuda"}),
+        supports_window=True,
     )
 )

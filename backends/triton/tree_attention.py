@@ -15,6 +15,13 @@ Mask: query ``q`` sees key ``k``  <=>  ``k <= q < end[k]`` and ``valid[k]``. On 
 folded into ``end`` (``kend = end if valid else 0``): a key with ``kend = 0`` is seen by nobody, so the
 kernels read one int32 per key.
 
+Sliding window (``window`` W > 0, ``position`` [N] int: the tree position = batch column of each token):
+also ``position[q] - position[k] < W``. The kernels take it as a runtime int behind the constexpr flag
+HAS_WINDOW (without a window they compile as before and read no positions). The forward and dQ then
+start each query block at its first key tile that can hold a key inside some query's window
+(:func:`window_tile_starts`): the ancestors of a block come in increasing position, so out-of-window
+ancestor tiles are skipped and a block's work is O(W) keys. dK/dV masks per element only.
+
 Schedule, without any N x N or (N/block)^2 structure:
 
 * Forward and dQ: a query block ``[b0, b1)`` can only see ``{k < b1 : kend[k] > b0}``, and for ``k < b0``
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +73,7 @@ __all__ = [
     "tree_attention",
     "tree_attention_backward",
     "tree_attention_forward",
+    "window_tile_starts",
 ]
 
 _LOG2E = 1.4426950408889634  # the kernels spell log2(e) and ln(2) as literals (jit globals must be constexpr)
@@ -112,20 +121,22 @@ def _block_and_head(NUM_HEADS, HEAVY_LAST: tl.constexpr):
 
 @triton.jit
 def _tree_attn_fwd(
-    Q, K, V, KEND, TILE_PTR, TILES, OUT, LSE,
+    Q, K, V, KEND, POS, TILE_PTR, TILE_START, TILES, OUT, LSE,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
     stride_oh, stride_on, stride_od,
     stride_lh,
-    N, NUM_HEADS, qk_scale,
+    N, NUM_HEADS, qk_scale, WINDOW,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """out[h, q] = sum_k p[q, k] v[k],  p = softmax_k(scale * q.k) over visible k;  lse[h, q] = log sum exp.
 
     One program per (query block, query head); see :func:`_block_and_head` for the order. Visible:
-    ``k <= q < kend[k]``. Online softmax in base 2:
+    ``k <= q < kend[k]``, and with HAS_WINDOW also ``pos[q] - pos[k] < WINDOW``; the block then starts at
+    ``TILE_START[block]`` (its leading tiles, out of every query's window, are skipped), else at
+    ``TILE_PTR[block]``. Online softmax in base 2:
     ``s2 = q.k * scale * log2(e)``, running max ``m``, running sum ``l``; ``lse = (m + log2 l) * ln 2``.
     A query that sees nothing keeps ``l = 0`` and gets ``out = 0``, ``lse = -inf``.
     """
@@ -153,7 +164,11 @@ def _tree_attn_fwd(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
-    t_begin = tl.load(TILE_PTR + pid_m)
+    if HAS_WINDOW:
+        pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
+        t_begin = tl.load(TILE_START + pid_m)
+    else:
+        t_begin = tl.load(TILE_PTR + pid_m)
     t_end = tl.load(TILE_PTR + pid_m + 1)
     for t in range(t_begin, t_end):
         lo = tl.load(TILES + 2 * t)
@@ -166,6 +181,9 @@ def _tree_attn_fwd(
         kT = tl.load(kT_ptrs, mask=n_in[None, :] & d_in[:, None], other=0.0)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
+        if HAS_WINDOW:
+            pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
+            visible = visible & ((pos_q[:, None] - pos_k[None, :]) < WINDOW)
         s = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _maximum))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -216,7 +234,7 @@ def _tree_attn_bwd_delta(
 
 @triton.jit
 def _tree_attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, KEND, DK, DV,
+    Q, K, V, DO, LSE, DELTA, KEND, POS, DK, DV,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -224,15 +242,16 @@ def _tree_attn_bwd_dkdv(
     stride_dkh, stride_dkn, stride_dkd,
     stride_dvh, stride_dvn, stride_dvd,
     stride_lh,
-    N, NUM_HEADS, sm_scale, qk_scale,
+    N, NUM_HEADS, sm_scale, qk_scale, WINDOW,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """dV[k] = sum_q P[q, k] dO[q];  dK[k] = scale * sum_q dS[q, k] q[q],  dS = P (dO.v[k] - delta[q]).
 
     One program per (key block [c0, c1), kv head); ``P = exp(scale q.k - lse[q])`` on visible pairs,
     ``delta[q] = dO[q].out[q]``. Queries that see a key of the block lie in ``[c0, max kend)``; the
-    program walks that range for each of the GROUP query heads sharing this kv head (no atomics).
+    program walks that range for each of the GROUP query heads sharing this kv head (no atomics). With
+    HAS_WINDOW a pair is visible only if also ``pos[q] - pos[k] < WINDOW``.
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -250,6 +269,8 @@ def _tree_attn_bwd_dkdv(
     nd_mask = n_in[:, None] & d_in[None, :]
 
     kend = tl.load(KEND + offs_n, mask=n_in, other=0)
+    if HAS_WINDOW:
+        pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
     k_ptrs = (K + kv_h.to(tl.int64) * stride_kh + c0.to(tl.int64) * stride_kn
               + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd)
     k = tl.load(k_ptrs, mask=nd_mask, other=0.0)
@@ -277,6 +298,9 @@ def _tree_attn_bwd_dkdv(
             lse = tl.load(l_head + offs_m, mask=m_in, other=0.0)
             qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
             visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < kend[:, None])
+            if HAS_WINDOW:
+                pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
+                visible = visible & ((pos_q[None, :] - pos_k[:, None]) < WINDOW)
             pT = tl.where(visible, tl.exp2(qkT * qk_scale - lse[None, :] * 1.4426950408889634), 0.0)
             do = tl.load(do_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
             dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
@@ -298,20 +322,21 @@ def _tree_attn_bwd_dkdv(
 
 @triton.jit
 def _tree_attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, KEND, TILE_PTR, TILES, DQ,
+    Q, K, V, DO, LSE, DELTA, KEND, POS, TILE_PTR, TILE_START, TILES, DQ,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
     stride_doh, stride_don, stride_dod,
     stride_dqh, stride_dqn, stride_dqd,
     stride_lh,
-    N, NUM_HEADS, sm_scale, qk_scale,
+    N, NUM_HEADS, sm_scale, qk_scale, WINDOW,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """dQ[q] = scale * sum_k dS[q, k] k[k],  dS = P (dO[q].v[k] - delta[q]),  P = exp(scale q.k - lse[q]).
 
-    One program per (query block, query head), visiting the same key tiles as the forward.
+    One program per (query block, query head), visiting the same key tiles (and window mask) as the
+    forward.
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -342,7 +367,11 @@ def _tree_attn_bwd_dq(
     v_head = V + kv_h.to(tl.int64) * stride_vh
 
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    t_begin = tl.load(TILE_PTR + pid_m)
+    if HAS_WINDOW:
+        pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
+        t_begin = tl.load(TILE_START + pid_m)
+    else:
+        t_begin = tl.load(TILE_PTR + pid_m)
     t_end = tl.load(TILE_PTR + pid_m + 1)
     for t in range(t_begin, t_end):
         lo = tl.load(TILES + 2 * t)
@@ -359,6 +388,9 @@ def _tree_attn_bwd_dq(
                      mask=dn_mask, other=0.0)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
+        if HAS_WINDOW:
+            pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
+            visible = visible & ((pos_q[:, None] - pos_k[None, :]) < WINDOW)
         p = tl.where(visible, tl.exp2(qk * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -423,6 +455,12 @@ def _block_d(head_dim: int) -> int:
 # (fwd, dkdv, dq) per (operand width, padded head dim), each (block_m, block_n, num_warps, num_stages).
 # Chosen by compiling for sm_90 offline (ptxas -v): no register spills, shared memory <= 196 KiB; fp32 uses
 # IEEE FMA dots (no tensor cores), whose register use grows with the tile, hence its small tiles.
+# Offline, without a GPU: triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=
+# GPUTarget("cuda", 90, 32), options=dict(num_warps=, num_stages=)), with tt.divisibility 16 on pointers and
+# strides and the unit head-dim strides as constexpr 1 (as a real launch specializes them), then Triton's
+# bundled ptxas -v --gpu-name=sm_90a on asm["ptx"]. With HAS_WINDOW every config still compiles; ptxas
+# then reports a few small spills (<= 28 bytes: fp32 D=64 dK/dV, 16-bit D=128 dQ; dK/dV at D=256 spilled
+# ~20 bytes before the window too).
 _GPU_CONFIGS = {
     ("16bit", 64): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 64, 8, 3)),
     ("16bit", 128): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 64, 8, 3)),
@@ -624,6 +662,80 @@ class _KeyTileCache:
 
 _TILE_CACHE = _KeyTileCache()
 
+_TILE_MAX_CHUNK = 1 << 22  # gathered positions per step of window_tile_starts (bounds its temporary)
+
+
+def window_tile_starts(kt: KeyTiles, position: torch.Tensor, window: int, n: int) -> torch.Tensor:
+    """First key tile of each query block that may hold a key inside some query's window: [nblocks] int32.
+
+    With ``far(t) = min_{q in block} pos[q] - max_{k in tile t} pos[k] >= window`` every pair of a far
+    tile is outside the window (``pos[q] - pos[k] >= window``). ``start[b]`` is the first tile of block b
+    in ``[ptr[b], ptr[b+1])`` that is not far (``ptr[b+1]`` if none), so the skipped leading tiles are
+    all far: sound for any positions. With tree positions (increasing along every root-to-leaf path) the
+    ancestor tiles come in increasing position, so this skips every out-of-window ancestor tile and the
+    forward/dQ work of a block is O(window) keys instead of O(depth). No host synchronisation.
+    """
+    if window <= 0:
+        raise ValueError(f"window_tile_starts needs window > 0, got {window}")
+    device = kt.ptr.device
+    ptr = kt.ptr.to(torch.int64)
+    nblocks = ptr.numel() - 1
+    pos = position.to(device=device, dtype=torch.int64)
+    padded = pos.new_full((nblocks * kt.block_m,), torch.iinfo(torch.int64).max)
+    padded[:n] = pos
+    q_min = padded.view(nblocks, kt.block_m).amin(1)
+    total = kt.num_tiles
+    tile_ids = torch.arange(total, device=device)
+    tile_block = torch.searchsorted(ptr[1:], tile_ids, right=True)
+    tile_max = torch.empty(total, dtype=torch.int64, device=device)
+    offs = torch.arange(kt.block_n, device=device)
+    step = max(1, _TILE_MAX_CHUNK // kt.block_n)
+    for t0 in range(0, total, step):
+        lo_hi = kt.tiles[t0:t0 + step].to(torch.int64)
+        keys = lo_hi[:, :1] + offs
+        inside = keys < lo_hi[:, 1:]
+        vals = pos[keys.clamp(max=n - 1)].masked_fill(~inside, torch.iinfo(torch.int64).min)
+        tile_max[t0:t0 + step] = vals.amax(1)
+    far = (q_min[tile_block] - tile_max) >= window
+    candidate = torch.where(far, ptr[tile_block + 1], tile_ids)
+    start = ptr[1:].clone().scatter_reduce_(0, tile_block, candidate, "amin")
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("window %d: %d of %d key tiles skipped", window, int((start - ptr[:-1]).sum()), total)
+    return start.to(torch.int32)
+
+
+class _WindowStartCache:
+    """Small cache of :func:`window_tile_starts` per (key tiles object, positions tensor, window).
+
+    Holds strong references: a hit needs the very same KeyTiles object (from ``_TILE_CACHE``) and the same
+    positions tensor at the same version counter, so a model's layers and its backward share one build.
+    """
+
+    def __init__(self, maxsize: int = 8):
+        self.maxsize = maxsize
+        self._entries: list[tuple[KeyTiles, torch.Tensor, int, int, torch.Tensor]] = []
+
+    def get(self, kt: KeyTiles, position: torch.Tensor, window: int, n: int) -> torch.Tensor:
+        """Cached :func:`window_tile_starts`."""
+        try:
+            version = position._version
+        except RuntimeError:  # inference-mode tensors track no version: do not cache
+            return window_tile_starts(kt, position, window, n)
+        for tiles, pos, ver, win, starts in self._entries:
+            if tiles is kt and pos is position and ver == version and win == window:
+                return starts
+        starts = window_tile_starts(kt, position, window, n)
+        self._entries.append((kt, position, version, window, starts))
+        if len(self._entries) > self.maxsize:
+            self._entries.pop(0)
+        return starts
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_WINDOW_CACHE = _WindowStartCache()
+
 
 # --------------------------------------------------------------------------------------------------
 # Host wrappers
@@ -659,6 +771,42 @@ def _check_inputs(q, k, v, end, valid, segments) -> None:
             f"triton is imported); got device {q.device}")
 
 
+def _check_window(window, position, n: int, device: torch.device) -> int:
+    """The window as an int (0: none); with a window, ``position`` must be an integer [N] tensor on
+    ``device``. Raises TypeError / ValueError otherwise."""
+    try:
+        if isinstance(window, bool):
+            raise TypeError
+        window = operator.index(window)
+    except TypeError:
+        raise TypeError(f"window must be an int (0: no window), got {type(window).__name__}") from None
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no window), got {window}")
+    if window == 0:
+        return 0
+    if position is None:
+        raise ValueError(f"window={window} needs the [N={n}] token positions, got position=None")
+    if position.dtype == torch.bool or position.is_floating_point() or position.is_complex():
+        raise TypeError(f"position must be an integer tensor, got {position.dtype}")
+    if position.shape != (n,):
+        raise ValueError(f"position must be [{n}], got {tuple(position.shape)}")
+    if position.device != device:
+        raise ValueError(f"position is on {position.device}, the other inputs on {device}")
+    return window
+
+
+def _positions_arg(window: int, position, kend: torch.Tensor) -> torch.Tensor:
+    """The POS kernel argument: int64 contiguous positions; without a window (HAS_WINDOW=False, never read)
+    ``kend`` stands in, so every launch passes plain tensors."""
+    return position.to(torch.int64).contiguous() if window else kend
+
+
+def _tile_start_arg(window: int, position, kt: KeyTiles, n: int) -> torch.Tensor:
+    """The TILE_START kernel argument: each query block's first key tile inside its window
+    (:func:`window_tile_starts`, cached); without a window (never read) the tile pointers stand in."""
+    return _WINDOW_CACHE.get(kt, position, window, n) if window else kt.ptr
+
+
 def _input_precision(dtype: torch.dtype) -> str | None:
     """IEEE float32 dots for float32 operands (TF32 would cost ~1e-3 relative error); None (the
     backend's default, irrelevant for 16-bit operands) otherwise."""
@@ -684,9 +832,14 @@ def _launch(kernel, grid, cfg: KernelConfig, *args, **constexprs) -> None:
     kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=1)
 
 
-def tree_attention_forward(q, k, v, end, valid, segments, scale, *, config: LaunchConfig | None = None):
-    """(out [Hq, N, D] q.dtype, lse [Hq, N] float32) of tree attention; see the module docstring."""
+def tree_attention_forward(q, k, v, end, valid, segments, scale, window: int = 0,
+                           position: torch.Tensor | None = None, *, config: LaunchConfig | None = None):
+    """(out [Hq, N, D] q.dtype, lse [Hq, N] float32) of tree attention; see the module docstring.
+
+    ``window`` W > 0 restricts query q to keys with ``position[q] - position[k] < W`` (position: [N] int).
+    """
     _check_inputs(q, k, v, end, valid, segments)
+    window = _check_window(window, position, q.shape[1], q.device)
     hq, n, d = q.shape
     hkv = k.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # every row is written by the kernel
@@ -696,25 +849,32 @@ def tree_attention_forward(q, k, v, end, valid, segments, scale, *, config: Laun
     cfg = (config or default_launch_config(d, q.dtype, q.device)).fwd
     kt = _TILE_CACHE.get(segments, n, cfg.block_m, cfg.block_n, end)
     kend = _key_end(end, valid)
+    pos = _positions_arg(window, position, kend)
+    tile_start = _tile_start_arg(window, position, kt, n)
     _launch(
         _tree_attn_fwd, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
-        q, k, v, kend, kt.ptr, kt.tiles, out, lse,
+        q, k, v, kend, pos, kt.ptr, tile_start, kt.tiles, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0),
-        n, hq, float(scale) * _LOG2E,
+        n, hq, float(scale) * _LOG2E, window,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=_block_d(d),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INPUT_PRECISION=_input_precision(q.dtype),
+        HAS_WINDOW=window > 0,
     )
     return out, lse
 
 
-def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, *,
-                            config: LaunchConfig | None = None):
-    """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes."""
+def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, window: int = 0,
+                            position: torch.Tensor | None = None, *, config: LaunchConfig | None = None):
+    """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes.
+
+    ``window``/``position`` as in :func:`tree_attention_forward` (the same ones the forward used).
+    """
     _check_inputs(q, k, v, end, valid, segments)
+    window = _check_window(window, position, q.shape[1], q.device)
     hq, n, d = q.shape
     hkv = k.shape[0]
     if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != (hq, n):
@@ -737,15 +897,17 @@ def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, s
         HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=_DELTA_BLOCK_M,
     )
     kend = _key_end(end, valid)
+    pos = _positions_arg(window, position, kend)
     sm_scale = float(scale)
     qk_scale = sm_scale * _LOG2E
     group = hq // hkv
-    common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=_block_d(d), INPUT_PRECISION=_input_precision(q.dtype))
+    common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=_block_d(d), INPUT_PRECISION=_input_precision(q.dtype),
+                  HAS_WINDOW=window > 0)
 
     cfg = launch.dkdv
     _launch(
         _tree_attn_bwd_dkdv, (triton.cdiv(n, cfg.block_n) * hkv,), cfg,
-        q, k, v, grad_out, lse, delta, kend, dk, dv,
+        q, k, v, grad_out, lse, delta, kend, pos, dk, dv,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -753,21 +915,22 @@ def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, s
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0),
-        n, hkv, sm_scale, qk_scale,
+        n, hkv, sm_scale, qk_scale, window,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
     )
     cfg = launch.dq
     kt = _TILE_CACHE.get(segments, n, cfg.block_m, cfg.block_n, end)
+    tile_start = _tile_start_arg(window, position, kt, n)
     _launch(
         _tree_attn_bwd_dq, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
-        q, k, v, grad_out, lse, delta, kend, kt.ptr, kt.tiles, dq,
+        q, k, v, grad_out, lse, delta, kend, pos, kt.ptr, tile_start, kt.tiles, dq,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         lse.stride(0),
-        n, hq, sm_scale, qk_scale,
+        n, hq, sm_scale, qk_scale, window,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
     )
     return dq, dk, dv
@@ -781,26 +944,29 @@ class TreeAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, end, valid, segments, scale, config):
-        out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, config=config)
-        ctx.save_for_backward(q, k, v, out, lse, end, valid, segments)
+    def forward(ctx, q, k, v, end, valid, segments, scale, config, window=0, position=None):
+        out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, window, position, config=config)
+        ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, position)
         ctx.scale = scale
         ctx.config = config
+        ctx.window = window
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, end, valid, segments = ctx.saved_tensors
+        q, k, v, out, lse, end, valid, segments, position = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv = tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale,
-                                             config=ctx.config)
-        return dq, dk, dv, None, None, None, None, None
+                                             ctx.window, position, config=ctx.config)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def tree_attention(q, k, v, end, valid, segments, scale=None, *, config: LaunchConfig | None = None):
-    """Differentiable tree attention (Triton). scale defaults to 1/sqrt(D). Returns (out, lse)."""
+def tree_attention(q, k, v, end, valid, segments, scale=None, *, config: LaunchConfig | None = None,
+                   window: int = 0, position: torch.Tensor | None = None):
+    """Differentiable tree attention (Triton). scale defaults to 1/sqrt(D); ``window`` > 0 with ``position``
+    [N] adds the sliding window ``position[q] - position[k] < window``. Returns (out, lse)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return TreeAttentionFunction.apply(q, k, v, end, valid, segments, scale, config)
+    return TreeAttentionFunction.apply(q, k, v, end, valid, segments, scale, config, window, position)

@@ -28,6 +28,7 @@ from brcompile.backends.triton import (
     tree_attention,
     tree_attention_backward,
     tree_attention_forward,
+    window_tile_starts,
 )
 
 # the package re-exports the function `tree_attention`, which shadows the submodule's attribute name
@@ -166,10 +167,12 @@ def random_qkv(hq, hkv, n, d, dtype, seed, device=DEVICE):
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
 
 
-def check_against_reference(q, k, v, end, valid, segments, scale, config, rel, grad_out=None):
+def check_against_reference(q, k, v, end, valid, segments, scale, config, rel, grad_out=None, window=0,
+                            position=None):
     """Forward (out, lse) and backward (dq, dk, dv) of the kernels vs the float64 reference."""
-    out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, config=config)
-    r_out, r_lse = reference_forward(q.double(), k.double(), v.double(), end, valid, segments, scale)
+    win = dict(window=window, position=position) if window else {}
+    out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, config=config, **win)
+    r_out, r_lse = reference_forward(q.double(), k.double(), v.double(), end, valid, segments, scale, **win)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert_rel_close(out, r_out, rel, "out")
     seen = torch.isfinite(r_lse)
@@ -180,9 +183,9 @@ def check_against_reference(q, k, v, end, valid, segments, scale, config, rel, g
         grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
         grad_out = grad_out.to(q.device, q.dtype)
     dq, dk, dv = tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
-                                         config=config)
+                                         config=config, **win)
     r_dq, r_dk, r_dv = reference_backward(grad_out.double(), q.double(), k.double(), v.double(), r_out,
-                                          r_lse, end, valid, segments, scale)
+                                          r_lse, end, valid, segments, scale, **win)
     assert (dq.dtype, dk.dtype, dv.dtype) == (q.dtype, k.dtype, v.dtype)
     assert_rel_close(dq, r_dq, rel, "dq")
     assert_rel_close(dk, r_dk, rel, "dk")
@@ -437,3 +440,253 @@ def test_bad_inputs_raise():
 def test_runs_in_interpreter_on_cpu():
     """Guards the module setup: without a GPU the kernels must be the interpreter's."""
     assert is_interpreter() == (DEVICE == "cpu")
+
+
+# ---------------------------------------------------------------------------------- sliding window
+
+
+def window_tree(case):
+    """PackedTree cases for windows, from brcompile.tree.build_tree (tree.position = batch column)."""
+    from brcompile.tree import build_tree, drop_padding
+
+    if case == "right_pad":  # right padding: with a small window, late pad queries see only pad keys
+        rows, mask = padded(rl_rows(5, groups=2, rollouts=3, prompt=(3, 9), response=(1, 9)), "right")
+    elif case == "left_pad":
+        rows, mask = padded(rl_rows(6, groups=2, rollouts=3, prompt=(3, 9), response=(1, 9)), "left")
+    elif case == "long_prompt":  # one 37-token prompt, nested response branches: many out-of-window tiles
+        rows, mask = padded(rl_rows(7, groups=1, rollouts=5, prompt=(37, 37), response=(2, 11), vocab=2),
+                            "right")
+    elif case == "dropped":  # drop_padding: positions skip the dropped columns (left pads of a group)
+        rows, mask = padded(rl_rows(8, groups=2, rollouts=2, prompt=(2, 8), response=(1, 7)), "left")
+    else:
+        raise KeyError(case)
+    tree = build_tree(torch.tensor(rows), torch.tensor(mask))
+    if case == "dropped":
+        tree = drop_padding(tree)
+    return tree.to(DEVICE)
+
+
+def window_mask(tree, window):
+    """Brute-force [N, N] mask of the window contract, from the tree arrays."""
+    n = tree.num_tokens
+    idx = torch.arange(n, device=tree.end.device)
+    m = (idx[None, :] <= idx[:, None]) & (idx[:, None] < tree.end[None, :]) & tree.valid[None, :]
+    if window:
+        m &= (tree.position[:, None] - tree.position[None, :]) < window
+    return m
+
+
+def max_depth(tree):
+    """Largest position difference along an ancestor path: a window above it changes nothing."""
+    m = window_mask(tree, 0)
+    diff = tree.position[:, None] - tree.position[None, :]
+    return int(diff[m].max()) if m.any() else 0
+
+
+@pytest.mark.parametrize("case", ["right_pad", "left_pad", "long_prompt", "dropped"])
+@pytest.mark.parametrize("window", [1, 2, 3, 9])
+def test_window_matches_reference_float32(case, window):
+    """fp32, GQA 4/2, head dim 24: out, lse, dq, dk, dv vs the window-aware float64 reference."""
+    tree = window_tree(case)
+    n = tree.num_tokens
+    q, k, v = random_qkv(4, 2, n, 24, torch.float32, seed=window + n)
+    check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 24 ** -0.5, SMALL, rel=1e-4,
+                            window=window, position=tree.position)
+
+
+def test_window_masks_whole_rows_of_right_padding():
+    """W=2 over right padding: pad queries two columns past the last real token see no key at all
+    (only because of the window); they give out 0, lse -inf and zero dq."""
+    tree = window_tree("right_pad")
+    unseen_w = ~window_mask(tree, 2).any(1)
+    unseen = ~window_mask(tree, 0).any(1)
+    assert (unseen_w & ~unseen).sum() >= 3, "the case must have rows emptied by the window alone"
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=21)
+    out, lse = check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 0.3, MIXED, rel=1e-4,
+                                       window=2, position=tree.position)
+    assert torch.all(lse[:, unseen_w] == float("-inf")) and torch.all(out[:, unseen_w] == 0)
+
+
+@pytest.mark.parametrize("case", ["right_pad", "long_prompt"])
+def test_window_beyond_every_depth_equals_no_window(case):
+    """A window wider than every ancestor distance is no window: bit-identical out, lse and grads."""
+    tree = window_tree(case)
+    window = max_depth(tree) + 1
+    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=31)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    args = (tree.end, tree.valid, tree.segments, 0.25)
+    plain = tree_attention_forward(q, k, v, *args, config=MIXED)
+    wide = tree_attention_forward(q, k, v, *args, window, tree.position, config=MIXED)
+    for a, b in zip(plain, wide):
+        assert torch.equal(a, b)
+    g_plain = tree_attention_backward(grad_out, q, k, v, *plain, *args, config=MIXED)
+    g_wide = tree_attention_backward(grad_out, q, k, v, *wide, *args, window, tree.position, config=MIXED)
+    for a, b in zip(g_plain, g_wide):
+        assert torch.equal(a, b)
+    # and one step narrower is a different function (the window is applied at all)
+    narrower = tree_attention_forward(q, k, v, *args, window - 1, tree.position, config=MIXED)[0]
+    assert not torch.equal(narrower, plain[0])
+
+
+@pytest.mark.parametrize("hq,hkv,d,window", [(3, 1, 40, 2), (2, 2, 16, 5)])
+def test_window_heads_and_mixed_tiles(hq, hkv, d, window):
+    """GQA group 3 (head dim padded 40 -> 64) and MHA, unequal forward/dQ tiles, wide dK/dV key blocks."""
+    tree = window_tree("long_prompt")
+    q, k, v = random_qkv(hq, hkv, tree.num_tokens, d, torch.float32, seed=d)
+    check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 0.7 / math.sqrt(d), MIXED, rel=1e-4,
+                            window=window, position=tree.position)
+
+
+def test_window_float16():
+    tree = window_tree("right_pad")
+    q, k, v = random_qkv(4, 2, tree.num_tokens, 32, torch.float16, seed=41)
+    check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 32 ** -0.5, SMALL, rel=4e-3,
+                            window=3, position=tree.position)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), groups=st.integers(1, 3), rollouts=st.integers(1, 4),
+       side=st.sampled_from(["left", "right"]), window=st.integers(1, 8), drop=st.booleans())
+def test_window_property_random_forests(seed, groups, rollouts, side, window, drop):
+    """Random padded forests from build_tree (optionally drop_padding), random window: kernels == reference."""
+    from brcompile.tree import build_tree, drop_padding
+
+    rows, mask = padded(rl_rows(seed, groups=groups, rollouts=rollouts, prompt=(1, 12), response=(1, 10)), side)
+    tree = build_tree(torch.tensor(rows), torch.tensor(mask))
+    if drop and bool(tree.valid.any()):
+        tree = drop_padding(tree)
+    tree = tree.to(DEVICE)
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=seed)
+    check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 0.25, MIXED, rel=1e-4,
+                            window=window, position=tree.position)
+
+
+@pytest.mark.parametrize("case", ["right_pad", "long_prompt", "dropped"])
+@pytest.mark.parametrize("window", [1, 3, 20])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+def test_window_tile_starts_skip_only_out_of_window_tiles(case, window, block_m, block_n):
+    """Skipped tiles hold no key visible to any query of their block; kept ones are what the mask needs."""
+    tree = window_tree(case)
+    n = tree.num_tokens
+    kt = build_key_tiles(tree.segments, n, block_m, block_n, tree.end)
+    starts = window_tile_starts(kt, tree.position, window, n)
+    assert starts.dtype == torch.int32 and starts.shape == (kt.ptr.numel() - 1,)
+    mask = window_mask(tree, window).cpu()
+    tiles, ptr, starts = kt.tiles.cpu().tolist(), kt.ptr.cpu().tolist(), starts.cpu().tolist()
+    for b in range(len(starts)):
+        assert ptr[b] <= starts[b] <= ptr[b + 1]
+        rows = mask[b * block_m:min(n, (b + 1) * block_m)]
+        skipped = [key for lo, hi in tiles[ptr[b]:starts[b]] for key in range(lo, hi)]
+        assert not rows[:, skipped].any(), f"block {b}: a skipped key is visible"
+        kept = {key for lo, hi in tiles[starts[b]:ptr[b + 1]] for key in range(lo, hi)}
+        assert set(rows.any(0).nonzero().flatten().tolist()) <= kept
+
+
+def test_window_tile_starts_make_blocks_window_sized():
+    """A 200-token chain, W=5, 16x16 tiles: every block visits at most the tiles overlapping
+    [b0 - W + 1, b1), i.e. 2 tiles (window within one tile) instead of up to 13."""
+    from brcompile.tree import build_tree
+
+    tree = build_tree(torch.arange(200).reshape(1, 200))
+    kt = build_key_tiles(tree.segments, 200, 16, 16, tree.end)
+    starts = window_tile_starts(kt, tree.position, 5, 200)
+    visited = kt.ptr[1:] - starts
+    assert int(visited.max()) <= 2 and int((kt.ptr[1:] - kt.ptr[:-1]).max()) == 13
+    assert int(visited[0]) == 1
+
+
+def test_window_tile_starts_sound_for_arbitrary_positions():
+    """Positions that do not increase along paths (outside the contract): skipping stays sound."""
+    end, valid, segments = make_tree("rl")
+    n = end.numel()
+    position = torch.randperm(n, generator=torch.Generator().manual_seed(3))
+    for window in (1, 4, 30):
+        kt = build_key_tiles(segments, n, 16, 16, end)
+        starts = window_tile_starts(kt, position, window, n).tolist()
+        idx = torch.arange(n)
+        mask = (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :]) & valid[None, :] \
+            & ((position[:, None] - position[None, :]) < window)
+        for b in range(len(starts)):
+            skipped = [key for lo, hi in kt.tiles[kt.ptr[b]:starts[b]].tolist() for key in range(lo, hi)]
+            assert not mask[b * 16:(b + 1) * 16][:, skipped].any()
+
+
+def test_window_start_cache_hits_same_positions_and_rebuilds_after_inplace_change():
+    tree = window_tree("right_pad")
+    n = tree.num_tokens
+    kt = build_key_tiles(tree.segments, n, 16, 16, tree.end)
+    cache = ta_module._WindowStartCache(maxsize=2)
+    first = cache.get(kt, tree.position, 2, n)
+    assert cache.get(kt, tree.position, 2, n) is first
+    assert cache.get(kt, tree.position, 3, n) is not first
+    assert cache.get(kt, tree.position.clone(), 2, n) is not first
+    tree.position.add_(0)
+    assert cache.get(kt, tree.position, 2, n) is not first
+
+
+def test_window_autograd_function():
+    """tree_attention(..., window=, position=) through TreeAttentionFunction: grads of a loss vs reference."""
+    tree = window_tree("left_pad")
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=51)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = tree_attention(q, k, v, tree.end, tree.valid, tree.segments, 0.4, config=MIXED, window=3,
+                              position=tree.position)
+    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r_out, _ = reference_forward(q64, k64, v64, tree.end, tree.valid, tree.segments, 0.4, 3, tree.position)
+    r_grads = torch.autograd.grad((r_out * r_out).sum(), (q64, k64, v64))
+    assert_rel_close(out.detach(), r_out.detach(), 1e-4, "out")
+    for name, g, r in zip("qkv", grads, r_grads):
+        assert_rel_close(g, r, 1e-4, f"d{name}")
+
+
+def test_window_through_custom_op_matches_reference_impl():
+    """torch.ops.brcompile.tree_attention_forward(..., "triton", W, position) and its autograd vs impl
+    "reference"; the public ops.tree_attention wrapper takes the PackedTree's positions."""
+    assert ops.get_attention_impl("triton", DEVICE).supports_window
+    tree = window_tree("right_pad")
+    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=61)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    arrays = (tree.end, tree.valid, tree.segments)
+    out, lse = torch.ops.brcompile.tree_attention_forward(q, k, v, *arrays, 0.25, "triton", 2, tree.position)
+    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r_out, r_lse = torch.ops.brcompile.tree_attention_forward(q64, k64, v64, *arrays, 0.25, "reference", 2,
+                                                              tree.position)
+    r_grads = torch.autograd.grad((r_out * r_out).sum(), (q64, k64, v64))
+    assert_rel_close(out.detach(), r_out.detach(), 1e-4, "out")
+    seen = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and not seen.all()
+    assert_rel_close(lse[seen], r_lse[seen], 1e-4, "lse")
+    for name, g, r in zip("qkv", grads, r_grads):
+        assert_rel_close(g, r, 1e-4, f"d{name}")
+    wrapped = ops.tree_attention(q.detach(), k.detach(), v.detach(), tree, 0.25, impl="triton", window=2)
+    assert_rel_close(wrapped, r_out.detach(), 1e-4, "ops.tree_attention")
+
+
+def test_window_opcheck():
+    tree = window_tree("left_pad")
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=71)
+    q.requires_grad_()
+    arrays = (tree.end, tree.valid, tree.segments)
+    torch.library.opcheck(torch.ops.brcompile.tree_attention_forward,
+                          (q, k, v, *arrays, 0.25, "triton", 3, tree.position))
+
+
+def test_window_bad_inputs_raise():
+    tree = window_tree("right_pad")
+    n = tree.num_tokens
+    q, k, v = random_qkv(2, 1, n, 16, torch.float32, seed=0)
+    arrays = (tree.end, tree.valid, tree.segments, 1.0)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        tree_attention_forward(q, k, v, *arrays, -1, tree.position)
+    with pytest.raises(TypeError, match="window must be an int"):
+        tree_attention_forward(q, k, v, *arrays, 2.5, tree.position)
+    with pytest.raises(ValueError, match="needs the"):
+        tree_attention_forward(q, k, v, *arrays, 2, None)
+    with pytest.raises(ValueError, match="position must be"):
+        tree_attention_forward(q, k, v, *arrays, 2, tree.position[:-1])
+    with pytest.raises(TypeError, match="position must be an integer"):
+        tree_attention_backward(q, q, k, v, q, q[:, :, 0], *arrays, 2, tree.position.float())
+    with pytest.raises(ValueError, match="window_tile_starts needs window > 0"):
+        window_tile_starts(build_key_tiles(tree.segments, n, 16, 16), tree.position, 0, n)

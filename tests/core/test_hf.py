@@ -530,8 +530,10 @@ class TinyEagerLM(torch.nn.Module):
         x = self.emb(ids)
         q, k, v = self.qkv(x).view(B, L, 3, self.H, -1).permute(2, 0, 3, 1, 4)
         s = torch.matmul(q, k.transpose(-2, -1))
-        if self.variant == "softcap":
-            s = torch.tanh(s / 5.0) * 5.0
+        if self.variant == "softcap":  # Gemma2's order: scale, then cap
+            s = torch.tanh((s / q.shape[-1] ** 0.5) / 0.5) * 0.5
+        elif self.variant == "softcap_mismatch":  # not a soft-cap: different divisor and factor
+            s = torch.tanh(s / 5.0) * 4.0
         elif self.variant == "tensor_scale":
             s = s * self.head_scale
         else:
@@ -557,7 +559,8 @@ def tiny_loss(model, ids):
 
 @pytest.mark.parametrize("variant,reason", [
     ("ok", None),
-    ("softcap", "logit soft-capping"),
+    ("softcap", None),
+    ("softcap_mismatch", "logit soft-capping"),
     ("tensor_scale", "`mul <- q @ k^T` between the scores matmul and the softmax"),
     ("bool_added", "not a float tensor"),
     ("bias", "a bias"),
