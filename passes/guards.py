@@ -8,7 +8,10 @@ records the guard's reason — a fallback, never a wrong number. Examples:
 * a float read by ``.item()`` from a graph input (Dynamo's unspecialised floats under ``dynamic=True``:
   ``attention_dropout``, ``scaling``) was specialised to its compile-time value;
 * an additive float mask (HF eager attention) was replaced by tree attention, which agrees with it only
-  where every query sees at least one key (a fully masked row is uniform or NaN in the original).
+  where every query sees at least one key (a fully masked row is uniform or NaN in the original). Such a
+  query is a padded position (a real token sees itself), and padded positions are keys nobody sees, so
+  only the outputs at padded positions differ: with ``drop_padding=True`` (outputs there are 0 by
+  contract) this guard is dropped (``padding_only``).
 
 A guard reads only the graph's inputs (by placeholder position) and costs O(B * L) at most.
 """
@@ -31,6 +34,9 @@ class BatchGuard:
 
     what: str
     check: Callable[[Sequence[object]], Optional[str]]
+    #: True for an assumption about padded positions only (their outputs): moot with drop_padding=True,
+    #: where padded positions are not computed and read as 0 by contract.
+    padding_only: bool = False
 
     def __call__(self, args: Sequence[object]) -> Optional[str]:
         return self.check(args)
@@ -74,8 +80,9 @@ def no_query_without_keys(position: int, what: str, window: int = 0) -> BatchGua
         return None
 
     if window:
-        return BatchGuard(f"{what}: every {window}-column window holds a real token (input {position})", check)
-    return BatchGuard(f"{what}: no left padding (input {position}[:, 0] != 0)", check)
+        return BatchGuard(f"{what}: every {window}-column window holds a real token (input {position})", check,
+                          padding_only=True)
+    return BatchGuard(f"{what}: no left padding (input {position}[:, 0] != 0)", check, padding_only=True)
 
 
 def first_failure(guards: Sequence[BatchGuard], args: Sequence[object]) -> Optional[str]:

@@ -386,3 +386,42 @@ def test_hf_qwen2_model_path_with_dropped_padding():
     gout = torch.autograd.grad((out * w).sum(), params)
     for (name, _), a, b in zip(model.named_parameters(), gout, gref):
         assert_exact(a, b, torch.float32, f"grad of {name}")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_hf_eager_attention_left_padding_replays_with_dropped_padding(family):
+    """HF eager attention on TRL's left-padded layout: without drop_padding a padded query sees no key
+    (the original's additive mask makes it uniform, tree attention 0), so the per-call guard sends such a
+    batch to the original graph; with drop_padding padded positions are not computed (0 by contract), the
+    guard is moot and the batch replays — Gemma2 with its soft-capped, windowed attention included.
+    float32 (HF's eager softmax runs in float32)."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager")
+    cfg = (transformers.LlamaConfig(**common) if family == "llama" else
+           transformers.Gemma2Config(**common, head_dim=8, sliding_window=3, attn_logit_softcapping=0.5))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    batch = padded_grpo_batch(seed=7)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    assert bool((am[:, 0] == 0).any()), "the batch needs left padding"
+
+    def logits_of(ids, am):
+        return model(input_ids=ids, attention_mask=am).logits
+
+    ref = logits_of(ids, am)
+    out = torch.compile(logits_of, backend=brcompile.backend(compiler="eager", drop_padding=False))(ids, am)
+    assert brcompile.stats().fallback_calls == 1 and brcompile.stats().replayed_calls == 0
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    out = torch.compile(logits_of, backend=brcompile.backend(compiler="eager", drop_padding=True))(ids, am)
+    valid = am.bool()
+    assert_exact(out[valid], ref[valid], torch.float32, "logits at valid positions")
+    assert bool((out[~valid] == 0).all())
+    assert_replayed_dropping(batch)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6)) * am[..., None]
+    params = [p for p in model.parameters() if p.requires_grad]
+    gref = torch.autograd.grad((ref * w).sum(), params)
+    gout = torch.autograd.grad((out * w).sum(), params)
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, torch.float32, f"grad of {name}")
