@@ -2,7 +2,8 @@
 
 ``brcompile.backends.ops`` imports this package when ``impl="triton"`` (or ``"auto"`` on CUDA) is first
 requested; importing it registers ``AttentionImpl("triton", tree_attention_forward,
-tree_attention_backward, supports_window=True)``: sliding windows over tree positions run in the kernels.
+tree_attention_backward, supports_window=True, supports_softcap=True)``: sliding windows over tree positions
+and logit soft-capping (``c * tanh(scale * q.k / c)``, Gemma2) run in the kernels.
 The impl runs on CUDA tensors, and on any device when Triton's interpreter is active (TRITON_INTERPRET=1
 set before triton is imported).
 """
@@ -52,5 +53,6 @@ register_attention_impl(
         backward=tree_attention_backward,
         device_types=None if is_interpreter() else frozenset({"cuda"}),
         supports_window=True,
+        supports_softcap=True,
     )
 )

@@ -22,6 +22,14 @@ start each query block at its first key tile that can hold a key inside some que
 (:func:`window_tile_starts`): the ancestors of a block come in increasing position, so out-of-window
 ancestor tiles are skipped and a block's work is O(W) keys. dK/dV masks per element only.
 
+Logit soft-capping (``softcap`` c > 0, Gemma2): the natural-log scores become ``c * tanh(scale * q.k / c)``
+before masking and the softmax (``lse`` is their logsumexp); the backward multiplies dS by
+``1 - t^2``, ``t = tanh(scale * q.k / c)``, before forming dQ and dK (dV is unchanged). The kernels take
+c as a runtime float behind the constexpr flag HAS_SOFTCAP (without it they compile as before) and cap
+the natural-log scores before converting to base 2: ``s2 = c * log2(e) * t``. ``tanh`` is
+:func:`_tanh_and_slope` (exp2 and a short series, the same in the interpreter and on the GPU). A window
+and a soft-cap combine.
+
 Schedule, without any N x N or (N/block)^2 structure:
 
 * Forward and dQ: a query block ``[b0, b1)`` can only see ``{k < b1 : kend[k] > b0}``, and for ``k < b0``
@@ -53,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -120,6 +129,34 @@ def _block_and_head(NUM_HEADS, HEAVY_LAST: tl.constexpr):
 
 
 @triton.jit
+def _tanh_and_slope(x):
+    """(t, 1 - t^2) with t = tanh(x), elementwise in float32, accurate to a few ulp; no overflow.
+
+    With ``e = exp(-2|x|)`` in (0, 1]: ``|t| = (1 - e) / (1 + e)`` and ``1 - t^2 = 4 e / (1 + e)^2`` (no
+    cancellation where |t| -> 1; above |x| = 1/4, ``1 - e >= 0.39`` loses under an ulp to cancellation).
+    For ``|x| < 1/4``, where ``1 - e`` would lose bits (absolute error ~eps, not relative), ``|t|`` is the
+    Taylor series ``a - a^3/3 + 2a^5/15 - 17a^7/315 + 62a^9/2835`` (next term < 1e-8 relative).
+    triton.language has no tanh (Triton 3.7), hence this formula, the same in the interpreter and on a GPU.
+    """
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|x|) = 2^(-2 log2(e) |x|)
+    r = 1.0 / (1.0 + e)
+    y = a * a
+    series = a * (1.0 + y * (-0.3333333333333333 + y * (0.13333333333333333
+                                                     + y * (-0.05396825396825397 + y * 0.021869488536155203))))
+    t_abs = tl.where(a < 0.25, series, (1.0 - e) * r)
+    return tl.where(x < 0.0, -t_abs, t_abs), 4.0 * e * r * r
+
+
+@triton.jit
+def _softcap_factors(qk_scale, SOFTCAP):
+    """(cap_in, cap_out) with ``s2 = cap_out * tanh(cap_in * q.k)`` the base-2 capped score: ``cap_in =
+    scale / c`` (from ``qk_scale = scale * log2(e)``), ``cap_out = c * log2(e)``."""
+    cap_out = SOFTCAP * 1.4426950408889634
+    return qk_scale / cap_out, cap_out
+
+
+@triton.jit
 def _tree_attn_fwd(
     Q, K, V, KEND, POS, TILE_PTR, TILE_START, TILES, OUT, LSE,
     stride_qh, stride_qn, stride_qd,
@@ -127,17 +164,21 @@ def _tree_attn_fwd(
     stride_vh, stride_vn, stride_vd,
     stride_oh, stride_on, stride_od,
     stride_lh,
-    N, NUM_HEADS, qk_scale, WINDOW,
+    N, NUM_HEADS, qk_scale, WINDOW, SOFTCAP,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """out[h, q] = sum_k p[q, k] v[k],  p = softmax_k(scale * q.k) over visible k;  lse[h, q] = log sum exp.
+
+    With HAS_SOFTCAP the scores are ``SOFTCAP * tanh(scale * q.k / SOFTCAP)`` instead of ``scale * q.k``.
 
     One program per (query block, query head); see :func:`_block_and_head` for the order. Visible:
     ``k <= q < kend[k]``, and with HAS_WINDOW also ``pos[q] - pos[k] < WINDOW``; the block then starts at
     ``TILE_START[block]`` (its leading tiles, out of every query's window, are skipped), else at
     ``TILE_PTR[block]``. Online softmax in base 2:
-    ``s2 = q.k * scale * log2(e)``, running max ``m``, running sum ``l``; ``lse = (m + log2 l) * ln 2``.
+    ``s2 = q.k * scale * log2(e)`` (capped: ``c * log2(e) * tanh(scale * q.k / c)``), running max ``m``,
+    running sum ``l``; ``lse = (m + log2 l) * ln 2``.
     A query that sees nothing keeps ``l = 0`` and gets ``out = 0``, ``lse = -inf``.
     """
     tl.static_assert(BLOCK_M >= 16)
@@ -164,6 +205,8 @@ def _tree_attn_fwd(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
+    if HAS_SOFTCAP:
+        cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
     if HAS_WINDOW:
         pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
         t_begin = tl.load(TILE_START + pid_m)
@@ -184,7 +227,12 @@ def _tree_attn_fwd(
         if HAS_WINDOW:
             pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
             visible = visible & ((pos_q[:, None] - pos_k[None, :]) < WINDOW)
-        s = tl.where(visible, qk * qk_scale, float("-inf"))
+        if HAS_SOFTCAP:
+            t_cap, _ = _tanh_and_slope(qk * cap_in)
+            s2 = t_cap * cap_out
+        else:
+            s2 = qk * qk_scale
+        s = tl.where(visible, s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _maximum))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_sub[:, None])
@@ -242,16 +290,18 @@ def _tree_attn_bwd_dkdv(
     stride_dkh, stride_dkn, stride_dkd,
     stride_dvh, stride_dvn, stride_dvd,
     stride_lh,
-    N, NUM_HEADS, sm_scale, qk_scale, WINDOW,
+    N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """dV[k] = sum_q P[q, k] dO[q];  dK[k] = scale * sum_q dS[q, k] q[q],  dS = P (dO.v[k] - delta[q]).
 
     One program per (key block [c0, c1), kv head); ``P = exp(scale q.k - lse[q])`` on visible pairs,
     ``delta[q] = dO[q].out[q]``. Queries that see a key of the block lie in ``[c0, max kend)``; the
     program walks that range for each of the GROUP query heads sharing this kv head (no atomics). With
-    HAS_WINDOW a pair is visible only if also ``pos[q] - pos[k] < WINDOW``.
+    HAS_WINDOW a pair is visible only if also ``pos[q] - pos[k] < WINDOW``. With HAS_SOFTCAP ``P`` uses the
+    capped score ``c tanh(scale q.k / c)`` and ``dS`` is multiplied by ``1 - t^2``, ``t = tanh(scale q.k / c)``.
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -281,6 +331,8 @@ def _tree_attn_bwd_dkdv(
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
     q_hi = tl.reduce(kend, 0, _maximum)
+    if HAS_SOFTCAP:
+        cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
     for g in range(GROUP):
         h = kv_h * GROUP + g
         q_head = Q + h.to(tl.int64) * stride_qh
@@ -301,12 +353,19 @@ def _tree_attn_bwd_dkdv(
             if HAS_WINDOW:
                 pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
                 visible = visible & ((pos_q[None, :] - pos_k[:, None]) < WINDOW)
-            pT = tl.where(visible, tl.exp2(qkT * qk_scale - lse[None, :] * 1.4426950408889634), 0.0)
+            if HAS_SOFTCAP:
+                tT, slopeT = _tanh_and_slope(qkT * cap_in)
+                s2T = tT * cap_out
+            else:
+                s2T = qkT * qk_scale
+            pT = tl.where(visible, tl.exp2(s2T - lse[None, :] * 1.4426950408889634), 0.0)
             do = tl.load(do_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
             dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
             delta = tl.load(d_head + offs_m, mask=m_in, other=0.0)
             dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
             dsT = pT * (dpT - delta[None, :])
+            if HAS_SOFTCAP:
+                dsT = dsT * slopeT
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
             qT_ptrs += BLOCK_M * stride_qn
             do_ptrs += BLOCK_M * stride_don
@@ -329,14 +388,15 @@ def _tree_attn_bwd_dq(
     stride_doh, stride_don, stride_dod,
     stride_dqh, stride_dqn, stride_dqd,
     stride_lh,
-    N, NUM_HEADS, sm_scale, qk_scale, WINDOW,
+    N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """dQ[q] = scale * sum_k dS[q, k] k[k],  dS = P (dO[q].v[k] - delta[q]),  P = exp(scale q.k - lse[q]).
 
     One program per (query block, query head), visiting the same key tiles (and window mask) as the
-    forward.
+    forward. With HAS_SOFTCAP, ``P`` from the capped score and ``dS`` times ``1 - t^2`` (as for dK).
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -367,6 +427,8 @@ def _tree_attn_bwd_dq(
     v_head = V + kv_h.to(tl.int64) * stride_vh
 
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    if HAS_SOFTCAP:
+        cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
     if HAS_WINDOW:
         pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
         t_begin = tl.load(TILE_START + pid_m)
@@ -391,9 +453,16 @@ def _tree_attn_bwd_dq(
         if HAS_WINDOW:
             pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
             visible = visible & ((pos_q[:, None] - pos_k[None, :]) < WINDOW)
-        p = tl.where(visible, tl.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+        if HAS_SOFTCAP:
+            t_cap, slope = _tanh_and_slope(qk * cap_in)
+            s2 = t_cap * cap_out
+        else:
+            s2 = qk * qk_scale
+        p = tl.where(visible, tl.exp2(s2 - lse2[:, None]), 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * slope
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
     dq = dq * sm_scale
 
@@ -460,7 +529,9 @@ def _block_d(head_dim: int) -> int:
 # strides and the unit head-dim strides as constexpr 1 (as a real launch specializes them), then Triton's
 # bundled ptxas -v --gpu-name=sm_90a on asm["ptx"]. With HAS_WINDOW every config still compiles; ptxas
 # then reports a few small spills (<= 28 bytes: fp32 D=64 dK/dV, 16-bit D=128 dQ; dK/dV at D=256 spilled
-# ~20 bytes before the window too).
+# ~20 bytes before the window too). With HAS_SOFTCAP (alone or with HAS_WINDOW; Triton 3.7.1's ptxas) every
+# config compiles with unchanged shared memory; spills stay small (<= 80 bytes, the most at 16-bit D=256; none
+# at 16-bit D=64 nor in the fp32 forward).
 _GPU_CONFIGS = {
     ("16bit", 64): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 64, 8, 3)),
     ("16bit", 128): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 64, 8, 3)),
@@ -795,6 +866,17 @@ def _check_window(window, position, n: int, device: torch.device) -> int:
     return window
 
 
+def _check_softcap(softcap) -> float:
+    """The soft-cap as a float (0.0: none); raises TypeError for a non-real, ValueError for a negative,
+    infinite or NaN value."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float (0: no soft-cap), got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: no soft-cap), got {softcap}")
+    return softcap
+
+
 def _positions_arg(window: int, position, kend: torch.Tensor) -> torch.Tensor:
     """The POS kernel argument: int64 contiguous positions; without a window (HAS_WINDOW=False, never read)
     ``kend`` stands in, so every launch passes plain tensors."""
@@ -833,13 +915,16 @@ def _launch(kernel, grid, cfg: KernelConfig, *args, **constexprs) -> None:
 
 
 def tree_attention_forward(q, k, v, end, valid, segments, scale, window: int = 0,
-                           position: torch.Tensor | None = None, *, config: LaunchConfig | None = None):
+                           position: torch.Tensor | None = None, softcap: float = 0.0, *,
+                           config: LaunchConfig | None = None):
     """(out [Hq, N, D] q.dtype, lse [Hq, N] float32) of tree attention; see the module docstring.
 
     ``window`` W > 0 restricts query q to keys with ``position[q] - position[k] < W`` (position: [N] int).
+    ``softcap`` c > 0 caps the scores: ``c * tanh(scale * q.k / c)`` (lse is over the capped scores).
     """
     _check_inputs(q, k, v, end, valid, segments)
     window = _check_window(window, position, q.shape[1], q.device)
+    softcap = _check_softcap(softcap)
     hq, n, d = q.shape
     hkv = k.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # every row is written by the kernel
@@ -859,22 +944,24 @@ def tree_attention_forward(q, k, v, end, valid, segments, scale, window: int = 0
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0),
-        n, hq, float(scale) * _LOG2E, window,
+        n, hq, float(scale) * _LOG2E, window, softcap,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=_block_d(d),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INPUT_PRECISION=_input_precision(q.dtype),
-        HAS_WINDOW=window > 0,
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
     )
     return out, lse
 
 
 def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, window: int = 0,
-                            position: torch.Tensor | None = None, *, config: LaunchConfig | None = None):
+                            position: torch.Tensor | None = None, softcap: float = 0.0, *,
+                            config: LaunchConfig | None = None):
     """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes.
 
-    ``window``/``position`` as in :func:`tree_attention_forward` (the same ones the forward used).
+    ``window``/``position``/``softcap`` as in :func:`tree_attention_forward` (the ones the forward used).
     """
     _check_inputs(q, k, v, end, valid, segments)
     window = _check_window(window, position, q.shape[1], q.device)
+    softcap = _check_softcap(softcap)
     hq, n, d = q.shape
     hkv = k.shape[0]
     if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != (hq, n):
@@ -902,7 +989,7 @@ def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, s
     qk_scale = sm_scale * _LOG2E
     group = hq // hkv
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=_block_d(d), INPUT_PRECISION=_input_precision(q.dtype),
-                  HAS_WINDOW=window > 0)
+                  HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0)
 
     cfg = launch.dkdv
     _launch(
@@ -915,7 +1002,7 @@ def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, s
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0),
-        n, hkv, sm_scale, qk_scale, window,
+        n, hkv, sm_scale, qk_scale, window, softcap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
     )
     cfg = launch.dq
@@ -930,7 +1017,7 @@ def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, s
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         lse.stride(0),
-        n, hq, sm_scale, qk_scale, window,
+        n, hq, sm_scale, qk_scale, window, softcap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
     )
     return dq, dk, dv
@@ -944,12 +1031,14 @@ class TreeAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, end, valid, segments, scale, config, window=0, position=None):
-        out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, window, position, config=config)
+    def forward(ctx, q, k, v, end, valid, segments, scale, config, window=0, position=None, softcap=0.0):
+        out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, window, position, softcap,
+                                          config=config)
         ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, position)
         ctx.scale = scale
         ctx.config = config
         ctx.window = window
+        ctx.softcap = softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -959,14 +1048,15 @@ class TreeAttentionFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv = tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale,
-                                             ctx.window, position, config=ctx.config)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                             ctx.window, position, ctx.softcap, config=ctx.config)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def tree_attention(q, k, v, end, valid, segments, scale=None, *, config: LaunchConfig | None = None,
-                   window: int = 0, position: torch.Tensor | None = None):
+                   window: int = 0, position: torch.Tensor | None = None, softcap: float = 0.0):
     """Differentiable tree attention (Triton). scale defaults to 1/sqrt(D); ``window`` > 0 with ``position``
-    [N] adds the sliding window ``position[q] - position[k] < window``. Returns (out, lse)."""
+    [N] adds the sliding window ``position[q] - position[k] < window``; ``softcap`` c > 0 caps the scores
+    at ``c * tanh(scale * q.k / c)``. Returns (out, lse)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return TreeAttentionFunction.apply(q, k, v, end, valid, segments, scale, config, window, position)
+    return TreeAttentionFunction.apply(q, k, v, end, valid, segments, scale, config, window, position, softcap)

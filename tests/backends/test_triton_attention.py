@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 
 from brcompile.backends import ops
 from brcompile.backends.reference import reference_backward, reference_forward
+import triton
+import triton.language as tl
+
 from brcompile.backends.triton import (
     KernelConfig,
     LaunchConfig,
@@ -168,9 +171,12 @@ def random_qkv(hq, hkv, n, d, dtype, seed, device=DEVICE):
 
 
 def check_against_reference(q, k, v, end, valid, segments, scale, config, rel, grad_out=None, window=0,
-                            position=None):
-    """Forward (out, lse) and backward (dq, dk, dv) of the kernels vs the float64 reference."""
+                            position=None, softcap=0.0):
+    """Forward (out, lse) and backward (dq, dk, dv) of the kernels vs the float64 reference (with the
+    window and soft-cap given, if any)."""
     win = dict(window=window, position=position) if window else {}
+    if softcap:
+        win["softcap"] = softcap
     out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, config=config, **win)
     r_out, r_lse = reference_forward(q.double(), k.double(), v.double(), end, valid, segments, scale, **win)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
@@ -690,3 +696,136 @@ def test_window_bad_inputs_raise():
         tree_attention_backward(q, q, k, v, q, q[:, :, 0], *arrays, 2, tree.position.float())
     with pytest.raises(ValueError, match="window_tile_starts needs window > 0"):
         window_tile_starts(build_key_tiles(tree.segments, n, 16, 16), tree.position, 0, n)
+
+
+# ---------------------------------------------------------------------------------- logit soft-cap
+
+
+@triton.jit
+def _tanh_probe(X, T, SLOPE, N, BLOCK: tl.constexpr):
+    """T, SLOPE = tanh(X), 1 - tanh(X)^2 through the kernels' helper."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < N
+    t, slope = ta_module._tanh_and_slope(tl.load(X + offs, mask=inside, other=0.0))
+    tl.store(T + offs, t, mask=inside)
+    tl.store(SLOPE + offs, slope, mask=inside)
+
+
+def test_softcap_tanh_and_slope_accurate_to_float32():
+    """The kernels' tanh: a few float32 ulp relative to float64 tanh, on both sides of the series/exp
+    switch at |x| = 1/4, in saturation (|x| up to 40, slope ~1e-35) and at 0; the slope 1 - t^2 to a few
+    ulp times its condition number; odd symmetry exact."""
+    x = torch.cat([torch.linspace(-40, 40, 2001, dtype=torch.float64),
+                   torch.linspace(0.2, 0.3, 101, dtype=torch.float64),
+                   torch.tensor([0.0, 1e-30, 1e-7, 1e-3, 0.25, 0.25 - 2**-26, 9.0], dtype=torch.float64)])
+    x = torch.cat([x, -x]).to(torch.float32)
+    n = x.numel()
+    xd = x.to(DEVICE)
+    t = torch.empty_like(xd)
+    slope = torch.empty_like(xd)
+    _tanh_probe[(triton.cdiv(n, 256),)](xd, t, slope, n, BLOCK=256)
+    exact = torch.tanh(x.double())
+    torch.testing.assert_close(t.cpu().double(), exact, rtol=6e-7, atol=0.0)
+    # 1 - tanh^2 = cosh^-2 ~ 4 exp(-2|x|) has condition number ~2|x|: its float32 rounding of the exponent
+    # costs ~2|x| eps relative, so the bound is a few ulp times (1 + 2|x|)
+    exact_slope = 1.0 / torch.cosh(x.double()) ** 2
+    rel_err = (slope.cpu().double() - exact_slope).abs() / exact_slope
+    bound = 4e-7 * (1 + 2 * x.double().abs())
+    worst = int((rel_err / bound).argmax())
+    assert bool((rel_err <= bound).all()), \
+        f"slope: rel error {float(rel_err[worst]):.3g} > bound {float(bound[worst]):.3g} at x={float(x[worst])}"
+    assert torch.equal(t[: n // 2], -t[n // 2:]) and torch.equal(slope[: n // 2], slope[n // 2:])
+
+
+@pytest.mark.parametrize("case", ["left_pad", "holes"])
+@pytest.mark.parametrize("softcap,scale", [(0.3, 1.0), (5.0, 24 ** -0.5)])
+def test_softcap_matches_reference_float32(case, softcap, scale):
+    """fp32, GQA 4/2, head dim 24: out, lse, dq, dk, dv vs the soft-capped float64 reference. Cap 0.3 at
+    scale 1 saturates most scores (|x| ~ 16, slope ~ 1e-14); cap 5 keeps them in the series range."""
+    end, valid, segments = tree_on(DEVICE, make_tree(case))
+    q, k, v = random_qkv(4, 2, end.numel(), 24, torch.float32, seed=81)
+    check_against_reference(q, k, v, end, valid, segments, scale, SMALL, rel=1e-5, softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", [0.3, 5.0])
+def test_softcap_with_window_and_mixed_tiles(softcap):
+    """Soft-cap and sliding window together (Gemma2): GQA group 3, head dim 40 (padded to 64), W=3 over
+    right padding (rows emptied by the window), unequal forward/dQ tiles, wide dK/dV key blocks."""
+    tree = window_tree("right_pad")
+    q, k, v = random_qkv(3, 1, tree.num_tokens, 40, torch.float32, seed=83)
+    check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 0.5, MIXED, rel=1e-5,
+                            window=3, position=tree.position, softcap=softcap)
+
+
+def test_softcap_float16():
+    tree = window_tree("left_pad")
+    q, k, v = random_qkv(4, 2, tree.num_tokens, 32, torch.float16, seed=85)
+    check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 32 ** -0.5, SMALL, rel=4e-3,
+                            softcap=1.0)
+
+
+def test_softcap_is_applied_and_huge_cap_is_nearly_none():
+    """A cap changes the function; a cap far above every score gives the uncapped kernels' result."""
+    end, valid, segments = tree_on(DEVICE, make_tree("tiny"))
+    q, k, v = random_qkv(2, 1, end.numel(), 16, torch.float32, seed=87)
+    args = (end, valid, segments, 0.25)
+    plain = tree_attention_forward(q, k, v, *args, config=SMALL)
+    capped = tree_attention_forward(q, k, v, *args, softcap=0.5, config=SMALL)
+    huge = tree_attention_forward(q, k, v, *args, softcap=1e6, config=SMALL)
+    assert (capped[0] - plain[0]).abs().max() > 1e-2
+    for a, b in zip(huge, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_softcap_autograd_and_custom_op_match_reference_impl():
+    """tree_attention(..., softcap=) (TreeAttentionFunction) and torch.ops.brcompile.tree_attention_forward
+    (..., "triton", W, position, softcap) with autograd vs impl "reference"; ops.tree_attention too."""
+    assert ops.get_attention_impl("triton", DEVICE).supports_softcap
+    tree = window_tree("left_pad")
+    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=89)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    arrays = (tree.end, tree.valid, tree.segments)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    for window in (0, 2):
+        out, lse = torch.ops.brcompile.tree_attention_forward(q, k, v, *arrays, 0.4, "triton", window,
+                                                              tree.position, 0.7)
+        grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+        r_out, r_lse = torch.ops.brcompile.tree_attention_forward(q64, k64, v64, *arrays, 0.4, "reference",
+                                                                  window, tree.position, 0.7)
+        r_grads = torch.autograd.grad((r_out * r_out).sum(), (q64, k64, v64))
+        assert_rel_close(out.detach(), r_out.detach(), 1e-5, f"out (W={window})")
+        seen = torch.isfinite(r_lse)
+        assert torch.equal(torch.isfinite(lse), seen)
+        assert_rel_close(lse[seen], r_lse[seen], 1e-5, f"lse (W={window})")
+        for name, g, r in zip("qkv", grads, r_grads):
+            assert_rel_close(g, r, 1e-5, f"d{name} (W={window})")
+    # the last round: W=2; the same through TreeAttentionFunction and the public wrapper
+    out, _ = tree_attention(q, k, v, *arrays, 0.4, config=MIXED, window=2, position=tree.position, softcap=0.7)
+    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+    assert_rel_close(out.detach(), r_out.detach(), 1e-5, "TreeAttentionFunction out")
+    for name, g, r in zip("qkv", grads, r_grads):
+        assert_rel_close(g, r, 1e-5, f"TreeAttentionFunction d{name}")
+    wrapped = ops.tree_attention(q.detach(), k.detach(), v.detach(), tree, 0.4, impl="triton", window=2,
+                                 softcap=0.7)
+    assert_rel_close(wrapped, r_out.detach(), 1e-5, "ops.tree_attention")
+
+
+def test_softcap_opcheck():
+    tree = window_tree("left_pad")
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=91)
+    q.requires_grad_()
+    arrays = (tree.end, tree.valid, tree.segments)
+    torch.library.opcheck(torch.ops.brcompile.tree_attention_forward,
+                          (q, k, v, *arrays, 0.25, "triton", 3, tree.position, 0.6))
+
+
+def test_softcap_bad_values_raise():
+    end, valid, segments = tree_on(DEVICE, make_tree("tiny"))
+    q, k, v = random_qkv(2, 1, end.numel(), 16, torch.float32, seed=0)
+    arrays = (end, valid, segments, 1.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
+            tree_attention_forward(q, k, v, *arrays, softcap=bad)
+    for bad in (True, "5", torch.tensor(5.0)):
+        with pytest.raises(TypeError, match="softcap must be a float"):
+            tree_attention_backward(q, q, k, v, q, q[:, :, 0], *arrays, softcap=bad)
