@@ -700,38 +700,49 @@ def build_key_tiles(segments: torch.Tensor, n: int, block_m: int, block_n: int,
                     block_m=block_m, block_n=block_n)
 
 
-class _KeyTileCache:
-    """Small cache of key tiles per segment tensor (a tree's layers share it within one call).
+class _TensorKeyedCache:
+    """A small cache of values built from a tensor (plus hashable parameters), LRU by insertion.
 
-    An entry holds a strong reference to the segments tensor, so a hit requires the very same tensor
-    object (its memory cannot have been reused) at the same version counter (no in-place change).
+    An entry holds a strong reference to the tensor, so a hit requires the very same tensor object (its
+    memory cannot have been reused) at the same version counter (no in-place change) with equal
+    parameters — a tree's layers, and its backward, share one build within a call.
     """
 
-    def __init__(self, maxsize: int = 8):
+    def __init__(self, build, maxsize: int = 8):
+        self.build = build
         self.maxsize = maxsize
-        self._entries: list[tuple[torch.Tensor, int, int, int, int, KeyTiles]] = []
+        self._entries: list[tuple[torch.Tensor, int, tuple, object]] = []
 
-    def get(self, segments: torch.Tensor, n: int, block_m: int, block_n: int,
-            end: torch.Tensor | None = None) -> KeyTiles:
-        """Cached :func:`build_key_tiles` (``end`` is checked against the segments when building)."""
+    def get(self, tensor: torch.Tensor, params: tuple, *args):
+        """``build(*args)`` cached under (tensor, its version, params)."""
         try:
-            version = segments._version
+            version = tensor._version
         except RuntimeError:  # inference-mode tensors track no version: do not cache
-            return build_key_tiles(segments, n, block_m, block_n, end)
-        for seg, ver, en, bm, bn, tiles in self._entries:
-            if seg is segments and ver == version and (en, bm, bn) == (n, block_m, block_n):
-                return tiles
-        tiles = build_key_tiles(segments, n, block_m, block_n, end)
-        self._entries.append((segments, version, n, block_m, block_n, tiles))
+            return self.build(*args)
+        for t, ver, prm, value in self._entries:
+            if t is tensor and ver == version and _same_params(prm, params):
+                return value
+        value = self.build(*args)
+        self._entries.append((tensor, version, params, value))
         if len(self._entries) > self.maxsize:
             self._entries.pop(0)
-        return tiles
+        return value
 
     def clear(self) -> None:
         self._entries.clear()
 
 
-_TILE_CACHE = _KeyTileCache()
+def _same_params(a: tuple, b: tuple) -> bool:
+    """Numbers and strings compare by value, anything else (a KeyTiles object) by identity — the entry
+    holds it, so its id cannot have been reused."""
+    return len(a) == len(b) and all(
+        (x == y) if isinstance(x, (int, float, str)) and isinstance(y, (int, float, str)) else (x is y)
+        for x, y in zip(a, b))
+
+
+#: Key tiles per segments tensor: ``_TILE_CACHE.get(segments, (n, block_m, block_n), segments, n, block_m,
+#: block_n, end)`` (``end`` is checked against the segments when building).
+_TILE_CACHE = _TensorKeyedCache(lambda segments, n, bm, bn, end=None: build_key_tiles(segments, n, bm, bn, end))
 
 _TILE_MAX_CHUNK = 1 << 22  # gathered positions per step of window_tile_starts (bounds its temporary)
 
@@ -775,37 +786,9 @@ def window_tile_starts(kt: KeyTiles, position: torch.Tensor, window: int, n: int
     return start.to(torch.int32)
 
 
-class _WindowStartCache:
-    """Small cache of :func:`window_tile_starts` per (key tiles object, positions tensor, window).
-
-    Holds strong references: a hit needs the very same KeyTiles object (from ``_TILE_CACHE``) and the same
-    positions tensor at the same version counter, so a model's layers and its backward share one build.
-    """
-
-    def __init__(self, maxsize: int = 8):
-        self.maxsize = maxsize
-        self._entries: list[tuple[KeyTiles, torch.Tensor, int, int, torch.Tensor]] = []
-
-    def get(self, kt: KeyTiles, position: torch.Tensor, window: int, n: int) -> torch.Tensor:
-        """Cached :func:`window_tile_starts`."""
-        try:
-            version = position._version
-        except RuntimeError:  # inference-mode tensors track no version: do not cache
-            return window_tile_starts(kt, position, window, n)
-        for tiles, pos, ver, win, starts in self._entries:
-            if tiles is kt and pos is position and ver == version and win == window:
-                return starts
-        starts = window_tile_starts(kt, position, window, n)
-        self._entries.append((kt, position, version, window, starts))
-        if len(self._entries) > self.maxsize:
-            self._entries.pop(0)
-        return starts
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
-_WINDOW_CACHE = _WindowStartCache()
+#: Window tile starts per positions tensor (and key tiles object, window): ``_WINDOW_CACHE.get(position,
+#: (kt, window, n), kt, position, window, n)``; the KeyTiles object comes from ``_TILE_CACHE``.
+_WINDOW_CACHE = _TensorKeyedCache(window_tile_starts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -886,7 +869,7 @@ def _positions_arg(window: int, position, kend: torch.Tensor) -> torch.Tensor:
 def _tile_start_arg(window: int, position, kt: KeyTiles, n: int) -> torch.Tensor:
     """The TILE_START kernel argument: each query block's first key tile inside its window
     (:func:`window_tile_starts`, cached); without a window (never read) the tile pointers stand in."""
-    return _WINDOW_CACHE.get(kt, position, window, n) if window else kt.ptr
+    return _WINDOW_CACHE.get(position, (kt, window, n), kt, position, window, n) if window else kt.ptr
 
 
 def _input_precision(dtype: torch.dtype) -> str | None:
@@ -932,7 +915,7 @@ def tree_attention_forward(q, k, v, end, valid, segments, scale, window: int = 0
     if n == 0 or hq == 0:
         return out, lse
     cfg = (config or default_launch_config(d, q.dtype, q.device)).fwd
-    kt = _TILE_CACHE.get(segments, n, cfg.block_m, cfg.block_n, end)
+    kt = _TILE_CACHE.get(segments, (n, cfg.block_m, cfg.block_n), segments, n, cfg.block_m, cfg.block_n, end)
     kend = _key_end(end, valid)
     pos = _positions_arg(window, position, kend)
     tile_start = _tile_start_arg(window, position, kt, n)
@@ -1006,7 +989,7 @@ def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, s
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
     )
     cfg = launch.dq
-    kt = _TILE_CACHE.get(segments, n, cfg.block_m, cfg.block_n, end)
+    kt = _TILE_CACHE.get(segments, (n, cfg.block_m, cfg.block_n), segments, n, cfg.block_m, cfg.block_n, end)
     tile_start = _tile_start_arg(window, position, kt, n)
     _launch(
         _tree_attn_bwd_dq, (triton.cdiv(n, cfg.block_m) * hq,), cfg,

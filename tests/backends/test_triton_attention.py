@@ -274,12 +274,18 @@ def test_key_tiles_reject_bad_segments():
 
 def test_key_tile_cache_hits_same_tensor_and_rebuilds_after_inplace_change():
     end, valid, segments = make_tree("tiny")
-    cache = ta_module._KeyTileCache(maxsize=2)
-    first = cache.get(segments, end.numel(), 16, 16)
-    assert cache.get(segments, end.numel(), 16, 16) is first
-    assert cache.get(segments.clone(), end.numel(), 16, 16) is not first
+    cache = ta_module._TensorKeyedCache(build_key_tiles, maxsize=2)
+    n = end.numel()
+
+    def get(seg):
+        return cache.get(seg, (n, 16, 16), seg, n, 16, 16)
+
+    first = get(segments)
+    assert get(segments) is first
+    other = segments.clone()
+    assert get(other) is not first
     segments.add_(0)  # bumps the version counter
-    assert cache.get(segments, end.numel(), 16, 16) is not first
+    assert get(segments) is not first
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -621,13 +627,19 @@ def test_window_start_cache_hits_same_positions_and_rebuilds_after_inplace_chang
     tree = window_tree("right_pad")
     n = tree.num_tokens
     kt = build_key_tiles(tree.segments, n, 16, 16, tree.end)
-    cache = ta_module._WindowStartCache(maxsize=2)
-    first = cache.get(kt, tree.position, 2, n)
-    assert cache.get(kt, tree.position, 2, n) is first
-    assert cache.get(kt, tree.position, 3, n) is not first
-    assert cache.get(kt, tree.position.clone(), 2, n) is not first
+    cache = ta_module._TensorKeyedCache(ta_module.window_tile_starts, maxsize=2)
+
+    def get(tiles, pos, w):
+        return cache.get(pos, (tiles, w, n), tiles, pos, w, n)
+
+    first = get(kt, tree.position, 2)
+    assert get(kt, tree.position, 2) is first
+    assert get(kt, tree.position, 3) is not first
+    kt2 = build_key_tiles(tree.segments, n, 16, 16, tree.end)  # equal tiles, another object: no hit
+    assert get(kt2, tree.position, 2) is not first
+    assert get(kt, tree.position.clone(), 2) is not first
     tree.position.add_(0)
-    assert cache.get(kt, tree.position, 2, n) is not first
+    assert get(kt, tree.position, 2) is not first
 
 
 def test_window_autograd_function():
