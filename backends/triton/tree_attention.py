@@ -157,6 +157,25 @@ def _softcap_factors(qk_scale, SOFTCAP):
 
 
 @triton.jit
+def _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in, cap_out,
+                      HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(s2, visible, slope) of one [BLOCK_M, BLOCK_N] tile for the forward and dQ walks: base-2 scores
+    ``s2`` (soft-capped: ``cap_out * tanh(cap_in * q.k)``), the tree mask ``k <= q < kend[k]`` (and
+    ``pos[q] - pos[k] < WINDOW``), and d(capped)/d(raw) = 1 - t^2 (1.0 without a cap)."""
+    visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
+    if HAS_WINDOW:
+        pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
+        visible = visible & ((pos_q[:, None] - pos_k[None, :]) < WINDOW)
+    if HAS_SOFTCAP:
+        t_cap, slope = _tanh_and_slope(qk * cap_in)
+        s2 = t_cap * cap_out
+    else:
+        s2 = qk * qk_scale
+        slope = 1.0
+    return s2, visible, slope
+
+
+@triton.jit
 def _tree_attn_fwd(
     Q, K, V, KEND, POS, TILE_PTR, TILE_START, TILES, OUT, LSE,
     stride_qh, stride_qn, stride_qd,
@@ -207,10 +226,13 @@ def _tree_attn_fwd(
 
     if HAS_SOFTCAP:
         cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
+    else:
+        cap_in, cap_out = 0.0, 0.0  # unused
     if HAS_WINDOW:
         pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
         t_begin = tl.load(TILE_START + pid_m)
     else:
+        pos_q = offs_m  # unused
         t_begin = tl.load(TILE_PTR + pid_m)
     t_end = tl.load(TILE_PTR + pid_m + 1)
     for t in range(t_begin, t_end):
@@ -223,15 +245,8 @@ def _tree_attn_fwd(
                    + offs_n0[None, :] * stride_kn + offs_d[:, None] * stride_kd)
         kT = tl.load(kT_ptrs, mask=n_in[None, :] & d_in[:, None], other=0.0)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
-        if HAS_WINDOW:
-            pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
-            visible = visible & ((pos_q[:, None] - pos_k[None, :]) < WINDOW)
-        if HAS_SOFTCAP:
-            t_cap, _ = _tanh_and_slope(qk * cap_in)
-            s2 = t_cap * cap_out
-        else:
-            s2 = qk * qk_scale
+        s2, visible, _ = _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in,
+                                           cap_out, HAS_WINDOW, HAS_SOFTCAP)
         s = tl.where(visible, s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _maximum))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -429,10 +444,13 @@ def _tree_attn_bwd_dq(
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     if HAS_SOFTCAP:
         cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
+    else:
+        cap_in, cap_out = 0.0, 0.0  # unused
     if HAS_WINDOW:
         pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
         t_begin = tl.load(TILE_START + pid_m)
     else:
+        pos_q = offs_m  # unused
         t_begin = tl.load(TILE_PTR + pid_m)
     t_end = tl.load(TILE_PTR + pid_m + 1)
     for t in range(t_begin, t_end):
@@ -449,15 +467,8 @@ def _tree_attn_bwd_dq(
                      + offs_n0[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                      mask=dn_mask, other=0.0)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
-        if HAS_WINDOW:
-            pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
-            visible = visible & ((pos_q[:, None] - pos_k[None, :]) < WINDOW)
-        if HAS_SOFTCAP:
-            t_cap, slope = _tanh_and_slope(qk * cap_in)
-            s2 = t_cap * cap_out
-        else:
-            s2 = qk * qk_scale
+        s2, visible, slope = _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale,
+                                               cap_in, cap_out, HAS_WINDOW, HAS_SOFTCAP)
         p = tl.where(visible, tl.exp2(s2 - lse2[:, None]), 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
