@@ -157,6 +157,26 @@ def _softcap_factors(qk_scale, SOFTCAP):
 
 
 @triton.jit
+def _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR, pid_m,
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(cap_in, cap_out, pos_q, t_begin, t_end) for a query block's walk over its key tiles (forward, dQ):
+    the soft-cap factors, the block's positions, and its tile range — from the window's first reachable
+    tile (TILE_START) with a window, else from the CSR pointer."""
+    if HAS_SOFTCAP:
+        cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
+    else:
+        cap_in, cap_out = 0.0, 0.0  # unused
+    if HAS_WINDOW:
+        pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
+        t_begin = tl.load(TILE_START + pid_m)
+    else:
+        pos_q = offs_m  # unused
+        t_begin = tl.load(TILE_PTR + pid_m)
+    t_end = tl.load(TILE_PTR + pid_m + 1)
+    return cap_in, cap_out, pos_q, t_begin, t_end
+
+
+@triton.jit
 def _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in, cap_out,
                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """(s2, visible, slope) of one [BLOCK_M, BLOCK_N] tile for the forward and dQ walks: base-2 scores
@@ -224,17 +244,8 @@ def _tree_attn_fwd(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
-    if HAS_SOFTCAP:
-        cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
-    else:
-        cap_in, cap_out = 0.0, 0.0  # unused
-    if HAS_WINDOW:
-        pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
-        t_begin = tl.load(TILE_START + pid_m)
-    else:
-        pos_q = offs_m  # unused
-        t_begin = tl.load(TILE_PTR + pid_m)
-    t_end = tl.load(TILE_PTR + pid_m + 1)
+    cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
+                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP)
     for t in range(t_begin, t_end):
         lo = tl.load(TILES + 2 * t)
         hi = tl.load(TILES + 2 * t + 1)
@@ -442,17 +453,8 @@ def _tree_attn_bwd_dq(
     v_head = V + kv_h.to(tl.int64) * stride_vh
 
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    if HAS_SOFTCAP:
-        cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
-    else:
-        cap_in, cap_out = 0.0, 0.0  # unused
-    if HAS_WINDOW:
-        pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
-        t_begin = tl.load(TILE_START + pid_m)
-    else:
-        pos_q = offs_m  # unused
-        t_begin = tl.load(TILE_PTR + pid_m)
-    t_end = tl.load(TILE_PTR + pid_m + 1)
+    cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
+                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP)
     for t in range(t_begin, t_end):
         lo = tl.load(TILES + 2 * t)
         hi = tl.load(TILES + 2 * t + 1)
