@@ -346,6 +346,15 @@ def _check_values(index: Tensor, targets: Tensor, N: int, V: int) -> None:
         raise LogprobError(f"packed_logprob: targets must be in [0, V={V}), got [{lo_t}, {hi_t}]")
 
 
+def _chunk_logits(plan: _Plan, ws: _Workspace, hidden: Tensor, weight: Tensor, bias: Optional[Tensor]):
+    """Per chunk of read tokens: (c0, c1, tok, hc, raw, req, rows) — the chunk's token range and ids, its
+    hidden rows, its logits ``raw = hc @ W^T (+ b)`` [rows, V] in the workspace, the requests it serves
+    (flat (b, t) indices) and each request's row in ``raw``."""
+    for c0, c1, lo, hi in plan.chunks():
+        tok, hc = plan.rows_of(hidden, c0, c1)
+        yield c0, c1, tok, hc, ws.logits(hc, weight, bias), plan.order[lo:hi], plan.inv_sorted[lo:hi] - c0
+
+
 def logprob_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor, targets: Tensor,
                     scale: float, softcap: float, want_entropy: bool, chunk: int, impl: LogprobImpl):
     """(logp, entropy or None) shaped like ``index``; see the module docstring. No autograd."""
@@ -359,11 +368,7 @@ def logprob_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inde
         plan = _plan(index, N, V, chunk)
         tflat = targets.reshape(-1)
         ws = _Workspace(plan.rows, V, hidden.dtype, cdt, hidden.device)
-        for c0, c1, lo, hi in plan.chunks():
-            _, hc = plan.rows_of(hidden, c0, c1)
-            raw = ws.logits(hc, weight, bias)
-            req = plan.order[lo:hi]
-            rows = plan.inv_sorted[lo:hi] - c0
+        for _, _, _, _, raw, req, rows in _chunk_logits(plan, ws, hidden, weight, bias):
             lp, h = impl.row_forward(raw, rows, tflat[req], scale, softcap, want_entropy, ws.work)
             logp[req] = lp
             if want_entropy:
@@ -394,11 +399,7 @@ def logprob_backward(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]
         G = None if g is None else _per_token_sum(g, plan, M)
         GH = None if grad_entropy is None else _per_token_sum(grad_entropy.reshape(-1).to(cdt), plan, M)
         ws = _Workspace(plan.rows, V, hidden.dtype, cdt, hidden.device)
-        for c0, c1, lo, hi in plan.chunks():
-            tok, hc = plan.rows_of(hidden, c0, c1)
-            raw = ws.logits(hc, weight, bias)
-            req = plan.order[lo:hi]
-            rows = plan.inv_sorted[lo:hi] - c0
+        for c0, c1, tok, hc, raw, req, rows in _chunk_logits(plan, ws, hidden, weight, bias):
             tg = tflat[req]
             raw_t = raw[rows, tg]  # before row_grad may overwrite raw
             draw = impl.row_grad(raw, scale, softcap, None if G is None else G[c0:c1],
