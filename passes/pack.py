@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 TREE_INPUTS = ("index", "rep_row", "position", "end", "valid", "all_valid", "segments")
 
 _EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
+#: A TOKEN value read through a window covering at most this fraction of the B·L positions is computed
+#: densely from its inputs' dense values when they share the window (Packer._sinks_window).
+WINDOW_SINK_FRACTION = 0.5
 _CHEAP = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
           operator.getitem, "bool", "float", "long", "to", "int", "type_as", "double", "__getitem__"}
 
@@ -256,13 +259,33 @@ class Packer:
         if arg not in self._dense:
             if arg.op == "placeholder":
                 self._dense[arg] = self._placeholders[arg]
-            elif self._input_derived(arg):
+            elif self._input_derived(arg) or self._sinks_window(arg):
                 self._dense[arg] = self._emit_copy(arg, self.dense)
             else:
                 self._dense[arg] = self.graph.call_function(
                     materialize, (self.packed(arg), self.index(ax.window), ax.row, ax.pos,
                                   self.options.drop_padding))
         return self._dense[arg]
+
+    def _sinks_window(self, n: fx.Node) -> bool:
+        """True when ``n``'s dense value is cheaper recomputed from its inputs' dense values than gathered.
+
+        For a value read through a small window (``logits_to_keep``: the LM head on the last C + 1 columns
+        only) the packed graph would run ``n`` on all N packed tokens and then gather B'·L' rows; when every
+        token input of ``n`` has the same window and that window holds at most WINDOW_SINK_FRACTION of the
+        B·L positions, ``n`` runs instead on the dense inputs — the original graph's own op on the original
+        dense values, so exact — and the packed ``n`` becomes dead code unless something else needs it."""
+        if n.op not in ("call_function", "call_method") or n in self.notes or self.options.drop_padding:
+            return False  # drop_padding: dense values are 0 at dropped positions, an op on them need not be
+        ax = get_axes(n)
+        if ax.window is None or ax.window.is_whole:
+            return False
+        toks = [a for a in node_args(n) if get_axes(a).is_token]
+        if not toks or any(get_axes(a).window != ax.window for a in toks):
+            return False
+        shape = shape_of(n)
+        kept = hint(shape[ax.row]) * hint(shape[ax.pos])
+        return kept <= WINDOW_SINK_FRACTION * self.an.ctx.B * self.an.ctx.L
 
     def _input_derived(self, n: fx.Node) -> bool:
         """True when ``n`` is a cheap function of the dense inputs (recompute it rather than gather)."""

@@ -279,6 +279,25 @@ def test_trl_per_token_logps(use_cache, position_ids, mode):
     assert brcompile.stats().streamed_calls == (mode == "replay")
 
 
+def test_logits_to_keep_runs_the_head_on_the_kept_window_only():
+    """logits_to_keep = 6 of L ~ 30 columns: the LM head runs on the gathered [B, 6, D] hidden states (the
+    original op on the original dense values) instead of all N packed tokens — executed FLOPs within 5% of
+    the limit (tree FLOPs), logits exact."""
+    model = make_model("qwen2", "sdpa")
+    b = make_grpo_batch(vocab_size=61, seed=7, num_prompts=2, group_size=4, prompt_len=(20, 30),
+                        response_len=(3, 5), left_pad_prompts=True, pad_id=0)
+    ids, am = b["input_ids"], b["attention_mask"]
+
+    def fn(ids, am):
+        return model(input_ids=ids, attention_mask=am, logits_to_keep=6).logits
+
+    report = brcompile.explain(fn, ids, am, backend=brcompile.backend(compiler="eager"))
+    assert_exact(report.result, fn(ids, am), torch.float64, "kept logits")
+    assert "torch._C._nn.linear(materialize, " in report.graphs[0].packed_code  # the head on the window
+    cost = report.calls[0]["cost"]
+    assert cost["packed_flops"] <= 1.05 * cost["limit_flops"], cost
+
+
 # --------------------------------------------------------------------------------------------------
 # eager attention: what replays exactly and what is refused
 
