@@ -73,7 +73,7 @@ def small_nested_tree(device, length: int = 700):
             rows.append(torch.cat([row, torch.zeros(length - row.numel(), dtype=row.dtype)]))
             masks.append(torch.arange(length) < row.numel())
     tree = build_tree(torch.stack(rows), torch.stack(masks))
-    return tree.end.to(device), tree.valid.to(device), tree.segments.to(device)
+    return tuple(t.to(device) for t in (tree.end, tree.valid, tree.segments, tree.position))
 
 
 # ----------------------------------------------------------------------------------------- timing
@@ -212,12 +212,19 @@ def measure(make_run, shapes, dtype, device, cap_s, max_reps):
 # ------------------------------------------------------------------------------------------ checks
 
 
-def check_small_case(device, length: int = 700, dtypes=((torch.float32, 1e-4), (torch.bfloat16, 5e-2))) -> list[str]:
-    """Kernels (fp32 and bf16) and Flex's mask vs the float64 reference on a nested, padded tree."""
+#: (sliding window, logit soft-cap) variants the kernels are checked with: plain, Mistral/Gemma-like window,
+#: Gemma2-like cap, both.
+CHECK_VARIANTS = ((0, 0.0), (64, 0.0), (0, 30.0), (64, 30.0))
+
+
+def check_small_case(device, length: int = 700, dtypes=((torch.float32, 1e-4), (torch.bfloat16, 5e-2)),
+                     variants=CHECK_VARIANTS, flex: bool = True) -> list[str]:
+    """Kernels (fp32 and bf16; with and without a sliding window and soft-capping) and Flex's mask vs the
+    float64 reference on a nested, padded tree."""
     from brcompile.backends.reference import reference_backward, reference_forward
     from brcompile.backends.triton import tree_attention_backward, tree_attention_forward
 
-    end, valid, segments = small_nested_tree(device, length)
+    end, valid, segments, position = small_nested_tree(device, length)
     n = end.numel()
     lines = [f"check tree: N={n} tokens, {segments.shape[0]} segments, {int((~valid).sum())} padding keys"]
     gen = torch.Generator(device=device).manual_seed(1)
@@ -226,21 +233,26 @@ def check_small_case(device, length: int = 700, dtypes=((torch.float32, 1e-4), (
     v = torch.randn(2, n, 64, device=device, generator=gen, dtype=torch.float64)
     go = torch.randn(4, n, 64, device=device, generator=gen, dtype=torch.float64)
     scale = 64 ** -0.5
-    r_out, r_lse = reference_forward(q, k, v, end, valid, segments, scale)
-    refs = (r_out,) + reference_backward(go, q, k, v, r_out, r_lse, end, valid, segments, scale)
     ok = True
-    for dtype, bound in dtypes:
-        qc, kc, vc, goc = (t.to(dtype) for t in (q, k, v, go))
-        out, lse = tree_attention_forward(qc, kc, vc, end, valid, segments, scale)
-        grads = tree_attention_backward(goc, qc, kc, vc, out, lse, end, valid, segments, scale)
-        errs = {name: ((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
-                for name, got, ref in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), refs)}
-        good = max(errs.values()) <= bound
-        ok &= good
-        lines.append(f"triton {str(dtype).replace('torch.', '')}: max error / max|ref| "
-                     + ", ".join(f"{k}={v:.1e}" for k, v in errs.items()) + f" (bound {bound:g}) "
-                     + ("OK" if good else "FAILED"))
+    for window, softcap in variants:
+        extra = dict(window=window, position=position if window else None, softcap=softcap)
+        r_out, r_lse = reference_forward(q, k, v, end, valid, segments, scale, **extra)
+        refs = (r_out,) + reference_backward(go, q, k, v, r_out, r_lse, end, valid, segments, scale, **extra)
+        for dtype, bound in dtypes:
+            qc, kc, vc, goc = (t.to(dtype) for t in (q, k, v, go))
+            out, lse = tree_attention_forward(qc, kc, vc, end, valid, segments, scale, **extra)
+            grads = tree_attention_backward(goc, qc, kc, vc, out, lse, end, valid, segments, scale, **extra)
+            errs = {name: ((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
+                    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), refs)}
+            good = max(errs.values()) <= bound
+            ok &= good
+            lines.append(f"triton {str(dtype).replace('torch.', '')} window={window} softcap={softcap:g}: "
+                         "max error / max|ref| " + ", ".join(f"{k}={v:.1e}" for k, v in errs.items())
+                         + f" (bound {bound:g}) " + ("OK" if good else "FAILED"))
+    r_out, _ = reference_forward(q, k, v, end, valid, segments, scale)
     try:
+        if not flex:
+            raise RuntimeError("not requested")
         flex = flex_method(end, valid, n, scale, device)
         out = flex(q.float(), k.float(), v.float())
         err = ((out.double() - r_out).abs().max() / r_out.abs().max()).item()

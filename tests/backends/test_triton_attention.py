@@ -841,3 +841,15 @@ def test_softcap_bad_values_raise():
     for bad in (True, "5", torch.tensor(5.0)):
         with pytest.raises(TypeError, match="softcap must be a float"):
             tree_attention_backward(q, q, k, v, q, q[:, :, 0], *arrays, softcap=bad)
+
+
+def test_gpu_benchmark_check_runs_all_variants():
+    """benchmarks/bench_triton_attention.py's pre-timing check (what a GPU session runs first) covers the
+    plain, windowed, soft-capped and windowed+capped kernels; here on a tiny tree in the interpreter."""
+    from benchmarks import bench_triton_attention as bench
+
+    lines = bench.check_small_case(DEVICE, length=12, dtypes=((torch.float32, 1e-4),),
+                                   variants=((0, 0.0), (3, 0.0), (0, 2.0), (3, 2.0)), flex=False)
+    kernel_lines = [line for line in lines if line.startswith("triton ")]
+    assert len(kernel_lines) == 4 and all(line.endswith("OK") for line in kernel_lines), lines
+    assert not any("FAILED" in line for line in lines), lines
