@@ -26,7 +26,6 @@ float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Optional
 
@@ -98,99 +97,50 @@ def _check_cached(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_valid: Tens
                                  f"{tuple(cross.shape)}")
 
 
-def _merge(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor, rows: slice) -> None:
-    """In place on rows: logsumexp-merge a partial result into the accumulators (either lse may be -inf:
-    a row that has seen nothing keeps weight 0)."""
-    lse_new = torch.logaddexp(lse_acc[:, rows], lse_part)
-    none = torch.isneginf(lse_new)
-    w_old = torch.where(none, 0.0, torch.exp(lse_acc[:, rows] - lse_new)).unsqueeze(-1)
-    w_new = torch.where(none, 0.0, torch.exp(lse_part - lse_new)).unsqueeze(-1)
-    out_acc[:, rows] = out_acc[:, rows] * w_old + out_part.to(out_acc.dtype) * w_new
-    lse_acc[:, rows] = lse_new
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """One cross kernel call: chunk queries [q0, q1) x cache keys [k0, k1); ``seen`` [1 or nq, nk] bool
-    (None: every key visible); ``empty`` [nq] rows that see no key here (window only)."""
-
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    seen: Optional[Tensor]
-    empty: Optional[Tensor]
-
-
 def _pieces(calls, cache_valid: Tensor, window: int, position: Optional[Tensor], cache_position: Optional[Tensor],
             block: int = 512):
-    """The cross calls as kernel calls; with a window, query blocks whose keys are trimmed to the reachable
-    positions (a cached segment's positions increase along its chain) and masked by the window."""
+    """The cross calls as kernel calls (backends.cpu._Piece, never causal); with a window, query blocks whose
+    keys are trimmed to the reachable positions and masked by the window (backends.cpu.query_blocks, with the
+    chunk's positions for the queries and the cache's for the keys)."""
+    from brcompile.backends.cpu import _Piece, query_blocks
+
     for call in calls:
         if not window:
             seen = cache_valid[None, call.k_start:call.k_stop] if call.holes else None
-            yield _Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, seen, None)
+            yield _Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, False, None, None, seen)
             continue
-        kpos = cache_position[call.k_start:call.k_stop]
-        for q0 in range(call.q_start, call.q_stop, block):
-            q1 = min(q0 + block, call.q_stop)
-            qpos = position[q0:q1]
-            k0 = call.k_start + int(torch.searchsorted(kpos, qpos.min() - window + 1))
-            if k0 >= call.k_stop:
-                continue
-            seen = ((qpos[:, None] - cache_position[None, k0:call.k_stop]) < window) \
-                & cache_valid[None, k0:call.k_stop]
-            yield _Piece(q0, q1, k0, call.k_stop, seen, ~seen.any(1))
-
-
-def _grouped(t: Tensor, pc: _Piece, g: int) -> Tensor:
-    """Cache keys/values of a piece, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0."""
-    kv = t[:, pc.k0:pc.k1]
-    return kv.unsqueeze(1).expand(kv.shape[0], g, kv.shape[1], kv.shape[2])
-
-
-def _additive(seen: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    return None if seen is None else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
-
-
-def _scores(qg: Tensor, kg: Tensor, seen: Optional[Tensor], scale: float, softcap: float = 0.0):
-    """(s, t): s = scale q.k^T over [Hkv, g, nq, nk] (soft-capped: softcap * t, t = tanh(s / softcap);
-    t None without), -inf where not seen."""
-    s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
-    t = None
-    if softcap:
-        t = torch.tanh(s / softcap)
-        s = t * softcap
-    return (s if seen is None else s.masked_fill(~seen.to(s.device), float("-inf"))), t
+        for q0, q1, k0, k1, seen in query_blocks(call.q_start, call.q_stop, call.k_start, call.k_stop, position,
+                                                 cache_position, cache_valid, window, block):
+            yield _Piece(q0, q1, k0, k1, False, None, ~seen.any(1), seen)
 
 
 def _cross_forward(q, k_cache, v_cache, pieces, scale, out, lse, softcap=0.0):
     """Merge every cross piece's (out_i, lse_i) into (out, lse)."""
-    from brcompile.backends.cpu import _flash_fwd
+    from brcompile.backends.cpu import _flash_fwd, _group_kv, _merge_safe, additive_mask, math_forward
 
     hkv = k_cache.shape[0]
     g = q.shape[0] // hkv
     qg = q.unflatten(0, (hkv, g))
     for pc in pieces:
         qs = slice(pc.q0, pc.q1)
-        kg, vg = _grouped(k_cache, pc, g), _grouped(v_cache, pc, g)
+        kg, vg = _group_kv(k_cache, pc, g), _group_kv(v_cache, pc, g)
         if _flash(q) and not softcap:
-            o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=_additive(pc.seen, q.dtype), scale=scale)
+            o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=additive_mask(pc.seen, q.dtype),
+                              scale=scale)
         else:
-            s, _ = _scores(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), pc.seen, scale, softcap)
-            l = torch.logsumexp(s, -1)
-            o = torch.matmul(torch.exp(s - l.unsqueeze(-1)).nan_to_num(0.0), vg.to(lse.dtype))
+            o, l = math_forward(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), vg.to(lse.dtype), pc.seen, scale,
+                                softcap)
         o, l = o.flatten(0, 1), l.flatten(0, 1)
-        if pc.empty is not None:
-            e = pc.empty.to(o.device)
+        if pc.empty_rows is not None:
+            e = pc.empty_rows.to(o.device)
             o, l = o.masked_fill(e[None, :, None], 0.0), l.masked_fill(e[None, :], float("-inf"))
-        _merge(out, lse, o, l, qs)
+        _merge_safe(out[:, qs], lse[:, qs], o, l)
 
 
 def _cross_backward(grad_out, q, k_cache, v_cache, out, lse, pieces, scale, dq, dk, dv, softcap=0.0):
     """Accumulate the cross pieces' (dq, dk_cache, dv_cache) with the merged out and lse (a row that sees
     nothing at all gets lse = +inf, so every p of it is 0)."""
-    from brcompile.backends.cpu import _flash_bwd
+    from brcompile.backends.cpu import _flash_bwd, _group_kv, additive_mask, math_backward
 
     hkv = k_cache.shape[0]
     g = q.shape[0] // hkv
@@ -198,23 +148,14 @@ def _cross_backward(grad_out, q, k_cache, v_cache, out, lse, pieces, scale, dq, 
     lseg = lse.masked_fill(torch.isneginf(lse), float("inf")).unflatten(0, (hkv, g))
     for pc in pieces:
         qs, ks = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
-        kg, vg = _grouped(k_cache, pc, g), _grouped(v_cache, pc, g)
+        kg, vg = _group_kv(k_cache, pc, g), _group_kv(v_cache, pc, g)
         if _flash(q) and not softcap:
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
-                                    False, attn_mask=_additive(pc.seen, q.dtype), scale=scale)
+                                    False, attn_mask=additive_mask(pc.seen, q.dtype), scale=scale)
         else:
             acc = lse.dtype
-            q_, k_, v_, do = qg[:, :, qs].to(acc), kg.to(acc), vg.to(acc), gog[:, :, qs].to(acc)
-            sc, t = _scores(q_, k_, pc.seen, scale, softcap)
-            p = torch.exp(sc - lseg[:, :, qs].unsqueeze(-1))
-            dp = torch.matmul(do, v_.transpose(-1, -2))
-            delta = (do * outg[:, :, qs].to(acc)).sum(-1, keepdim=True)
-            ds = p * (dp - delta)
-            if softcap:
-                ds = ds * (1 - t * t)
-            gq = torch.matmul(ds, k_) * scale
-            gk = torch.matmul(ds.transpose(-1, -2), q_) * scale
-            gv = torch.matmul(p.transpose(-1, -2), do)
+            gq, gk, gv = math_backward(gog[:, :, qs].to(acc), qg[:, :, qs].to(acc), kg.to(acc), vg.to(acc),
+                                       outg[:, :, qs].to(acc), lseg[:, :, qs], pc.seen, scale, softcap)
         dq[:, qs] += gq.flatten(0, 1).to(dq.dtype)
         dk[:, ks] += gk.sum(1, dtype=dk.dtype)
         dv[:, ks] += gv.sum(1, dtype=dv.dtype)

@@ -35,8 +35,8 @@ the call gets out = 0, lse = -inf before the merge; in backward a row that sees 
 lse = +inf so that every p = exp(s - lse) of it is 0.
 
 Logit soft-capping c (Gemma2: scores ``c * tanh(scale * q.k / c)``): the CPU flash kernel has none, so
-each call runs in query blocks by explicit matmuls in the accumulation dtype (``_softcap_forward`` /
-``_softcap_backward``: ``ds = p (dp - delta) (1 - t^2)``), merged and differentiated like the rest.
+each call runs in query blocks by explicit matmuls in the accumulation dtype (``math_forward`` /
+``math_backward``: ``ds = p (dp - delta) (1 - t^2)``), merged and differentiated like the rest.
 """
 from __future__ import annotations
 
@@ -186,48 +186,73 @@ def _pieces(call: AttentionCall, valid: Tensor, dtype: torch.dtype, window: int,
         yield _Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, call.causal,
                      _key_mask(valid, call, dtype), None)
         return
-    kpos = position[call.k_start:call.k_stop] if window else None
-    for q0 in range(call.q_start, call.q_stop, WINDOW_QUERY_BLOCK):
-        q1 = min(q0 + WINDOW_QUERY_BLOCK, call.q_stop)
-        k0 = call.k_start
+    blocks = query_blocks(call.q_start, call.q_stop, call.k_start, call.k_stop, position, position, valid, window,
+                          WINDOW_QUERY_BLOCK, call.causal)
+    for q0, q1, k0, k1, seen in blocks:
+        yield _Piece(q0, q1, k0, k1, False, additive_mask(seen, dtype), ~seen.any(1), seen)
+
+
+def query_blocks(q_start: int, q_stop: int, k_start: int, k_stop: int, qpos: Optional[Tensor],
+                 kpos: Optional[Tensor], kvalid: Tensor, window: int, block: int, causal: bool = False):
+    """Queries [q_start, q_stop) x keys [k_start, k_stop) cut into query blocks of at most ``block`` rows:
+    (q0, q1, k0, k1, seen [nq, nk] bool). ``qpos``/``kpos`` are the positions of the query and key index
+    spaces (the same tensor for a tree's own keys, the cache's for cached keys); with a window, a block's
+    keys start at the first one some query of the block can reach (the keys' positions increase: they are
+    one chain) and ``seen`` holds ``qpos - kpos < window``; ``causal`` (equal ranges) adds ``k <= q``;
+    ``kvalid`` masks invalid keys. Blocks whose key range is empty are skipped."""
+    for q0 in range(q_start, q_stop, block):
+        q1 = min(q0 + block, q_stop)
+        k0 = k_start
         if window:
-            qpos = position[q0:q1]
-            k0 += int(torch.searchsorted(kpos, qpos.min() - window + 1))  # keys before are out of every window
-        k1 = call.k_stop if not call.causal else min(call.k_stop, q1)
+            qp = qpos[q0:q1]
+            k0 += int(torch.searchsorted(kpos[k_start:k_stop], qp.min() - window + 1))
+        k1 = k_stop if not causal else min(k_stop, q1)
         if k0 >= k1:
             continue
-        seen = valid[None, k0:k1].expand(q1 - q0, k1 - k0)
+        seen = kvalid[None, k0:k1].expand(q1 - q0, k1 - k0)
         if window:
-            seen = seen & ((qpos[:, None] - position[None, k0:k1]) < window)
-        if call.causal:
+            seen = seen & ((qp[:, None] - kpos[None, k0:k1]) < window)
+        if causal:
             seen = seen & (torch.arange(k0, k1)[None, :] <= torch.arange(q0, q1)[:, None])
-        mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
-        yield _Piece(q0, q1, k0, k1, False, mask, ~seen.any(1), seen)
+        yield q0, q1, k0, k1, seen
 
 
-def _capped_scores(qb: Tensor, kb: Tensor, seen: Tensor, scale: float, softcap: float):
-    """(s, t) over [Hkv, g, nq, nk]: s = softcap * t, t = tanh(scale * q.k / softcap), -inf where unseen."""
-    t = torch.tanh(torch.matmul(qb, kb.transpose(-1, -2)) * (scale / softcap))
-    return (t * softcap).masked_fill(~seen, float("-inf")), t
+def additive_mask(seen: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """0 where seen, -inf elsewhere, in ``dtype`` (the CPU flash kernels want q's dtype); None for None."""
+    return None if seen is None else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
 
 
-def _softcap_forward(qb: Tensor, kb: Tensor, vb: Tensor, seen: Tensor, scale: float, softcap: float):
-    """(out, lse) of one soft-capped piece by explicit math (the CPU flash kernel has no soft-cap)."""
-    s, _ = _capped_scores(qb, kb, seen, scale, softcap)
+def piece_scores(qb: Tensor, kb: Tensor, seen: Optional[Tensor], scale: float, softcap: float = 0.0):
+    """(s, t) over [Hkv, g, nq, nk]: s = scale q.k^T, soft-capped to softcap * t with t = tanh(scale q.k^T /
+    softcap) (t None without a cap); -inf where not seen (None: every key)."""
+    s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+    return (s if seen is None else s.masked_fill(~seen.to(s.device), float("-inf"))), t
+
+
+def math_forward(qb: Tensor, kb: Tensor, vb: Tensor, seen: Optional[Tensor], scale: float, softcap: float = 0.0):
+    """(out, lse) of one piece by explicit math (soft-capping: the CPU flash kernel has none; off the CPU:
+    no flash kernel). A row that sees nothing gets lse = -inf and out = 0."""
+    s, _ = piece_scores(qb, kb, seen, scale, softcap)
     lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see nothing: lse = -inf -> p = 0
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
     return torch.matmul(p, vb), lse
 
 
-def _softcap_backward(do: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Tensor, lse: Tensor, seen: Tensor,
-                      scale: float, softcap: float):
-    """(dq, dk, dv) of one soft-capped piece with the merged out and lse (lse = +inf: a row that sees
-    nothing): ds = p (dp - delta) (1 - t^2)."""
-    s, t = _capped_scores(qb, kb, seen, scale, softcap)
+def math_backward(do: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Tensor, lse: Tensor, seen: Optional[Tensor],
+                  scale: float, softcap: float = 0.0):
+    """(dq, dk, dv) of one piece with the merged out and lse (lse = +inf: a row that sees nothing):
+    ds = p (dp - delta), times 1 - t^2 under a soft-cap."""
+    s, t = piece_scores(qb, kb, seen, scale, softcap)
     p = torch.exp(s - lse.unsqueeze(-1))
     dp = torch.matmul(do, vb.transpose(-1, -2))
     delta = (do * ob).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * (1 - t * t)
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1 - t * t)
     return torch.matmul(ds, kb) * scale, torch.matmul(ds.transpose(-1, -2), qb) * scale, \
         torch.matmul(p.transpose(-1, -2), do)
 
@@ -236,8 +261,7 @@ def _key_mask(valid: Tensor, call: AttentionCall, dtype: torch.dtype):
     """Additive [1, Lk] mask (0 for valid keys, -inf for holes) in q's dtype, or None without holes."""
     if not call.holes:
         return None
-    keys = valid[call.k_start : call.k_stop]
-    return torch.zeros((1, keys.shape[0]), dtype=dtype).masked_fill(~keys[None, :], float("-inf"))
+    return additive_mask(valid[None, call.k_start : call.k_stop], dtype)
 
 
 def _group_kv(t: Tensor, call, g: int) -> Tensor:
@@ -279,8 +303,8 @@ def cpu_forward(
     for call in segment_schedule(end, valid, segments):
         for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu, blocked=bool(softcap)):
             if softcap:
-                o, l = _softcap_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
-                                        _group_kv(v, pc, g).to(acc_dtype), pc.seen, scale, softcap)
+                o, l = math_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
+                                    _group_kv(v, pc, g).to(acc_dtype), pc.seen, scale, softcap)
             else:
                 o, l = _flash_fwd(
                     qg[:, :, pc.q0 : pc.q1],
@@ -355,7 +379,7 @@ def cpu_backward(
             qs = slice(pc.q0, pc.q1)
             ks = slice(pc.k0, pc.k1)
             if softcap:
-                gq, gk, gv = _softcap_backward(
+                gq, gk, gv = math_backward(
                     gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
                     _group_kv(v, pc, g).to(acc_dtype), outg[:, :, qs].to(acc_dtype), lseg[:, :, qs], pc.seen,
                     scale, softcap)

@@ -44,6 +44,7 @@ __all__ = [
     "AttentionImpl",
     "AttentionImplError",
     "TreeAttentionError",
+    "attention_extras",
     "check_impl_supports",
     "count_visible_pairs",
     "get_attention_impl",
@@ -229,6 +230,11 @@ def _window_kwargs(impl: "AttentionImpl", window: int, position: Optional[Tensor
     if kw:
         check_impl_supports(impl, window, softcap)
     return kw
+
+
+def attention_extras(args: Sequence) -> tuple:
+    """(window, position, softcap) of a ``tree_attention_forward`` call's arguments, defaults filled in."""
+    return (tuple(args[8:]) + (0, None, 0.0))[:3]
 
 
 def check_impl_supports(impl: "AttentionImpl", window: int = 0, softcap: float = 0.0) -> None:

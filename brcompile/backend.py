@@ -223,13 +223,15 @@ class BranchReplayBackend:
 def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str) -> None:
     """CannotReplay when the attention impl that will run on the inputs' device lacks a feature a packed
     attention needs (a sliding window, logit soft-capping): the original graph runs, with the reason."""
-    from brcompile.backends.ops import AttentionImplError, check_impl_supports, get_attention_impl
+    from brcompile.backends.ops import (
+        AttentionImplError, attention_extras, check_impl_supports, get_attention_impl,
+    )
 
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
     for n in packed.graph.nodes:
         if n.target is not torch.ops.brcompile.tree_attention_forward.default:
             continue
-        window, _, softcap = (tuple(n.args[8:]) + (0, None, 0.0))[:3]
+        window, _, softcap = attention_extras(n.args)
         if not (window or softcap):
             continue
         try:

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from brcompile.backends.ops import attention_extras
 from brcompile.passes.axes import CannotReplay
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached:
     for n in trunk:
         if cached and n.target is _ATTENTION:
             q, k, v, end, valid, segments, scale, impl = n.args[:8]
-            window, position, softcap = (tuple(n.args[8:]) + (0, None, 0.0))[:3]
+            window, position, softcap = attention_extras(n.args)
             kc, vc = cache[n]
             args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
                     scale, impl)
