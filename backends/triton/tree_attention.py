@@ -177,6 +177,18 @@ def _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR, pid_
 
 
 @triton.jit
+def _key_tile(TILES, KEND, t, offs_n0):
+    """(lo, offs_n, n_in, kend) of key tile ``t`` of the CSR walk: its start, its key ids, which of them
+    are in the tile (< its stop), and their subtree ends (0 outside the tile)."""
+    lo = tl.load(TILES + 2 * t)
+    hi = tl.load(TILES + 2 * t + 1)
+    offs_n = lo + offs_n0
+    n_in = offs_n < hi
+    kend = tl.load(KEND + offs_n, mask=n_in, other=0)
+    return lo, offs_n, n_in, kend
+
+
+@triton.jit
 def _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in, cap_out,
                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """(s2, visible, slope) of one [BLOCK_M, BLOCK_N] tile for the forward and dQ walks: base-2 scores
@@ -247,11 +259,7 @@ def _tree_attn_fwd(
     cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
                                                          pid_m, HAS_WINDOW, HAS_SOFTCAP)
     for t in range(t_begin, t_end):
-        lo = tl.load(TILES + 2 * t)
-        hi = tl.load(TILES + 2 * t + 1)
-        offs_n = lo + offs_n0
-        n_in = offs_n < hi
-        kend = tl.load(KEND + offs_n, mask=n_in, other=0)
+        lo, offs_n, n_in, kend = _key_tile(TILES, KEND, t, offs_n0)
         kT_ptrs = (k_head + lo.to(tl.int64) * stride_kn
                    + offs_n0[None, :] * stride_kn + offs_d[:, None] * stride_kd)
         kT = tl.load(kT_ptrs, mask=n_in[None, :] & d_in[:, None], other=0.0)
@@ -456,11 +464,7 @@ def _tree_attn_bwd_dq(
     cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
                                                          pid_m, HAS_WINDOW, HAS_SOFTCAP)
     for t in range(t_begin, t_end):
-        lo = tl.load(TILES + 2 * t)
-        hi = tl.load(TILES + 2 * t + 1)
-        offs_n = lo + offs_n0
-        n_in = offs_n < hi
-        kend = tl.load(KEND + offs_n, mask=n_in, other=0)
+        lo, offs_n, n_in, kend = _key_tile(TILES, KEND, t, offs_n0)
         dn_mask = d_in[:, None] & n_in[None, :]
         kT = tl.load(k_head + lo.to(tl.int64) * stride_kn
                      + offs_n0[None, :] * stride_kn + offs_d[:, None] * stride_kd,
