@@ -682,13 +682,14 @@ def test_window_through_custom_op_matches_reference_impl():
     assert_rel_close(wrapped, r_out.detach(), 1e-4, "ops.tree_attention")
 
 
-def test_window_opcheck():
+@pytest.mark.parametrize("seed,softcap", [(71, ()), (91, (0.6,))], ids=["window", "window_softcap"])
+def test_window_opcheck(seed, softcap):
     tree = window_tree("left_pad")
-    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=71)
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=seed)
     q.requires_grad_()
     arrays = (tree.end, tree.valid, tree.segments)
     torch.library.opcheck(torch.ops.brcompile.tree_attention_forward,
-                          (q, k, v, *arrays, 0.25, "triton", 3, tree.position))
+                          (q, k, v, *arrays, 0.25, "triton", 3, tree.position, *softcap))
 
 
 def test_window_bad_inputs_raise():
@@ -821,14 +822,6 @@ def test_softcap_autograd_and_custom_op_match_reference_impl():
                                  softcap=0.7)
     assert_rel_close(wrapped, r_out.detach(), 1e-5, "ops.tree_attention")
 
-
-def test_softcap_opcheck():
-    tree = window_tree("left_pad")
-    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=91)
-    q.requires_grad_()
-    arrays = (tree.end, tree.valid, tree.segments)
-    torch.library.opcheck(torch.ops.brcompile.tree_attention_forward,
-                          (q, k, v, *arrays, 0.25, "triton", 3, tree.position, 0.6))
 
 
 def test_softcap_bad_values_raise():
