@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -22,6 +23,13 @@ log = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "aot_eager", "eager")
 MODES = ("packed", "replay", "auto")
+STRICT_ENV = "BRCOMPILE_STRICT"
+
+
+def strict_default() -> bool:
+    """``Options.strict``'s default: True iff the environment variable BRCOMPILE_STRICT is set to 1 / true /
+    yes / on when the options are made (the test suite sets it in tests/conftest.py)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +46,18 @@ class Options:
         logits (passes/rules/logprob.py).
     dump_dir: when set, write every captured graph there, before and after the rewrite, as readable
         Python and Graphviz .dot (+ .svg when ``dot`` is installed); see brcompile/dump.py.
-    mode: "packed" (every packed token's activations live at once), "replay" (streaming replay, DESIGN
-        §7: the shared prefix once, then the tails in chunks of at most ``chunk_tokens`` tokens; peak
+    mode: "packed" (every packed token's activations live at once), "replay" (streaming replay,
+        docs/ARCHITECTURE.md §7: the shared prefix once, then the tails in chunks of at most ``chunk_tokens`` tokens; peak
         activation memory is the prefix's plus one chunk's, independent of the group size), or "auto"
         (replay for a batch whose packed activations are estimated above ``memory_budget``).
     memory_budget: bytes of activations "auto" allows the packed mode (required for "auto").
     chunk_tokens: most tail tokens per replay chunk (a single longer leaf chain is a chunk of its own).
-    drop_padding: leave positions whose attention-mask bit is 0 out of the tree (DESIGN §4): outputs
-        there are zeros, and a gradient reaching one raises (the loss read padding it should mask).
+    drop_padding: leave positions whose attention-mask bit is 0 out of the tree (docs/ARCHITECTURE.md
+        §4): outputs there are zeros, and a gradient reaching one raises (the loss read padding it should mask).
+    strict: re-raise an internal error (any exception other than CannotReplay) of the analysis, the
+        rewrite or the streaming split instead of running the original graph (or the packed mode) with
+        the reason "internal error: ...". CannotReplay, a typed refusal, still falls back. Default False,
+        or True when the environment variable BRCOMPILE_STRICT=1 is set (the test suite runs strict).
     """
 
     min_dedup: float = 1.05
@@ -57,6 +69,7 @@ class Options:
     mode: str = "packed"
     memory_budget: Optional[int] = None
     chunk_tokens: int = 2048
+    strict: bool = dataclasses.field(default_factory=strict_default)
 
     def __post_init__(self):
         if self.compiler not in COMPILERS:
@@ -125,6 +138,8 @@ class BranchReplayBackend:
         except CannotReplay as e:
             return self._fallback(gid, gm, str(e), e.node_name, opts)
         except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
+            if opts.strict:
+                raise
             log.warning("branch_replay: internal error while rewriting graph %d; running it unchanged",
                         gid, exc_info=True)
             return self._fallback(gid, gm, f"internal error: {type(e).__name__}: {e}", None, opts)
@@ -136,6 +151,8 @@ class BranchReplayBackend:
             except CannotReplay as e:
                 replay_reason = str(e)
             except Exception as e:  # never worse than the packed mode
+                if opts.strict:
+                    raise
                 log.warning("branch_replay: internal error in the streaming split of graph %d", gid, exc_info=True)
                 replay_reason = f"internal error: {type(e).__name__}: {e}"
             if replay_reason is not None:

@@ -1,10 +1,17 @@
-"""Shared test setup: TRITON_INTERPRET=1 without a GPU, the repo root on sys.path (for ``examples`` /
-``benchmarks``), fresh Dynamo state and fresh brcompile counters in every test."""
+"""Shared test setup: strict mode (BRCOMPILE_STRICT=1), TRITON_INTERPRET=1 without a GPU, the repo root on
+sys.path (for ``examples`` / ``benchmarks``), fresh Dynamo state and fresh brcompile counters in every test."""
 import os
 import sys
 from pathlib import Path
 
-import torch
+# The suite runs the backend strict: an internal error of a pass (anything but CannotReplay) raises
+# instead of silently running the original graph, so a bug cannot hide behind an exact fallback. Set
+# before any test imports brcompile (the default backend reads it when it is made, at import).
+# BRCOMPILE_STRICT=0 in the environment turns it off; tests of the internal-error fallback itself pass
+# strict=False (tests/core/test_strict.py).
+os.environ.setdefault("BRCOMPILE_STRICT", "1")
+
+import torch  # noqa: E402
 
 # Triton kernels run in the interpreter on machines without a GPU (CI). It must be set before anything
 # imports triton (torch.utils.flop_counter and the backends may), so it is set here, first.
