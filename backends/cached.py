@@ -1,4 +1,4 @@
-"""Tree attention of a chunk of tail tokens against cached prefix K/V (streaming replay, DESIGN §7).
+"""Tree attention of a chunk of tail tokens against cached prefix K/V (streaming replay, docs/ARCHITECTURE.md §7).
 
 ``brcompile::tree_attention_cached_forward(q, k, v, end, valid, segments, k_cache, v_cache,
 cache_valid, cross, scale, impl) -> (out, lse)``

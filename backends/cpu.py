@@ -1,4 +1,4 @@
-"""Exact, memory-efficient CPU tree attention: the segment-pair schedule (DESIGN §6).
+"""Exact, memory-efficient CPU tree attention: the segment-pair schedule (docs/ARCHITECTURE.md §6).
 
 Registered as impl ``"cpu"`` (the default on CPU). A segment s = [a, b) is a chain of single-child
 nodes whose descendants are exactly [b, e) (e = its subtree end), so every key of s is seen by the

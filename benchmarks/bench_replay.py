@@ -9,7 +9,7 @@ subprocess so that its peak RSS is its own:
 
 * dense: the loss run eagerly on the [G, P+T] batch;
 * packed: ``torch.compile(grpo_loss, backend=brcompile.backend(mode="packed"))``;
-* replay: ``mode="replay"`` (DESIGN §7): the prompt once, the responses in chunks of ``--chunk-tokens``.
+* replay: ``mode="replay"`` (docs/ARCHITECTURE.md §7): the prompt once, the responses in chunks of ``--chunk-tokens``.
 
 Columns: **saved for backward** — bytes of the distinct storages autograd holds after the forward
 (``saved_tensors_hooks`` during the forward only; parameters excluded; for replay this includes the

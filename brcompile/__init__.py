@@ -1,7 +1,7 @@
 """brcompile: the ``branch_replay`` torch.compile backend.
 
 ``torch.compile(fn, backend="branch_replay")`` computes each distinct prefix of a batch of rollouts
-once, with loss and gradients equal to the unmodified run (see README.md and DESIGN.md).
+once, with loss and gradients equal to the unmodified run (see README.md and docs/ARCHITECTURE.md).
 
 Public API: ``backend(**options)`` (a backend object with options), ``branch_replay`` (the entry-point
 backend), ``stats()`` / ``reset_stats()`` (counters that prove a rewrite ran), ``explain(fn, *args)``

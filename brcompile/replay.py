@@ -1,4 +1,4 @@
-"""Streaming replay at run time (DESIGN §7): prefix once, tails in chunks, one ``loss.backward()``.
+"""Streaming replay at run time (docs/ARCHITECTURE.md §7): prefix once, tails in chunks, one ``loss.backward()``.
 
 The packed tree is cut in two (:func:`plan_replay`):
 

@@ -1,6 +1,6 @@
 """Exactness checks shared by the tests, the examples and anyone verifying branch_replay on their model.
 
-The contract (DESIGN §1): the loss and every gradient equal the original graph's run eagerly up to
+The contract (docs/ARCHITECTURE.md §1): the loss and every gradient equal the original graph's run eagerly up to
 floating-point reassociation — relative error <= 1e-10 in float64 and <= 1e-5 in float32, where the
 relative error of a tensor is ``max |got - want| / max |want|``.
 """
@@ -43,7 +43,7 @@ def assert_exact(got: torch.Tensor, want: torch.Tensor, dtype, what: str) -> Non
 
 def assert_subtree_ranges(parent: list[int], end: list[int]) -> None:
     """Brute force over all pairs: packed token k is an ancestor-or-self of q (following ``parent``)
-    iff ``k <= q < end[k]`` — the DFS-range property tree attention relies on (DESIGN §4)."""
+    iff ``k <= q < end[k]`` — the DFS-range property tree attention relies on (docs/ARCHITECTURE.md §4)."""
     n = len(parent)
     ancestors = []
     for q in range(n):

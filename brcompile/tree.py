@@ -4,7 +4,7 @@ A batch is B rows x L columns of per-token inputs (token ids, position ids, the 
 other [B, L] input). Positions (b, t) and (b', t) are the same **node** iff rows b and b' agree on every
 input at every column 0..t. The nodes form a forest (one root per distinct first token); a causal,
 row-independent model computes the same values at every position of a node, so it needs to run each
-node once (DESIGN.md §4).
+node once (docs/ARCHITECTURE.md §4).
 
 How the tree is found (exact, vectorised):
 
@@ -629,7 +629,7 @@ def _padded(t: Tensor, n: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# padding left out of the tree (drop_padding=True, DESIGN §4)
+# padding left out of the tree (drop_padding=True, docs/ARCHITECTURE.md §4)
 
 
 def drop_padding(tree: PackedTree) -> PackedTree:

@@ -1,4 +1,4 @@
-"""The packed rewrite: dense [B, L, …] graph -> packed [1, N, …] graph (DESIGN §3–§5).
+"""The packed rewrite: dense [B, L, …] graph -> packed [1, N, …] graph (docs/ARCHITECTURE.md §3).
 
 Two steps, transactional (the user's graph is never modified):
 

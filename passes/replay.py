@@ -1,4 +1,4 @@
-"""Streaming replay, the graph side (DESIGN §7): split a packed graph into trunk (prefix / tail) + outer.
+"""Streaming replay, the graph side (docs/ARCHITECTURE.md §7): split a packed graph into trunk (prefix / tail) + outer.
 
 The packed graph (passes/pack.py) computes every TOKEN value on the N packed tokens, then reads them
 densely through ``tree_index`` (materialize, the lazy gather, the fused log-prob). The **trunk** is the

@@ -1,4 +1,4 @@
-"""Triton tree attention over DFS-packed prefix-tree tokens (DESIGN §4, §6).
+"""Triton tree attention over DFS-packed prefix-tree tokens (docs/ARCHITECTURE.md §4, §6).
 
 Shapes (packed layout, one tree or a forest of ``N`` tokens in depth-first preorder)::
 

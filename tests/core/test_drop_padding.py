@@ -1,4 +1,4 @@
-"""``drop_padding=True``: padded positions left out of the prefix tree (DESIGN §4, "Padding").
+"""``drop_padding=True``: padded positions left out of the prefix tree (docs/ARCHITECTURE.md §4, "Padding").
 
 Three layers:
 

@@ -100,7 +100,7 @@ def test_report_of_a_replayed_graph_with_predicted_flops():
     assert cost["packed_attention_flops"] == per_pair * pairs  # the tree: each visible pair once
     limit = (cost["dense_flops"] - cost["dense_attention_flops"]) * nodes / (B * L) + per_pair * pairs
     assert cost["limit_flops"] == pytest.approx(limit, abs=1)
-    # the packed graph runs within 5% of the limit (DESIGN §9) and saves less for backward than dense
+    # the packed graph runs within 5% of the limit (docs/ARCHITECTURE.md §9) and saves less for backward than dense
     assert cost["limit_flops"] <= cost["packed_flops"] <= 1.05 * cost["limit_flops"], cost
     assert cost["packed_flops"] < cost["dense_flops"]
     assert 0 < cost["packed_saved_bytes"] < cost["dense_saved_bytes"]

@@ -1,4 +1,4 @@
-"""Token-axis rules, tested two ways (STYLE §13):
+"""Token-axis rules, tested two ways:
 
 1. a table of small functions with the fact their result must get;
 2. a semantic oracle: every value the analysis calls TOKEN really is causal and row-independent — it is
