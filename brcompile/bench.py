@@ -57,7 +57,9 @@ Absolute times only mean something on a quiet machine; on a CPU shared with othe
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import functools
 import json
 import logging
 import platform
@@ -515,6 +517,27 @@ def _loss_branch_replay(model, batch: dict):
     return _GRPO_LOSS(model, **batch)
 
 
+class _CountedCalls:
+    """A method's loss callable that adds up the ``brcompile.stats()`` counters of its own calls (replayed
+    calls, fallback reasons): only what ran inside this method counts, nothing is reset."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.replayed_calls = 0
+        self.fallback_reasons: collections.Counter = collections.Counter()
+
+    def __call__(self):
+        from brcompile import runtime
+
+        before = runtime.stats()
+        try:
+            return self.fn()
+        finally:
+            after = runtime.stats()
+            self.replayed_calls += after.replayed_calls - before.replayed_calls
+            self.fallback_reasons.update(after.fallback_reasons - before.fallback_reasons)
+
+
 class Runner:
     """Runs the methods on the cases of one model (see the module docstring).
 
@@ -573,9 +596,28 @@ class Runner:
         res.saved_bytes = self._saved_bytes(loss_fn)
         return self._step(loss_fn)
 
-    def run_case(self, case: Case, bar) -> CaseResult:
+    def _loss_fn(self, method: str, case: Case, batch: dict, dense_fn: Callable) -> Callable[[], Any]:
+        """The method's loss callable, built in its own scope: each method holds its own compiled function
+        (nothing is shared between methods through a variable rebound later)."""
         import brcompile
 
+        if method == "eager":
+            return dense_fn
+        if method == "torch.compile":
+            compiled = torch.compile(_loss_torch_compile, backend=self.args.compile_backend)
+            return functools.partial(compiled, self.model, batch)
+        if method == "branch_replay":
+            compiled = torch.compile(_loss_branch_replay, backend=brcompile.backend(
+                compiler=self.args.compiler, min_dedup=self.args.min_dedup))
+            return functools.partial(compiled, self.model, batch)
+        if method == "prefix_grouper":
+            available, why = prefix_grouper_status()
+            if not available:
+                raise BenchError(why)
+            return functools.partial(prefix_grouper_grpo_loss, self.model, group_batch(batch, case.group_size), batch)
+        raise BenchError(f"unknown method {method!r}; choose from {METHODS}")
+
+    def run_case(self, case: Case, bar) -> CaseResult:
         gpt, grpo = examples_modules()
         batch = grpo.make_grpo_batch(vocab_size=self.model.config.vocab_size, seed=self.args.seed,
                                      device=self.device, dtype=self.dtype, **case.batch_kwargs())
@@ -584,56 +626,46 @@ class Runner:
         out.methods = {m: MethodResult() for m in self.args.methods}
         dense_fn = lambda: grpo.grpo_loss(self.model, **batch)  # noqa: E731
         ref = self._run_once(dense_fn)
-        if "branch_replay" in out.methods:  # explain() resets Dynamo: before anything below is compiled
+        if "branch_replay" in out.methods:  # FLOPs and the tree; explain() leaves no compiled code behind
             bar.set_postfix_str(f"{case.name} branch_replay FLOPs")
             try:
                 self._branch_replay_cost(out.methods["branch_replay"], out, batch)
             except Exception as e:
                 log.warning("bench: explain on %s failed", case.name, exc_info=log.isEnabledFor(logging.DEBUG))
                 out.methods["branch_replay"].flops_counted_on = f"not counted: {_short(e)}"
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # the previous case's compiled code goes: every method compiles afresh
         steps: dict[str, Callable[[], None]] = {}
+        counted: dict[str, _CountedCalls] = {}
         for method in self.args.methods:
             bar.set_postfix_str(f"{case.name} {method}")
             res = out.methods[method]
             try:
+                loss_fn = self._loss_fn(method, case, batch, dense_fn)
+                counted[method] = _CountedCalls(loss_fn)
+                steps[method] = self._prepare(res, counted[method], ref)
                 if method == "eager":
-                    steps[method] = self._prepare(res, dense_fn, ref)
-                    res.flops, res.attention_flops = self._flops(dense_fn)
+                    res.flops, res.attention_flops = self._flops(loss_fn)
                     res.flops_counted_on = "the dense loss, eagerly"
                     out.dense_flops = res.flops
                 elif method == "torch.compile":
-                    fn = torch.compile(_loss_torch_compile, backend=self.args.compile_backend)
-                    steps[method] = self._prepare(res, lambda: fn(self.model, batch), ref)
                     eager = out.methods.get("eager")
                     res.flops, res.attention_flops = (eager.flops, eager.attention_flops) if eager else (None, None)
                     res.flops_counted_on = "the dense graph (the compiled code computes it)"
-                elif method == "branch_replay":
-                    brcompile.reset_stats()
-                    fn = torch.compile(_loss_branch_replay, backend=brcompile.backend(
-                        compiler=self.args.compiler, min_dedup=self.args.min_dedup))
-                    steps[method] = self._prepare(res, lambda: fn(self.model, batch), ref)
                 elif method == "prefix_grouper":
-                    available, why = prefix_grouper_status()
-                    if not available:
-                        raise BenchError(why)
-                    gb = group_batch(batch, case.group_size)
-                    pg_fn = lambda: prefix_grouper_grpo_loss(self.model, gb, batch)  # noqa: E731
-                    steps[method] = self._prepare(res, pg_fn, ref)
-                    res.flops, res.attention_flops = self._flops(pg_fn)
+                    res.flops, res.attention_flops = self._flops(loss_fn)
                     res.flops_counted_on = "PrefixGrouper's forward+backward, eagerly"
-                else:
-                    raise BenchError(f"unknown method {method!r}; choose from {METHODS}")
             except Exception as e:  # report it in the table and go on with the other methods
                 log.warning("bench: %s on %s failed", method, case.name, exc_info=log.isEnabledFor(logging.DEBUG))
                 res.error = _short(e)
                 steps.pop(method, None)
         bar.set_postfix_str(f"{case.name} timing")
         self._time_interleaved(steps, out)
-        if "branch_replay" in steps:
-            st = brcompile.stats()
-            res = out.methods["branch_replay"]
-            res.replayed_calls, res.fallback_reasons = st.replayed_calls, dict(st.fallback_reasons)
+        for method, calls in counted.items():
+            res = out.methods[method]
+            res.replayed_calls, res.fallback_reasons = calls.replayed_calls, dict(calls.fallback_reasons)
+            if method != "branch_replay" and calls.replayed_calls and not res.error:
+                res.error = (f"BenchError: {method} ran branch_replay's packed graph {calls.replayed_calls} "
+                             f"time(s): its numbers are not the dense method's")
         eager = out.methods.get("eager")
         for res in out.methods.values():
             if eager is not None and eager.seconds and res.seconds:
@@ -883,10 +915,13 @@ def run(args) -> dict:
 
 
 def exit_status(doc: dict) -> int:
-    """1 when a method gave a wrong number (not exact) or branch_replay failed; else 0."""
+    """1 when a method gave a wrong number (not exact), branch_replay failed or another method ran
+    branch_replay's packed graph; else 0."""
     for r in doc["results"]:
         for name, m in r["methods"].items():
             if m.get("exact") is False or (name == "branch_replay" and m.get("error")):
+                return 1
+            if name != "branch_replay" and m.get("replayed_calls"):
                 return 1
     return 0
 

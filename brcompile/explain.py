@@ -225,7 +225,6 @@ def _wrap(text: Optional[str], width: int = 64) -> str:
 def packed_module(g: GraphRecord) -> Optional[fx.GraphModule]:
     """The packed GraphModule of a rewritten graph: the owner of its runtime's eager packed callable."""
     fn = getattr(g.runtime, "eager_packed", None)
-    fn = getattr(fn, "fn", fn)  # unwrap a recording spy
     owner = getattr(fn, "__self__", None)
     return owner if isinstance(owner, fx.GraphModule) else None
 
@@ -476,107 +475,82 @@ def mutating_node(gm: fx.GraphModule) -> Optional[str]:
     return None
 
 
-class _ArgSpy:
-    """Stands in for a runtime's callable attribute: remembers whether it was called, and with what."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-        self.called = False
-        self.last: Optional[tuple] = None
-
-    def __call__(self, *args):
-        self.called, self.last = True, args
-        return self.fn(*args)
-
-    def reset(self) -> None:
-        self.called, self.last = False, None
-
-
-def _spy_on(obj: Any, name: str) -> Optional[_ArgSpy]:
-    """Replaces ``obj.name`` (a callable) by an :class:`_ArgSpy` of it; None when there is none to replace."""
-    fn = getattr(obj, name, None)
-    if fn is None or isinstance(fn, _ArgSpy):
-        return fn
-    spy = _ArgSpy(fn)
-    try:
-        setattr(obj, name, spy)
-    except (AttributeError, TypeError):  # a read-only attribute: this runtime is not spied on
-        return None
-    return spy
-
-
-def _unwrap(fn: Any) -> Any:
-    return fn.fn if isinstance(fn, _ArgSpy) else fn
-
-
 def _cuda_devices(args: Sequence[Any]) -> list[int]:
     return sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
 
 
 class _LoggedRuntime:
-    """The callable a :class:`RecordingBackend` returns: runs the backend's runtime, then logs the call."""
+    """The callable a :class:`RecordingBackend` returns: runs the backend's runtime, then logs the call.
+
+    Nothing of the runtime is replaced or patched: the call is read from the runtime's own records (its call
+    log, ``last_tree``) and from the ``brcompile.stats()`` counters around the call; the cost re-runs the
+    runtime's eager graphs (``original``, ``eager_packed`` on the call's tree)."""
 
     def __init__(self, owner: "RecordingBackend", graph_id: int, rt: Callable):
         self.owner, self.graph_id, self.rt = owner, graph_id, rt
-        self.spies = {name: _spy_on(rt, name) for name in ("packed", "eager_packed", "original")}
         self.measured = 0
 
     def __call__(self, *args):
         calls = getattr(self.rt, "calls", None)
         n_logged = len(calls) if calls is not None else 0
-        for s in self.spies.values():
-            if s is not None:
-                s.reset()
+        before = runtime.stats()
         out = self.rt(*args)
-        entry = self._entry(calls, n_logged)
+        entry = self._entry(calls, n_logged, stats_delta(before, runtime.stats()))
         if self.owner.measure and self.measured < self.owner.measure_calls:
             self.measured += 1
             entry["cost"] = self._cost(args, entry)
         self.owner.calls.append(entry)
-        for s in self.spies.values():  # drop the references to this call's tensors
-            if s is not None:
-                s.reset()
         return out
 
-    def _packed_spy(self) -> Optional[_ArgSpy]:
-        for name in ("packed", "eager_packed"):
-            s = self.spies[name]
-            if s is not None and s.called:
-                return s
-        return None
-
-    def _entry(self, calls, n_logged: int) -> dict:
+    def _entry(self, calls, n_logged: int, delta: runtime.Stats) -> dict:
         if calls is not None and len(calls) > n_logged:
             c = calls[-1]
             return {"graph_id": self.graph_id, "replayed": bool(c.replayed), "reason": c.reason,
                     "tree": c.tree_stats, "mode": getattr(c, "mode", "packed"),
                     "schedule": getattr(c, "schedule", None)}
-        replayed = self._packed_spy() is not None
+        # a runtime without a call log (the original graph) or past its last logged call: the counters
+        replayed = delta.replayed_calls > 0
         tree = getattr(self.rt, "last_tree", None)
-        reason = None if replayed else getattr(self.rt, "reason", "the runtime ran the original graph")
+        reason = None
+        if not replayed:
+            reason = next(iter(delta.fallback_reasons), None) or getattr(
+                self.rt, "reason", "the runtime ran the original graph")
         return {"graph_id": self.graph_id, "replayed": replayed, "reason": reason,
-                "tree": None if tree is None else tree.stats.to_dict()}
+                "tree": None if tree is None or not replayed else tree.stats.to_dict(),
+                "mode": "replay" if delta.streamed_calls else "packed"}
+
+    def _packed_args(self, args: tuple) -> Optional[tuple]:
+        """The packed graph's arguments of the last call: the call's arguments, then the tree's tensors in
+        ``passes.pack.TREE_INPUTS`` order (as the runtime passes them); None without a tree."""
+        from brcompile.passes.pack import TREE_INPUTS
+
+        tree = getattr(self.rt, "last_tree", None)
+        if tree is None:
+            return None
+        tensors = dict(index=tree.index, rep_row=tree.rep_row, position=tree.position, end=tree.end,
+                       valid=tree.valid, all_valid=torch.ones_like(tree.valid), segments=tree.segments)
+        return (*args, *(tensors[n] for n in TREE_INPUTS))
 
     def _cost(self, args: tuple, entry: dict) -> dict:
-        """FLOPs and bytes saved for backward of the eager original graph and, for a replayed call, of the
-        eager packed graph on the same tree; the limit (module docstring)."""
+        """FLOPs and bytes saved for backward of the eager original graph and, for a replayed (packed-mode)
+        call, of the eager packed graph on the same tree; the limit (module docstring)."""
         from brcompile.bench import limit_flops, measure_fwd_bwd
 
-        original = _unwrap(getattr(self.rt, "original", None))
+        original = getattr(self.rt, "original", None)
         if original is None:
             return {"skipped": "the runtime has no original graph to re-run"}
         gm = getattr(original, "__self__", None)
         mutation = mutating_node(gm) if isinstance(gm, fx.GraphModule) else None
         if mutation is not None:
             return {"skipped": f"the graph mutates a tensor in place (`{mutation}`); it is not run again"}
-        spy = self._packed_spy() if entry["replayed"] else None
-        eager_packed = _unwrap(getattr(self.rt, "eager_packed", None))
+        eager_packed = getattr(self.rt, "eager_packed", None)
+        packed_args = None
+        if entry["replayed"] and entry.get("mode", "packed") == "packed" and eager_packed is not None:
+            packed_args = self._packed_args(args)
         try:
             with torch.random.fork_rng(devices=_cuda_devices(args)):
                 dense = measure_fwd_bwd(original, args)
-                packed = None
-                if spy is not None and eager_packed is not None:
-                    packed = measure_fwd_bwd(eager_packed, spy.last)
+                packed = None if packed_args is None else measure_fwd_bwd(eager_packed, packed_args)
         except Exception as e:  # a diagnostic must never break the user's run
             log.warning("explain: measuring graph %d failed", self.graph_id, exc_info=True)
             return {"skipped": f"measuring failed: {type(e).__name__}: {e}"}
@@ -712,9 +686,56 @@ def explain(fn, *args, backend: Optional[BranchReplayBackend] = None, measure: b
 
     ``measure`` re-runs the eager original and packed graphs of each call once, forward and backward, to
     count FLOPs and the bytes saved for backward (no ``.grad`` is touched).
+
+    It leaves nothing behind: Dynamo is not reset (the caller's compiled functions keep their code), the
+    capture is static (``dynamic=False``: no shape history of earlier compiles makes it symbolic), and
+    the Dynamo cache entries compiled for the report are dropped from the code objects (``fn``'s and any
+    frame Dynamo compiled on its own after a graph break), so a later ``torch.compile`` of the same
+    function never meets them.
     """
     rec = RecordingBackend(backend, measure=measure)
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=rec)
-    result = compiled(*args, **kwargs)
+    try:
+        result = torch.compile(fn, backend=rec, dynamic=False)(*args, **kwargs)
+    finally:
+        drop_cache_entries(rec)
     return rec.report(result)
+
+
+def _compiled_by(entry: Any, owner: RecordingBackend) -> bool:
+    """Whether a Dynamo cache entry was compiled by ``owner`` (directly, or a backend it is bound to)."""
+    be = getattr(entry, "backend", None)
+    be = getattr(be, "compiler_fn", be)  # torch.compile wraps a backend in a _TorchCompileWrapper
+    return be is owner or (isinstance(be, _Bound) and be.owner is owner)
+
+
+def drop_cache_entries(owner: RecordingBackend) -> int:
+    """Drops the Dynamo cache entries compiled by ``owner`` from every code object Dynamo has compiled;
+    returns how many. A code object whose entries are all ``owner``'s is reset; on one that also holds
+    other entries only ``owner``'s are invalidated (as Dynamo does when a guarded object dies: the entry
+    never matches again and releases its backend). Best effort on Dynamo's internals: logs, never raises."""
+    try:
+        from torch._dynamo import convert_frame
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+        codes = [ref() for ref in (*convert_frame.input_codes.seen, *convert_frame.output_codes.seen)]
+    except Exception:  # an internal API that moved: nothing is dropped
+        log.warning("explain: cannot list Dynamo's code objects; its cache entries stay", exc_info=True)
+        return 0
+    dropped = 0
+    for code in {id(c): c for c in codes if c is not None}.values():
+        try:
+            entries = _debug_get_cache_entry_list(code)
+            ours = [e for e in entries if _compiled_by(e, owner)]
+            if not ours:
+                continue
+            if len(ours) == len(entries):
+                torch._C._dynamo.eval_frame.reset_code(code)
+            else:
+                for e in ours:
+                    e.guard_manager.extra_state.invalidate(
+                        e, DeletedGuardManagerWrapper("dropped by brcompile.explain"))
+            dropped += len(ours)
+        except Exception:
+            log.warning("explain: cannot drop the cache entries of %s", code, exc_info=True)
+    return dropped

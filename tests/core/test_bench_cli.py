@@ -46,6 +46,7 @@ def test_bench_cli_tiny_grid(tmp_path, capsys):
             assert m["seconds"] > 0 and m["speedup"] > 0 and m["saved_bytes"] > 0
         br = r["methods"]["branch_replay"]
         assert br["replayed_calls"] >= 1 and not br["fallback_reasons"]
+        assert r["methods"]["torch.compile"]["replayed_calls"] == 0  # the dense method ran the dense graph
         assert r["limit_flops"] <= br["flops"] < r["methods"]["eager"]["flops"]
         if HAS_PG:
             assert r["limit_flops"] <= r["methods"]["prefix_grouper"]["flops"] < r["methods"]["eager"]["flops"]
@@ -54,6 +55,28 @@ def test_bench_cli_tiny_grid(tmp_path, capsys):
         assert doc["plot"] == str(tmp_path / "bench_speedup.png")
     else:
         assert doc["plot"] is None and "matplotlib" in doc["notes"][0]
+
+
+def test_bench_methods_are_isolated(tmp_path, capsys):
+    """The branch_replay method (its explain run included) leaves nothing behind that another method would
+    run: torch.compile is the same object, no Dynamo cache entry stays on the loss's code, and the dense
+    torch.compile method's calls (the timed ones too) never reach branch_replay."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from brcompile import bench
+
+    real_compile = torch.compile
+    rc = main(["bench", "--group-sizes", "3", "--prefix-lens", "9", "--tail-lens", "3", "--methods",
+               "eager,branch_replay,torch.compile", "--out", str(tmp_path), "--no-plot", *TINY])
+    assert rc == 0, capsys.readouterr().out
+    assert torch.compile is real_compile
+    assert _debug_get_cache_entry_list(grpo_loss.__code__) == []
+    (r,) = json.loads((tmp_path / "bench.json").read_text())["results"]
+    calls = {name: m["replayed_calls"] for name, m in r["methods"].items()}
+    assert calls["branch_replay"] >= 3 and calls["torch.compile"] == 0 and calls["eager"] == 0, calls
+    # the dense method's compiled code is its own backend's (not branch_replay's)
+    entries = _debug_get_cache_entry_list(bench._loss_torch_compile.__code__)
+    assert entries and all(getattr(e.backend, "compiler_name", None) == "eager" for e in entries)
 
 
 @pytest.mark.skipif(not HAS_PG, reason="prefix_grouper not installed (pip install brcompile[bench])")

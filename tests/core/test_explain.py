@@ -111,6 +111,57 @@ def test_report_of_a_replayed_graph_with_predicted_flops():
     assert d["stats"]["replayed_calls"] == 1
 
 
+class _SnapshotBackend(brcompile.BranchReplayBackend):
+    """A branch_replay backend that remembers each runtime's attributes as it returned them."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.returned = []
+
+    def __call__(self, gm, example_inputs, options=None):
+        rt = super().__call__(gm, example_inputs, options)
+        self.returned.append((rt, dict(vars(rt))))
+        return rt
+
+
+def test_explain_leaves_no_global_state():
+    """explain patches and installs nothing: torch.compile and every runtime attribute are the objects they
+    were, no Dynamo cache entry of the report stays on the loss's code, and torch.compile of the same loss
+    afterwards compiles its own (dense) graph: no replayed call."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.testing import CompileCounter
+
+    model, batch = tiny_model(), tiny_batch()
+    real_compile, code = torch.compile, grpo_loss.__code__
+    dense = CompileCounter()
+    torch.compile(grpo_loss, backend=dense)(model, **batch)  # a user's compiled function, compiled before
+    before = [(e.backend, e.guard_manager) for e in _debug_get_cache_entry_list(code)]
+    assert len(before) == 1 and dense.frame_count == 1
+
+    be = _SnapshotBackend(**EAGER)
+    report = brcompile.explain(grpo_loss, model, **batch, backend=be)
+    assert report.stats.replayed_calls == 1 and report.calls[0]["cost"]["packed_flops"] > 0
+    assert torch.compile is real_compile
+    assert be.returned
+    for rt, attrs in be.returned:  # nothing of the runtimes was replaced (no spies)
+        for name in ("original", "packed", "eager_packed"):
+            assert getattr(rt, name) is attrs[name], name
+    assert [(e.backend, e.guard_manager) for e in _debug_get_cache_entry_list(code)
+            if e.backend is not None] == before  # the user's entry untouched, the report's dropped
+
+    brcompile.reset_stats()
+    again = CompileCounter()
+    torch.compile(grpo_loss, backend=again)(model, **batch)
+    torch.compile(grpo_loss, backend=dense)(model, **batch)  # the user's entry still serves its own backend
+    assert again.frame_count == 1 and dense.frame_count == 1
+    assert brcompile.stats().replayed_calls == 0 and brcompile.stats().compiled_graphs == 0
+
+    # a function explained twice gets a fresh capture each time (nothing left to hit or to count)
+    brcompile.explain(grpo_loss, model, **batch, backend=brcompile.backend(**EAGER), measure=False)
+    assert not [e for e in _debug_get_cache_entry_list(code) if e.backend is not None
+                and getattr(e.backend, "compiler_fn", None) not in (dense, again)]
+
+
 def test_report_of_a_fallback_names_node_and_reason():
     torch.manual_seed(0)
     model = Bidirectional().double()
