@@ -1,4 +1,4 @@
-"""What an attention mask means.
+"""What an attention mask means — decided on small probe batches, never on the real batch's B·L².
 
 An attention node's mask is either ``is_causal=True`` with no mask, or a tensor computed inside the
 graph from the token inputs (HF builds it from ``arange`` comparisons and ``attention_mask``). We do not
@@ -8,29 +8,57 @@ compare with each candidate meaning:
 * ``causal``:              visible(b, i, j) = j <= i
 * ``causal & keypad(X)``:  visible(b, i, j) = j <= i and X[b, j] != 0, for a [B, L] tree input X
 * either of them ``& window(W)``: also i - j < W (HF's sliding window over the batch columns, which are
-  the tree positions); W is read off the mask with every key-padding input set to ones — or, for a
-  mask built from dynamic sizes whose window is longer than the example batch, off the mask re-evaluated
-  at longer lengths (:func:`_window_at_larger_sizes`)
+  the tree positions)
 
-A candidate is accepted only if it matches on the example batch and on several random probes (random
-0/1 key-padding patterns, left and right padding). Float masks must be exactly 0 where visible and
-``-inf`` (or the dtype's lowest value) elsewhere — any other value is a bias, not a mask. Anything else
-(bidirectional prefixes, biases, other windows) stops the rewrite with the reason.
+Float masks must be exactly 0 where visible and ``-inf`` (or the dtype's lowest value) elsewhere — any
+other value is a bias, not a mask. Anything else (bidirectional prefixes, biases, other windows) stops the
+rewrite with the reason.
+
+**Probe sizes.** A mask is [B, 1, L, L]: evaluating it on the example batch costs B·L² (73 GB at
+B = 16, L = 16,896). So the subgraph is evaluated at small synthetic sizes (B', L') instead, with every
+size it reads scaled (:class:`Scaling`): a dynamic size (a SymInt placeholder whose example value is the
+batch's B or L) is set to B' / L'; a static size baked into the graph as a literal (``arange(16896)``,
+``expand(16, -1, 16896, 16896)``) is rewritten to B' / L' (L ± 2 too, for ``L - 1`` style literals) when
+it cannot be mistaken for a dim index or for the other size. The probe lengths are a few odd base lengths
+plus, for every other integer constant ``c`` of the subgraph (a window, a buffer's size), ``c``, ``c + 1``
+and ``c + 2``: a mask built from comparisons of positions, sizes and constants changes meaning only at
+lengths where a constant is crossed, and a window ``W`` shows only at L' > W. Two probe row counts (2, 3)
+catch a literal that only looked like B (a window equal to the batch size reads as a window that follows
+B' and is refused). The example batch itself is one more trial where it is small (rows·L² within
+:data:`MAX_PROBE_ELEMENTS`).
+
+**Admitted lengths.** A constant too large to probe (rows·L'² over :data:`MAX_PROBE_ELEMENTS`), or a
+probe length at which the subgraph cannot be evaluated (a [T, T] buffer shorter than L'), bounds the
+lengths the meaning is proven for: ``MaskInfo.max_length``. A static graph (one L) longer than that is
+refused at compile time; a dynamic graph gets an O(1) per-call guard on the length
+(:func:`meaning_guard`). Nothing here allocates more than :data:`MAX_PROBE_ELEMENTS` mask elements,
+whatever the batch.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from brcompile.passes.axes import CannotReplay, is_static_input
+from brcompile.passes.axes import CannotReplay, example_value, is_static_input
 
 log = logging.getLogger(__name__)
 
-NUM_PROBES = 4
+#: Probe lengths every scalable mask is evaluated at (odd sizes, below typical windows).
+BASE_LENGTHS = (5, 12, 33)
+#: Probe row counts (two, so that a literal that only looked like the batch size is caught).
+PROBE_ROWS = (2, 3)
+#: Most mask elements (rows · L'²) one evaluation may build: at the example size or at a probe size.
+MAX_PROBE_ELEMENTS = 1 << 25
+#: Probes with more elements than this use one row and two key-padding patterns (ones, random).
+SHORT_PROBE_ELEMENTS = 1 << 16
+#: Literals within this distance of L are taken for L (``arange(L - 1)``, ``L + 1``).
+LENGTH_SLACK = 2
+#: A size at most this small is never rewritten (it cannot be told from a dim index).
+SMALL_SIZE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +66,13 @@ class MaskInfo:
     kind: str  # "causal" | "causal+keypad"
     keypad: Optional[fx.Node] = None
     window: int = 0  # > 0: sliding window, query i sees keys j with i - j < window
+    #: Longest length the meaning is proven for (None: every length); see the module docstring.
+    max_length: Optional[int] = None
 
     def __str__(self) -> str:
         s = self.kind if self.keypad is None else f"{self.kind}({self.keypad.name})"
-        return s + (f"+window({self.window})" if self.window else "")
+        s += f"+window({self.window})" if self.window else ""
+        return s + (f" for L <= {self.max_length}" if self.max_length is not None else "")
 
 
 def ancestors(node: fx.Node) -> list[fx.Node]:
@@ -76,8 +107,39 @@ def _uses_only_as_mask(user: fx.Node, n: fx.Node) -> bool:
     return user.kwargs.get("attn_mask") is n or (len(user.args) > 3 and user.args[3] is n)
 
 
-def evaluate(mask: fx.Node, values: dict[fx.Node, object]) -> torch.Tensor:
-    """Run the subgraph that computes ``mask`` with the given placeholder values."""
+def _map_ints(a, f: Callable[[int], int]):
+    """``a`` with every int literal (not bool) inside tuples, lists, dicts and slices mapped by ``f``."""
+    if isinstance(a, bool) or isinstance(a, fx.Node):
+        return a
+    if isinstance(a, int):
+        return f(a)
+    if isinstance(a, (tuple, list)):
+        return type(a)(_map_ints(x, f) for x in a)
+    if isinstance(a, slice):
+        return slice(_map_ints(a.start, f), _map_ints(a.stop, f), _map_ints(a.step, f))
+    if isinstance(a, dict):
+        return {k: _map_ints(v, f) for k, v in a.items()}
+    return a
+
+
+def _int_literals(nodes: Iterable[fx.Node]) -> set[int]:
+    """Every int literal in the args of ``nodes``."""
+    found: set[int] = set()
+
+    def see(c: int) -> int:
+        found.add(c)
+        return c
+
+    for n in nodes:
+        if n.op in ("call_function", "call_method"):
+            _map_ints((n.args, n.kwargs), see)
+    return found
+
+
+def evaluate(mask: fx.Node, values: dict[fx.Node, object],
+             literal: Optional[Callable[[int], int]] = None) -> torch.Tensor:
+    """Run the subgraph that computes ``mask`` with the given placeholder values; ``literal`` rewrites
+    the int literals of its ops (a static size, for an evaluation at a probe size)."""
     env: dict[fx.Node, object] = {}
     for n in ancestors(mask):
         if n.op == "placeholder":
@@ -86,7 +148,10 @@ def evaluate(mask: fx.Node, values: dict[fx.Node, object]) -> torch.Tensor:
         if n.op == "get_attr":
             env[n] = getattr(n.graph.owning_module, n.target)
             continue
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+        args, kwargs = n.args, n.kwargs
+        if literal is not None:
+            args, kwargs = _map_ints((args, kwargs), literal)
+        args, kwargs = fx.node.map_arg((args, kwargs), lambda a: env[a])
         if n.op == "call_function":
             env[n] = n.target(*args, **kwargs)
         elif n.op == "call_method":
@@ -108,119 +173,23 @@ def visible(mask: torch.Tensor, node: fx.Node) -> torch.Tensor:
     return vis
 
 
-def _probe(x: torch.Tensor, gen: torch.Generator, i: int) -> torch.Tensor:
-    """A random value shaped and typed like tree input ``x`` — 0/1 patterns for 0/1 inputs."""
-    B, L = x.shape
-    binary = bool(((x == 0) | (x == 1)).all())
-    if binary:
-        if i == 0:  # left padding of random lengths
-            lens = torch.randint(0, L + 1, (B, 1), generator=gen)
-            p = torch.arange(L)[None, :] >= (L - lens)
-        elif i == 1:  # right padding
-            lens = torch.randint(0, L + 1, (B, 1), generator=gen)
-            p = torch.arange(L)[None, :] < lens
-        else:
-            p = torch.rand(B, L, generator=gen) < 0.6
-        return p.to(device=x.device, dtype=x.dtype)
-    lo, hi = int(x.min()), int(x.max()) + 2
-    return torch.randint(lo, max(hi, lo + 2), (B, L), generator=gen).to(device=x.device, dtype=x.dtype)
-
-
-def _trials(values: dict, inputs: Sequence[fx.Node], num_probes: int = NUM_PROBES) -> list[dict]:
-    """The given values, then ``num_probes`` copies with random 0/1 patterns (or ids) for ``inputs``."""
-    gen = torch.Generator().manual_seed(0)
-    trials = [dict(values)]
-    for i in range(num_probes):
-        v = dict(values)
-        for t in inputs:
-            v[t] = _probe(values[t], gen, i)
-        trials.append(v)
-    return trials
-
-
-def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
-             values: dict[fx.Node, object]) -> MaskInfo:
-    """Meaning of ``mask`` at attention node ``attn`` (see module docstring)."""
-    anc = set(ancestors(mask))
-    inputs = [t for t in tree_inputs if t in anc]
-    for n in anc:
-        if n.op == "placeholder" and n not in tree_inputs and isinstance(values.get(n), torch.Tensor) \
-                and not is_static_input(n):
-            raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
-    candidates: list[Optional[fx.Node]] = [None] + inputs
-    trials = _trials(values, inputs)
-    w = _window_of(mask, inputs, values, attn) or _window_at_larger_sizes(mask, inputs, values, attn)
-    for window in ([w] if w else []) + [0]:
-        for cand in candidates:
-            if all(_matches(evaluate(mask, v), cand, v, attn, window) for v in trials):
-                info = MaskInfo("causal" if cand is None else "causal+keypad", cand, window)
-                log.debug("mask of %s: %s", attn.name, info)
-                return info
-    raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input, "
-                       "optionally with a sliding window (prefix-LM and bias masks are not supported)", attn)
-
-
-def _window_of(mask: fx.Node, inputs: Sequence[fx.Node], values: dict, attn: fx.Node) -> Optional[int]:
-    """The sliding window the mask shows with every 0/1 tree input set to ones (no key padding), or None."""
-    v = dict(values)
-    for t in inputs:
-        x = values[t]
-        if bool(((x == 0) | (x == 1)).all()):
-            v[t] = torch.ones_like(x)
-    return sliding_window(evaluate(mask, v), attn)
-
-
-#: Most mask elements a larger-size probe may build (B * L'^2).
-PROBE_MAX_ELEMENTS = 1 << 27
-
-
-def _window_at_larger_sizes(mask: fx.Node, inputs: Sequence[fx.Node], values: dict,
-                            attn: fx.Node) -> Optional[int]:
-    """For a mask built from dynamic sizes (SymInt inputs): a sliding window that is inactive at the
-    example length L (W >= L) shows at a longer one. Re-evaluate the mask subgraph with the sizes equal to
-    L scaled to L' = 4L, 16L, ... (tree inputs: ones, or random ids, of shape [B, L']) while B * L'^2 stays
-    under PROBE_MAX_ELEMENTS; the first window seen is returned. Any failure to evaluate means None (the
-    per-call meaning guard still protects every new size)."""
-    syms = symbolic_inputs(mask, values)
-    if not syms or not inputs:
-        return None
-    B, L = values[inputs[0]].shape
-    gen = torch.Generator().manual_seed(1)
-    Lp = 4 * L
-    while L > 0 and B * Lp * Lp <= PROBE_MAX_ELEMENTS:
-        v = dict(values)
-        for n in syms:
-            if int(values[n]) == L:
-                v[n] = Lp
-        for t in inputs:
-            x = values[t]
-            binary = bool(((x == 0) | (x == 1)).all())
-            v[t] = (torch.ones((B, Lp), dtype=x.dtype, device=x.device) if binary else
-                    torch.randint(1, 1 << 15, (B, Lp), generator=gen).to(device=x.device, dtype=x.dtype))
-        try:
-            w = sliding_window(evaluate(mask, v), attn)
-        except Exception:  # the subgraph does not scale this way: no conclusion
-            log.debug("mask of %s: no larger-size probe at L'=%d", attn.name, Lp, exc_info=True)
-            return None
-        if w is not None:
-            log.debug("mask of %s: sliding window %d found at L'=%d (inactive at L=%d)", attn.name, w, Lp, L)
-            return w
-        Lp *= 4
-    return None
-
-
 def sliding_window(mask: torch.Tensor, attn: fx.Node) -> Optional[int]:
     """``w`` when the visible pairs are causal and within ``w`` positions (``i - w < j <= i``) wherever
-    the mask shows a key at all, with ``w`` smaller than the length; else None (a diagnosis only)."""
+    the mask shows a key at all, with ``w`` smaller than the length; else None (a diagnosis only).
+
+    ``w - 1`` is the largest ``i - j`` over visible pairs: per query row, ``i`` minus its first visible
+    key. Memory: the mask's own elements as bool, no index grids."""
     vis = visible(mask, attn)
     if vis.dim() < 2 or vis.shape[-1] != vis.shape[-2] or not bool(vis.any()):
         return None
     L = vis.shape[-1]
-    i = torch.arange(L)[:, None]
-    j = torch.arange(L)[None, :]
-    if bool((vis & (j > i)).any()):
+    if bool(torch.triu(vis, diagonal=1).any()):  # a key after its query
         return None
-    w = int(((i - j).expand_as(vis))[vis].max()) + 1
+    rows = vis.reshape(-1, L, L)
+    seen = rows.any(-1)  # [R, L]: query rows with a visible key
+    first = rows.to(torch.uint8).argmax(-1)  # [R, L]: first visible key of each query row
+    i = torch.arange(L, device=vis.device)
+    w = int((i - first)[seen].max()) + 1
     return w if w < L else None
 
 
@@ -230,52 +199,290 @@ def symbolic_inputs(mask: fx.Node, values: dict[fx.Node, object]) -> list[fx.Nod
         isinstance(values.get(n), torch.SymInt) or isinstance(n.meta.get("example_value"), torch.SymInt))]
 
 
+# --------------------------------------------------------------------------------------------------
+# probe sizes
+
+
+def _is_symbolic(s) -> bool:
+    return isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """How the mask subgraph is evaluated at a probe size (B', L') instead of the batch's (B, L).
+
+    A size is *scalable* when every place the subgraph reads it can be set: a dynamic size through the
+    SymInt placeholders whose example value is it (``b_syms``/``l_syms``), a static size through the int
+    literals equal to it (``b_literal``/``l_literal``: rewritten by :meth:`literal`). An unscalable size
+    keeps its value in every probe."""
+
+    B: int
+    L: int
+    b_syms: tuple[fx.Node, ...] = ()
+    l_syms: tuple[fx.Node, ...] = ()
+    b_literal: bool = False
+    l_literal: bool = False
+    b_scalable: bool = False
+    l_scalable: bool = False
+
+    @classmethod
+    def of(cls, mask: fx.Node, tree_input: fx.Node, values: dict, anc: Sequence[fx.Node]) -> "Scaling":
+        B, L = (int(s) for s in values[tree_input].shape)
+        shape = getattr(example_value(tree_input), "shape", (B, L))
+        b_dyn, l_dyn = _is_symbolic(shape[0]), _is_symbolic(shape[1])
+        syms = [n for n in anc if n.op == "placeholder" and isinstance(values.get(n), (int, torch.SymInt))
+                and not isinstance(values.get(n), bool)]
+        square = B == L  # one value for both: a symbol or literal could be either
+        l_syms = tuple(n for n in syms if l_dyn and int(values[n]) == L)
+        b_syms = tuple(n for n in syms if b_dyn and int(values[n]) == B)
+        l_lit = not l_dyn and L > SMALL_SIZE and not (not b_dyn and abs(B - L) <= LENGTH_SLACK)
+        b_lit = not b_dyn and B > SMALL_SIZE and not (not l_dyn and abs(B - L) <= LENGTH_SLACK)
+        return cls(B, L, b_syms, l_syms, b_lit, l_lit,
+                   b_scalable=not square and (b_dyn or b_lit), l_scalable=not square and (l_dyn or l_lit))
+
+    def literal(self, Bp: int, Lp: int) -> Optional[Callable[[int], int]]:
+        """The literal rewrite for probe size (Bp, Lp), or None when no static size is rewritten."""
+        if not ((self.b_literal and Bp != self.B) or (self.l_literal and Lp != self.L)):
+            return None
+        B, L = self.B, self.L
+
+        def f(c: int) -> int:
+            if self.l_literal and abs(c - L) <= LENGTH_SLACK:
+                return Lp + (c - L)
+            if self.b_literal and c == B:
+                return Bp
+            if self.b_literal and self.l_literal and c == B * L:
+                return Bp * Lp
+            return c
+        return f
+
+    def images(self) -> set[int]:
+        """The literals :meth:`literal` rewrites (they are sizes, not thresholds)."""
+        out: set[int] = set()
+        if self.l_literal:
+            out |= {self.L + k for k in range(-LENGTH_SLACK, LENGTH_SLACK + 1)}
+        if self.b_literal:
+            out.add(self.B)
+            if self.l_literal:
+                out.add(self.B * self.L)
+        return out
+
+
+@dataclasses.dataclass
+class _Trial:
+    """One evaluation of the mask: its placeholder values and literal rewrite."""
+
+    values: dict
+    literal: Optional[Callable[[int], int]]
+    size: tuple[int, int]
+    unpadded: bool  # every 0/1 tree input is all ones: the trial a sliding window is read from
+
+    def run(self, mask: fx.Node) -> torch.Tensor:
+        return evaluate(mask, self.values, self.literal)
+
+
+def _binary(x: torch.Tensor) -> bool:
+    return bool(((x == 0) | (x == 1)).all())
+
+
+def _probe_value(x: torch.Tensor, binary: bool, B: int, L: int, gen: torch.Generator, pattern: int) -> torch.Tensor:
+    """A [B, L] value typed like tree input ``x``: for 0/1 inputs pattern 0 is all ones, 1 left padding
+    of random lengths, 2 right padding, 3 random 0/1; other inputs get random values in ``x``'s range."""
+    if binary:
+        if pattern == 0:
+            p = torch.ones(B, L, dtype=torch.bool)
+        elif pattern in (1, 2):
+            lens = torch.randint(0, L + 1, (B, 1), generator=gen)
+            p = torch.arange(L)[None, :] >= (L - lens) if pattern == 1 else torch.arange(L)[None, :] < lens
+        else:
+            p = torch.rand(B, L, generator=gen) < 0.6
+        return p.to(device=x.device, dtype=x.dtype)
+    lo, hi = (int(x.min()), int(x.max()) + 2) if x.numel() else (0, 2)
+    return torch.randint(lo, max(hi, lo + 2), (B, L), generator=gen).to(device=x.device, dtype=x.dtype)
+
+
+class _Probes:
+    """Builds the trials of one mask (see the module docstring)."""
+
+    def __init__(self, mask: fx.Node, inputs: Sequence[fx.Node], values: dict, scaling: Scaling):
+        self.mask, self.inputs, self.values, self.sc = mask, list(inputs), values, scaling
+        self.binary = {t: _binary(values[t]) for t in self.inputs}
+        self.gen = torch.Generator().manual_seed(0)
+
+    def trials(self, Bp: int, Lp: int, patterns: Iterable[int]) -> list[_Trial]:
+        """Trials at (Bp, Lp), one per key-padding ``pattern`` (:func:`_probe_value`)."""
+        sc, out = self.sc, []
+        v0 = dict(self.values)
+        for n in sc.b_syms:
+            v0[n] = Bp
+        for n in sc.l_syms:
+            v0[n] = Lp
+        lit = sc.literal(Bp, Lp)
+        for pat in patterns:
+            v = dict(v0)
+            for t in self.inputs:
+                v[t] = _probe_value(self.values[t], self.binary[t], Bp, Lp, self.gen, pat)
+            out.append(_Trial(v, lit, (Bp, Lp), pat == 0))
+        return out
+
+    def example_trials(self) -> list[_Trial]:
+        """The example batch itself and four probes of its shape (only where it is small)."""
+        B, L = self.sc.B, self.sc.L
+        ones = all(bool((self.values[t] == 1).all()) for t in self.inputs if self.binary[t])
+        return [_Trial(dict(self.values), None, (B, L), ones)] + self.trials(B, L, range(4))
+
+
+def _probe_lengths(sc: Scaling, literals: set[int]) -> tuple[list[int], list[int]]:
+    """(lengths to probe, threshold constants too large to probe at one row)."""
+    lengths = set(BASE_LENGTHS)
+    too_large = []
+    for c in sorted({abs(c) for c in literals} - sc.images()):
+        if c <= 2:
+            continue
+        if (c + 2) ** 2 > MAX_PROBE_ELEMENTS:
+            too_large.append(c)
+        else:
+            lengths |= {c, c + 1, c + 2}
+    return sorted(lengths), too_large
+
+
+def _size_constants(anc: Sequence[fx.Node], values: dict, sc: Scaling) -> set[int]:
+    """Int literals of the subgraph's ops and the sizes of the static tensors it reads (buffers such as a
+    [T, T] tril): the lengths at which its meaning may change."""
+    consts = _int_literals(anc)
+    for n in anc:
+        v = values.get(n) if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor) and is_static_input(n):
+            consts |= {int(s) for s in v.shape}
+        elif n.op == "placeholder" and isinstance(v, int) and not isinstance(v, bool) \
+                and n not in sc.b_syms and n not in sc.l_syms:
+            consts.add(int(v))
+    return consts
+
+
+def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
+             values: dict[fx.Node, object]) -> MaskInfo:
+    """Meaning of ``mask`` at attention node ``attn`` (see module docstring). ``values``: the example
+    inputs by placeholder (SymInts as their example ints)."""
+    anc = ancestors(mask)
+    anc_set = set(anc)
+    inputs = [t for t in tree_inputs if t in anc_set]
+    for n in anc:
+        if n.op == "placeholder" and n not in tree_inputs and isinstance(values.get(n), torch.Tensor) \
+                and not is_static_input(n):
+            raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
+    sc = Scaling.of(mask, tree_inputs[0], values, anc)
+    dynamic = _is_symbolic_length(tree_inputs[0])
+    small = sc.B * sc.L * sc.L <= MAX_PROBE_ELEMENTS
+    probes = _Probes(mask, inputs, values, sc)
+    trials = probes.example_trials() if small else []
+    limit: Optional[tuple[int, str]] = None
+    if dynamic or not small:
+        if not sc.l_scalable:
+            if not small:
+                raise CannotReplay(
+                    f"attention mask of a [{sc.B}, {sc.L}] batch cannot be evaluated at small sizes (the batch size "
+                    "and the length cannot be told apart in its subgraph) and is too large to evaluate whole", attn)
+            limit = (sc.L, "its sizes cannot be scaled for probes")
+        else:
+            more, limit = _probe_trials(attn, mask, probes, _size_constants(anc, values, sc))
+            if sc.b_scalable and limit is not None and limit[0] < BASE_LENGTHS[0] \
+                    and sc.B * BASE_LENGTHS[0] ** 2 <= SHORT_PROBE_ELEMENTS:
+                # the batch-size literal was not only the batch size: probe with the batch's own row count
+                probes.sc = sc = dataclasses.replace(sc, b_syms=(), b_literal=False, b_scalable=False)
+                more, limit = _probe_trials(attn, mask, probes, _size_constants(anc, values, sc))
+            trials += more
+    if limit is not None and (not dynamic or limit[0] < BASE_LENGTHS[0]) and sc.L > limit[0]:
+        raise CannotReplay(f"attention mask's meaning is proven for lengths <= {limit[0]} only ({limit[1]}); "
+                           f"the batch has L = {sc.L}", attn)
+    if not trials:
+        raise CannotReplay("attention mask could not be evaluated at any probe size", attn)
+    info = _meaning(attn, mask, inputs, trials)
+    if dynamic and limit is not None:
+        info = dataclasses.replace(info, max_length=limit[0])
+    log.debug("mask of %s: %s (%d trials up to L'=%d)", attn.name, info, len(trials),
+              max(t.size[1] for t in trials))
+    return info
+
+
+def _probe_trials(attn: fx.Node, mask: fx.Node, probes: "_Probes",
+                  constants: set[int]) -> tuple[list[_Trial], Optional[tuple[int, str]]]:
+    """Trials at every probe length (``_probe_lengths``) that the subgraph can be evaluated at, and the
+    longest admitted length with why (None: every length)."""
+    sc = probes.sc
+    lengths, too_large = _probe_lengths(sc, constants)
+    limit = (min(too_large) - 1, f"the constant {min(too_large)} of its subgraph is too large to probe") \
+        if too_large else None
+    trials: list[_Trial] = []
+    for Lp in lengths:
+        if limit is not None and Lp > limit[0]:
+            break
+        rows = PROBE_ROWS if sc.b_scalable else (sc.B,)
+        if rows[0] * Lp * Lp > SHORT_PROBE_ELEMENTS:
+            rows = (1,) if sc.b_scalable else rows[:1]
+        if rows[0] * Lp * Lp > MAX_PROBE_ELEMENTS:
+            return trials, (Lp - 1, f"a probe of length {Lp} would exceed {MAX_PROBE_ELEMENTS} mask elements")
+        short = rows[0] * Lp * Lp <= SHORT_PROBE_ELEMENTS
+        new = [t for r in rows for t in probes.trials(r, Lp, range(4) if short else (0, 3))]
+        try:
+            for t in new:
+                m = t.run(mask)
+                if not isinstance(m, torch.Tensor) or m.dim() < 2 or tuple(m.shape[-2:]) != (Lp, Lp):
+                    raise ValueError(f"mask of shape {tuple(getattr(m, 'shape', ()))} at length {Lp}")
+        except CannotReplay:
+            raise
+        except Exception as e:  # the subgraph does not exist at this length (e.g. a [T, T] buffer shorter)
+            log.debug("mask of %s: cannot be evaluated at L'=%d", attn.name, Lp, exc_info=True)
+            return trials, (Lp - 1, f"its subgraph cannot be evaluated at length {Lp}: {type(e).__name__}: {e}")
+        trials += new
+    return trials, limit
+
+
+def _is_symbolic_length(tree_input: fx.Node) -> bool:
+    v = example_value(tree_input)
+    return isinstance(v, torch.Tensor) and v.dim() == 2 and _is_symbolic(v.shape[1])
+
+
+def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Sequence[_Trial]) -> MaskInfo:
+    """The one candidate meaning every trial agrees with, else CannotReplay. The window is read off the
+    trials without key padding (``_Trial.unpadded``); they must all show the same one."""
+    evaluated = [(t, visible(t.run(mask), attn)) for t in trials]
+    windows = {w for t, m in evaluated if t.unpadded for w in [sliding_window(m, attn)] if w is not None}
+    if len(windows) > 1:
+        raise CannotReplay(f"attention mask shows different sliding windows {sorted(windows)} at different probe "
+                           "sizes (a window that depends on the batch size or length)", attn)
+    for window in sorted(windows) + [0]:
+        for cand in [None] + list(inputs):
+            if all(_matches(m, cand, t.values, window) for t, m in evaluated):
+                return MaskInfo("causal" if cand is None else "causal+keypad", cand, window)
+    raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input, "
+                       "optionally with a sliding window (prefix-LM and bias masks are not supported)", attn)
+
+
 def meaning_guard(attn: fx.Node, mask: fx.Node, info: MaskInfo, tree_inputs: Sequence[fx.Node],
                   placeholders: Sequence[fx.Node], values: dict[fx.Node, object]):
-    """A per-call guard for a mask whose subgraph reads dynamic sizes, or None when it reads none.
-
-    ``classify`` ran at the example sizes only. A mask built for symbolic sizes can mean something else
-    at other sizes — a sliding window of w is plain causal while L <= w — so for every new value of the
-    sizes it reads, the guard re-runs the check on the call's own inputs and two probes of their shape
-    (cost: the original's own mask construction, once per distinct size), and caches the verdict."""
+    """A per-call guard for a mask of a dynamic-length graph whose meaning is proven only up to
+    ``info.max_length``, or None. O(1): it reads the length of a tree input."""
     from brcompile.passes.guards import BatchGuard  # local: guards has no pass dependencies
 
-    syms = symbolic_inputs(mask, values)
-    if not syms:
+    if info.max_length is None:
         return None
-    anc = set(ancestors(mask))
-    pos = {n: placeholders.index(n) for n in anc if n.op == "placeholder"}
-    inputs = [t for t in tree_inputs if t in anc]
-    verdicts: dict[tuple, Optional[str]] = {}
+    pos = placeholders.index(tree_inputs[0])
+    limit = info.max_length
 
     def check(args):
-        key = tuple(int(args[pos[s]]) for s in syms)
-        if key not in verdicts:
-            vals = {n: args[i] for n, i in pos.items()}
-            try:
-                ok = all(_matches(evaluate(mask, v), info.keypad, v, attn, info.window)
-                         for v in _trials(vals, inputs, 2))
-            except CannotReplay:  # a bias at these sizes
-                ok = False
-            verdicts[key] = None if ok else _size_reason(attn, mask, info, vals, dict(zip(
-                (s.name for s in syms), key)))
-        return verdicts[key]
+        L = args[pos].shape[-1]
+        if L > limit:
+            return (f"the mask of {attn.name} is {info}: a constant of its subgraph is too large to probe, so its "
+                    f"meaning at length {L} is not proven")
+        return None
 
-    return BatchGuard(f"mask of {attn.name} is {info} at every size ({', '.join(s.name for s in syms)})", check)
+    return BatchGuard(f"mask of {attn.name} proven for lengths <= {limit} (input {pos})", check)
 
 
-def _size_reason(attn, mask, info, vals, sizes) -> str:
-    """Why a mask classified at the example sizes is not ``info`` at ``sizes`` (a guard's reason)."""
-    try:
-        w = sliding_window(evaluate(mask, vals), attn)
-    except CannotReplay:
-        w = None
-    what = f"sliding-window attention (window {w})" if w is not None else f"not {info}"
-    return f"the mask of {attn.name} is {what} at sizes {sizes}; it was {info} at the compile-time sizes"
-
-
-def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn, window: int = 0) -> bool:
-    vis = visible(mask, attn)
+def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, window: int = 0) -> bool:
+    """``mask`` (bool or additive) is exactly causal [& key padding by ``values[cand]``] [& window]."""
+    vis = mask if mask.dtype == torch.bool else (mask == 0)
     if vis.dim() < 2:
         return False
     Lq, Lk = vis.shape[-2:]
@@ -297,4 +504,4 @@ def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, attn, window: 
 
 
 __all__ = ["MaskInfo", "classify", "mask_only_nodes", "ancestors", "evaluate", "visible", "sliding_window",
-           "meaning_guard", "symbolic_inputs"]
+           "meaning_guard", "symbolic_inputs", "Scaling", "MAX_PROBE_ELEMENTS"]

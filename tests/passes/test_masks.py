@@ -1,0 +1,199 @@
+"""Mask classification (passes/masks.py): meanings read off small probe batches, never the real B·L².
+
+Every end-to-end case compares the loss and all parameter gradients with the eager original in float64
+and asserts through ``brcompile.stats()`` that the rewrite ran (or fell back with the expected reason).
+The memory-capped cases run in a subprocess whose address space is limited to well below one [B, L, L]
+mask of the example batch: compiling them must not build one.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import brcompile
+from brcompile.passes import masks
+from brcompile.testing import assert_exact
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class MaskLM(nn.Module):
+    """One attention layer whose mask is built in the graph the way hand-written models do:
+    ``arange`` comparisons (causal, optionally ``i - j < window``; ``window="batch"``: the window is the
+    batch size), ``& attention_mask`` over keys; or a registered ``[T, T]`` tril buffer (``tril=T``)."""
+
+    def __init__(self, vocab=37, dim=16, heads=2, window=0, tril=0):
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, vocab)
+        if tril:
+            self.register_buffer("bias", torch.tril(torch.ones(tril, tril, dtype=torch.bool)))
+        else:
+            self.bias = None
+
+    def forward(self, ids, am):
+        B, L = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.bias is not None:
+            m = self.bias[:L, :L]
+        else:
+            i = torch.arange(L, device=ids.device)
+            m = i[:, None] >= i[None, :]
+            if self.window:
+                w = B if self.window == "batch" else self.window
+                m = m & (i[:, None] - i[None, :] < w)
+        m = m[None, None] & am[:, None, None, :].bool()
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return self.out(o.transpose(1, 2).reshape(B, L, -1))
+
+
+def shared_batch(rows, prompt, tail, seed=0, vocab=37, right_pad=0):
+    """``rows`` rows sharing a ``prompt``-token prefix, each with its own ``tail`` tokens; the last
+    ``right_pad`` columns of odd rows are padding (id 0, mask 0)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randint(1, vocab, (1, prompt), generator=g).expand(rows, -1)
+    ids = torch.cat([p, torch.randint(1, vocab, (rows, tail), generator=g)], 1)
+    am = torch.ones_like(ids)
+    if right_pad:
+        am[1::2, -right_pad:] = 0
+        ids = ids * am
+    return ids, am
+
+
+def loss_fn(model):
+    def f(ids, am):
+        return model(ids, am).log_softmax(-1).mean()
+    return f
+
+
+def run_exact(model, batches, *, dynamic, backend=None):
+    """Compiled vs eager, loss and every parameter gradient, for each batch (float64)."""
+    backend = backend or brcompile.backend(compiler="eager")
+    fn = loss_fn(model)
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
+    params = list(model.parameters())
+    for ids, am in batches:
+        ref = fn(ids, am)
+        gref = torch.autograd.grad(ref, params)
+        out = compiled(ids, am)
+        gout = torch.autograd.grad(out, params)
+        assert_exact(out, ref, torch.float64, f"loss at {tuple(ids.shape)}")
+        for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+            assert_exact(a, b, torch.float64, f"grad of {name} at {tuple(ids.shape)}")
+    return backend
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_causal_keypad_and_window_exact(window, dynamic):
+    """Causal & key padding, with and without an active window, static and dynamic (two lengths)."""
+    model = MaskLM(window=window).double()
+    batches = [shared_batch(4, 9, 3, seed=1, right_pad=2), shared_batch(3, 14, 4, seed=2, right_pad=1)]
+    backend = run_exact(model, batches, dynamic=dynamic)
+    s = brcompile.stats()
+    assert s.replayed_calls == 2 and s.fallback_calls == 0, str(s)
+    want = "causal+keypad(l_am_)" + (f"+window({window})" if window else "")
+    assert all(m.endswith(want) for r in backend.records for m in r.masks), [r.masks for r in backend.records]
+
+
+def test_window_longer_than_the_example_found_by_probes():
+    """Dynamic shapes: a window of 20 is inactive at the compile-time length 9 and active at 30; the
+    probes at the constant's lengths find it, so both calls replay."""
+    model = MaskLM(window=20).double()
+    backend = run_exact(model, [shared_batch(4, 6, 3, seed=1), shared_batch(4, 25, 5, seed=2)], dynamic=True)
+    s = brcompile.stats()
+    assert s.replayed_calls == 2 and s.compiled_graphs == 1, str(s)
+    assert all("window(20)" in m for m in backend.records[0].masks), backend.records[0].masks
+
+
+def test_window_that_follows_the_batch_size_is_refused():
+    """``window = B``: probes with two row counts see two windows; the original graph runs, saying why."""
+    model = MaskLM(window="batch").double()
+    run_exact(model, [shared_batch(4, 9, 3, seed=1), shared_batch(6, 9, 3, seed=2)], dynamic=True)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 2, str(s)
+    assert any("different sliding windows" in r for r in s.fallback_reasons), str(s)
+
+
+def test_tril_buffer_mask_is_bounded_by_the_buffer():
+    """A [T, T] tril buffer sliced to [:L, :L]: causal for every length the buffer covers (dynamic)."""
+    model = MaskLM(tril=40).double()
+    backend = run_exact(model, [shared_batch(4, 6, 3, seed=1), shared_batch(4, 20, 5, seed=2)], dynamic=True)
+    s = brcompile.stats()
+    assert s.replayed_calls == 2, str(s)
+    assert all(m.endswith(": causal+keypad(l_am_) for L <= 40") for m in backend.records[0].masks), \
+        backend.records[0].masks
+
+
+def test_unprobeable_constant_bounds_the_lengths_by_a_guard():
+    """A window constant too large to probe (rows·L² over MAX_PROBE_ELEMENTS) bounds the proven lengths:
+    the dynamic graph replays below it and the per-call guard (O(1), a length check) refuses above it."""
+    big = int(masks.MAX_PROBE_ELEMENTS ** 0.5) + 10
+    model = MaskLM(window=big).double()
+    backend = run_exact(model, [shared_batch(4, 6, 3, seed=1), shared_batch(4, 9, 5, seed=2)], dynamic=True)
+    s = brcompile.stats()
+    assert s.replayed_calls == 2, str(s)
+    assert any(f"L <= {big - 1}" in m for m in backend.records[0].masks), backend.records[0].masks
+    rt = backend.records[0].runtime
+    ids = torch.zeros(2, big + 1, dtype=torch.long)
+    reasons = [g((ids, torch.ones_like(ids))) for g in rt.guards]
+    assert any(r and "not proven" in r for r in reasons), reasons
+    assert all(g((ids[:, :big - 1], torch.ones_like(ids[:, :big - 1]))) is None for g in rt.guards)
+
+
+def test_sliding_window_reads_no_index_grids():
+    """sliding_window on a [B, 1, L, L] bool mask: the window, or None for plain causal / a future key."""
+    L = 9
+    i = torch.arange(L)
+    causal = i[:, None] >= i[None, :]
+    win = causal & (i[:, None] - i[None, :] < 3)
+    assert masks.sliding_window(win[None, None].expand(2, 1, L, L), None) == 3
+    assert masks.sliding_window(causal[None, None], None) is None
+    assert masks.sliding_window(~causal, None) is None
+
+
+_CAPPED = textwrap.dedent("""
+    import resource, sys
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {here!r})
+    import torch, brcompile
+    from test_masks import MaskLM, shared_batch
+    torch.manual_seed(0)
+    model = MaskLM(vocab=37, dim=8, heads=1, window={window})
+    rows, prompt, tail = {rows}, {prompt}, {tail}
+    ids, am = shared_batch(rows, prompt, tail, seed=1, right_pad=3)
+    fn = lambda ids, am: model(ids, am).log_softmax(-1)[:, -1].mean()
+    compiled = torch.compile(fn, backend=brcompile.backend(compiler="eager", mode="replay", chunk_tokens=512),
+                             dynamic={dynamic})
+    with open("/proc/self/status") as f:
+        vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+    cap = vm + {cap_mib} * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    out = compiled(ids, am)
+    out.backward()
+    s = brcompile.stats()
+    print("RESULT", s.replayed_calls, s.fallback_calls, dict(s.fallback_reasons))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("window", [0, 1000])
+def test_large_example_batch_compiles_under_a_memory_cap(window, dynamic):
+    """Compile (and run, streamed) a batch of 8 x 12,288 positions with the address space capped at
+    512 MiB above the process's size: one [B, 1, L, L] bool mask of it is 1.1 GiB, the old int64 index
+    grids 9 GiB. The rewrite must fire (no fallback: the original graph would not fit either)."""
+    script = _CAPPED.format(root=str(ROOT), here=str(Path(__file__).parent), window=window, rows=8, prompt=12000,
+                            tail=288, dynamic=dynamic, cap_mib=512)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    assert line.startswith("RESULT 1 0 "), line
