@@ -207,19 +207,45 @@ def _is_symbolic(s) -> bool:
     return isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None
 
 
+def _linear_in(expr, symbol):
+    """(a, c) with ``expr == a * symbol + c`` for ints a != 0, c; else None."""
+    try:
+        c = expr.subs(symbol, 0)
+        a = expr.subs(symbol, 1) - c
+        if not (a.is_Integer and c.is_Integer) or a == 0 or (expr - (a * symbol + c)).expand() != 0:
+            return None
+        return int(a), int(c)
+    except Exception:  # a size expression sympy cannot take apart (FloorDiv, Mod, ...)
+        return None
+
+
+def _size_symbol(size) -> Optional[tuple[object, int, int]]:
+    """(symbol s, a, c) when a dynamic size is ``a * s + c`` in one symbol, else None."""
+    if not _is_symbolic(size):
+        return None
+    expr = size.node.expr
+    if len(expr.free_symbols) != 1:
+        return None
+    sym = next(iter(expr.free_symbols))
+    lin = _linear_in(expr, sym)
+    return None if lin is None else (sym, *lin)
+
+
 @dataclasses.dataclass(frozen=True)
 class Scaling:
     """How the mask subgraph is evaluated at a probe size (B', L') instead of the batch's (B, L).
 
-    A size is *scalable* when every place the subgraph reads it can be set: a dynamic size through the
-    SymInt placeholders whose example value is it (``b_syms``/``l_syms``), a static size through the int
-    literals equal to it (``b_literal``/``l_literal``: rewritten by :meth:`literal`). An unscalable size
-    keeps its value in every probe."""
+    A size is *scalable* when every place the subgraph reads it can be set. A dynamic size is ``a * s + c``
+    in one symbol ``s`` (Dynamo may lift ``L - 1`` as the symbol); a probe size sets ``s`` and every SymInt
+    placeholder of the subgraph takes the value of its expression (``sym_nodes``). A static size is read
+    through the int literals equal to it (``b_literal``/``l_literal``: rewritten by :meth:`literal`). An
+    unscalable size keeps its value in every probe."""
 
     B: int
     L: int
-    b_syms: tuple[fx.Node, ...] = ()
-    l_syms: tuple[fx.Node, ...] = ()
+    b_symbol: Optional[tuple] = None  # (s, a, c): B = a * s + c
+    l_symbol: Optional[tuple] = None
+    sym_nodes: tuple = ()  # (placeholder, sympy expression) of the subgraph's SymInt inputs
     b_literal: bool = False
     l_literal: bool = False
     b_scalable: bool = False
@@ -230,15 +256,31 @@ class Scaling:
         B, L = (int(s) for s in values[tree_input].shape)
         shape = getattr(example_value(tree_input), "shape", (B, L))
         b_dyn, l_dyn = _is_symbolic(shape[0]), _is_symbolic(shape[1])
-        syms = [n for n in anc if n.op == "placeholder" and isinstance(values.get(n), (int, torch.SymInt))
-                and not isinstance(values.get(n), bool)]
-        square = B == L  # one value for both: a symbol or literal could be either
-        l_syms = tuple(n for n in syms if l_dyn and int(values[n]) == L)
-        b_syms = tuple(n for n in syms if b_dyn and int(values[n]) == B)
+        b_symbol = _size_symbol(shape[0]) if b_dyn else None
+        l_symbol = _size_symbol(shape[1]) if l_dyn else None
+        if b_symbol and l_symbol and b_symbol[0] == l_symbol[0]:  # one symbol for both: not independent
+            b_symbol = l_symbol = None
+        sym_nodes = tuple((n, n.meta["example_value"].node.expr) for n in anc if n.op == "placeholder"
+                          and isinstance(n.meta.get("example_value"), torch.SymInt))
         l_lit = not l_dyn and L > SMALL_SIZE and not (not b_dyn and abs(B - L) <= LENGTH_SLACK)
         b_lit = not b_dyn and B > SMALL_SIZE and not (not l_dyn and abs(B - L) <= LENGTH_SLACK)
-        return cls(B, L, b_syms, l_syms, b_lit, l_lit,
-                   b_scalable=not square and (b_dyn or b_lit), l_scalable=not square and (l_dyn or l_lit))
+        return cls(B, L, b_symbol, l_symbol, sym_nodes, b_lit, l_lit,
+                   b_scalable=bool(b_symbol) or b_lit, l_scalable=bool(l_symbol) or l_lit)
+
+    def symbol_values(self, Bp: int, Lp: int) -> Optional[dict]:
+        """The SymInt placeholders' values at probe size (Bp, Lp) (None: a size is not a whole multiple)."""
+        assign = {}
+        for size, target in ((self.b_symbol, Bp), (self.l_symbol, Lp)):
+            if size is not None:
+                sym, a, c = size
+                if (target - c) % a:
+                    return None
+                assign[sym] = (target - c) // a
+        out = {}
+        for n, expr in self.sym_nodes:
+            if expr.free_symbols and expr.free_symbols <= set(assign):
+                out[n] = int(expr.subs(assign))
+        return out
 
     def literal(self, Bp: int, Lp: int) -> Optional[Callable[[int], int]]:
         """The literal rewrite for probe size (Bp, Lp), or None when no static size is rewritten."""
@@ -313,10 +355,10 @@ class _Probes:
         """Trials at (Bp, Lp), one per key-padding ``pattern`` (:func:`_probe_value`)."""
         sc, out = self.sc, []
         v0 = dict(self.values)
-        for n in sc.b_syms:
-            v0[n] = Bp
-        for n in sc.l_syms:
-            v0[n] = Lp
+        syms = sc.symbol_values(Bp, Lp)
+        if syms is None:
+            raise ValueError(f"no integer size symbol gives the probe size ({Bp}, {Lp})")
+        v0.update(syms)
         lit = sc.literal(Bp, Lp)
         for pat in patterns:
             v = dict(v0)
@@ -355,7 +397,7 @@ def _size_constants(anc: Sequence[fx.Node], values: dict, sc: Scaling) -> set[in
         if isinstance(v, torch.Tensor) and is_static_input(n):
             consts |= {int(s) for s in v.shape}
         elif n.op == "placeholder" and isinstance(v, int) and not isinstance(v, bool) \
-                and n not in sc.b_syms and n not in sc.l_syms:
+                and n not in dict(sc.sym_nodes):
             consts.add(int(v))
     return consts
 
@@ -389,7 +431,7 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
             if sc.b_scalable and limit is not None and limit[0] < BASE_LENGTHS[0] \
                     and sc.B * BASE_LENGTHS[0] ** 2 <= SHORT_PROBE_ELEMENTS:
                 # the batch-size literal was not only the batch size: probe with the batch's own row count
-                probes.sc = sc = dataclasses.replace(sc, b_syms=(), b_literal=False, b_scalable=False)
+                probes.sc = sc = dataclasses.replace(sc, b_symbol=None, b_literal=False, b_scalable=False)
                 more, limit = _probe_trials(attn, mask, probes, _size_constants(anc, values, sc))
             trials += more
     if limit is not None and (not dynamic or limit[0] < BASE_LENGTHS[0]) and sc.L > limit[0]:
@@ -423,8 +465,8 @@ def _probe_trials(attn: fx.Node, mask: fx.Node, probes: "_Probes",
         if rows[0] * Lp * Lp > MAX_PROBE_ELEMENTS:
             return trials, (Lp - 1, f"a probe of length {Lp} would exceed {MAX_PROBE_ELEMENTS} mask elements")
         short = rows[0] * Lp * Lp <= SHORT_PROBE_ELEMENTS
-        new = [t for r in rows for t in probes.trials(r, Lp, range(4) if short else (0, 3))]
         try:
+            new = [t for r in rows for t in probes.trials(r, Lp, range(4) if short else (0, 3))]
             for t in new:
                 m = t.run(mask)
                 if not isinstance(m, torch.Tensor) or m.dim() < 2 or tuple(m.shape[-2:]) != (Lp, Lp):
