@@ -5,12 +5,13 @@ import collections
 import dataclasses
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from brcompile import tree as tree_mod
-from brcompile.tree import PackedTree, build_tree
+from brcompile.tree import PackedTree, build_tree, rows_agree
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,68 @@ class Streaming:
         return None
 
 
+# --------------------------------------------------------------------------------------------------
+# provenance: a dense [B, L, ...] output that a packed graph materialised (packed[index]) carries its tree
+
+
+_PROVENANCE: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, its _version when tagged, tree)
+_PROVENANCE_LOCK = threading.Lock()
+
+
+def tag_provenance(t: Any, tree: PackedTree) -> None:
+    """Remember that dense ``t`` was read from packed data through ``tree.index``: positions sharing a node
+    hold the same packed token (bitwise equal values, and the same function of everything upstream)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or tuple(t.shape[:2]) != tree.batch_shape:
+        return
+    key = id(t)
+
+    def _forget(_ref, key=key):
+        with _PROVENANCE_LOCK:
+            entry = _PROVENANCE.get(key)
+            if entry is not None and entry[0] is _ref:
+                del _PROVENANCE[key]
+
+    with _PROVENANCE_LOCK:
+        _PROVENANCE[key] = (weakref.ref(t, _forget), t._version, tree)
+
+
+def provenance_of(t: Any) -> Optional[PackedTree]:
+    """The tree ``t`` was materialised through, if ``t`` is that very tensor, unmodified since (same
+    version counter); else None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    with _PROVENANCE_LOCK:
+        entry = _PROVENANCE.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != t._version:
+        return None
+    return entry[2]
+
+
+def _reused_tree(per_token: Sequence[Any]) -> Optional[PackedTree]:
+    """A tree to reuse without hashing: the provenance tree of a key, when every other key without that
+    provenance agrees with it exactly (:func:`brcompile.tree.rows_agree`); None to build one. The reused tree
+    gets ``valid`` all True (the graph reusing it has no key-padding mask)."""
+    trees = [provenance_of(x) for x in per_token]
+    B, L = tuple(per_token[0].shape[:2])
+    tree = next((t for t in trees if t is not None and t.batch_shape == (B, L)
+                 and t.index.device == per_token[0].device), None)
+    if tree is None:
+        return None
+    others = [x for x, t in zip(per_token, trees) if t is not tree]
+    if others and not rows_agree(tree, others):
+        return None
+    if tree.stats.valid_tokens != B * L:
+        tree = dataclasses.replace(tree, valid=torch.ones_like(tree.valid),
+                                   stats=dataclasses.replace(tree.stats, valid_tokens=B * L))
+    return tree
+
+
+def _describe_key(x: Any) -> str:
+    if not isinstance(x, torch.Tensor):
+        return type(x).__name__
+    return f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}"
+
+
 class ReplayRuntime:
     """The callable the backend returns for a rewritten graph.
 
@@ -137,6 +200,10 @@ class ReplayRuntime:
         self.last_tree: Optional[PackedTree] = None
         self.drop_padding = drop_padding
         self.streaming = streaming
+        # outputs that are dense reads of packed [1, N, ...] values at every (b, t): they carry the tree
+        gm = getattr(eager_packed, "__self__", None)
+        self.token_outputs: tuple = tuple(getattr(gm, "br_token_outputs", ()))
+        self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
 
     def _log_call(self, rec: CallRecord) -> None:
         if len(self.calls) < self.max_calls_logged:
@@ -152,10 +219,14 @@ class ReplayRuntime:
                 return self.original(*args)
         per_token = [args[i] for i in self.tree_positions]
         mask = None if self.keypad_position is None else args[self.keypad_position]
-        tree = build_tree(per_token, attention_mask=mask)
+        tree = _reused_tree(per_token) if mask is None else None
+        source = "built" if tree is None else "provenance"
+        if tree is None:
+            tree = build_tree(per_token, attention_mask=mask)
         if self.drop_padding and mask is not None:
             tree = tree_mod.drop_padding(tree)
         self.last_tree = tree
+        self.last_tree_source = source
         st = tree.stats
         if st.executed_tokens == 0:
             reason = "every position of the batch is padding (drop_padding left no token)"
@@ -192,9 +263,20 @@ class ReplayRuntime:
             self.packed = self.eager_packed
             out = self.packed(*args, *tree_args)
         _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens)
-        self._log_call(CallRecord(True, st.to_dict()))
-        log.debug("branch_replay call: %s", st)
+        self._log_call(CallRecord(True, self._tree_record(st, per_token, source)))
+        log.debug("branch_replay call: %s (tree %s)", st, source)
+        if self.token_outputs and isinstance(out, (tuple, list)) and not (self.drop_padding and mask is not None):
+            for i in self.token_outputs:
+                if i < len(out):
+                    tag_provenance(out[i], tree)
         return out
+
+    def _tree_record(self, st, per_token, source: str) -> dict:
+        """The call's tree stats plus its keys (shape, dtype) and where the tree came from."""
+        d = st.to_dict()
+        d["keys"] = [_describe_key(x) for x in per_token]
+        d["source"] = source
+        return d
 
 
 class FallbackRuntime:

@@ -8,7 +8,8 @@ node once (docs/ARCHITECTURE.md §4).
 
 How the tree is found (exact, vectorised):
 
-1. Every input becomes an int64 code per token (floats by their bit pattern), the mask a bool; codes
+1. Every input becomes an int64 code per token (floats by their bit pattern; a [B, L, ...] input by a hash
+   of each position's trailing bytes, checked exactly once the tree is built), the mask a bool; codes
    whose value ranges fit in 63 bits together are packed into one order-preserving int64 key.
 2. The rows are put in **lexicographic order** of their code sequences (per column, the tuple of the
    inputs' codes, compared as signed int64). Fast path: a per-token hash h(b, t) and the prefix hash
@@ -66,6 +67,7 @@ __all__ = [
     "default_token_hash",
     "drop_padding",
     "read_packed",
+    "rows_agree",
 ]
 
 counters: collections.Counter = collections.Counter()
@@ -174,7 +176,10 @@ def build_tree(
     """The exact prefix tree of a batch, in packed depth-first layout.
 
     ``per_token``: a [B, L] tensor or a sequence of them (token ids, position ids, ...; int, bool or float
-    dtypes, floats compared by bit pattern). ``attention_mask``: optional [B, L], nonzero = valid; it is
+    dtypes, floats compared by bit pattern), or [B, L, ...] tensors (embeddings, hidden states: a position's
+    trailing elements compared as bytes). A [B, L, ...] input enters as a 64-bit hash of each position's
+    bytes; the finished tree is then checked exactly (:func:`rows_agree`: every position equals its node's
+    representative, bitwise) and rebuilt from exact codes if a hash collided — a merge never rests on a hash. ``attention_mask``: optional [B, L], nonzero = valid; it is
     part of node identity and gives ``valid``. All on one device; the outputs are on it too.
 
     ``hash_fn(codes) -> Tensor``: the per-token hash of the fast path. ``codes`` is a tuple of [B, L]
@@ -188,12 +193,45 @@ def build_tree(
     Raises TreeInputError (a ValueError) on inputs that are not one [B, L] batch with B, L >= 1.
     """
     codes, mask = _token_codes(per_token, attention_mask)
-    codes = _packed_codes(codes)
+    wide = [x for x in _input_list(per_token) if x.dim() > 2]
     counters["builds"] += 1
-    perm, lcp = _lexicographic_row_order(codes, hash_fn)
-    tree = _assemble(perm, lcp, mask, codes[0].shape[1])
+    tree = _tree_of_codes(codes, mask, hash_fn)
+    if wide and not rows_agree(tree, wide):
+        # a hash collision of two different [..] vectors at one column: node identity must not rest on it
+        counters["wide_hash_fallback"] += 1
+        log.info("per-position hash of a [B, L, ...] input collided; building the tree from exact codes")
+        codes, mask = _token_codes(per_token, attention_mask, exact=True)
+        tree = _tree_of_codes(codes, mask, hash_fn)
     log.debug("prefix tree: %s", tree.stats)
     return tree
+
+
+def _tree_of_codes(codes: tuple, mask: Optional[Tensor], hash_fn: Optional[HashFn]) -> PackedTree:
+    codes = _packed_codes(codes)
+    perm, lcp = _lexicographic_row_order(codes, hash_fn)
+    return _assemble(perm, lcp, mask, codes[0].shape[1])
+
+
+def rows_agree(tree: PackedTree, per_token: PerToken) -> bool:
+    """True iff every position of every input equals, bitwise, the same input at its node's representative
+    position: ``x[b, t] == x[rep_row[index[b, t]], t]`` (all trailing elements). O(B*L*D), one gather.
+
+    For any prefix tree of the batch's rows (its nodes chain along each row) this is exactly "positions
+    sharing a node agree on every input at every column up to theirs", i.e. the tree is a correct (maybe
+    finer than necessary) tree of ``per_token``. A tree with dropped positions (index -1) never agrees."""
+    inputs = _input_list(per_token)
+    B, L = tree.batch_shape
+    if bool((tree.index < 0).any()):
+        return False
+    rep = tree.rep_row.index_select(0, tree.index.reshape(-1)).view(B, L)
+    cols = torch.arange(L, device=tree.index.device).expand(B, L)
+    for x in inputs:
+        if x.dim() < 2 or tuple(x.shape[:2]) != (B, L) or x.device != tree.index.device:
+            return False
+        w = _position_words(x) if x.dim() > 2 else _int64_code(x, "per_token")
+        if not torch.equal(w[rep, cols], w):
+            return False
+    return True
 
 
 def default_token_hash(codes: tuple) -> Tensor:
@@ -219,28 +257,31 @@ def default_token_hash(codes: tuple) -> Tensor:
 # inputs
 
 
-def _token_codes(per_token: PerToken, attention_mask: Optional[Tensor]) -> tuple:
-    """(codes, mask): one int64 [B, L] code tensor per input, then the bool mask (a 0/1 code), or None."""
+def _token_codes(per_token: PerToken, attention_mask: Optional[Tensor], exact: bool = False) -> tuple:
+    """(codes, mask): one int64 [B, L] code tensor per input, then the bool mask (a 0/1 code), or None.
+    A [B, L, ...] input's code is a per-position hash of its trailing bytes (:func:`_wide_hash`; with
+    ``exact``, the exact dense id of the trailing bytes instead)."""
     inputs = _input_list(per_token)
     first = inputs[0]
     for j, x in enumerate(inputs):
-        if x.dim() != 2:
+        if x.dim() < 2:
             raise TreeInputError(f"per_token[{j}] must be a [B, L] tensor, got shape {tuple(x.shape)}")
-        if x.shape != first.shape:
+        if x.shape[:2] != first.shape[:2]:
             shapes = f"{tuple(x.shape)}, per_token[0] has {tuple(first.shape)}"
             raise TreeInputError(f"per_token[{j}] has shape {shapes}")
         if x.device != first.device:
             raise TreeInputError(f"per_token[{j}] is on {x.device}, per_token[0] on {first.device}")
-    B, L = first.shape
+    B, L = first.shape[:2]
     if B == 0 or L == 0:
         raise TreeInputError(f"the batch is empty: B={B}, L={L} (both must be >= 1)")
-    codes = [_int64_code(x, f"per_token[{j}]") for j, x in enumerate(inputs)]
+    codes = [_int64_code(x, f"per_token[{j}]") if x.dim() == 2 else _wide_code(x, f"per_token[{j}]", exact)
+             for j, x in enumerate(inputs)]
     mask = None
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor):
             raise TreeInputError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
-        if attention_mask.shape != first.shape:
-            shapes = f"{tuple(attention_mask.shape)}, per_token has {tuple(first.shape)}"
+        if attention_mask.shape != first.shape[:2]:
+            shapes = f"{tuple(attention_mask.shape)}, per_token has {tuple(first.shape[:2])}"
             raise TreeInputError(f"attention_mask has shape {shapes}")
         if attention_mask.device != first.device:
             raise TreeInputError(f"attention_mask is on {attention_mask.device}, per_token on {first.device}")
@@ -279,6 +320,70 @@ def _int64_code(x: Tensor, name: str) -> Tensor:
     if x.element_size() == 8:  # int64, uint64: reinterpret, injective
         return x.view(torch.int64)
     return x.to(torch.int64)
+
+
+def _position_words(x: Tensor) -> Tensor:
+    """The bytes of each position of a [B, L, ...] tensor as a [B, L, W] integer tensor (the widest of
+    int64/int32/int16/uint8 that divides the position's byte count): equal iff bitwise equal (floats by
+    bit pattern: -0.0 != 0.0, NaNs by payload)."""
+    x = x.detach()
+    if x.is_complex() or x.is_quantized:
+        raise TreeInputError(f"a per-token input has unsupported dtype {x.dtype} (use int, bool or float tensors)")
+    B, L = x.shape[:2]
+    flat = x.contiguous().reshape(B, L, -1)
+    if flat.shape[-1] == 0:
+        return torch.zeros((B, L, 0), dtype=torch.uint8, device=x.device)
+    nbytes = flat.shape[-1] * flat.element_size()
+    word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if nbytes % torch.empty((), dtype=d).element_size() == 0)
+    try:
+        return flat.view(torch.uint8).view(word)
+    except RuntimeError:  # a storage offset not aligned to the word size
+        return flat.clone().view(torch.uint8).view(word)
+
+
+_WIDE_MULTIPLIERS: dict = {}
+
+
+def _wide_multipliers(n: int, device) -> Tensor:
+    """n fixed odd int64 multipliers (deterministic), one per word of a position."""
+    key = (n, str(device))
+    if key not in _WIDE_MULTIPLIERS:
+        g = torch.Generator().manual_seed(0x5EED)
+        r = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g, dtype=torch.int64).mul_(2).bitwise_or_(1)
+        _WIDE_MULTIPLIERS[key] = r.to(device)
+    return _WIDE_MULTIPLIERS[key]
+
+
+def _wide_hash(words: Tensor) -> Tensor:
+    """[B, L] int64: sum_w words[.., w] * r_w (wrapping, r_w odd and fixed), the multilinear hash of each
+    position's words. Two positions differing in one word never collide (r_w is odd, so a nonzero word
+    difference times r_w is nonzero mod 2^64); collisions need several compensating differences. Vectorised,
+    O(B*L*W); a collision only costs the exact rebuild (build_tree checks every merge)."""
+    if words.shape[-1] == 0:
+        return torch.zeros(words.shape[:2], dtype=torch.int64, device=words.device)
+    r = _wide_multipliers(words.shape[-1], words.device)
+    w = words if words.dtype == torch.int64 else words.to(torch.int64)
+    if w.device.type == "cpu":
+        return w @ r  # integer matmul: exact mod 2^64 whatever the summation order; fast on CPU
+    return torch.mul(w, r).sum(dim=-1)
+
+
+def _wide_code(x: Tensor, name: str, exact: bool) -> Tensor:
+    """The int64 [B, L] code of a [B, L, ...] input: a hash of each position's bytes, or (``exact``) the
+    dense rank of the position's bytes among all positions (equal iff bitwise equal; a lexicographic sort
+    of B*L rows of W words)."""
+    try:
+        words = _position_words(x)
+    except TreeInputError as e:
+        raise TreeInputError(f"{name}: {e}") from None
+    if not exact:
+        return _wide_hash(words)
+    B, L, W = words.shape
+    if W == 0:
+        return torch.zeros((B, L), dtype=torch.int64, device=x.device)
+    _, inverse = torch.unique(words.reshape(B * L, W), dim=0, return_inverse=True)
+    return inverse.view(B, L).to(torch.int64)
 
 
 def _packed_codes(codes: tuple) -> tuple:

@@ -240,6 +240,8 @@ class AxesContext:
     training: bool = True
     materialised: dict[fx.Node, Materialisation] = dataclasses.field(default_factory=dict)
     notes: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    # inputs shared by every row, [L, ...] or [1, L, ...]: placeholder -> its position dim (no tree key)
+    position_inputs: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
 
     def axes(self, arg: Any) -> TokenAxes:
         return get_axes(arg)
@@ -355,8 +357,11 @@ def propagate(ctx: AxesContext) -> None:
 
 
 def _placeholder_axes(ctx: AxesContext, node: fx.Node) -> TokenAxes:
-    if node in ctx.tree_inputs:
-        return token(2, 0, 1, ctx.full_window())
+    if node in ctx.tree_inputs:  # [B, L, ...]: row 0, position 1 (trailing dims: features)
+        return token(max(example_value(node).dim(), 2) if isinstance(example_value(node), torch.Tensor) else 2,
+                     0, 1, ctx.full_window())
+    if node in ctx.position_inputs:  # [L, ...] or [1, L, ...]: the same in every row
+        return token(example_value(node).dim(), None, ctx.position_inputs[node], ctx.full_window())
     v = example_value(node)
     if isinstance(v, torch.Tensor) and not is_static_input(node) and v.dim() >= 1:
         return DENSE

@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from brcompile.passes import masks as masks_mod
 from brcompile.passes.axes import (
-    AxesContext, CannotReplay, Materialisation, Window, example_value, get_axes, hint, node_args,
-    propagate, rule_for, shape_of,
+    AxesContext, CannotReplay, Materialisation, Window, example_value, get_axes, hint, is_static_input,
+    node_args, propagate, rule_for, shape_of,
 )
 from brcompile.passes.guards import BatchGuard
 from brcompile.passes.rules import eager_attention
@@ -115,19 +115,34 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     # SymInt inputs (dynamic capture) become their example ints: evaluating the mask subgraph on them
     # must not add guards to the user's graph.
     values = {p: hint(v) for p, v in zip(placeholders, example_inputs)}
-    token_ids = find_token_ids(gm)
-    B, L = hint(tuple(example_value(token_ids).shape))
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
+    token_ids = _find_token_ids_or_none(gm)
+    if token_ids is None and not attentions:
+        find_token_ids(gm)  # raises: neither token ids nor attention
     if not attentions:
         raise CannotReplay("no scaled_dot_product_attention in the graph (nothing to share)")
-    needed: set[fx.Node] = set()
-    for a in attentions:
-        for arg in node_args(a):
-            needed.update(masks_mod.ancestors(arg))
-    tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L)]
-    if token_ids not in tree_inputs:
-        raise CannotReplay("the attentions do not depend on the token ids")
     mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
+    if token_ids is not None:
+        B, L = hint(tuple(example_value(token_ids).shape))
+    else:
+        B, L = _attention_batch_dims(attentions[0])
+    needed: set[fx.Node] = set()  # everything the attentions read, masks included
+    needed_qkv: set[fx.Node] = set()  # everything their queries, keys and values read
+    for a, m in zip(attentions, mask_args):
+        for arg in node_args(a):
+            anc = masks_mod.ancestors(arg)
+            needed.update(anc)
+            if arg is not m:
+                needed_qkv.update(anc)
+    tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L)]
+    if token_ids is not None and token_ids not in tree_inputs:
+        raise CannotReplay("the attentions do not depend on the token ids")
+    if not tree_inputs:
+        raise CannotReplay(f"no [B, L] integer token input feeding an embedding, and the attentions read no "
+                           f"per-token [B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
+    position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree_inputs
+                       for d in [_position_dim(p, B, L)] if d is not None}
+    _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders)
     mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in mask_args if isinstance(m, fx.Node)])
     classified: dict[fx.Node, masks_mod.MaskInfo] = {}
     for a, m in zip(attentions, mask_args):
@@ -145,7 +160,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     if len(keypads) > 1:
         raise CannotReplay("attentions use different key-padding inputs")
     keypad = next(iter(keypads), None)
-    ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training)
+    ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs)
     ctx.notes.update(classified)
     propagate(ctx)
     guards = canon.guards + eager_attention.mask_guards(canon, classified, placeholders)
@@ -160,9 +175,66 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
 
 
 def _is_token_shaped(p: fx.Node, B: int, L: int) -> bool:
+    """A per-token input: [B, L] (ids, position ids, masks) or [B, L, ...] (embeddings, hidden states,
+    rotary tables per row), not a parameter or buffer. Its leading dims are the row and the position."""
     v = example_value(p)
-    return isinstance(v, torch.Tensor) and v.dim() == 2 and hint(tuple(v.shape)) == (B, L) \
-        and not isinstance(v, torch.nn.Parameter)
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and hint(tuple(v.shape[:2])) == (B, L) \
+        and not isinstance(v, torch.nn.Parameter) and not is_static_input(p)
+
+
+def _position_dim(p: fx.Node, B: int, L: int) -> Optional[int]:
+    """The position dim of a per-position input shared by every row: [L, ...] (dim 0) or [1, L, ...] (dim 1),
+    e.g. rotary cos/sin tables computed outside the graph; None for anything else. Such an input is the
+    same in every row, so it is no tree key: the packed graph reads it at each packed token's column."""
+    v = example_value(p)
+    if not isinstance(v, torch.Tensor) or isinstance(v, torch.nn.Parameter) or is_static_input(p) or v.dim() < 1:
+        return None
+    shape = hint(tuple(v.shape))
+    if shape[0] == L and not (B == L and v.dim() == 1):
+        return 0
+    if v.dim() >= 2 and shape[0] == 1 and shape[1] == L:
+        return 1
+    return None
+
+
+def _find_token_ids_or_none(gm: fx.GraphModule) -> Optional[fx.Node]:
+    try:
+        return find_token_ids(gm)
+    except CannotReplay:
+        return None
+
+
+def _attention_batch_dims(attn: fx.Node) -> tuple[int, int]:
+    """(B, L) of a graph without token ids: the batch and query-length dims of an attention's query
+    [B, H, L, head_dim]."""
+    q = example_value(attn.args[0] if attn.args else attn.kwargs.get("query"))
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise CannotReplay("attention query is not a [B, H, L, head_dim] tensor", attn)
+    return hint(q.shape[0]), hint(q.shape[-2])
+
+
+def _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders) -> None:
+    """An attention mask must be computed inside the graph from [B, L] tree inputs (or be absent, with
+    ``is_causal``): a mask that is itself a graph input, or is built from one (a [B, 1, L, L] mask made
+    before a per-block graph), cannot be classified from inside the graph."""
+    for a, m in zip(attentions, mask_args):
+        if not isinstance(m, fx.Node):
+            continue
+        for n in masks_mod.ancestors(m):
+            if n.op != "placeholder" or is_static_input(n):
+                continue
+            v = example_value(n)
+            if not isinstance(v, torch.Tensor):
+                continue
+            if n not in tree_inputs:
+                raise CannotReplay(
+                    f"the attention mask comes from graph input {n.name} {list(hint(tuple(v.shape)))} (a mask "
+                    f"built outside the compiled graph, e.g. a [B, 1, L, L] mask passed to a per-block graph): "
+                    f"its meaning cannot be checked inside the graph; compile the mask's construction with the "
+                    f"graph, or call the block without a mask (is_causal=True)", a)
+            if v.dim() != 2:
+                raise CannotReplay(f"the attention mask is computed from the [B, L, ...] input {n.name} "
+                                   f"(only [B, L] inputs can be probed)", a)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,9 +313,14 @@ class Packer:
         if not isinstance(arg, fx.Node):
             return arg
         if arg in self.an.tree_inputs and arg not in self.env:
-            x = self._placeholders[arg]
+            x = self._placeholders[arg]  # [B, L, ...] -> [1, N, ...]
             g = self.graph.call_function(operator.getitem, (x, (self._tree["rep_row"], self._tree["position"])))
             self.env[arg] = self.graph.call_method("unsqueeze", (g, 0))
+        elif arg in self.an.ctx.position_inputs and arg not in self.env:
+            x = self._placeholders[arg]  # [L, ...] -> [N, ...], or [1, L, ...] -> [1, N, ...]
+            key = self._tree["position"] if self.an.ctx.position_inputs[arg] == 0 else \
+                (slice(None), self._tree["position"])
+            self.env[arg] = self.graph.call_function(operator.getitem, (x, key))
         return self.env[arg]
 
     def value(self, arg: Any) -> Any:
@@ -344,7 +421,27 @@ class Packer:
         self.graph.lint()
         new_gm = fx.GraphModule(gm, self.graph, class_name="PackedGraph")
         new_gm.recompile()
+        new_gm.br_token_outputs = self._token_outputs(out)
         return new_gm
+
+    def _token_outputs(self, out: fx.Node) -> tuple[int, ...]:
+        """Positions of the graph's outputs that are whole [B, L, ...] TOKEN values read densely through the
+        tree's index (row 0, position 1, no window): the runtime tags them with the call's tree, so a next
+        graph that receives one reuses that tree (brcompile.runtime provenance). None under drop_padding."""
+        outs = out.args[0]
+        if self.options.drop_padding or not isinstance(outs, (tuple, list)):
+            return ()
+        B, L = self.an.ctx.B, self.an.ctx.L
+        found = []
+        for i, a in enumerate(outs):
+            if not isinstance(a, fx.Node):
+                continue
+            ax = get_axes(a)
+            shape = shape_of(a)
+            if ax.is_token and ax.row == 0 and ax.pos == 1 and ax.window is not None and ax.window.is_whole \
+                    and shape is not None and len(shape) >= 2 and tuple(shape[:2]) == (B, L):
+                found.append(i)
+        return tuple(found)
 
 
 def build_packed_graph(an: Analysis, options: Optional[PackOptions] = None) -> fx.GraphModule:

@@ -54,7 +54,13 @@ def emit_size(pk, node):
     x = node.args[0]
     ax = get_axes(x)
     d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    d = normalize_dim(d, ax.ndim)
+    if d is None:  # x.size(): the whole dense shape, as a tuple of per-dim sizes
+        return tuple(_emit_dim_size(pk, x, ax, k) for k in range(ax.ndim))
+    return _emit_dim_size(pk, x, ax, normalize_dim(d, ax.ndim))
+
+
+def _emit_dim_size(pk, x, ax, d):
+    """The dense size of dim ``d`` of TOKEN ``x``: token dims from the (windowed) index, others packed."""
     if d in ax.token_dims():
         idx = pk.index(ax.window)
         return pk.graph.call_method("size", (idx, 0 if d == ax.row else 1))
@@ -63,9 +69,6 @@ def emit_size(pk, node):
 
 @register_rule(["size", torch.ops.aten.sym_size.int], emit=emit_size)
 def size(ctx: AxesContext, node):
-    """x.size(d): an int; refused without ``d`` (a whole shape of a token value would mix sizes)."""
-    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if d is None:
-        ctx.fail(node, "size() of a token value without a dim")
+    """x.size(d): an int; x.size(): the dense shape (a tuple, its token dims read from the index)."""
     return CONST
 

@@ -29,7 +29,10 @@ def mod3_hash(codes):
 
 
 def cell_value(x, b, t):
-    """A hashable exact value of x[b, t]: floats by their bit pattern (struct), ints and bools by value."""
+    """A hashable exact value of x[b, t]: floats by their bit pattern (struct), ints and bools by value;
+    the trailing elements of a [B, L, ...] input by their bytes."""
+    if x.dim() > 2:
+        return ("w", x[b, t].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     v = x[b, t].item()
     if x.is_floating_point():
         return ("f", struct.pack("<d", v))
@@ -39,7 +42,7 @@ def cell_value(x, b, t):
 def brute_force_trie(inputs, mask):
     """key[b][t] = the prefix tuple of row b through column t; and {key: sorted rows having it}."""
     first = inputs[0]
-    B, L = first.shape
+    B, L = first.shape[:2]
     columns = list(inputs) + ([(mask != 0)] if mask is not None else [])
     cells = [[tuple(cell_value(x, b, t) for x in columns) for t in range(L)] for b in range(B)]
     keys = [[tuple(cells[b][: t + 1]) for t in range(L)] for b in range(B)]
@@ -52,7 +55,7 @@ def brute_force_trie(inputs, mask):
 
 def check_against_trie(tree, inputs, mask):
     """Every documented property of PackedTree, from the brute-force trie."""
-    B, L = inputs[0].shape
+    B, L = inputs[0].shape[:2]
     keys, rows_of = brute_force_trie(inputs, mask)
     n = tree.num_tokens
     assert tree.batch_shape == (B, L)
@@ -352,7 +355,8 @@ def test_to_and_properties():
     "per_token, mask, match",
     [
         (torch.zeros(5, dtype=torch.int64), None, r"must be a \[B, L\] tensor, got shape \(5,\)"),
-        (torch.zeros(2, 3, 4, dtype=torch.int64), None, r"must be a \[B, L\] tensor, got shape \(2, 3, 4\)"),
+        (torch.zeros(2, 3, 4, dtype=torch.complex64), None, r"per_token\[0\]: .*unsupported dtype torch.complex64"),
+        ([torch.zeros(2, 3), torch.zeros(2, 4, 5)], None, r"per_token\[1\] has shape \(2, 4, 5\), per_token\[0\]"),
         ([torch.zeros(2, 3), torch.zeros(2, 4)], None, r"per_token\[1\] has shape \(2, 4\), per_token\[0\] has"),
         (torch.zeros(2, 3), torch.ones(3, 2), r"attention_mask has shape \(3, 2\), per_token has \(2, 3\)"),
         (torch.zeros(0, 3), None, r"the batch is empty: B=0, L=3"),
@@ -376,3 +380,86 @@ def test_bad_hash_fn_raises():
         build_tree(torch.zeros(2, 3), hash_fn=lambda codes: torch.zeros(3, 2, dtype=torch.int64))
     with pytest.raises(TreeInputError, match=r"got \(2, 3\) torch.float32"):
         build_tree(torch.zeros(2, 3), hash_fn=lambda codes: torch.zeros(2, 3))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# [B, L, ...] inputs (embeddings, hidden states): trailing elements compared as bytes
+
+
+def vector_table(D, dtype):
+    """Rows for token ids 0..5: distinct vectors, -0.0 vs 0.0, two NaN payloads, and two vectors that
+    differ only in their last element (a hash of the first words alone would collide)."""
+    base = torch.zeros(6, D, dtype=torch.float64)
+    base[0, 0] = 0.0
+    base[1, 0] = -0.0
+    base[2] = torch.arange(D, dtype=torch.float64) + 1.5
+    base[3] = torch.arange(D, dtype=torch.float64) + 1.5
+    base[3, -1] += 1.0
+    base[4, 0] = float("nan")
+    t = base.to(dtype)
+    if dtype in (torch.float32, torch.float64, torch.bfloat16):
+        bits = t.view({torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}[dtype])
+        bits[5] = bits[4]
+        bits[5, 0] += 1  # another NaN payload
+    return t
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches(), st.sampled_from([1, 3, 4]), st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+       st.sampled_from(["default", "constant", "first_word"]))
+def test_wide_inputs_match_brute_force_trie(batch, D, dtype, wide_hash):
+    """A [B, L, D] input (embedding rows of the token ids) alone or with the ids: the tree equals the trie of
+    the bytes; a constant or partial per-position hash only costs the exact rebuild."""
+    inputs, mask = batch
+    x = vector_table(D, dtype)[inputs[0] % 6]
+    saved = tree_mod._wide_hash
+    if wide_hash == "constant":
+        tree_mod._wide_hash = lambda words: torch.zeros(words.shape[:2], dtype=torch.int64)
+    elif wide_hash == "first_word":
+        tree_mod._wide_hash = lambda words: words[..., 0].to(torch.int64)
+    try:
+        for keys in ([x], [x] + inputs[1:], [inputs[0], x]):
+            tree = build_tree(keys, mask)
+            check_against_trie(tree, keys, mask)
+            assert tree_mod.rows_agree(tree, keys)
+    finally:
+        tree_mod._wide_hash = saved
+
+
+def test_wide_hash_collision_rebuilds_exactly():
+    x = torch.zeros(3, 4, 2)
+    x[1, 2, 1] = 1.0  # rows 0 and 1 differ only at column 2, in the second element
+    x[2, 1, 0] = -0.0  # bitwise different from 0.0
+    saved = tree_mod._wide_hash
+    tree_mod._wide_hash = lambda words: torch.zeros(words.shape[:2], dtype=torch.int64)
+    try:
+        tree, delta = counter_delta(lambda: build_tree(x))
+    finally:
+        tree_mod._wide_hash = saved
+    assert delta.get("wide_hash_fallback") == 1
+    check_against_trie(tree, [x], None)
+    tree2, delta2 = counter_delta(lambda: build_tree(x))
+    assert "wide_hash_fallback" not in delta2
+    assert tree2.num_tokens == tree.num_tokens == 4 + 2 + 3
+
+
+def test_rows_agree_checks_every_key_exactly():
+    ids = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 2, 3]])
+    x = torch.randn(1, 3, 5).expand(3, 3, 5).clone()
+    tree = build_tree(ids)
+    assert tree_mod.rows_agree(tree, [ids, x])
+    y = x.clone()
+    y[2, 1, 4] = torch.nextafter(y[2, 1, 4], torch.tensor(1.0))  # one ulp at a merged position
+    assert not tree_mod.rows_agree(tree, [ids, y])
+    assert not tree_mod.rows_agree(tree, [ids[:2]])  # another batch shape
+    finer = build_tree(torch.arange(3).unsqueeze(1).expand(3, 3))  # no sharing: agrees with anything
+    assert tree_mod.rows_agree(finer, [y])
+
+
+def test_wide_input_strided_and_unaligned_views():
+    big = torch.randn(2, 5, 7, dtype=torch.float32)
+    x = big[:, 1:4, 1:6]  # non-contiguous, storage offset not a multiple of 8 bytes
+    x2 = torch.cat([x, x[:1]], dim=0)
+    tree = build_tree(x2)
+    check_against_trie(tree, [x2], None)
+    assert tree.num_tokens == 6

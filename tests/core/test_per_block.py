@@ -1,0 +1,244 @@
+"""Graphs that never see token ids: per-block compilation and ``inputs_embeds``.
+
+A transformer compiled one block at a time (``torch.compile(block)`` per layer, FSDP2 per block, graph
+breaks) gives graphs whose per-token inputs are float hidden states [B, L, D]. Their tree keys are those
+inputs, compared bitwise per position (hash, then an exact check). Every test compares the loss and every
+parameter gradient with the eager model in float64 and asserts through ``brcompile.stats()`` that the
+rewrite ran (or fell back, with the expected reason).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brcompile
+from brcompile import runtime
+from brcompile.testing import assert_exact
+from examples.gpt import GPT, GPTConfig
+from examples.grpo import grpo_loss, make_grpo_batch
+
+BACKEND_OPTIONS = dict(compiler="aot_eager")  # AOTAutograd, no Inductor codegen: fast on 2 cores
+CFG = dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=48)
+
+
+def make_model(dtype=torch.float64):
+    return GPT(GPTConfig(**CFG), seed=0).to(dtype)
+
+
+def equal_length_batch(**kw):
+    """A GRPO batch whose rows all have the same length (no padding: plain causal attention is right)."""
+    spec = dict(num_prompts=2, group_size=4, prompt_len=9, response_len=5, shared_response_prefix=2,
+                vocab_size=CFG["vocab_size"], seed=3, dtype=torch.float64)
+    spec.update(kw)
+    batch = make_grpo_batch(**spec)
+    assert bool(batch["attention_mask"].all())
+    return batch
+
+
+class PerBlock(torch.nn.Module):
+    """``model(input_ids, attention_mask)`` with the embedding, norm and head eager and each block a callable
+    from ``blocks`` (compiled or not). ``outside_mask``: build the [B, 1, L, L] mask here, outside the blocks."""
+
+    def __init__(self, model, blocks, outside_mask=False):
+        super().__init__()
+        self.model, self.blocks, self.outside_mask = model, blocks, outside_mask
+
+    def forward(self, input_ids, attention_mask=None):
+        m = self.model
+        B, L = input_ids.shape
+        h = m.tok_emb(input_ids)
+        cos, sin = m.rotary_cos_sin(L, input_ids.device, h.dtype)
+        mask = None
+        if self.outside_mask:
+            idx = torch.arange(L)
+            mask = (idx[:, None] >= idx[None, :])[None, None] & attention_mask[:, None, None, :].bool()
+        for blk in self.blocks:
+            h = blk(h, cos, sin) if mask is None else blk(h, cos, sin, mask)
+        return m.logits(m.norm(h))
+
+
+def grpo_args(batch):
+    return (batch["input_ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"],
+            batch["old_logprobs"])
+
+
+def check_exact(model, run, dtype=torch.float64):
+    """run(model) -> loss, eagerly (reference) and through the compiled pieces: loss and every grad."""
+    params = list(model.parameters())
+    ref = run(eager=True)
+    gref = torch.autograd.grad(ref, params)
+    out = run(eager=False)
+    gout = torch.autograd.grad(out, params)
+    assert_exact(out.detach(), ref.detach(), dtype, "loss")
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, dtype, f"grad of {name}")
+
+
+def assert_replayed(calls):
+    s = brcompile.stats()
+    assert s.replayed_calls == calls and s.fallback_calls == 0, str(s)
+    assert s.rewritten_graphs > 0, str(s)
+    assert s.executed_tokens < s.logical_tokens, str(s)
+
+
+# ------------------------------------------------------------------------------------------------ per block
+
+
+@pytest.mark.parametrize("shared_response_prefix", [0, 2])
+def test_gpt_compiled_per_block_grpo_exact(shared_response_prefix):
+    """torch.compile(block) per layer, no mask (is_causal=True): every block call replays; the first builds
+    the tree from the embeddings, the others reuse it (their input is the previous block's packed output)."""
+    model = make_model()
+    batch = equal_length_batch(shared_response_prefix=shared_response_prefix)
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    compiled = [torch.compile(layer, backend=backend) for layer in model.layers]
+
+    def run(eager):
+        wrapped = PerBlock(model, model.layers if eager else compiled)
+        return grpo_loss(wrapped, *grpo_args(batch), use_attention_mask=False)
+
+    check_exact(model, run)
+    assert_replayed(CFG["n_layers"])
+    calls = [c for r in backend.records for c in r.runtime.calls]
+    assert [c.tree_stats["source"] for c in calls] == ["built"] + ["provenance"] * (CFG["n_layers"] - 1)
+    B, L = batch["input_ids"].shape
+    assert all(c.tree_stats["keys"] == [f"[{B}, {L}, {CFG['dim']}] float64"] for c in calls)
+    rec = backend.records[0]
+    assert rec.rewritten and len(rec.tree_inputs) == 1  # the hidden states; cos/sin are per-position inputs
+
+
+def test_per_block_tree_equals_token_tree():
+    """The tree a block builds from its hidden states is the tree of the token ids (distinct embeddings)."""
+    model = make_model()
+    batch = equal_length_batch()
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    blk = torch.compile(model.layers[0], backend=backend)
+    with torch.no_grad():
+        PerBlock(model, [blk])(batch["input_ids"])
+    tree = backend.records[0].runtime.last_tree
+    want = brcompile.tree.build_tree(batch["input_ids"])
+    assert tree.num_tokens == want.num_tokens and tree.segments.shape == want.segments.shape
+    # the same partition of the positions into nodes (node ids may differ: siblings are ordered by code)
+    assert torch.equal(tree.rep_row[tree.index], want.rep_row[want.index])
+
+
+def test_modified_block_output_is_hashed_again():
+    """An in-place change of a block's output bumps its version: the next graph builds its tree again."""
+    model = make_model()
+    batch = equal_length_batch()
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    blk = torch.compile(model.layers[0], backend=backend)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        h = model.tok_emb(ids)
+        cos, sin = model.rotary_cos_sin(ids.shape[1], ids.device, h.dtype)
+        h1 = blk(h, cos, sin)
+        blk(h1, cos, sin)
+        h1[0, -1, 0] += 1.0  # row 0 now differs from its group at the last column
+        h3 = blk(h1, cos, sin)
+        want = model.layers[0](h1, cos, sin)
+    sources = [c.tree_stats["source"] for c in backend.records[0].runtime.calls]
+    assert sources == ["built", "provenance", "built"]
+    assert_exact(h3, want, torch.float64, "block output after the in-place change")
+
+
+def test_mask_built_outside_the_block_falls_back_with_reason():
+    """A [B, 1, L, L] mask made outside the compiled block cannot be classified from inside: the original
+    graph runs (exact), with the reason."""
+    model = make_model()
+    batch = make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(5, 8), response_len=(2, 5),
+                            vocab_size=CFG["vocab_size"], seed=4, dtype=torch.float64)
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    compiled = [torch.compile(layer, backend=backend) for layer in model.layers]
+
+    def run(eager):
+        wrapped = PerBlock(model, model.layers if eager else compiled, outside_mask=True)
+        return grpo_loss(wrapped, *grpo_args(batch))
+
+    check_exact(model, run)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == CFG["n_layers"], str(s)
+    (reason,) = s.fallback_reasons
+    assert "built outside the compiled graph" in reason and "mask" in reason, reason
+    assert not backend.records[0].rewritten
+
+
+# ------------------------------------------------------------------------------------------------ inputs_embeds
+
+
+def trunk_from_embeds(model, inputs_embeds, attention_mask=None):
+    """GPT.hidden_states with the embedding lookup done by the caller."""
+    B, L, _ = inputs_embeds.shape
+    cos, sin = model.rotary_cos_sin(L, inputs_embeds.device, inputs_embeds.dtype)
+    mask = None
+    if attention_mask is not None:
+        idx = torch.arange(L, device=inputs_embeds.device)
+        mask = (idx[:, None] >= idx[None, :])[None, None] & attention_mask[:, None, None, :].bool()
+    h = inputs_embeds
+    for layer in model.layers:
+        h = layer(h, cos, sin, mask)
+    return model.norm(h)
+
+
+def grpo_from_embeds(model, inputs_embeds, input_ids, attention_mask, completion_mask, advantages,
+                     old_logprobs, clip_eps=0.2):
+    """examples.grpo.grpo_loss on a model fed ``inputs_embeds`` (ids only pick the log-prob targets)."""
+    logits = model.logits(trunk_from_embeds(model, inputs_embeds, attention_mask))
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    ratio = torch.exp(logp - old_logprobs)
+    adv = advantages[:, None]
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    mask = completion_mask[:, 1:].to(surrogate.dtype)
+    return -((surrogate * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).mean()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "right_padded_keypad"])
+def test_inputs_embeds_grpo_exact(padded):
+    """The compiled function takes [B, L, D] embeddings computed outside (and, padded, the [B, L] mask it
+    builds the causal & key-padding mask from): tree keys = the embeddings (+ the mask)."""
+    model = make_model()
+    if padded:
+        batch = make_grpo_batch(num_prompts=2, group_size=4, prompt_len=(6, 9), response_len=(2, 6),
+                                vocab_size=CFG["vocab_size"], seed=5, dtype=torch.float64)
+    else:
+        batch = equal_length_batch()
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    compiled = torch.compile(grpo_from_embeds, backend=backend)
+    am = batch["attention_mask"] if padded else None
+
+    def run(eager):
+        fn = grpo_from_embeds if eager else compiled
+        embeds = model.tok_emb(batch["input_ids"])
+        return fn(model, embeds, batch["input_ids"], am, batch["completion_mask"], batch["advantages"],
+                  batch["old_logprobs"])
+
+    check_exact(model, run)
+    assert_replayed(1)
+    rec = backend.records[0]
+    assert rec.rewritten
+    (call,) = rec.runtime.calls
+    B, L = batch["input_ids"].shape
+    keys = call.tree_stats["keys"]
+    assert f"[{B}, {L}, {CFG['dim']}] float64" in keys and len(keys) == (2 if padded else 1), keys
+    assert call.tree_stats["source"] == "built"
+
+
+def test_float_keys_compare_bitwise_not_by_value():
+    """-0.0 and 0.0 are different keys (bitwise), so rows differing only there do not share: the packed
+    result still equals the dense one."""
+    model = make_model()
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    blk = torch.compile(model.layers[0], backend=backend)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 10, CFG["dim"], generator=g, dtype=torch.float64).repeat(4, 1, 1)
+    h[:, 6:] = torch.randn(4, 4, CFG["dim"], generator=g, dtype=torch.float64)
+    h[:, 3, 0] = 0.0
+    h[1, 3, 0] = -0.0  # row 1 leaves the shared prefix at column 3
+    cos, sin = model.rotary_cos_sin(10, h.device, h.dtype)
+    with torch.no_grad():
+        out = blk(h, cos, sin)
+        want = model.layers[0](h, cos, sin)
+    assert_exact(out, want, torch.float64, "block output")
+    tree = backend.records[0].runtime.last_tree
+    # columns 0-2 shared by all; row 1 alone from column 3; rows 0, 2, 3 share 3-5, then each alone from 6
+    assert tree.num_tokens == 3 + 7 + 3 + 3 * 4
+    assert brcompile.stats().replayed_calls == 1
