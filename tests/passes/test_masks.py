@@ -175,8 +175,10 @@ _CAPPED = textwrap.dedent("""
         vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
     cap = vm + {cap_mib} * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    out = compiled(ids, am)
-    out.backward()
+    compiled(ids, am).backward()
+    if {dynamic}:  # a second length through the same graph: the per-call guards at a new size, capped too
+        ids, am = shared_batch(rows, prompt + 7, tail, seed=2, right_pad=3)
+        compiled(ids, am).backward()
     s = brcompile.stats()
     print("RESULT", s.replayed_calls, s.fallback_calls, dict(s.fallback_reasons))
 """)
@@ -187,12 +189,13 @@ _CAPPED = textwrap.dedent("""
 @pytest.mark.parametrize("window", [0, 1000])
 def test_large_example_batch_compiles_under_a_memory_cap(window, dynamic):
     """Compile (and run, streamed) a batch of 8 x 12,288 positions with the address space capped at
-    512 MiB above the process's size: one [B, 1, L, L] bool mask of it is 1.1 GiB, the old int64 index
-    grids 9 GiB. The rewrite must fire (no fallback: the original graph would not fit either)."""
+    512 MiB above the process's size: one [B, 1, L, L] bool mask of it is 1.1 GiB, int64 index grids
+    9 GiB. The rewrite must fire (no fallback: the original graph would not fit either); dynamic: a
+    second length runs through the same graph, its per-call guards under the cap too."""
     script = _CAPPED.format(root=str(ROOT), here=str(Path(__file__).parent), window=window, rows=8, prompt=12000,
                             tail=288, dynamic=dynamic, cap_mib=512)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    assert line.startswith("RESULT 1 0 "), line
+    assert line.startswith(f"RESULT {2 if dynamic else 1} 0 "), line
