@@ -40,7 +40,11 @@ lengths P and response (tail) lengths T, it measures side by side, on the same m
   PrefixGrouper trainer, so it is not timed (branch_replay's tree building is timed: it runs per call).
 
 Times are medians of ``--repeats`` interleaved rounds (each round runs every method once, after a warm-up
-round), so load on a shared machine hits all methods alike. Per case it prints (rich tables when rich is
+round), so load on a shared machine hits all methods alike. The methods share one process but no state:
+each holds its own compiled function (:meth:`Runner._loss_fn`), ``brcompile.explain`` patches nothing and
+drops the Dynamo cache entries it compiled, and each method counts the branch_replay calls made inside its
+own calls (``replayed_calls`` in ``bench.json``; a method other than branch_replay that reached it is an
+error and makes the exit status 1). Per case it prints (rich tables when rich is
 installed) the wall-clock speedups over dense eager, the
 executed FLOPs (branch_replay's counted on its eager packed graph via :func:`brcompile.explain`; the
 compiled dense run computes the dense graph's FLOPs), the limit, the bytes saved for backward and the
@@ -419,7 +423,14 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"G={self.group_size} P={self.prefix_len} T={self.tail_len}"
+        name = f"G={self.group_size} P={self.prefix_len} T={self.tail_len}"
+        if self.num_prompts > 1:
+            name = f"{self.num_prompts} groups {name}"
+        if self.ragged:
+            name += " ragged"
+        if self.shared_response:
+            name += f" shared {self.shared_response}"
+        return name
 
     def batch_kwargs(self) -> dict:
         tail = (max(1, self.tail_len // 2), self.tail_len) if self.ragged else self.tail_len
