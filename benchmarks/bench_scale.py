@@ -1,0 +1,390 @@
+"""Long context at scale: streaming replay of a GRPO step up to 2.1M logical positions.
+
+    python benchmarks/bench_scale.py                       # CPU ladder, example GPT (about 15 minutes)
+    python benchmarks/bench_scale.py --tiny                # seconds: the same flow on a tiny ladder
+    python benchmarks/bench_scale.py --device cuda         # GPU: Qwen2-1.5B-shaped random model, bf16
+    python benchmarks/bench_scale.py --out scale.md        # also write the markdown table
+
+Each rung of the ladder is one GRPO batch (``num_prompts`` groups of ``G`` responses, prompts of P tokens,
+responses of T tokens) run in a fresh subprocess, so its peak RSS (or CUDA peak) is its own. In the
+worker: the model is built, ``torch.compile(grpo_loss, dynamic=True, backend=brcompile.backend(
+mode="replay"))`` is warmed up on a small batch (the compile a trainer pays once), then the rung's batch runs
+twice (forward + backward): the **first call** at that size (any recompile and the compile-time analysis
+included: it must not grow with the batch) and a **steady call**. The first rung is also run densely
+and compared (loss and every gradient) on a small batch (:data:`CHECK_BATCH`) — the exactness check before
+anything is timed. On CUDA the ladder runs in one process (one compile; the allocator's peak is reset per
+rung) and the first out-of-memory error ends it; on CPU each rung is a subprocess.
+
+Columns: logical positions B·L, executed (packed) tokens N, first/steady call seconds, the peak memory
+of the step above the model's own (CPU: RSS high-water mark after a reset; CUDA: max_memory_allocated),
+and its parts, from the runtime's own records: parameters (+ grads), **prefix** = the prefix's saved
+activations + the cached K/V (bytes saved for backward by the streaming node), **chunk** = the trunk's
+activation bytes per token (the streaming split's estimate) x the largest chunk, **frontier** = the [N, D]
+trunk output, **loss side** = the [B, L] inputs and per-position loss tensors, **tree** = the packed tree's
+index arrays. **dense (projected)** = what a dense step would hold: the trunk's bytes per token x B·L,
+B·L·V logits, and a [B, 1, L, L] bool mask. A rung that fails (out of memory, time) ends the ladder; the
+largest that ran is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+#: (num_prompts, G, P, T) rungs.
+CPU_LADDER = ((1, 16, 8192, 512), (1, 16, 16384, 512), (1, 16, 32768, 1024), (8, 8, 32768, 512))
+GPU_LADDER = ((1, 8, 4096, 512), (1, 16, 16384, 1024), (1, 16, 32768, 1024), (2, 16, 32768, 1024),
+              (4, 16, 32768, 1024), (8, 8, 32768, 512))
+TINY_LADDER = ((1, 4, 48, 8), (2, 4, 96, 16))
+
+#: Model shapes: (vocab, dim, layers, heads, kv_heads, hidden_dim).
+MODELS = {
+    "gpt-small": (256, 32, 2, 2, 1, 64),  # the CPU ladder: small enough for 2.1M positions on 24 GiB
+    "gpt-tiny": (64, 16, 1, 2, 1, 32),
+    "qwen2-1.5b": (151936, 1536, 28, 12, 2, 8960),
+    "qwen2-tiny": (128, 32, 2, 4, 2, 64),
+}
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+def _reset_peak(device: str) -> None:
+    """Free what can be freed and reset the peak mark (CUDA allocator stats, or Linux's VmHWM)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _current(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else _rss_bytes()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(name: str, device: str, dtype: torch.dtype):
+    """(model, forward(ids, am) -> logits, config tuple) for a model name of :data:`MODELS`."""
+    from examples.gpt import GPT, GPTConfig
+
+    vocab, dim, layers, heads, kv, hidden = MODELS[name]
+    cfg = GPTConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, hidden_dim=hidden)
+    if name.startswith("gpt"):
+        model = GPT(cfg, seed=0).to(device=device, dtype=dtype)
+        return model, model, cfg
+    from examples.hf import qwen2_model
+
+    with torch.device(device):  # initialised where it runs (1.5B parameters: seconds on a GPU)
+        model = qwen2_model(cfg, max_positions=1 << 21, dtype=dtype)
+
+    def forward(ids, am):
+        return model(input_ids=ids, attention_mask=am, use_cache=False).logits
+    return model, forward, cfg
+
+
+def _batch(rung, vocab: int, device: str, dtype, seed: int = 0):
+    from examples.grpo import make_grpo_batch
+
+    k, g, p, t = rung
+    b = make_grpo_batch(num_prompts=k, group_size=g, prompt_len=p, response_len=t, vocab_size=vocab, seed=seed,
+                        device=device, dtype=dtype)
+    return (b["input_ids"], b["attention_mask"], b["completion_mask"], b["advantages"], b["old_logprobs"])
+
+
+def _saved_bytes(fn) -> tuple[object, int]:
+    """(fn(), bytes of the distinct storages autograd saved while it ran; parameters included)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+#: The exactness check's batch (groups, G, P, T): small enough for a dense run of the GPU model.
+CHECK_BATCH = (1, 4, 512, 64)
+
+
+class Bench:
+    """The model and its compiled GRPO loss, warmed up (the compile a trainer pays once)."""
+
+    def __init__(self, args):
+        import brcompile
+        from examples.grpo import grpo_loss
+
+        self.device, self.dtype = args.device, getattr(torch, args.dtype)
+        torch.manual_seed(0)
+        self.model, self.forward, self.cfg = build_model(args.model, self.device, self.dtype)
+        self.params = [p for p in self.model.parameters()]
+        self.backend = brcompile.backend(mode="replay", chunk_tokens=args.chunk_tokens, compiler=args.compiler,
+                                         attention="triton" if self.device == "cuda" else "cpu")
+        self.loss = grpo_loss
+        self.fn = torch.compile(grpo_loss, dynamic=True, backend=self.backend)
+        t0 = time.perf_counter()
+        for seed, rung in ((1, (1, 2, 16, 4)), (2, (1, 3, 20, 5))):  # a second size: the dynamic graph
+            torch.autograd.grad(self.fn(self.forward, *self.batch(rung, seed)), self.params)
+        self.warmup_s = time.perf_counter() - t0
+
+    def batch(self, rung, seed: int = 0):
+        return _batch(rung, self.cfg.vocab_size, self.device, self.dtype, seed)
+
+    def check(self) -> dict:
+        """Loss and every gradient vs the dense (uncompiled) run on :data:`CHECK_BATCH`."""
+        from brcompile.testing import rel_err
+
+        batch = self.batch(CHECK_BATCH, seed=3)
+        ref = self.loss(self.forward, *batch)
+        gref = torch.autograd.grad(ref, self.params)
+        out = self.fn(self.forward, *batch)
+        gout = torch.autograd.grad(out, self.params)
+        return {"loss_rel_err": rel_err(out.float(), ref.float()),
+                "max_grad_rel_err": max(rel_err(a.float(), b.float()) for a, b in zip(gout, gref))}
+
+    def run(self, rung) -> dict:
+        """One rung: first and steady call, the step's peak memory and its parts (module docstring)."""
+        import brcompile
+
+        device, cfg = self.device, self.cfg
+        before = brcompile.stats()
+        batch = self.batch(rung)
+        result = {"rung": list(rung), "logical": int(batch[0].numel()), "param_bytes":
+                  sum(p.numel() * p.element_size() for p in self.params), "warmup_s": self.warmup_s}
+        _reset_peak(device)
+        base = _current(device)
+        holder = []
+        t0 = time.perf_counter()
+        _, saved = _saved_bytes(lambda: holder.append(self.fn(self.forward, *batch)))
+        grads = torch.autograd.grad(holder.pop(), self.params)
+        _sync(device)
+        result["first_s"] = time.perf_counter() - t0
+        result["step_peak"] = _peak(device) - base
+        del grads
+        t0 = time.perf_counter()
+        torch.autograd.grad(self.fn(self.forward, *batch), self.params)
+        _sync(device)
+        result["steady_s"] = time.perf_counter() - t0
+        s = brcompile.stats()
+        reasons = {k: v - before.fallback_reasons.get(k, 0) for k, v in s.fallback_reasons.items()
+                   if v > before.fallback_reasons.get(k, 0)}
+        result.update(replayed=s.replayed_calls - before.replayed_calls,
+                      streamed=s.streamed_calls - before.streamed_calls, fallbacks=reasons)
+        rec = next(r for r in reversed(self.backend.records) if r.rewritten)
+        rt = rec.runtime
+        tree = rt.last_tree
+        sched = rt.streaming.trunk.last_schedule if rt.streaming is not None else None
+        largest = 0 if sched is None else max((c.tokens for c in sched.chunks), default=0)
+        n = tree.stats.executed_tokens
+        bpt = (rec.replay or {}).get("bytes_per_token", 0)
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        B, L = batch[0].shape
+        result.update(
+            executed=n, prefix_tokens=0 if sched is None else sched.prefix_tokens, largest_chunk=largest,
+            saved_bytes=saved,
+            kv_bytes=0 if sched is None else sched.prefix_tokens * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * elt,
+            chunk_bytes=bpt * largest, frontier_bytes=n * cfg.dim * elt,
+            loss_side_bytes=sum(t.numel() * t.element_size() for t in batch) + 8 * B * L * 4,  # + ~8 fp32 [B, L]
+            tree_bytes=sum(t.numel() * t.element_size() for t in (tree.index, tree.rep_row, tree.position, tree.end,
+                                                                 tree.valid, tree.segments)),
+            dense_projected=bpt * B * L + B * L * cfg.vocab_size * elt + B * L * L)
+        return result
+
+
+def worker(args) -> dict:
+    """One rung in this process (the CPU ladder: a process per rung, so that its peak RSS is its own)."""
+    bench = Bench(args)
+    result = bench.check() if args.check else {}
+    result.update(bench.run(tuple(args.rung)))
+    return result
+
+
+def in_process_ladder(args, ladder, limit: float) -> list[dict]:
+    """The CUDA ladder: one process (compile once), the allocator's peak reset per rung; the first
+    out-of-memory error (or the time limit) ends it."""
+    t_start = time.perf_counter()
+    bench = Bench(args)
+    first = bench.check()
+    print(f"  exactness vs dense on {CHECK_BATCH}: {first}; warm-up {bench.warmup_s:.0f} s", file=sys.stderr)
+    results, last = [], 0.0
+    for rung in ladder:
+        left = limit - (time.perf_counter() - t_start)
+        if left < 3 * last + 10:
+            print(f"  time limit: stopping before {rung}", file=sys.stderr)
+            break
+        t0 = time.perf_counter()
+        try:
+            r = {**(first if not results else {}), **bench.run(rung)}
+        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+            results.append({"rung": list(rung), "error": f"OOM: {str(e).splitlines()[0][:200]}"})
+            break
+        finally:
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+        last = time.perf_counter() - t0
+        results.append(r)
+        _report(rung, r)
+    return results
+
+
+def _report(rung, r: dict) -> None:
+    print(f"  {rung}: logical {r['logical']:,}, executed {r['executed']:,}, first {r['first_s']:.1f} s, "
+          f"steady {r['steady_s']:.1f} s, step peak {_gib(r['step_peak'])} GiB, replayed {r['replayed']} "
+          f"(streamed {r['streamed']}), fallbacks {r['fallbacks']}", file=sys.stderr, flush=True)
+
+
+def run_rung(args, rung, check: bool, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--rung", *map(str, rung), "--model", args.model, "--device",
+           args.device, "--dtype", args.dtype, "--chunk-tokens", str(args.chunk_tokens), "--compiler",
+           args.compiler] + (["--check"] if check else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    except subprocess.TimeoutExpired:
+        return {"rung": list(rung), "error": f"time limit ({timeout:.0f} s)"}
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        oom = "out of memory" in proc.stderr.lower() or "can't allocate" in proc.stderr or proc.returncode == -9
+        return {"rung": list(rung), "error": ("OOM: " if oom else "") + tail[0][:300],
+                "stderr": proc.stderr[-3000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:,.2f}"
+
+
+def markdown(results: list[dict], args) -> str:
+    vocab, dim, layers, heads, kv, hidden = MODELS[args.model]
+    lines = [f"{args.model} (vocab {vocab}, dim {dim}, {layers} layers, {heads} heads / {kv} kv, MLP {hidden}), "
+             f"{args.dtype}, {args.device}; streaming replay (chunks <= {args.chunk_tokens} tokens), compiler "
+             f"{args.compiler}; memory in GiB.", "",
+             "| groups x G x P + T | logical B·L | executed N | first s | steady s | step peak | params | prefix "
+             "(saved + K/V) | K/V | chunk | frontier | loss side | tree | dense (projected) |",
+             "|---|" + "---|" * 13]
+    for r in results:
+        k, g, p, t = r["rung"]
+        name = f"{k} x {g} x {p} + {t}"
+        if "error" in r:
+            lines.append(f"| {name} | {k * g * (p + t):,} | failed: {r['error']} |" + " |" * 11)
+            continue
+        lines.append(
+            f"| {name} | {r['logical']:,} | {r['executed']:,} | {r['first_s']:.1f} | {r['steady_s']:.1f} | "
+            f"{_gib(r['step_peak'])} | {_gib(r['param_bytes'])} | {_gib(r['saved_bytes'])} | {_gib(r['kv_bytes'])} | "
+            f"{_gib(r['chunk_bytes'])} | {_gib(r['frontier_bytes'])} | {_gib(r['loss_side_bytes'])} | "
+            f"{_gib(r['tree_bytes'])} | {_gib(r['dense_projected'])} |")
+    ok = [r for r in results if "error" not in r]
+    if ok:
+        big = max(ok, key=lambda r: r["logical"])
+        lines += ["", f"Largest rung that ran: {big['logical']:,} logical positions ({big['executed']:,} executed, "
+                      f"{big['logical'] / big['executed']:.1f}x fewer)."]
+    chk = [r for r in ok if "max_grad_rel_err" in r]
+    if chk:
+        lines.append(f"Exactness vs the dense run on a {CHECK_BATCH} batch: loss rel err {chk[0]['loss_rel_err']:.1e}, "
+                     f"max grad rel err {chk[0]['max_grad_rel_err']:.1e}.")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--model", choices=sorted(MODELS), help="default: gpt-small on cpu, qwen2-1.5b on cuda")
+    p.add_argument("--dtype", help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--chunk-tokens", type=int, default=4096)
+    p.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor", "eager"),
+                   help="how the packed graphs run (inductor fuses pointwise ops but compiles for minutes on a "
+                        "28-layer model)")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole ladder (cuda: 480)")
+    p.add_argument("--tiny", action="store_true", help="a tiny ladder and model (seconds): a smoke run")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the ladder in this process, as on CUDA (default there), stopping at the first OOM")
+    p.add_argument("--out", help="also write the markdown table to this file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rung", type=int, nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    cuda = args.device == "cuda"
+    args.model = args.model or (("qwen2-tiny" if cuda else "gpt-tiny") if args.tiny else
+                                ("qwen2-1.5b" if cuda else "gpt-small"))
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    ladder = TINY_LADDER if args.tiny else (GPU_LADDER if cuda else CPU_LADDER)
+    limit = args.time_limit or (480.0 if cuda else 3600.0)
+    if cuda or args.in_process:
+        results = in_process_ladder(args, ladder, limit)
+    else:
+        t_start = time.perf_counter()
+        results = []
+        for i, rung in enumerate(ladder):
+            left = limit - (time.perf_counter() - t_start)
+            if left < 30:
+                print(f"  time limit: stopping before {rung}", file=sys.stderr)
+                break
+            r = run_rung(args, rung, check=(i == 0), timeout=left)
+            results.append(r)
+            if "error" in r:
+                print(f"  {rung}: {r['error']}", file=sys.stderr)
+                break
+            _report(rung, r)
+    table = markdown(results, args)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    ok = [r for r in results if "error" not in r]
+    return 0 if ok and all(r["streamed"] >= 2 and not r["fallbacks"] for r in ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
