@@ -116,6 +116,13 @@ class Streaming:
 
 # --------------------------------------------------------------------------------------------------
 # provenance: a dense [B, L, ...] output that a packed graph materialised (packed[index]) carries its tree
+#
+# A graph whose keys are float [B, L, D] values (per-block graphs, inputs_embeds) merges positions whose keys
+# agree bitwise. Its forward is then exact; its gradient with respect to such a key is the sum over each
+# node's positions, placed at the node's representative position. Upstream parameters receive the original
+# gradient when positions merged by value are the same function of them: an embedding lookup of equal ids,
+# or the output of a previous replayed graph. The provenance path makes the second case hold by construction
+# (the next graph merges exactly the positions that share a packed token), and it skips the hashing.
 
 
 _PROVENANCE: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, its _version when tagged, tree)
@@ -249,9 +256,10 @@ class ReplayRuntime:
             schedule = self.streaming.trunk.last_schedule
             _record(replayed_calls=1, streamed_calls=1, logical_tokens=st.logical_tokens,
                     executed_tokens=st.executed_tokens)
-            self._log_call(CallRecord(True, st.to_dict(), mode="replay",
+            self._log_call(CallRecord(True, self._tree_record(st, per_token, source), mode="replay",
                                       schedule=None if schedule is None else schedule.summary()))
             log.debug("branch_replay streaming call: %s", st)
+            self._tag_outputs(out, tree, mask)
             return out
         try:
             out = self.packed(*args, *tree_args)
@@ -265,11 +273,15 @@ class ReplayRuntime:
         _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens)
         self._log_call(CallRecord(True, self._tree_record(st, per_token, source)))
         log.debug("branch_replay call: %s (tree %s)", st, source)
+        self._tag_outputs(out, tree, mask)
+        return out
+
+    def _tag_outputs(self, out, tree: PackedTree, mask) -> None:
+        """Outputs read densely from packed values carry the tree (provenance), unless padding was dropped."""
         if self.token_outputs and isinstance(out, (tuple, list)) and not (self.drop_padding and mask is not None):
             for i in self.token_outputs:
                 if i < len(out):
                     tag_provenance(out[i], tree)
-        return out
 
     def _tree_record(self, st, per_token, source: str) -> dict:
         """The call's tree stats plus its keys (shape, dtype) and where the tree came from."""

@@ -262,7 +262,7 @@ class AxesContext:
     def materialise(self, arg: fx.Node, user: fx.Node, reason: str) -> None:
         """Record that TOKEN ``arg`` is used densely by ``user`` (it will be gathered to [B, L, …])."""
         ax = get_axes(arg)
-        if ax.row is None:
+        if ax.row is None and arg.op != "placeholder":  # a position-only input is its own dense value
             raise CannotReplay(
                 f"position-only value {arg.name} is used by an op that needs it dense ({reason})", user)
         if arg not in self.materialised:

@@ -143,6 +143,8 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree_inputs
                        for d in [_position_dim(p, B, L)] if d is not None}
     _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders)
+    # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with
+    mask_keys = [p for p in tree_inputs if example_value(p).dim() == 2]
     mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in mask_args if isinstance(m, fx.Node)])
     classified: dict[fx.Node, masks_mod.MaskInfo] = {}
     for a, m in zip(attentions, mask_args):
@@ -155,7 +157,10 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
             raise CannotReplay("attention with both a mask and is_causal=True", a)
         if m not in mask_nodes:
             raise CannotReplay("attention mask is also used outside attention masks", a)
-        classified[a] = masks_mod.classify(a, m, tree_inputs, values)
+        if not mask_keys:
+            raise CannotReplay("the attention mask is built in the graph without any [B, L] input (token ids, "
+                               "attention mask): its meaning cannot be probed; use is_causal=True", a)
+        classified[a] = masks_mod.classify(a, m, mask_keys, values)
     keypads = {info.keypad for info in classified.values() if info.keypad is not None}
     if len(keypads) > 1:
         raise CannotReplay("attentions use different key-padding inputs")
@@ -167,7 +172,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     raw = dict(zip(placeholders, example_inputs))
     for m in dict.fromkeys(m for a, m in zip(attentions, mask_args) if a in classified and isinstance(m, fx.Node)):
         a = next(a for a, mm in zip(attentions, mask_args) if mm is m)
-        g = masks_mod.meaning_guard(a, m, classified[a], tree_inputs, placeholders, raw)
+        g = masks_mod.meaning_guard(a, m, classified[a], mask_keys, placeholders, raw)
         if g is not None:  # the mask reads dynamic sizes: re-check its meaning per new size
             guards.append(g)
     return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,

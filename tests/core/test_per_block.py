@@ -65,12 +65,14 @@ def check_exact(model, run, dtype=torch.float64):
     """run(model) -> loss, eagerly (reference) and through the compiled pieces: loss and every grad."""
     params = list(model.parameters())
     ref = run(eager=True)
-    gref = torch.autograd.grad(ref, params)
+    gref = torch.autograd.grad(ref, params, allow_unused=True)
     out = run(eager=False)
-    gout = torch.autograd.grad(out, params)
+    gout = torch.autograd.grad(out, params, allow_unused=True)
     assert_exact(out.detach(), ref.detach(), dtype, "loss")
     for (name, _), a, b in zip(model.named_parameters(), gout, gref):
-        assert_exact(a, b, dtype, f"grad of {name}")
+        assert (a is None) == (b is None), name
+        if b is not None:
+            assert_exact(a, b, dtype, f"grad of {name}")
 
 
 def assert_replayed(calls):
@@ -83,13 +85,14 @@ def assert_replayed(calls):
 # ------------------------------------------------------------------------------------------------ per block
 
 
-@pytest.mark.parametrize("shared_response_prefix", [0, 2])
-def test_gpt_compiled_per_block_grpo_exact(shared_response_prefix):
+@pytest.mark.parametrize("shared_response_prefix, mode", [(0, "packed"), (2, "packed"), (2, "replay")])
+def test_gpt_compiled_per_block_grpo_exact(shared_response_prefix, mode):
     """torch.compile(block) per layer, no mask (is_causal=True): every block call replays; the first builds
-    the tree from the embeddings, the others reuse it (their input is the previous block's packed output)."""
+    the tree from the embeddings, the others reuse it (their input is the previous block's packed output).
+    mode="replay": streaming replay of each block (prefix once, tails in chunks of <= 8 tokens)."""
     model = make_model()
     batch = equal_length_batch(shared_response_prefix=shared_response_prefix)
-    backend = brcompile.backend(**BACKEND_OPTIONS)
+    backend = brcompile.backend(**BACKEND_OPTIONS, mode=mode, chunk_tokens=8)
     compiled = [torch.compile(layer, backend=backend) for layer in model.layers]
 
     def run(eager):
@@ -98,6 +101,7 @@ def test_gpt_compiled_per_block_grpo_exact(shared_response_prefix):
 
     check_exact(model, run)
     assert_replayed(CFG["n_layers"])
+    assert brcompile.stats().streamed_calls == (CFG["n_layers"] if mode == "replay" else 0)
     calls = [c for r in backend.records for c in r.runtime.calls]
     assert [c.tree_stats["source"] for c in calls] == ["built"] + ["provenance"] * (CFG["n_layers"] - 1)
     B, L = batch["input_ids"].shape
@@ -242,3 +246,123 @@ def test_float_keys_compare_bitwise_not_by_value():
     # columns 0-2 shared by all; row 1 alone from column 3; rows 0, 2, 3 share 3-5, then each alone from 6
     assert tree.num_tokens == 3 + 7 + 3 + 3 * 4
     assert brcompile.stats().replayed_calls == 1
+
+
+# ------------------------------------------------------------------------------------------------ HF models
+
+
+def _llama(num_layers=3):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float64)
+
+
+@pytest.fixture
+def llama_norms_in_float64(monkeypatch):
+    """HF's RMSNorm computes in float32 even in a float64 model; with its math in float64 the gradients can
+    be held to the float64 bound."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+    return transformers
+
+
+def shared_ids(rows=5, prompt=7, response=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randint(1, 61, (1, prompt), generator=g).expand(rows, prompt)
+    r = torch.randint(1, 61, (rows, response), generator=g)
+    r[1, :2] = r[0, :2]
+    return torch.cat([p, r], 1)
+
+
+def check_hf(model, fn, dtype=torch.float64):
+    """fn() -> logits, eager first (hooks/compilation applied by the caller in between): returns a closure."""
+    params = list(model.parameters())
+    ref = fn()
+    gref = torch.autograd.grad(ref.square().sum(), params)
+
+    def compare(out):
+        gout = torch.autograd.grad(out.square().sum(), params)
+        assert_exact(out.detach(), ref.detach(), dtype, "logits")
+        for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+            assert_exact(a, b, dtype, f"grad of {name}")
+    return compare
+
+
+def test_hf_llama_compiled_per_decoder_layer(llama_norms_in_float64):
+    """layer.compile() on every LlamaDecoderLayer, no padding (HF passes no mask: SDPA is_causal): every
+    layer replays; the rotary cos/sin [1, L, head_dim] are per-position inputs, the hidden states the key."""
+    model = _llama()
+    ids = shared_ids()
+    compare = check_hf(model, lambda: model(input_ids=ids).logits)
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    compare(model(input_ids=ids).logits)
+    assert_replayed(3)
+    sources = [c.tree_stats["source"] for r in backend.records for c in r.runtime.calls]
+    assert sources == ["built", "provenance", "provenance"]
+
+
+def test_hf_llama_padding_mask_per_layer_falls_back(llama_norms_in_float64):
+    """With padding HF builds a 4D mask once and hands it to every layer: not classifiable inside a layer's
+    graph, so every layer runs its original graph, with the reason."""
+    model = _llama(num_layers=2)
+    batch = make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(4, 7), response_len=(2, 5),
+                            vocab_size=61, seed=2)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    compare = check_hf(model, lambda: model(input_ids=ids, attention_mask=am).logits)
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    compare(model(input_ids=ids, attention_mask=am).logits)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 2, str(s)
+    assert all("built outside the compiled graph" in r for r in s.fallback_reasons), s.fallback_reasons
+
+
+def test_hf_llama_graph_break_inside_forward(llama_norms_in_float64):
+    """A graph break inside the model's forward (a pre-hook on a layer calling graph_break) splits the compiled
+    model into graphs that see hidden states: those with attention replay, the rest run unchanged."""
+    model = _llama()
+    ids = shared_ids()
+    compare = check_hf(model, lambda: model(input_ids=ids).logits)
+    model.model.layers[1].register_forward_pre_hook(lambda *a, **k: torch._dynamo.graph_break(), with_kwargs=True)
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    compare(torch.compile(lambda x: model(input_ids=x).logits, backend=backend)(ids))
+    s = brcompile.stats()
+    assert s.replayed_calls >= 2 and s.rewritten_graphs >= 1, str(s)
+    assert s.executed_tokens < s.logical_tokens
+    replayed = [r for r in backend.records if r.rewritten]
+    assert all(r.tree_inputs for r in replayed)
+    for r in backend.records:  # the graphs that fell back have no attention (embedding, norm, head)
+        assert r.rewritten or "no [B, L] integer token input" in r.reason or "no scaled_dot_product" in r.reason, \
+            r.reason
+
+
+def test_per_position_input_used_in_block_and_loss():
+    """A per-position [L] input (shared by every row) is read per packed token inside the block and as
+    itself by the dense loss."""
+    model = make_model()
+    batch = equal_length_batch()
+    ids = batch["input_ids"]
+    L = ids.shape[1]
+    w = torch.linspace(0.5, 1.5, L, dtype=torch.float64)
+
+    def f(model, h, w):
+        cos, sin = model.rotary_cos_sin(h.shape[1], h.device, h.dtype)
+        out = model.layers[0](h * w[:, None], cos, sin)
+        return (out.square().sum(-1).sum(0) * w).sum()
+
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    compiled = torch.compile(f, backend=backend)
+    check_exact(model, lambda eager: (f if eager else compiled)(model, model.tok_emb(ids), w))
+    assert_replayed(1)
