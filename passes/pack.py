@@ -2,9 +2,12 @@
 
 Two steps, transactional (the user's graph is never modified):
 
-1. :func:`analyse` — find the token ids (the integer [B, L] input of an ``embedding``), the tree inputs
-   (the [B, L] inputs the attentions depend on: token ids, attention mask, position ids …), classify
-   every attention's mask (:mod:`.masks`), and propagate token-axis facts (:mod:`.axes`, :mod:`.rules`).
+1. :func:`analyse` — find (B, L) (from the token ids, the integer [B, L] input of an ``embedding``, or
+   else from an attention's query), the tree inputs (the [B, L, ...] inputs the attentions depend on:
+   token ids, attention mask, position ids, and float embeddings or hidden states in graphs without ids:
+   per-block graphs, ``inputs_embeds``), the per-position inputs shared by all rows ([L, ...] or
+   [1, L, ...]: rotary tables made outside), classify every attention's mask (:mod:`.masks`), and
+   propagate token-axis facts (:mod:`.axes`, :mod:`.rules`).
 2. :func:`build_packed_graph` — emit a new graph that takes the original inputs plus the tree arrays
    (:data:`TREE_INPUTS`) and computes TOKEN values once per tree node, DENSE values as before; a TOKEN
    value needed dense is materialised as ``packed[index]`` (:func:`materialize`) or, for values derived

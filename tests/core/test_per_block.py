@@ -366,3 +366,19 @@ def test_per_position_input_used_in_block_and_loss():
     compiled = torch.compile(f, backend=backend)
     check_exact(model, lambda eager: (f if eager else compiled)(model, model.tok_emb(ids), w))
     assert_replayed(1)
+
+
+def test_per_block_dynamic_shapes_two_batches():
+    """dynamic=True: one compiled block serves batches of other B and L (cos/sin [L, head_dim] symbolic)."""
+    model = make_model()
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    compiled = [torch.compile(layer, backend=backend, dynamic=True) for layer in model.layers]
+    for spec in (dict(prompt_len=9, response_len=5), dict(prompt_len=12, response_len=3, group_size=3)):
+        batch = equal_length_batch(**spec)
+
+        def run(eager):
+            wrapped = PerBlock(model, model.layers if eager else compiled)
+            return grpo_loss(wrapped, *grpo_args(batch), use_attention_mask=False)
+
+        check_exact(model, run)
+    assert_replayed(2 * CFG["n_layers"])
