@@ -45,7 +45,7 @@ from examples.grpo import grpo_loss, make_grpo_batch  # noqa: E402
 MODES = ("dense", "packed", "replay")
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     """Current resident set size (Linux /proc; 0 elsewhere)."""
     try:
         with open("/proc/self/statm") as f:
@@ -54,7 +54,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
     """Return freed heap to the OS (glibc ``malloc_trim``), then reset the kernel's peak-RSS mark of this
     process (Linux: ``5 > /proc/self/clear_refs``), so the next peak is the next step's own."""
     try:
@@ -71,7 +71,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak_bytes() -> int:
+def peak_bytes() -> int:
     """Peak RSS since the last reset (VmHWM), or the lifetime ru_maxrss where /proc is unavailable."""
     try:
         with open("/proc/self/status") as f:
@@ -80,10 +80,10 @@ def _peak_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return _maxrss_bytes()
+    return maxrss_bytes()
 
 
-def _maxrss_bytes() -> int:
+def maxrss_bytes() -> int:
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 
@@ -113,18 +113,18 @@ def worker(args) -> dict:
         torch.autograd.grad(warm, params)
     batch = _batch(args, args.group)
     holder = []
-    peak_before = _maxrss_bytes()
-    reset = _reset_peak()
-    rss0 = _rss_bytes()  # after the trim
+    peak_before = maxrss_bytes()
+    reset = reset_peak()
+    rss0 = rss_bytes()  # after the trim
     saved = saved_activation_bytes(lambda: holder.append(fn(model, *batch)), exclude)
     grads = torch.autograd.grad(holder.pop(), params)
-    step_peak = _peak_bytes() - rss0 if reset else _maxrss_bytes() - rss0
+    step_peak = peak_bytes() - rss0 if reset else maxrss_bytes() - rss0
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         torch.autograd.grad(fn(model, *batch), params)
         times.append(time.perf_counter() - t0)
-    result = {"mode": args.mode, "G": args.group, "saved": saved, "peak_rss": max(peak_before, _maxrss_bytes()),
+    result = {"mode": args.mode, "G": args.group, "saved": saved, "peak_rss": max(peak_before, maxrss_bytes()),
               "step_peak": step_peak, "seconds": statistics.median(times) if times else None}
     if args.mode != "dense":
         import brcompile

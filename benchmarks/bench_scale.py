@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -41,6 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_grpo import saved_activation_bytes  # noqa: E402
+from benchmarks.bench_replay import peak_bytes, reset_peak, rss_bytes  # noqa: E402
 
 #: (num_prompts, G, P, T) rungs.
 CPU_LADDER = ((1, 16, 8192, 512), (1, 16, 16384, 512), (1, 16, 32768, 1024), (8, 8, 32768, 512))
@@ -57,48 +59,21 @@ MODELS = {
 }
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return 0
-
-
 def _reset_peak(device: str) -> None:
     """Free what can be freed and reset the peak mark (CUDA allocator stats, or Linux's VmHWM)."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    else:
+        reset_peak()
 
 
 def _peak(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated()
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return torch.cuda.max_memory_allocated() if device == "cuda" else peak_bytes()
 
 
 def _current(device: str) -> int:
-    return torch.cuda.memory_allocated() if device == "cuda" else _rss_bytes()
+    return torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
 
 
 def _sync(device: str) -> None:
@@ -132,21 +107,6 @@ def _batch(rung, vocab: int, device: str, dtype, seed: int = 0):
     b = make_grpo_batch(num_prompts=k, group_size=g, prompt_len=p, response_len=t, vocab_size=vocab, seed=seed,
                         device=device, dtype=dtype)
     return (b["input_ids"], b["attention_mask"], b["completion_mask"], b["advantages"], b["old_logprobs"])
-
-
-def _saved_bytes(fn) -> tuple[object, int]:
-    """(fn(), bytes of the distinct storages autograd saved while it ran; parameters included)."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
 
 
 #: The exactness check's batch (groups, G, P, T): small enough for a dense run of the GPU model.
@@ -201,7 +161,7 @@ class Bench:
         base = _current(device)
         holder = []
         t0 = time.perf_counter()
-        _, saved = _saved_bytes(lambda: holder.append(self.fn(self.forward, *batch)))
+        saved = saved_activation_bytes(lambda: holder.append(self.fn(self.forward, *batch)), exclude=set())
         grads = torch.autograd.grad(holder.pop(), self.params)
         _sync(device)
         result["first_s"] = time.perf_counter() - t0
