@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from brcompile import runtime
 from brcompile.passes.axes import CannotReplay
+from brcompile.passes.check import check_packed_graph
 from brcompile.passes.pack import PackOptions, analyse, build_packed_graph
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class BranchReplayBackend:
             packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
                                                         drop_padding=opts.drop_padding))
             _check_attention_support(packed, example_inputs, opts.attention)
+            example_args = _packed_example_args(an, example_inputs)
+            check_packed_graph(packed, example_args)
         except CannotReplay as e:
             return self._fallback(gid, gm, str(e), e.node_name, opts)
         except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
@@ -147,7 +150,7 @@ class BranchReplayBackend:
         streaming, replay_info, replay_reason = None, None, None
         if opts.mode != "packed":
             try:
-                streaming, replay_info = self._streaming(an, packed, example_inputs, opts)
+                streaming, replay_info = self._streaming(packed, example_args, opts)
             except CannotReplay as e:
                 replay_reason = str(e)
             except Exception as e:  # never worse than the packed mode
@@ -188,21 +191,14 @@ class BranchReplayBackend:
         """The packed (or a replay) graph as it will run: compiled once with dynamic shapes."""
         return gm.forward if opts.compiler == "eager" else torch.compile(gm, backend=opts.compiler, dynamic=True)
 
-    def _streaming(self, an, packed: fx.GraphModule, example_inputs, opts: Options):
-        """(runtime.Streaming, explain dict) for mode replay/auto; raises CannotReplay (passes/replay.py)."""
+    def _streaming(self, packed: fx.GraphModule, example_args, opts: Options):
+        """(runtime.Streaming, explain dict) for mode replay/auto; raises CannotReplay (passes/replay.py).
+        ``example_args``: the packed graph's inputs for the example batch (:func:`_packed_example_args`)."""
         from brcompile.backends import cached  # noqa: F401  (registers tree_attention_cached_forward)
-        from brcompile.passes.axes import hint
-        from brcompile.passes.pack import TREE_INPUTS
         from brcompile.passes.replay import split_for_replay
         from brcompile.replay import ReplayTrunk, TrunkGraphs
-        from brcompile.tree import build_tree
 
-        args = [hint(a) for a in example_inputs]
-        mask = None if an.keypad_position is None else args[an.keypad_position]
-        tree = build_tree([args[i] for i in an.tree_input_positions], attention_mask=mask)
-        tree_args = dict(index=tree.index, rep_row=tree.rep_row, position=tree.position, end=tree.end,
-                         valid=tree.valid, all_valid=torch.ones_like(tree.valid), segments=tree.segments)
-        split = split_for_replay(packed, [*args, *(tree_args[n] for n in TREE_INPUTS)])
+        split = split_for_replay(packed, example_args)
         graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
                              tuple(d for _, d in split.frontier), 2 * len(split.cached))
         split.outer.replay_trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
@@ -235,6 +231,21 @@ class BranchReplayBackend:
             dump_graphs(opts.dump_dir, gm, packed, reason=reason, failed_node=node)
         except Exception:  # a diagnostic must never break compilation
             log.warning("branch_replay: writing graph dumps to %s failed", opts.dump_dir, exc_info=True)
+
+
+def _packed_example_args(an, example_inputs) -> list:
+    """The packed graph's inputs for the example batch: its inputs (SymInts as their hints), then the tree
+    arrays of its tree (O(B·L)), in ``TREE_INPUTS`` order."""
+    from brcompile.passes.axes import hint
+    from brcompile.passes.pack import TREE_INPUTS
+    from brcompile.tree import build_tree
+
+    args = [hint(a) for a in example_inputs]
+    mask = None if an.keypad_position is None else args[an.keypad_position]
+    tree = build_tree([args[i] for i in an.tree_input_positions], attention_mask=mask)
+    tree_args = dict(index=tree.index, rep_row=tree.rep_row, position=tree.position, end=tree.end,
+                     valid=tree.valid, all_valid=torch.ones_like(tree.valid), segments=tree.segments)
+    return [*args, *(tree_args[n] for n in TREE_INPUTS)]
 
 
 def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str) -> None:

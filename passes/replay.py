@@ -33,13 +33,13 @@ import torch.fx as fx
 
 from brcompile.backends.ops import attention_extras
 from brcompile.passes.axes import CannotReplay
+from brcompile.passes.check import TOKEN_ARRAYS, symbolic_run
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ReplaySplit", "split_for_replay", "TOKEN_ARRAYS"]
 
 #: Per-token tree arrays of the packed graph that the trunk reads (in the trunk graphs' order).
-TOKEN_ARRAYS = ("rep_row", "position", "end", "valid", "all_valid", "segments")
 _ATTENTION = torch.ops.brcompile.tree_attention_forward.default
 
 
@@ -55,31 +55,6 @@ class ReplaySplit:
     cached: tuple[str, ...]  # attention nodes whose K/V the prefix caches
     trunk_nodes: int
     bytes_per_token: int  # bytes per packed token of the trunk's non-view values (a bound on what is saved)
-
-
-def _symbolic_run(gm: fx.GraphModule, args: Sequence[Any], token_positions: dict[str, int]):
-    """Fake-tensor propagation with the packed token count N symbolic; returns N's sympy symbol.
-
-    Tree arrays get a dynamic dim 0; the shape environment gives equal sizes one symbol (duck sizing),
-    so every value's N-sized dims show as that symbol."""
-    from torch._dynamo.source import ConstantSource
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    fakes = []
-    for i, a in enumerate(args):
-        if not isinstance(a, torch.Tensor):
-            fakes.append(a)
-            continue
-        dynamic = i in token_positions.values()
-        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if (dynamic and d == 0) else
-                                                      DimDynamic.STATIC for d in range(a.dim())])
-        fakes.append(mode.from_tensor(a, symbolic_context=ctx, source=ConstantSource(f"arg{i}")))
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-    # the tree arrays' sizes were unified by the ops that combine them (guards s_i == s_j)
-    return mode.shape_env, fakes[token_positions["position"]].shape[0].node.expr
 
 
 def _token_dims(val, n) -> list[int]:
@@ -109,7 +84,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     by_name = {p.name: i for i, p in enumerate(placeholders)}
     tok_pos = {a: by_name[f"tree_{a}"] for a in TOKEN_ARRAYS}
     tok_nodes = [placeholders[i] for i in tok_pos.values()]
-    n_sym = _symbolic_run(packed, example_args, tok_pos)
+    n_sym = symbolic_run(packed, example_args, tok_pos)
     index = placeholders[by_name["tree_index"]]
     outer_side = _descendants([index]) | {index}
     token_side = _descendants(tok_nodes)
