@@ -160,7 +160,7 @@ class BranchReplayBackend:
                 replay_reason = f"internal error: {type(e).__name__}: {e}"
             if replay_reason is not None:
                 log.info("branch_replay: graph %d runs packed only: %s", gid, replay_reason)
-        rt = runtime.ReplayRuntime(original, run_packed, an.tree_input_positions,
+        rt = runtime.PackedRuntime(original, run_packed, an.tree_input_positions,
                                    an.keypad_position, opts.min_dedup, eager_packed=packed.forward,
                                    guards=[g for g in an.guards if not (opts.drop_padding and g.padding_only)],
                                    drop_padding=opts.drop_padding, streaming=streaming)
@@ -192,7 +192,7 @@ class BranchReplayBackend:
         return gm.forward if opts.compiler == "eager" else torch.compile(gm, backend=opts.compiler, dynamic=True)
 
     def _streaming(self, packed: fx.GraphModule, example_args, opts: Options):
-        """(runtime.Streaming, explain dict) for mode replay/auto; raises CannotReplay (passes/replay.py).
+        """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/replay.py).
         ``example_args``: the packed graph's inputs for the example batch (:func:`_packed_example_args`)."""
         from brcompile.backends import cached  # noqa: F401  (registers tree_attention_cached_forward)
         from brcompile.passes.replay import split_for_replay
@@ -202,7 +202,7 @@ class BranchReplayBackend:
         graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
                              tuple(d for _, d in split.frontier), 2 * len(split.cached))
         split.outer.replay_trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
-        streaming = runtime.Streaming(opts.mode, opts.memory_budget, split.bytes_per_token,
+        streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,
                                       self._compile(split.outer, opts), split.outer.replay_trunk)
         info = dict(trunk_nodes=split.trunk_nodes, ext_inputs=split.ext_inputs,
                     frontier=tuple(f"{n} (token dim {d})" for n, d in split.frontier), cached=split.cached,
@@ -235,17 +235,14 @@ class BranchReplayBackend:
 
 def _packed_example_args(an, example_inputs) -> list:
     """The packed graph's inputs for the example batch: its inputs (SymInts as their hints), then the tree
-    arrays of its tree (O(B·L)), in ``TREE_INPUTS`` order."""
+    arrays of its tree (O(B·L), ``PackedTree.graph_args``)."""
     from brcompile.passes.axes import hint
-    from brcompile.passes.pack import TREE_INPUTS
     from brcompile.tree import build_tree
 
     args = [hint(a) for a in example_inputs]
     mask = None if an.keypad_position is None else args[an.keypad_position]
     tree = build_tree([args[i] for i in an.tree_input_positions], attention_mask=mask)
-    tree_args = dict(index=tree.index, rep_row=tree.rep_row, position=tree.position, end=tree.end,
-                     valid=tree.valid, all_valid=torch.ones_like(tree.valid), segments=tree.segments)
-    return [*args, *(tree_args[n] for n in TREE_INPUTS)]
+    return [*args, *tree.graph_args()]
 
 
 def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str) -> None:

@@ -520,16 +520,12 @@ class _LoggedRuntime:
                 "mode": "replay" if delta.streamed_calls else "packed"}
 
     def _packed_args(self, args: tuple) -> Optional[tuple]:
-        """The packed graph's arguments of the last call: the call's arguments, then the tree's tensors in
-        ``passes.pack.TREE_INPUTS`` order (as the runtime passes them); None without a tree."""
-        from brcompile.passes.pack import TREE_INPUTS
-
+        """The packed graph's arguments of the last call: the call's arguments, then the tree's
+        (``PackedTree.graph_args``, as the runtime passes them); None without a tree."""
         tree = getattr(self.rt, "last_tree", None)
         if tree is None:
             return None
-        tensors = dict(index=tree.index, rep_row=tree.rep_row, position=tree.position, end=tree.end,
-                       valid=tree.valid, all_valid=torch.ones_like(tree.valid), segments=tree.segments)
-        return (*args, *(tensors[n] for n in TREE_INPUTS))
+        return (*args, *tree.graph_args())
 
     def _cost(self, args: tuple, entry: dict) -> dict:
         """FLOPs and bytes saved for backward of the eager original graph and, for a replayed (packed-mode)

@@ -92,7 +92,7 @@ class CallRecord:
 
 
 @dataclasses.dataclass
-class Streaming:
+class StreamingRuntime:
     """What a rewritten graph needs to run in streaming mode (brcompile/replay.py)."""
 
     mode: str  # "replay" or "auto"
@@ -183,8 +183,9 @@ def _describe_key(x: Any) -> str:
     return f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}"
 
 
-class ReplayRuntime:
-    """The callable the backend returns for a rewritten graph.
+class PackedRuntime:
+    """The callable the backend returns for a rewritten graph (packed mode; streaming mode through its
+    :class:`StreamingRuntime` when the backend has one).
 
     Each call checks the rewrite's per-call guards (``passes.guards``), builds the prefix tree of the tree
     inputs, and runs the packed graph when the guards hold and the batch shares enough
@@ -194,7 +195,7 @@ class ReplayRuntime:
     def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
                  keypad_position: Optional[int], min_dedup: float, max_calls_logged: int = 64,
                  eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = (),
-                 drop_padding: bool = False, streaming: Optional[Streaming] = None):
+                 drop_padding: bool = False, streaming: Optional[StreamingRuntime] = None):
         self.original = original
         self.guards = tuple(guards)  # passes.guards.BatchGuard: args -> None or the reason to fall back
         self.packed = packed
@@ -246,8 +247,7 @@ class ReplayRuntime:
             self._log_call(CallRecord(False, st.to_dict(), reason))
             log.debug("branch_replay call falls back: %s", reason)
             return self.original(*args)
-        tree_args = (tree.index, tree.rep_row, tree.position, tree.end, tree.valid,
-                     torch.ones_like(tree.valid), tree.segments)
+        tree_args = tree.graph_args()
         why_packed = None if self.streaming is None else self.streaming.choose(tree)
         if why_packed is not None:
             log.debug("branch_replay call runs packed, not streamed: %s", why_packed)

@@ -118,6 +118,12 @@ class TreeStats:
         return dataclasses.asdict(self)
 
 
+#: The extra inputs of every packed graph, after the original ones (:meth:`PackedTree.graph_args`; the
+#: rewrite names its placeholders ``tree_<name>``): ``all_valid`` is ``valid`` with every bit set, for
+#: attentions without key padding.
+GRAPH_ARGS = ("index", "rep_row", "position", "end", "valid", "all_valid", "segments")
+
+
 @dataclass(frozen=True, eq=False)
 class PackedTree:
     """The prefix tree of a [B, L] batch in packed (depth-first preorder) layout; N packed tokens.
@@ -162,6 +168,11 @@ class PackedTree:
     def batch_shape(self) -> tuple:
         """(B, L) of the dense batch."""
         return (self.index.shape[0], self.index.shape[1])
+
+    def graph_args(self) -> tuple:
+        """The tree's inputs of a packed graph, in :data:`GRAPH_ARGS` order (``all_valid``: all True)."""
+        return (self.index, self.rep_row, self.position, self.end, self.valid, torch.ones_like(self.valid),
+                self.segments)
 
     def to(self, device) -> "PackedTree":
         """The same tree with every tensor on ``device``."""

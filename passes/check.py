@@ -16,11 +16,12 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.axes import CannotReplay
+from brcompile.tree import GRAPH_ARGS
 
 __all__ = ["symbolic_run", "check_packed_graph", "TOKEN_ARRAYS"]
 
 #: The packed graph's tree arrays whose dim 0 is N (or the segment count).
-TOKEN_ARRAYS = ("rep_row", "position", "end", "valid", "all_valid", "segments")
+TOKEN_ARRAYS = GRAPH_ARGS[1:]
 
 
 def symbolic_run(gm: fx.GraphModule, args: Sequence[Any], token_positions: dict[str, int]):

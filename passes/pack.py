@@ -31,12 +31,12 @@ from brcompile.passes.axes import (
 from brcompile.passes.guards import BatchGuard
 from brcompile.passes.rules import eager_attention
 from brcompile.passes.rules.attention import SDPA
-from brcompile.tree import read_packed
+from brcompile.tree import GRAPH_ARGS, read_packed
 
 log = logging.getLogger(__name__)
 
 #: Extra inputs of the packed graph, in this order, after the original ones.
-TREE_INPUTS = ("index", "rep_row", "position", "end", "valid", "all_valid", "segments")
+TREE_INPUTS = GRAPH_ARGS
 
 _EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
 #: A TOKEN value read through a window covering at most this fraction of the B·L positions is computed
