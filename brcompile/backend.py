@@ -163,7 +163,7 @@ class BranchReplayBackend:
         rt = runtime.PackedRuntime(original, run_packed, an.tree_input_positions,
                                    an.keypad_position, opts.min_dedup, eager_packed=packed.forward,
                                    guards=[g for g in an.guards if not (opts.drop_padding and g.padding_only)],
-                                   drop_padding=opts.drop_padding, streaming=streaming)
+                                   drop_padding=opts.drop_padding, streaming=streaming, strict=opts.strict)
         fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]
         covered = {name for n in fused_nodes for name in n.meta.get("br_fused_covers", ())}
         rec = GraphRecord(

@@ -195,8 +195,10 @@ class PackedRuntime:
     def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
                  keypad_position: Optional[int], min_dedup: float, max_calls_logged: int = 64,
                  eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = (),
-                 drop_padding: bool = False, streaming: Optional[StreamingRuntime] = None):
+                 drop_padding: bool = False, streaming: Optional[StreamingRuntime] = None,
+                 strict: bool = False):
         self.original = original
+        self.strict = strict  # re-raise a failing packed/streaming forward instead of running the original
         self.guards = tuple(guards)  # passes.guards.BatchGuard: args -> None or the reason to fall back
         self.packed = packed
         self.eager_packed = eager_packed
@@ -252,7 +254,10 @@ class PackedRuntime:
         if why_packed is not None:
             log.debug("branch_replay call runs packed, not streamed: %s", why_packed)
         if self.streaming is not None and why_packed is None:
-            out = self.streaming.outer(*args, *tree_args)
+            try:
+                out = self.streaming.outer(*args, *tree_args)
+            except Exception as e:
+                return self._failed(e, "streaming", st, args)
             schedule = self.streaming.trunk.last_schedule
             _record(replayed_calls=1, streamed_calls=1, logical_tokens=st.logical_tokens,
                     executed_tokens=st.executed_tokens)
@@ -263,18 +268,35 @@ class PackedRuntime:
             return out
         try:
             out = self.packed(*args, *tree_args)
-        except torch._dynamo.exc.BackendCompilerFailed:
-            if self.eager_packed is None:
-                raise
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if self.strict or self.eager_packed is None:
+                return self._failed(e, "packed", st, args)
             log.warning("branch_replay: compiling the packed graph failed; running it uncompiled",
                         exc_info=True)
             self.packed = self.eager_packed
-            out = self.packed(*args, *tree_args)
+            try:
+                out = self.packed(*args, *tree_args)
+            except Exception as e:
+                return self._failed(e, "packed", st, args)
+        except Exception as e:
+            return self._failed(e, "packed", st, args)
         _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens)
         self._log_call(CallRecord(True, self._tree_record(st, per_token, source)))
         log.debug("branch_replay call: %s (tree %s)", st, source)
         self._tag_outputs(out, tree, mask)
         return out
+
+    def _failed(self, e: Exception, what: str, st, args):
+        """A packed (or streaming) forward that raised: a bug of the rewrite that the compile-time checks
+        missed. The original graph runs (its own errors, if any, are the user's), recording why; in strict
+        mode the error is raised."""
+        if self.strict:
+            raise e
+        reason = f"internal error running the {what} graph: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.warning("branch_replay: %s; running the original graph", reason, exc_info=True)
+        _record(fallback_calls=1, reason=reason)
+        self._log_call(CallRecord(False, st.to_dict(), reason))
+        return self.original(*args)
 
     def _tag_outputs(self, out, tree: PackedTree, mask) -> None:
         """Outputs read densely from packed values carry the tree (provenance), unless padding was dropped."""

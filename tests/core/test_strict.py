@@ -89,3 +89,27 @@ def test_streaming_split_internal_error(monkeypatch):
     be = brcompile.backend(compiler="eager", mode="replay", strict=True)
     with pytest.raises(Exception, match="a bug in a pass"):
         torch.compile(model, backend=be)(ids)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failing_packed_forward_runs_the_original(strict):
+    """A packed graph that raises at run time (a rewrite bug the compile-time checks missed): the original
+    graph runs, exactly, with the reason recorded — or, strict, the error reaches the caller."""
+    model = _model()
+    backend = brcompile.backend(compiler="eager", strict=strict)
+    compiled = torch.compile(lambda ids: model(ids).sum(), backend=backend)
+    ids = _ids()
+    compiled(ids)
+    assert brcompile.stats().replayed_calls == 1
+    rt = backend.records[0].runtime
+    rt.packed = _broken_rewrite
+    if strict:
+        with pytest.raises(RuntimeError, match="a bug in a pass"):
+            compiled(ids)
+        return
+    out = compiled(ids)
+    assert torch.equal(out, model(ids).sum())
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 1, str(s)
+    assert any("internal error running the packed graph: RuntimeError: a bug in a pass" in r
+               for r in s.fallback_reasons), str(s)
