@@ -176,7 +176,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     for m in dict.fromkeys(m for a, m in zip(attentions, mask_args) if a in classified and isinstance(m, fx.Node)):
         a = next(a for a, mm in zip(attentions, mask_args) if mm is m)
         g = masks_mod.meaning_guard(a, m, classified[a], mask_keys, placeholders, raw)
-        if g is not None:  # the mask reads dynamic sizes: re-check its meaning per new size
+        if g is not None:  # a dynamic-length graph whose mask is proven up to a length only: O(1) length guard
             guards.append(g)
     return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
                     guards, canon.notes)
