@@ -35,7 +35,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from brcompile.backends.ops import (
     TreeAttentionError, _check_impl_name, _check_inputs, _check_window, _window_kwargs, count_visible_pairs,
-    get_attention_impl, lse_dtype_for,
+    get_attention_impl, lse_dtype_for, register_lower_precision_autocast,
 )
 
 log = logging.getLogger(__name__)
@@ -247,6 +247,8 @@ def _backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd("brcompile::tree_attention_cached_forward", _backward,
                                 setup_context=_setup_context)
+# SDPA's autocast policy (backends/ops.py): q, k, v and the cached K/V cast to the autocast dtype
+register_lower_precision_autocast("brcompile::tree_attention_cached_forward")
 
 
 def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor, v_cache: Tensor,

@@ -370,6 +370,60 @@ def _tree_attention_composite(q, k, v, end, valid, segments, scale, impl):
 _LIB.impl("tree_attention", _tree_attention_composite, "CompositeImplicitAutograd")
 
 
+# ---------------------------------------------------------------------------------------- autocast
+
+#: Device types whose autocast gets SDPA's policy for the brcompile ops (those this torch supports).
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_AUTOCAST_LIB = torch.library.Library("brcompile", "FRAGMENT")
+_AUTOCAST_REGISTERED: set = set()
+
+
+def autocast_cast(x, device_type: str, dtype: torch.dtype):
+    """Autocast's lower-precision cast (the policy of ``scaled_dot_product_attention``, ``linear``): a
+    floating tensor on ``device_type`` that is not float64 becomes ``dtype``; anything else is unchanged."""
+    if isinstance(x, Tensor) and x.is_floating_point() and x.device.type == device_type \
+            and x.dtype != torch.float64:
+        return x.to(dtype)
+    return x
+
+
+def register_lower_precision_autocast(qualname: str) -> None:
+    """Give the op ``qualname`` SDPA's autocast rule on every autocast device type: inside an autocast
+    region its floating inputs (not float64, on that device) are cast to the region's dtype
+    (``torch.get_autocast_dtype``, read per call: ``autocast("cuda", dtype=torch.bfloat16)`` gets bfloat16),
+    then the op runs with autocast off. ``torch.library.register_autocast`` fixes the dtype at
+    registration, hence this equivalent. Integer/bool inputs (tree arrays, positions) are untouched."""
+    if qualname in _AUTOCAST_REGISTERED:
+        return
+    ns, name = qualname.split("::")
+    op = getattr(getattr(torch.ops, ns), name).default
+    for device_type in AUTOCAST_DEVICE_TYPES:
+        try:
+            if not torch._C._is_autocast_available(device_type):
+                continue
+            key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+            key = getattr(torch._C.DispatchKey, key_name)
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+
+        def kernel(_keyset, *args, _device_type=device_type, _key=key, **kwargs):
+            dtype = torch.get_autocast_dtype(_device_type)
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
+                return op(*(autocast_cast(a, _device_type, dtype) for a in args),
+                          **{k: autocast_cast(a, _device_type, dtype) for k, a in kwargs.items()})
+
+        # disabled for Dynamo: the kernel runs from the dispatcher, also inside a compiled region that
+        # runs a graph eagerly, where Dynamo would otherwise try to compile its frame (and break on the guard)
+        _AUTOCAST_LIB.impl(name, torch._dynamo.disable(kernel), key_name, with_keyset=True)
+    _AUTOCAST_REGISTERED.add(qualname)
+
+
+# tree_attention (CompositeImplicitAutograd) reaches tree_attention_forward, which holds the rule; the
+# backward op gets none: autograd hands it the forward's (already cast) q, k, v and a grad_out of out's
+# dtype, and its float32 lse must stay float32.
+register_lower_precision_autocast("brcompile::tree_attention_forward")
+
+
 # ------------------------------------------------------------------------------------------- flops
 
 

@@ -26,6 +26,7 @@ Peak activation memory: the prefix's activations + one chunk's, independent of t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Callable, Optional, Sequence
@@ -185,6 +186,7 @@ class ReplayFunction(torch.autograd.Function):
                 for o, t, d in zip(outs, part, graphs.frontier_dims):
                     o.index_copy_(d, chunk.ids.to(dev), t)
         ctx.graphs, ctx.schedule, ctx.n_ext = graphs, schedule, n_ext
+        ctx.autocast = _autocast_state(dev)
         ctx.leaves, ctx.pre_front, ctx.cache = leaves, pre_front, cache
         ctx.tree = (rep_row, position, valid, pre_valid, pre_position)
         return tuple(outs)
@@ -207,7 +209,7 @@ class ReplayFunction(torch.autograd.Function):
             if all(g is None for g in g_out):
                 continue
             cache = [c.detach().requires_grad_() for c in ctx.cache]
-            with torch.enable_grad():
+            with torch.enable_grad(), _autocast_as(ctx.autocast):  # the forward's autocast, as checkpointing
                 part = _run_tail(graphs, leaves, chunk, rep_row, position, valid, cache, pre_valid, pre_position)
                 used = [(t, g) for t, g in zip(part, g_out) if g is not None and t.requires_grad]
                 got = torch.autograd.grad([t for t, _ in used], [leaves[i] for i in wrt] + cache,
@@ -233,6 +235,22 @@ class ReplayFunction(torch.autograd.Function):
                 _accumulate(acc, i, g)
         ctx.leaves = ctx.pre_front = ctx.cache = None  # free the prefix graph
         return (None, None, None, None, *acc, None, None, None, None, None, None)
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    """(device type, enabled, dtype) of autocast for CPU and ``device``'s type: a chunk re-run in backward
+    must compute what its forward computed (the backward usually runs outside the autocast region)."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in dict.fromkeys(("cpu", device.type)))
+
+
+def _autocast_as(state: tuple) -> contextlib.ExitStack:
+    """A context that restores the autocast ``state`` (only the device types that differ now)."""
+    stack = contextlib.ExitStack()
+    for d, enabled, dtype in state:
+        if (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) != (enabled, dtype):
+            stack.enter_context(torch.autocast(d, dtype=dtype, enabled=enabled))
+    return stack
 
 
 def _accumulate(acc: list, i: int, g: Optional[Tensor]) -> None:

@@ -41,6 +41,7 @@ __all__ = ["ReplaySplit", "split_for_replay", "TOKEN_ARRAYS"]
 
 #: Per-token tree arrays of the packed graph that the trunk reads (in the trunk graphs' order).
 _ATTENTION = torch.ops.brcompile.tree_attention_forward.default
+_AUTOCAST_REGION = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
 
 
 @dataclasses.dataclass
@@ -80,6 +81,10 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     """Split a packed graph (see module docstring); ``example_args`` are its inputs for one real batch
     (the original inputs followed by the tree arrays). Raises CannotReplay when the trunk is not a
     token-local function of the per-token arrays."""
+    region = next((n for n in packed.graph.nodes if n.op == "call_function" and n.target in _AUTOCAST_REGION), None)
+    if region is not None:  # the trunk graphs would run outside the region (in a lower precision's place)
+        raise CannotReplay("streaming replay: an autocast region inside the compiled function (the packed mode "
+                           "runs; autocast around the compiled call streams)", region)
     placeholders = [n for n in packed.graph.nodes if n.op == "placeholder"]
     by_name = {p.name: i for i, p in enumerate(placeholders)}
     tok_pos = {a: by_name[f"tree_{a}"] for a in TOKEN_ARRAYS}

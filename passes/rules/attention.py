@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from brcompile.passes.axes import (
-    DENSE, AxesContext, dense_fallback, get_axes, normalize_dim, register_rule,
+    DENSE, AxesContext, CannotReplay, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
 )
 from brcompile.passes.rules.logprob import emit_fused_gather
 from brcompile.tree import read_packed
@@ -35,11 +35,45 @@ def _sdpa_args(node):
     return bound
 
 
+def attention_dtype(node) -> tuple[torch.dtype | None, str | None]:
+    """(dtype, None): the dtype the SDPA ``node`` computed in, when its traced q/k/v dtypes differ from
+    it — autocast's lower-precision policy cast q, k, v to the output's dtype (a bfloat16 ``v`` beside
+    float32 ``q``/``k`` after HF's float32 rotary, or float32 q/k/v in a bfloat16 region) — so tree
+    attention gets the same casts; (None, None) when q, k, v and the output share one dtype; (None,
+    reason) when the dtypes are unknown or are not what autocast produces (the attention cannot be
+    reproduced)."""
+    a = _sdpa_args(node)
+    vals = [example_value(a[n]) for n in ("query", "key", "value")]
+    out = example_value(node)
+    if not all(isinstance(x, torch.Tensor) for x in (*vals, out)):
+        return None, "attention q/k/v/output dtypes are unknown (no traced values)"
+    dtypes = [x.dtype for x in vals]
+    names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    if not all(d.is_floating_point for d in (*dtypes, out.dtype)):
+        return None, f"attention on non-floating q/k/v ({names})"
+    if set(dtypes) == {out.dtype}:
+        return None, None
+    if out.dtype == torch.float64 or torch.float64 in dtypes:
+        # autocast never casts float64: a float64 among q/k/v or as the output of mixed inputs is not
+        # its policy, so what the original attention computed is unknown
+        return None, (f"attention q/k/v dtypes ({names}) -> {str(out.dtype).replace('torch.', '')} "
+                      "are not autocast's casts")
+    return out.dtype, None
+
+
 def emit_sdpa(pk, node):
-    """q, k, v [1, H, N, D] -> brcompile::tree_attention on [H, N, D] -> [1, H, N, D]."""
+    """q, k, v [1, H, N, D] -> brcompile::tree_attention on [H, N, D] -> [1, H, N, D]. Under autocast q, k,
+    v are cast to the dtype the original attention computed in (:func:`attention_dtype`) explicitly, so
+    the packed graph does not depend on the autocast state it runs under (a streaming tail re-run in
+    backward) and the cached K/V of streaming replay have that dtype."""
     a = _sdpa_args(node)
     info = pk.notes[node]
     q, k, v = (pk.graph.call_method("squeeze", (pk.packed(a[n]), 0)) for n in ("query", "key", "value"))
+    cast, why = attention_dtype(node)
+    if why is not None:  # checked by the rule; a graph changed since must not reach the op
+        raise CannotReplay(why, node)
+    if cast is not None:  # all three, whatever their traced dtype: a no-op where it already is ``cast``
+        q, k, v = (pk.graph.call_method("to", (x, cast)) for x in (q, k, v))
     D = pk.static_shape(a["query"])[-1]
     scale = a["scale"] if a["scale"] is not None else D ** -0.5
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
@@ -66,6 +100,9 @@ def sdpa(ctx: AxesContext, node):
         ctx.fail(node, "attention inputs are not [B, H, L, D] token values")
     if a["dropout_p"] not in (0, 0.0):
         ctx.fail(node, f"attention dropout p={a['dropout_p']}")
+    _, why = attention_dtype(node)
+    if why is not None:
+        ctx.fail(node, why)
     if node not in ctx.notes:
         if a["attn_mask"] is None and not a["is_causal"]:
             ctx.fail(node, "bidirectional attention (is_causal=False and no mask) is not causal")
