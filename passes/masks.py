@@ -193,12 +193,6 @@ def sliding_window(mask: torch.Tensor, attn: fx.Node) -> Optional[int]:
     return w if w < L else None
 
 
-def symbolic_inputs(mask: fx.Node, values: dict[fx.Node, object]) -> list[fx.Node]:
-    """The SymInt placeholders (dynamic sizes) the mask subgraph reads."""
-    return [n for n in ancestors(mask) if n.op == "placeholder" and (
-        isinstance(values.get(n), torch.SymInt) or isinstance(n.meta.get("example_value"), torch.SymInt))]
-
-
 # --------------------------------------------------------------------------------------------------
 # probe sizes
 
@@ -252,7 +246,7 @@ class Scaling:
     l_scalable: bool = False
 
     @classmethod
-    def of(cls, mask: fx.Node, tree_input: fx.Node, values: dict, anc: Sequence[fx.Node]) -> "Scaling":
+    def of(cls, tree_input: fx.Node, values: dict, anc: Sequence[fx.Node]) -> "Scaling":
         B, L = (int(s) for s in values[tree_input].shape)
         shape = getattr(example_value(tree_input), "shape", (B, L))
         b_dyn, l_dyn = _is_symbolic(shape[0]), _is_symbolic(shape[1])
@@ -318,9 +312,13 @@ class _Trial:
     literal: Optional[Callable[[int], int]]
     size: tuple[int, int]
     unpadded: bool  # every 0/1 tree input is all ones: the trial a sliding window is read from
+    _visible: Optional[torch.Tensor] = None
 
-    def run(self, mask: fx.Node) -> torch.Tensor:
-        return evaluate(mask, self.values, self.literal)
+    def visible(self, mask: fx.Node, attn: fx.Node) -> torch.Tensor:
+        """The mask's boolean visibility on this trial (:func:`visible`), evaluated once."""
+        if self._visible is None:
+            self._visible = visible(evaluate(mask, self.values, self.literal), attn)
+        return self._visible
 
 
 def _binary(x: torch.Tensor) -> bool:
@@ -346,8 +344,8 @@ def _probe_value(x: torch.Tensor, binary: bool, B: int, L: int, gen: torch.Gener
 class _Probes:
     """Builds the trials of one mask (see the module docstring)."""
 
-    def __init__(self, mask: fx.Node, inputs: Sequence[fx.Node], values: dict, scaling: Scaling):
-        self.mask, self.inputs, self.values, self.sc = mask, list(inputs), values, scaling
+    def __init__(self, inputs: Sequence[fx.Node], values: dict, scaling: Scaling):
+        self.inputs, self.values, self.sc = list(inputs), values, scaling
         self.binary = {t: _binary(values[t]) for t in self.inputs}
         self.gen = torch.Generator().manual_seed(0)
 
@@ -413,10 +411,10 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
         if n.op == "placeholder" and n not in tree_inputs and isinstance(values.get(n), torch.Tensor) \
                 and not is_static_input(n):
             raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
-    sc = Scaling.of(mask, tree_inputs[0], values, anc)
+    sc = Scaling.of(tree_inputs[0], values, anc)
     dynamic = _is_symbolic_length(tree_inputs[0])
     small = sc.B * sc.L * sc.L <= MAX_PROBE_ELEMENTS
-    probes = _Probes(mask, inputs, values, sc)
+    probes = _Probes(inputs, values, sc)
     trials = probes.example_trials() if small else []
     limit: Optional[tuple[int, str]] = None
     if dynamic or not small:
@@ -468,8 +466,8 @@ def _probe_trials(attn: fx.Node, mask: fx.Node, probes: "_Probes",
         try:
             new = [t for r in rows for t in probes.trials(r, Lp, range(4) if short else (0, 3))]
             for t in new:
-                m = t.run(mask)
-                if not isinstance(m, torch.Tensor) or m.dim() < 2 or tuple(m.shape[-2:]) != (Lp, Lp):
+                m = t.visible(mask, attn)
+                if m.dim() < 2 or tuple(m.shape[-2:]) != (Lp, Lp):
                     raise ValueError(f"mask of shape {tuple(getattr(m, 'shape', ()))} at length {Lp}")
         except CannotReplay:
             raise
@@ -488,7 +486,7 @@ def _is_symbolic_length(tree_input: fx.Node) -> bool:
 def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Sequence[_Trial]) -> MaskInfo:
     """The one candidate meaning every trial agrees with, else CannotReplay. The window is read off the
     trials without key padding (``_Trial.unpadded``); they must all show the same one."""
-    evaluated = [(t, visible(t.run(mask), attn)) for t in trials]
+    evaluated = [(t, t.visible(mask, attn)) for t in trials]
     windows = {w for t, m in evaluated if t.unpadded for w in [sliding_window(m, attn)] if w is not None}
     if len(windows) > 1:
         raise CannotReplay(f"attention mask shows different sliding windows {sorted(windows)} at different probe "
@@ -546,4 +544,4 @@ def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, window: int = 
 
 
 __all__ = ["MaskInfo", "classify", "mask_only_nodes", "ancestors", "evaluate", "visible", "sliding_window",
-           "meaning_guard", "symbolic_inputs", "Scaling", "MAX_PROBE_ELEMENTS"]
+           "meaning_guard", "Scaling", "MAX_PROBE_ELEMENTS"]
