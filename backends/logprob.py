@@ -18,9 +18,9 @@ Math, for packed hidden states ``h [N, D]``, head weight ``W [V, D]``, optional 
 A request is one dense position: ``index [B', L']`` gives its packed token, ``targets [B', L']`` the
 token whose log-prob it reads. lse and H are computed once per packed token that some request reads
 (the distinct values of ``index``); at a branch point one packed token serves several requests.
-``index_r == -1`` marks a dropped position (padding left out of the tree, brcompile.tree.drop_padding):
+``index_r == -1`` marks a dropped position (padding left out of the tree, brcompile.runtime.tree.drop_padding):
 ``logp[r] = 0`` and ``entropy[r] = 0`` there, and its gradient must be exactly 0 (a nonzero one raises
-brcompile.tree.DroppedPositionGradError: the loss read padding it should have masked).
+brcompile.runtime.tree.DroppedPositionGradError: the loss read padding it should have masked).
 
 Backward (``g`` = grad of logp, ``gH`` = grad of entropy; ``G[k] = sum_{r: index_r = k} g_r`` and
 ``GH[k]`` likewise)::
@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.tree import check_dropped_grad
+from brcompile.backends.read_packed import check_dropped_grad
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Three ops, mirroring how ``scaled_dot_product_attention`` is built from ``_scale
   -> (Tensor dq, Tensor dk, Tensor dv)``
     Opaque custom op with a fake impl and a flop formula, so AOTAutograd can trace the backward.
 
-Shapes (N packed tokens in DFS preorder, see brcompile.tree.PackedTree)::
+Shapes (N packed tokens in DFS preorder, see brcompile.runtime.tree.PackedTree)::
 
     q [Hq, N, D]   k [Hkv, N, D]   v [Hkv, N, D]   Hq % Hkv == 0; query head h uses kv head h // (Hq // Hkv)
     end [N] int64, valid [N] bool, segments [S, 3] int64 rows (start, stop, subtree_end)

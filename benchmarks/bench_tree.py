@@ -1,4 +1,4 @@
-"""Time brcompile.tree.build_tree on RL-shaped batches (median of repeats) and print the tree stats.
+"""Time brcompile.runtime.tree.build_tree on RL-shaped batches (median of repeats) and print the tree stats.
 
     python benchmarks/bench_tree.py [--device cpu|cuda] [--repeats 3]
 
@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from brcompile import tree as tree_mod
-from brcompile.tree import build_tree
+from brcompile.runtime import tree as tree_mod
+from brcompile.runtime.tree import build_tree
 
 VOCAB = 32000
 

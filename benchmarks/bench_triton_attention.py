@@ -59,8 +59,8 @@ def visible_pairs(end: torch.Tensor, valid: torch.Tensor) -> int:
 
 def small_nested_tree(device, length: int = 700):
     """A ragged, right-padded batch of 3 groups x 5 rows of at most ``length`` tokens with branching
-    responses (rows share 0, 10 or 20 response tokens), via brcompile.tree.build_tree."""
-    from brcompile.tree import build_tree
+    responses (rows share 0, 10 or 20 response tokens), via brcompile.runtime.tree.build_tree."""
+    from brcompile.runtime.tree import build_tree
 
     g = torch.Generator().manual_seed(0)
     rows, masks = [], []

@@ -8,10 +8,10 @@ backend), ``stats()`` / ``reset_stats()`` (counters that prove a rewrite ran), `
 (a report), ``build_tree`` / ``PackedTree`` (the prefix tree of a batch), ``CannotReplay``.
 """
 from brcompile.backend import BranchReplayBackend, Options, backend, branch_replay
-from brcompile.explain import ExplainReport, explain
+from brcompile.tools.explain import ExplainReport, explain
 from brcompile.passes.axes import CannotReplay
 from brcompile.runtime import Stats, reset_stats, stats
-from brcompile.tree import PackedTree, TreeStats, build_tree
+from brcompile.runtime.tree import PackedTree, TreeStats, build_tree
 
 __version__ = "0.1.0"
 

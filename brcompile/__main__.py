@@ -8,7 +8,7 @@
 ``bench.json`` and ``bench_speedup.png`` under ``--out``).
 
 ``explain``: runs ``script.py`` (as ``__main__``, with ``sys.argv = [script.py, *script args]``) inside
-``recording()`` of brcompile/explain.py: every ``torch.compile`` of the script (and ``nn.Module.compile``) that
+``recording()`` of brcompile/tools/explain.py: every ``torch.compile`` of the script (and ``nn.Module.compile``) that
 uses the default backend or names branch_replay compiles with branch_replay instead, and every call of every
 captured graph is recorded; ``torch.compile`` calls with another backend (``"eager"``, ``"aot_eager"``, a
 custom one) are left alone and listed. When the script ends (also by ``sys.exit`` or an exception) the
@@ -51,10 +51,10 @@ def _explain_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_explain(args) -> int:
-    """Runs the script under ``recording()`` of brcompile/explain.py, prints (and writes) the report; returns the
+    """Runs the script under ``recording()`` of brcompile/tools/explain.py, prints (and writes) the report; returns the
     script's exit status."""
     import brcompile
-    from brcompile.explain import recording
+    from brcompile.tools.explain import recording
 
     if not args.script.is_file():
         print(f"brcompile explain: no such script: {args.script}", file=sys.stderr)

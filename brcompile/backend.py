@@ -2,7 +2,7 @@
 
 ``torch.compile(fn, backend="branch_replay")`` (entry point) or ``torch.compile(fn,
 backend=brcompile.backend(min_dedup=1.2))``. Every captured graph gets a frozen :class:`GraphRecord`
-(rewritten or not, why not, the packed graph's code, materialisations); ``brcompile.explain`` reads them.
+(rewritten or not, why not, the packed graph's code, materialisations); ``brcompile.tools.explain`` reads them.
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ class Options:
         serves every batch), "aot_eager" (AOTAutograd, no codegen), or "eager" (the FX graph as is).
     fuse_logprob: compute next-token log-probs (log_softmax -> gather, cross_entropy, and the entropy)
         straight from the packed hidden states with brcompile::packed_logprob, never building [N, V]
-        logits (passes/rules/logprob.py).
+        logits (passes/fuse_logprob.py).
     dump_dir: when set, write every captured graph there, before and after the rewrite, as readable
-        Python and Graphviz .dot (+ .svg when ``dot`` is installed); see brcompile/dump.py.
+        Python and Graphviz .dot (+ .svg when ``dot`` is installed); see brcompile/tools/dump.py.
     mode: "packed" (every packed token's activations live at once), "replay" (streaming replay,
         docs/ARCHITECTURE.md §7: the shared prefix once, then the tails in chunks of at most ``chunk_tokens`` tokens; peak
         activation memory is the prefix's plus one chunk's, independent of the group size), or "auto"
@@ -192,11 +192,11 @@ class BranchReplayBackend:
         return gm.forward if opts.compiler == "eager" else torch.compile(gm, backend=opts.compiler, dynamic=True)
 
     def _streaming(self, packed: fx.GraphModule, example_args, opts: Options):
-        """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/replay.py).
+        """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/split.py).
         ``example_args``: the packed graph's inputs for the example batch (:func:`_packed_example_args`)."""
         from brcompile.backends import cached  # noqa: F401  (registers tree_attention_cached_forward)
-        from brcompile.passes.replay import split_for_replay
-        from brcompile.replay import ReplayTrunk, TrunkGraphs
+        from brcompile.passes.split import split_for_replay
+        from brcompile.runtime.streaming import ReplayTrunk, TrunkGraphs
 
         split = split_for_replay(packed, example_args)
         graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
@@ -225,7 +225,7 @@ class BranchReplayBackend:
         """Writes the graph files when ``opts.dump_dir`` is set; a failed dump is logged, never raised."""
         if not opts.dump_dir:
             return
-        from brcompile.dump import dump_graphs
+        from brcompile.tools.dump import dump_graphs
 
         try:
             dump_graphs(opts.dump_dir, gm, packed, reason=reason, failed_node=node)
@@ -237,7 +237,7 @@ def _packed_example_args(an, example_inputs) -> list:
     """The packed graph's inputs for the example batch: its inputs (SymInts as their hints), then the tree
     arrays of its tree (O(B·L), ``PackedTree.graph_args``)."""
     from brcompile.passes.axes import hint
-    from brcompile.tree import build_tree
+    from brcompile.runtime.tree import build_tree
 
     args = [hint(a) for a in example_inputs]
     mask = None if an.keypad_position is None else args[an.keypad_position]

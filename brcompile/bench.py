@@ -2,7 +2,7 @@
 
 Two parts.
 
-**Measuring helpers** (also used by :mod:`brcompile.explain`): :func:`measure_fwd_bwd` runs a function
+**Measuring helpers** (also used by :mod:`brcompile.tools.explain`): :func:`measure_fwd_bwd` runs a function
 forward and backward once and returns its FLOPs (``torch.utils.flop_counter.FlopCounterMode``, split into
 attention and the rest) and the bytes autograd saves for backward (``saved_tensors_hooks``);
 :func:`median_seconds` times a step. Conventions:
@@ -41,12 +41,12 @@ lengths P and response (tail) lengths T, it measures side by side, on the same m
 
 Times are medians of ``--repeats`` interleaved rounds (each round runs every method once, after a warm-up
 round), so load on a shared machine hits all methods alike. The methods share one process but no state:
-each holds its own compiled function (:meth:`Runner._loss_fn`), ``brcompile.explain`` patches nothing and
+each holds its own compiled function (:meth:`Runner._loss_fn`), ``brcompile.tools.explain`` patches nothing and
 drops the Dynamo cache entries it compiled, and each method counts the branch_replay calls made inside its
 own calls (``replayed_calls`` in ``bench.json``; a method other than branch_replay that reached it is an
 error and makes the exit status 1). Per case it prints (rich tables when rich is
 installed) the wall-clock speedups over dense eager, the
-executed FLOPs (branch_replay's counted on its eager packed graph via :func:`brcompile.explain`; the
+executed FLOPs (branch_replay's counted on its eager packed graph via :func:`brcompile.tools.explain`; the
 compiled dense run computes the dense graph's FLOPs), the limit, the bytes saved for backward and the
 exactness (max relative error of the loss and every parameter gradient against dense eager), and writes
 ``bench.json`` and ``bench_speedup.png`` (matplotlib: speedup vs P/T, one colour per G, the FLOP-ratio
@@ -703,10 +703,10 @@ class Runner:
             out.methods[method].seconds = statistics.median(ts)
 
     def _branch_replay_cost(self, res: MethodResult, out: CaseResult, batch: dict) -> None:
-        """FLOPs, the tree and the limit from brcompile.explain (the eager original and packed graphs of one
-        call, counted; see brcompile/explain.py)."""
+        """FLOPs, the tree and the limit from brcompile.tools.explain (the eager original and packed graphs of one
+        call, counted; see brcompile/tools/explain.py)."""
         import brcompile
-        from brcompile.explain import explain
+        from brcompile.tools.explain import explain
 
         self.model.zero_grad(set_to_none=True)
         report = explain(_GRPO_LOSS, self.model, **batch,
@@ -717,7 +717,7 @@ class Runner:
         out.limit_flops = cost.get("limit_flops")
         out.limit_attention_flops = cost.get("packed_attention_flops")
         res.flops, res.attention_flops = cost.get("packed_flops"), cost.get("packed_attention_flops")
-        res.flops_counted_on = "the eager packed graph (brcompile.explain)"
+        res.flops_counted_on = "the eager packed graph (brcompile.tools.explain)"
         if res.flops is None:
             res.flops_counted_on = f"not counted: {cost.get('skipped') or call.get('reason') or 'no call'}"
 
@@ -735,8 +735,8 @@ def _x(v: Optional[float]) -> str:
 
 
 def result_tables(results: list[CaseResult], methods: Sequence[str]) -> list:
-    """The bench's tables (brcompile.explain.Table) and notes."""
-    from brcompile.explain import Table, fmt_bytes, fmt_flops
+    """The bench's tables (brcompile.tools.explain.Table) and notes."""
+    from brcompile.tools.explain import Table, fmt_bytes, fmt_flops
 
     others = [m for m in methods if m != "eager"]
     time_rows, flop_rows, mem_rows, exact_rows, notes = [], [], [], [], []
@@ -771,7 +771,7 @@ def result_tables(results: list[CaseResult], methods: Sequence[str]) -> list:
               ["case"] + list(methods) + ["limit"] + [f"{k}/limit" for k in ("branch_replay", "prefix_grouper")
                                                        if k in methods],
               flop_rows, ["eager and prefix_grouper: counted on their eager run; torch.compile: the dense graph's "
-                          "count; branch_replay: its eager packed graph (brcompile.explain); dense attention is "
+                          "count; branch_replay: its eager packed graph (brcompile.tools.explain); dense attention is "
                           "counted over the full score matrix, tree attention over the visible pairs."]),
         Table("bytes saved for backward (saved_tensors_hooks, parameters excluded)", ["case"] + list(methods),
               mem_rows),
@@ -881,7 +881,7 @@ def _apply_quick(args) -> None:
 def run(args) -> dict:
     """Runs the grid of ``args`` (parsed :func:`add_arguments` flags), prints the tables, writes JSON and the
     plot; returns the JSON document."""
-    from brcompile.explain import print_blocks
+    from brcompile.tools.explain import print_blocks
 
     if args.quick:
         _apply_quick(args)

@@ -311,7 +311,7 @@ def is_inplace(node: fx.Node) -> bool:
 def propagate(ctx: AxesContext) -> None:
     """Give every node of ``ctx.gm`` its fact (topological order), raising CannotReplay where a
     TOKEN value would be handled in a way no rule proves exact."""
-    from brcompile.passes import rules as _rules  # noqa: F401  (fills RULES)
+    from brcompile.passes import fuse_logprob as _fusion, rules as _rules  # noqa: F401  (fill RULES)
 
     tainted: set[fx.Node] = set()  # nodes with a TOKEN ancestor (mutating them is refused)
     for node in ctx.gm.graph.nodes:

@@ -16,12 +16,16 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.axes import CannotReplay
-from brcompile.tree import GRAPH_ARGS
+from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
 
-__all__ = ["symbolic_run", "check_packed_graph", "TOKEN_ARRAYS"]
+__all__ = ["symbolic_run", "check_packed_graph", "token_positions"]
 
-#: The packed graph's tree arrays whose dim 0 is N (or the segment count).
-TOKEN_ARRAYS = GRAPH_ARGS[1:]
+
+def token_positions(gm: fx.GraphModule) -> dict[str, int]:
+    """Argument position of each per-packed-token array (``TokenArrays``) among ``gm``'s placeholders."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    at = {p: i for i, p in enumerate(placeholders)}
+    return {name: at[n] for name, n in zip(TOKEN_ARRAYS, tree_placeholders(gm).tokens)}
 
 
 def symbolic_run(gm: fx.GraphModule, args: Sequence[Any], token_positions: dict[str, int]):
@@ -52,10 +56,8 @@ def symbolic_run(gm: fx.GraphModule, args: Sequence[Any], token_positions: dict[
 def check_packed_graph(packed: fx.GraphModule, example_args: Sequence[Any]) -> None:
     """CannotReplay unless ``packed`` propagates with a symbolic N without fixing it (module docstring).
     ``example_args``: the original inputs followed by the example batch's tree arrays."""
-    placeholders = [n for n in packed.graph.nodes if n.op == "placeholder"]
-    by_name = {p.name: i for i, p in enumerate(placeholders)}
     try:
-        env, n_sym = symbolic_run(packed, example_args, {a: by_name[f"tree_{a}"] for a in TOKEN_ARRAYS})
+        env, n_sym = symbolic_run(packed, example_args, token_positions(packed))
     except CannotReplay:
         raise
     except Exception as e:

@@ -9,7 +9,7 @@ Two steps, transactional (the user's graph is never modified):
    [1, L, ...]: rotary tables made outside), classify every attention's mask (:mod:`.masks`), and
    propagate token-axis facts (:mod:`.axes`, :mod:`.rules`).
 2. :func:`build_packed_graph` — emit a new graph that takes the original inputs plus the tree arrays
-   (:data:`TREE_INPUTS`) and computes TOKEN values once per tree node, DENSE values as before; a TOKEN
+   (``runtime.tree.TreeArgs``, placeholders ``tree_<name>``) and computes TOKEN values once per tree node, DENSE values as before; a TOKEN
    value needed dense is materialised as ``packed[index]`` (:func:`materialize`) or, for values derived
    from the inputs by cheap ops only, recomputed from the dense inputs.
 """
@@ -29,14 +29,14 @@ from brcompile.passes.axes import (
     node_args, propagate, rule_for, shape_of,
 )
 from brcompile.passes.guards import BatchGuard
-from brcompile.passes.rules import eager_attention
+from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes.rules.attention import SDPA
-from brcompile.tree import GRAPH_ARGS, read_packed
+from brcompile.runtime.tree import GRAPH_ARGS
+from brcompile.backends.read_packed import read_packed
 
 log = logging.getLogger(__name__)
 
 #: Extra inputs of the packed graph, in this order, after the original ones.
-TREE_INPUTS = GRAPH_ARGS
 
 _EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
 #: A TOKEN value read through a window covering at most this fraction of the B·L positions is computed
@@ -255,7 +255,7 @@ def materialize(data: torch.Tensor, index: torch.Tensor, row: int, pos: int, dro
 
     ``data`` has extent 1 at ``row`` and N at ``pos``; ``index`` is the (windowed) [B', L'] index.
     Its backward is a scatter-add: a packed token used by several (b, t) sums their gradients; a nonzero
-    gradient at a dropped position raises brcompile.tree.DroppedPositionGradError (the loss read padding).
+    gradient at a dropped position raises brcompile.runtime.tree.DroppedPositionGradError (the loss read padding).
 
     ``dropped`` (option drop_padding): the index may hold -1, read through brcompile::read_packed (opaque to
     Inductor, so the backward check runs compiled); otherwise a plain gather Inductor can fuse.
@@ -401,7 +401,7 @@ class Packer:
             self._placeholders[p] = new
             if not get_axes(p).is_token:
                 self.env[p] = new
-        for name in TREE_INPUTS:
+        for name in GRAPH_ARGS:
             self._tree[name] = self.graph.placeholder(f"tree_{name}")
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "output") or node in self.an.ctx.mask_nodes:
@@ -457,5 +457,4 @@ def build_packed_graph(an: Analysis, options: Optional[PackOptions] = None) -> f
     return Packer(an, options or PackOptions()).build()
 
 
-__all__ = ["Analysis", "PackOptions", "analyse", "build_packed_graph", "materialize", "find_token_ids",
-           "TREE_INPUTS"]
+__all__ = ["Analysis", "PackOptions", "analyse", "build_packed_graph", "materialize", "find_token_ids"]

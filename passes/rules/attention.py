@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from brcompile.passes.axes import (
     DENSE, AxesContext, CannotReplay, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
 )
-from brcompile.passes.rules.logprob import emit_fused_gather
-from brcompile.tree import read_packed
+from brcompile.passes.fuse_logprob import emit_fused_gather
+from brcompile.backends.read_packed import read_packed
 
 SDPA = [F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention]
 

@@ -1,4 +1,4 @@
-"""brcompile::tree_attention_cached_forward and the streaming schedule (brcompile.replay.plan_replay).
+"""brcompile::tree_attention_cached_forward and the streaming schedule (brcompile.runtime.streaming.plan_replay).
 
 The oracle is tree attention over the whole tree (impl "reference", float64). The schedule cuts the tree
 into prefix + chunks; the prefix's queries run ordinary tree attention on the prefix forest, every
@@ -11,8 +11,8 @@ import torch
 import brcompile.backends.cached  # noqa: F401  (registers the op)
 from brcompile.backends.cached import tree_attention_cached
 from brcompile.backends.ops import tree_attention
-from brcompile.replay import plan_replay
-from brcompile.tree import build_tree
+from brcompile.runtime.streaming import plan_replay
+from brcompile.runtime.tree import build_tree
 
 
 def nested_batch(seed: int, pad: bool):

@@ -36,7 +36,7 @@ PAD = 0
 
 @dataclass
 class ToyTree:
-    """Tree arrays of a batch, built independently of brcompile.tree (a plain trie walk)."""
+    """Tree arrays of a batch, built independently of brcompile.runtime.tree (a plain trie walk)."""
 
     index: torch.Tensor  # [B, L] -> packed token
     parent: torch.Tensor  # [N], -1 for roots
@@ -404,9 +404,9 @@ def test_registry_accepts_new_impls(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_with_packed_tree_from_build_tree(dtype):
-    """The wrapper takes a brcompile.tree.PackedTree; its segments pass the cpu impl's consistency check
+    """The wrapper takes a brcompile.runtime.tree.PackedTree; its segments pass the cpu impl's consistency check
     and the result equals dense SDPA on the padded, branched batch."""
-    from brcompile.tree import build_tree
+    from brcompile.runtime.tree import build_tree
 
     tokens, mask = CASES["two_groups_padded"]
     tree = build_tree(tokens, mask)

@@ -351,8 +351,8 @@ def test_default_launch_config_runs():
 
 
 def test_trees_from_build_tree():
-    """Layout produced by brcompile.tree.build_tree (ragged, right-padded, shared response starts)."""
-    from brcompile.tree import build_tree
+    """Layout produced by brcompile.runtime.tree.build_tree (ragged, right-padded, shared response starts)."""
+    from brcompile.runtime.tree import build_tree
 
     rows, mask = padded(rl_rows(4, groups=2, rollouts=4, vocab=2), "right")
     tree = build_tree(torch.tensor(rows), torch.tensor(mask)).to(DEVICE)
@@ -458,8 +458,8 @@ def test_runs_in_interpreter_on_cpu():
 
 
 def window_tree(case):
-    """PackedTree cases for windows, from brcompile.tree.build_tree (tree.position = batch column)."""
-    from brcompile.tree import build_tree, drop_padding
+    """PackedTree cases for windows, from brcompile.runtime.tree.build_tree (tree.position = batch column)."""
+    from brcompile.runtime.tree import build_tree, drop_padding
 
     if case == "right_pad":  # right padding: with a small window, late pad queries see only pad keys
         rows, mask = padded(rl_rows(5, groups=2, rollouts=3, prompt=(3, 9), response=(1, 9)), "right")
@@ -561,7 +561,7 @@ def test_window_float16():
        side=st.sampled_from(["left", "right"]), window=st.integers(1, 8), drop=st.booleans())
 def test_window_property_random_forests(seed, groups, rollouts, side, window, drop):
     """Random padded forests from build_tree (optionally drop_padding), random window: kernels == reference."""
-    from brcompile.tree import build_tree, drop_padding
+    from brcompile.runtime.tree import build_tree, drop_padding
 
     rows, mask = padded(rl_rows(seed, groups=groups, rollouts=rollouts, prompt=(1, 12), response=(1, 10)), side)
     tree = build_tree(torch.tensor(rows), torch.tensor(mask))
@@ -597,7 +597,7 @@ def test_window_tile_starts_skip_only_out_of_window_tiles(case, window, block_m,
 def test_window_tile_starts_make_blocks_window_sized():
     """A 200-token chain, W=5, 16x16 tiles: every block visits at most the tiles overlapping
     [b0 - W + 1, b1), i.e. 2 tiles (window within one tile) instead of up to 13."""
-    from brcompile.tree import build_tree
+    from brcompile.runtime.tree import build_tree
 
     tree = build_tree(torch.arange(200).reshape(1, 200))
     kt = build_key_tiles(tree.segments, 200, 16, 16, tree.end)

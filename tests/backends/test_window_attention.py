@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import brcompile.backends.cpu as cpu
 from brcompile.backends.ops import tree_attention
-from brcompile.tree import build_tree
+from brcompile.runtime.tree import build_tree
 
 
 def batch(seed: int, pad: bool):

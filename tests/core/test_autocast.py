@@ -184,7 +184,7 @@ def test_gpt_grpo(precision, mode):
 def test_autocast_inside_compiled_function(mode):
     """``with torch.autocast(...)`` inside the compiled function: Dynamo records the region in the graph and
     the packed graph keeps it. Streaming replay would run its trunk graphs outside the region, so it is
-    refused for such a graph (passes/replay.py) and the packed mode runs, saying why."""
+    refused for such a graph (passes/split.py) and the packed mode runs, saying why."""
     def loss(*a):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return grpo_loss(*a)

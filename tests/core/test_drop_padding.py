@@ -2,7 +2,7 @@
 
 Three layers:
 
-* ``brcompile.tree.drop_padding`` against a brute-force construction of the forest of kept nodes (the
+* ``brcompile.runtime.tree.drop_padding`` against a brute-force construction of the forest of kept nodes (the
   distinct valid prefixes, each under the last valid column before it in its row), with left/right
   padding and holes; segments checked by the CPU attention's own validator.
 * ``brcompile::read_packed`` (materialize and the lazy gather) and ``brcompile::packed_logprob`` with
@@ -24,8 +24,9 @@ import brcompile
 from brcompile.testing import assert_exact, assert_subtree_ranges
 from brcompile.backends.cpu import _check_segments
 from brcompile.backends.logprob import packed_logprob, reference_packed_logprob
-from brcompile.tree import DroppedPositionGradError, build_tree, drop_padding, read_packed
-from brcompile import tree as tree_mod
+from brcompile.runtime.tree import build_tree, drop_padding
+from brcompile.backends.read_packed import DroppedPositionGradError, read_packed
+from brcompile.runtime import tree as tree_mod
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch
 

@@ -1,4 +1,4 @@
-"""brcompile.explain: report content (replayed graph, fallback with reason), predicted FLOPs against independent
+"""brcompile.tools.explain: report content (replayed graph, fallback with reason), predicted FLOPs against independent
 counts, the recording context, graph dumps and TORCH_LOGS=+brcompile."""
 import io
 import json
@@ -14,8 +14,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import brcompile
-from brcompile.dump import COLOURS
-from brcompile.explain import ExplainReport, mutating_node, recording
+from brcompile.tools.dump import COLOURS
+from brcompile.tools.explain import ExplainReport, mutating_node, recording
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch
 

@@ -119,7 +119,7 @@ def test_per_block_tree_equals_token_tree():
     with torch.no_grad():
         PerBlock(model, [blk])(batch["input_ids"])
     tree = backend.records[0].runtime.last_tree
-    want = brcompile.tree.build_tree(batch["input_ids"])
+    want = brcompile.runtime.tree.build_tree(batch["input_ids"])
     assert tree.num_tokens == want.num_tokens and tree.segments.shape == want.segments.shape
     # the same partition of the positions into nodes (node ids may differ: siblings are ordered by code)
     assert torch.equal(tree.rep_row[tree.index], want.rep_row[want.index])

@@ -1,4 +1,4 @@
-"""brcompile.tree: the packed prefix tree against a brute-force Python trie (dict keyed by prefix tuples)."""
+"""brcompile.runtime.tree: the packed prefix tree against a brute-force Python trie (dict keyed by prefix tuples)."""
 import math
 import struct
 
@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from brcompile.testing import assert_subtree_ranges
-from brcompile import tree as tree_mod
-from brcompile.tree import PackedTree, TreeInputError, TreeStats, build_tree
+from brcompile.runtime import tree as tree_mod
+from brcompile.runtime.tree import PackedTree, TreeInputError, TreeStats, build_tree
 
 FIELDS = ("index", "parent", "end", "position", "valid", "rep_row", "segments")
 

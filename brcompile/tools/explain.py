@@ -3,9 +3,9 @@
 ``brcompile.explain(fn, *args)`` compiles ``fn`` with a recording branch_replay backend, calls it once and
 returns an :class:`ExplainReport`: ``print(report)`` gives plain-text tables, ``report.print()`` the same
 tables with rich when it is installed (rich stays optional), ``report.to_dict()`` a JSON-serialisable dict.
-``from brcompile.explain import recording``; ``with recording() as rec: ...`` records every ``torch.compile``
+``from brcompile.tools.explain import recording``; ``with recording() as rec: ...`` records every ``torch.compile``
 inside the block (``python -m brcompile explain script.py`` runs a script that way); ``rec.report()`` then.
-(``brcompile.explain`` itself is the function: import the module's other names with ``from brcompile.explain``.)
+(``brcompile.tools.explain`` itself is the function: import the module's other names with ``from brcompile.tools.explain``.)
 
 Per captured graph: rewritten or fell back (the node and the reason), the tree inputs, each attention's
 mask, materialisations (packed values turned dense, with their sizes), lazy gathers, fused read-outs, the
@@ -654,7 +654,7 @@ def recording(backend: Optional[BranchReplayBackend] = None, *, measure: bool = 
     calls that name branch_replay, and with ``take_over_default`` those using the default backend; other
     backends are left alone (and listed in the report). Yields the :class:`RecordingBackend`.
 
-        from brcompile.explain import recording
+        from brcompile.tools.explain import recording
 
         with recording() as rec:
             train_step()                 # calls torch.compile(...) somewhere
@@ -730,7 +730,7 @@ def drop_cache_entries(owner: RecordingBackend) -> int:
             else:
                 for e in ours:
                     e.guard_manager.extra_state.invalidate(
-                        e, DeletedGuardManagerWrapper("dropped by brcompile.explain"))
+                        e, DeletedGuardManagerWrapper("dropped by brcompile.tools.explain"))
             dropped += len(ours)
         except Exception:
             log.warning("explain: cannot drop the cache entries of %s", code, exc_info=True)

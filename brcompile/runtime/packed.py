@@ -1,7 +1,6 @@
-"""Per call: build the prefix tree of the batch, gate, run the packed graph or the original; stats."""
+"""Per call: build the prefix tree of the batch, gate, run the packed graph, the streaming trunk or the original."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -10,76 +9,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from brcompile import tree as tree_mod
-from brcompile.tree import PackedTree, build_tree, rows_agree
+from brcompile.runtime import tree as tree_mod
+from brcompile.runtime.stats import _record
+from brcompile.runtime.streaming import StreamingRuntime
+from brcompile.runtime.tree import PackedTree, build_tree, rows_agree
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Stats:
-    """Process-wide counters (``brcompile.stats()``); tests assert on them so a fallback cannot pass
-    for a replay."""
-
-    replayed_calls: int = 0
-    streamed_calls: int = 0  # replayed calls that ran in streaming mode (prefix + tail chunks)
-    fallback_calls: int = 0
-    logical_tokens: int = 0
-    executed_tokens: int = 0
-    compiled_graphs: int = 0
-    rewritten_graphs: int = 0
-    fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-
-    @property
-    def dedup_ratio(self) -> float:
-        return self.logical_tokens / self.executed_tokens if self.executed_tokens else 1.0
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["fallback_reasons"] = dict(self.fallback_reasons)
-        d["dedup_ratio"] = self.dedup_ratio
-        return d
-
-    def __str__(self) -> str:
-        lines = [f"replayed calls {self.replayed_calls}, fallback calls {self.fallback_calls}",
-                 f"tokens: logical {self.logical_tokens}, executed {self.executed_tokens} "
-                 f"(dedup {self.dedup_ratio:.2f}x)"]
-        for reason, n in self.fallback_reasons.most_common():
-            lines.append(f"  fallback x{n}: {reason}")
-        return "\n".join(lines)
-
-
-_STATS = Stats()
-_LOCK = threading.Lock()
-
-
-def stats() -> Stats:
-    """The live counters (a snapshot copy)."""
-    with _LOCK:
-        s = dataclasses.replace(_STATS)
-        s.fallback_reasons = collections.Counter(_STATS.fallback_reasons)
-        return s
-
-
-def reset_stats() -> None:
-    global _STATS
-    with _LOCK:
-        _STATS = Stats()
-
-
-def _record(**kw) -> None:
-    with _LOCK:
-        for k, v in kw.items():
-            if k == "reason":
-                _STATS.fallback_reasons[v] += 1
-            else:
-                setattr(_STATS, k, getattr(_STATS, k) + v)
-
-
-def record_graph(rewritten: bool, reason: Optional[str] = None) -> None:
-    _record(compiled_graphs=1, rewritten_graphs=int(rewritten))
-    if reason is not None:
-        log.info("branch_replay: graph falls back: %s", reason)
 
 
 @dataclasses.dataclass
@@ -88,30 +23,7 @@ class CallRecord:
     tree_stats: Optional[dict]
     reason: Optional[str] = None
     mode: str = "packed"  # "packed" or "replay" (streaming) for a replayed call
-    schedule: Optional[dict] = None  # the streaming chunk schedule (brcompile.replay.ReplaySchedule.summary)
-
-
-@dataclasses.dataclass
-class StreamingRuntime:
-    """What a rewritten graph needs to run in streaming mode (brcompile/replay.py)."""
-
-    mode: str  # "replay" or "auto"
-    memory_budget: Optional[int]
-    bytes_per_token: int  # trunk activation bytes per packed token (passes/replay.py)
-    outer: Callable  # the packed graph with its trunk replaced by ``trunk``
-    trunk: Any  # brcompile.replay.ReplayTrunk
-
-    def choose(self, tree: PackedTree) -> Optional[str]:
-        """None to stream this batch, or why the packed mode runs instead."""
-        seg = tree.segments
-        leaf = seg[:, 1] == seg[:, 2]
-        if bool(leaf.all()):
-            return "no shared prefix to cache"
-        if self.mode == "auto":
-            need = self.bytes_per_token * tree.stats.executed_tokens
-            if need <= self.memory_budget:
-                return f"packed activations ~{need / 2**20:.1f} MiB fit memory_budget"
-        return None
+    schedule: Optional[dict] = None  # the streaming chunk schedule (brcompile.runtime.streaming.ReplaySchedule.summary)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,7 +72,7 @@ def provenance_of(t: Any) -> Optional[PackedTree]:
 
 def _reused_tree(per_token: Sequence[Any]) -> Optional[PackedTree]:
     """A tree to reuse without hashing: the provenance tree of a key, when every other key without that
-    provenance agrees with it exactly (:func:`brcompile.tree.rows_agree`); None to build one. The reused tree
+    provenance agrees with it exactly (:func:`brcompile.runtime.tree.rows_agree`); None to build one. The reused tree
     gets ``valid`` all True (the graph reusing it has no key-padding mask)."""
     trees = [provenance_of(x) for x in per_token]
     B, L = tuple(per_token[0].shape[:2])

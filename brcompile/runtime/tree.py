@@ -48,7 +48,7 @@ import collections
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -56,18 +56,20 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "GRAPH_ARGS",
     "PAIRWISE_MAX_ROWS",
-    "DroppedPositionGradError",
+    "TOKEN_ARRAYS",
+    "TokenArrays",
+    "TreeArgs",
     "PackedTree",
     "TreeInputError",
     "TreeStats",
     "build_tree",
-    "check_dropped_grad",
     "counters",
     "default_token_hash",
     "drop_padding",
-    "read_packed",
     "rows_agree",
+    "tree_placeholders",
 ]
 
 counters: collections.Counter = collections.Counter()
@@ -94,13 +96,6 @@ class TreeInputError(ValueError):
     """The per-token inputs or the attention mask cannot describe a batch of rows."""
 
 
-class DroppedPositionGradError(RuntimeError):
-    """A nonzero gradient reached a dense position that :func:`drop_padding` left out of the tree.
-
-    Dropped positions read as 0 in the packed graph; their true values (the model's outputs at padding)
-    were never computed, so a loss that depends on them has no exact gradient."""
-
-
 @dataclass(frozen=True)
 class TreeStats:
     """Sizes of one tree. dedup_ratio = logical_tokens / executed_tokens (>= 1)."""
@@ -118,10 +113,48 @@ class TreeStats:
         return dataclasses.asdict(self)
 
 
-#: The extra inputs of every packed graph, after the original ones (:meth:`PackedTree.graph_args`; the
-#: rewrite names its placeholders ``tree_<name>``): ``all_valid`` is ``valid`` with every bit set, for
-#: attentions without key padding.
-GRAPH_ARGS = ("index", "rep_row", "position", "end", "valid", "all_valid", "segments")
+class TokenArrays(NamedTuple):
+    """The per-packed-token arrays of a tree, as a packed graph (and a streaming trunk graph) receives them:
+    placeholders ``tree_<field>``. ``all_valid`` is ``valid`` with every bit set, for attentions without key
+    padding. Generic in the element type: tensors at run time, the graph's placeholders at compile time."""
+
+    rep_row: Any
+    position: Any
+    end: Any
+    valid: Any
+    all_valid: Any
+    segments: Any
+
+
+class TreeArgs(NamedTuple):
+    """Every tree input of a packed graph, after the original inputs (:meth:`PackedTree.graph_args`):
+    ``index`` (dense ``[B, L]`` -> packed id, for the dense reads) then the :class:`TokenArrays`."""
+
+    index: Any
+    rep_row: Any
+    position: Any
+    end: Any
+    valid: Any
+    all_valid: Any
+    segments: Any
+
+    @property
+    def tokens(self) -> TokenArrays:
+        return TokenArrays(*self[1:])
+
+
+#: The names of the tree inputs, in order; the rewrite names their placeholders ``tree_<name>``.
+GRAPH_ARGS = TreeArgs._fields
+TOKEN_ARRAYS = TokenArrays._fields
+
+
+def tree_placeholders(gm) -> TreeArgs:
+    """The tree placeholders of a packed graph, found by name (``tree_<name>``)."""
+    by_name = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    missing = [a for a in GRAPH_ARGS if f"tree_{a}" not in by_name]
+    if missing:
+        raise ValueError(f"not a packed graph: no placeholder(s) {', '.join('tree_' + a for a in missing)}")
+    return TreeArgs(*(by_name[f"tree_{a}"] for a in GRAPH_ARGS))
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,10 +202,10 @@ class PackedTree:
         """(B, L) of the dense batch."""
         return (self.index.shape[0], self.index.shape[1])
 
-    def graph_args(self) -> tuple:
-        """The tree's inputs of a packed graph, in :data:`GRAPH_ARGS` order (``all_valid``: all True)."""
-        return (self.index, self.rep_row, self.position, self.end, self.valid, torch.ones_like(self.valid),
-                self.segments)
+    def graph_args(self) -> TreeArgs:
+        """The tree's inputs of a packed graph (``all_valid``: all True)."""
+        return TreeArgs(self.index, self.rep_row, self.position, self.end, self.valid,
+                        torch.ones_like(self.valid), self.segments)
 
     def to(self, device) -> "PackedTree":
         """The same tree with every tensor on ``device``."""
@@ -456,7 +489,7 @@ def _verified_exact_order(codes: tuple) -> tuple:
     perm = _exact_row_order(codes)
     lcp = _adjacent_lcp(codes, perm)
     if not _neighbours_strictly_increasing(codes, perm, lcp):
-        raise RuntimeError("brcompile.tree: exact row sort produced an unsorted order (internal error)")
+        raise RuntimeError("brcompile.runtime.tree: exact row sort produced an unsorted order (internal error)")
     return perm, lcp
 
 
@@ -821,116 +854,3 @@ def _chain_segments(parent: Tensor, end: Tensor) -> Tensor:
     starts = (~continues).nonzero().squeeze(1)
     stops = torch.cat([starts[1:], starts.new_full((1,), n)])
     return torch.stack([starts, stops, end[starts]], dim=1)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# dense reads of packed values: index -1 reads 0, and no gradient may flow there
-
-
-def check_dropped_grad(grad: Tensor, dropped: Tensor, where: str) -> None:
-    """Raise DroppedPositionGradError unless ``grad`` is exactly 0 at every dropped position.
-
-    ``dropped``: bool, the leading dims of ``grad`` (one entry per dense position); ``grad`` may have
-    trailing dims (a position counts once however many of its entries are nonzero; NaN counts). One host
-    synchronisation, plus one more when some position is dropped."""
-    n_dropped = int(dropped.sum())
-    if n_dropped == 0:
-        return
-    at_dropped = grad[dropped].reshape(n_dropped, -1)
-    bad = int((at_dropped != 0).any(dim=1).sum())
-    if bad:
-        raise DroppedPositionGradError(
-            f"{where}: the gradient is nonzero at {bad} of the {n_dropped} padded position(s) that "
-            f"drop_padding=True left out of the tree; the loss reads padded positions: multiply by the mask "
-            f"(attention/completion mask) or use drop_padding=False")
-
-
-def read_packed(data: Tensor, index: Tensor, cols: Optional[Tensor] = None) -> Tensor:
-    """Dense reads of packed rows, 0 where ``index`` is -1 (a position drop_padding left out).
-
-    Without ``cols``: ``out[i] = data[index[i]]`` for ``data [N, ...]`` (shape ``index.shape +
-    data.shape[1:]``). With ``cols`` (``index.shape + (J,)``, int64) and ``data [N, V]``:
-    ``out[i, j] = data[index[i], cols[i, j]]``. Backward (in ``data``): a scatter-add over the kept
-    positions, after checking that the gradient is exactly 0 at every dropped one
-    (DroppedPositionGradError otherwise). Registered as ``brcompile::read_packed`` (opaque to Inductor,
-    so the check runs inside a compiled backward too)."""
-    return torch.ops.brcompile.read_packed(data, index, cols)
-
-
-def _check_read_args(data: Tensor, index: Tensor, cols: Optional[Tensor]) -> None:
-    """Shapes and dtypes of read_packed (fake-tensor safe)."""
-    if index.dtype != torch.int64:
-        raise TypeError(f"read_packed: index must be int64, got {index.dtype}")
-    if data.dim() < 1:
-        raise ValueError("read_packed: data must have a leading packed-token dim")
-    if cols is not None:
-        if cols.dtype != torch.int64 or data.dim() != 2 or cols.dim() != index.dim() + 1 \
-                or cols.shape[:-1] != index.shape:
-            raise ValueError(f"read_packed: cols must be int64 of shape index.shape + (J,) with data [N, V]; "
-                             f"got data {tuple(data.shape)}, index {tuple(index.shape)}, cols "
-                             f"{tuple(cols.shape)} {cols.dtype}")
-
-
-def _read_shape(data: Tensor, index: Tensor, cols: Optional[Tensor]) -> tuple:
-    return tuple(cols.shape) if cols is not None else tuple(index.shape) + tuple(data.shape[1:])
-
-
-def _safe_indices(index: Tensor, cols: Optional[Tensor]) -> tuple:
-    """(kept, rows[, cols]): the mask of kept positions and indices that are in range everywhere (row 0,
-    column 0 at dropped positions)."""
-    kept = index >= 0
-    rows = index.clamp(min=0)
-    if cols is None:
-        return kept, (rows,)
-    return kept, (rows.unsqueeze(-1).expand_as(cols), torch.where(kept.unsqueeze(-1), cols, 0))
-
-
-@torch.library.custom_op("brcompile::read_packed", mutates_args=())
-def _read_packed_op(data: Tensor, index: Tensor, cols: Optional[Tensor]) -> Tensor:
-    """See :func:`read_packed`."""
-    _check_read_args(data, index, cols)
-    shape = _read_shape(data, index, cols)
-    if data.shape[0] == 0:  # every position dropped: nothing to read
-        return data.new_zeros(shape)
-    kept, where = _safe_indices(index, cols)
-    out = data[where]
-    return out.masked_fill_(~kept.reshape(kept.shape + (1,) * (out.dim() - kept.dim())), 0)
-
-
-@_read_packed_op.register_fake
-def _read_packed_fake(data, index, cols):
-    _check_read_args(data, index, cols)
-    return data.new_empty(_read_shape(data, index, cols))
-
-
-@torch.library.custom_op("brcompile::read_packed_backward", mutates_args=())
-def _read_packed_backward_op(grad: Tensor, index: Tensor, cols: Optional[Tensor],
-                             data_shape: Sequence[int]) -> Tensor:
-    """d(read_packed)/d(data) for the upstream ``grad``: checks the dropped positions, then
-    ``ddata[index[i](, cols[i, j])] += grad[i(, j)]`` (accumulating: a token read by several positions
-    sums their gradients)."""
-    check_dropped_grad(grad, index < 0, "read_packed backward")
-    out = grad.new_zeros(data_shape)
-    if out.shape[0] == 0 or grad.numel() == 0:
-        return out
-    _, where = _safe_indices(index, cols)
-    return out.index_put_(where, grad, accumulate=True)
-
-
-@_read_packed_backward_op.register_fake
-def _read_packed_backward_fake(grad, index, cols, data_shape):
-    return grad.new_empty(data_shape)
-
-
-def _read_packed_setup(ctx, inputs, output):
-    data, index, cols = inputs
-    ctx.save_for_backward(index, cols)
-    ctx.data_shape = list(data.shape)
-
-
-def _read_packed_grad(ctx, grad):
-    index, cols = ctx.saved_tensors
-    return torch.ops.brcompile.read_packed_backward(grad, index, cols, ctx.data_shape), None, None
-
-
-torch.library.register_autograd("brcompile::read_packed", _read_packed_grad, setup_context=_read_packed_setup)

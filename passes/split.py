@@ -16,7 +16,7 @@ ancestors it can see. :func:`split_for_replay` emits three graphs:
 - **tail**: the trunk on one chunk of tail tokens; each ``tree_attention_forward`` becomes
   ``tree_attention_cached_forward`` that also attends the cached K/V (backends/cached.py);
 - **outer**: the packed graph with the trunk replaced by one call of ``replay_trunk`` (a
-  brcompile.replay.ReplayTrunk submodule) that returns the frontier at all N tokens.
+  brcompile.runtime.streaming.ReplayTrunk submodule) that returns the frontier at all N tokens.
 
 Nothing here changes what is computed: the outer graph sees the same frontier values, the trunk the same
 per-token inputs, attention the same keys.
@@ -33,11 +33,12 @@ import torch.fx as fx
 
 from brcompile.backends.ops import attention_extras
 from brcompile.passes.axes import CannotReplay
-from brcompile.passes.check import TOKEN_ARRAYS, symbolic_run
+from brcompile.passes.check import symbolic_run, token_positions
+from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReplaySplit", "split_for_replay", "TOKEN_ARRAYS"]
+__all__ = ["ReplaySplit", "split_for_replay"]
 
 #: Per-token tree arrays of the packed graph that the trunk reads (in the trunk graphs' order).
 _ATTENTION = torch.ops.brcompile.tree_attention_forward.default
@@ -85,13 +86,10 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     if region is not None:  # the trunk graphs would run outside the region (in a lower precision's place)
         raise CannotReplay("streaming replay: an autocast region inside the compiled function (the packed mode "
                            "runs; autocast around the compiled call streams)", region)
-    placeholders = [n for n in packed.graph.nodes if n.op == "placeholder"]
-    by_name = {p.name: i for i, p in enumerate(placeholders)}
-    tok_pos = {a: by_name[f"tree_{a}"] for a in TOKEN_ARRAYS}
-    tok_nodes = [placeholders[i] for i in tok_pos.values()]
-    n_sym = symbolic_run(packed, example_args, tok_pos)
-    index = placeholders[by_name["tree_index"]]
-    outer_side = _descendants([index]) | {index}
+    tree = tree_placeholders(packed)
+    tok_nodes = tree.tokens
+    n_sym = symbolic_run(packed, example_args, token_positions(packed))
+    outer_side = _descendants([tree.index]) | {tree.index}
     token_side = _descendants(tok_nodes)
     trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
@@ -120,7 +118,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
                              if a not in trunk_set and a not in tok_nodes))
     attentions = [n for n in trunk if n.target is _ATTENTION]
     for a in attentions:
-        if a.args[4] not in (placeholders[tok_pos["valid"]], placeholders[tok_pos["all_valid"]]):
+        if a.args[4] not in (tok_nodes.valid, tok_nodes.all_valid):
             raise CannotReplay("streaming replay: an attention's key validity is not a tree array", a)
     dims = tuple(_token_dims(n.meta["val"], n_sym)[0] for n in frontier)
     prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, cached=False)
@@ -141,7 +139,8 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached:
         env[n] = g.placeholder(f"tree_{name}")
     if cached:
         cache = {a: (g.placeholder(f"cache_k_{a.name}"), g.placeholder(f"cache_v_{a.name}")) for a in attentions}
-        cache_valid = {tok_nodes[3]: g.placeholder("cache_valid"), tok_nodes[4]: g.placeholder("cache_all_valid")}
+        cache_valid = {tok_nodes.valid: g.placeholder("cache_valid"),
+                       tok_nodes.all_valid: g.placeholder("cache_all_valid")}
         cross = g.placeholder("cross")
         cache_position = g.placeholder("cache_position")
     for n in trunk:
@@ -151,7 +150,7 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached:
             kc, vc = cache[n]
             args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
                     scale, impl)
-            if window and position is not tok_nodes[1]:
+            if window and position is not tok_nodes.position:
                 raise CannotReplay("streaming replay: a windowed attention's positions are not the tree's", n)
             if window or softcap:
                 args += (window, env[position] if window else None, cache_position if window else None, softcap)
@@ -195,7 +194,7 @@ def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> fx.GraphModule:
     out = next(n for n in packed.graph.nodes if n.op == "output")
     g.output(fx.node.map_arg(out.args[0], lambda a: env[a]))
     g.lint()
-    root: dict[str, Any] = {"replay_trunk": torch.nn.Identity()}  # replaced by brcompile.replay.ReplayTrunk
+    root: dict[str, Any] = {"replay_trunk": torch.nn.Identity()}  # replaced by brcompile.runtime.streaming.ReplayTrunk
     for n in g.nodes:
         if n.op in ("get_attr", "call_module") and n.target != "replay_trunk":
             root[n.target] = _fetch(packed, n.target)

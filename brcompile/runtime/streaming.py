@@ -9,7 +9,7 @@ The packed tree is cut in two (:func:`plan_replay`):
   only the prefix's K/V ("everything above the chunk is cached").
 
 :class:`ReplayFunction` is one autograd node around the token-local part of the packed graph (the
-"trunk", split off by :mod:`brcompile.passes.replay`):
+"trunk", split off by :mod:`brcompile.passes.split`):
 
 forward
     run the prefix graph once with grad (its activations are the only ones kept; it also returns every
@@ -29,14 +29,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from brcompile.runtime.tree import TokenArrays
+
+if TYPE_CHECKING:
+    from brcompile.runtime.tree import PackedTree
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Chunk", "ReplayFunction", "ReplaySchedule", "ReplayTrunk", "plan_replay"]
+__all__ = ["Chunk", "ReplayFunction", "ReplaySchedule", "ReplayTrunk", "StreamingRuntime", "plan_replay"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +143,7 @@ def _chunk(leaves: Tensor, psegs: Tensor, before: Tensor) -> Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class TrunkGraphs:
-    """The two compiled halves of a trunk (see brcompile.passes.replay.ReplaySplit)."""
+    """The two compiled halves of a trunk (see brcompile.passes.split.ReplaySplit)."""
 
     prefix: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments) -> (*frontier, *kv)
     tail: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments, *kv_cache, cache_valid,
@@ -164,15 +169,16 @@ class ReplayFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphs: TrunkGraphs, schedule: ReplaySchedule, need_grad: bool, n_ext: int, *inputs):
-        ext = inputs[:n_ext]  # then the token arrays rep_row, position, end, valid, all_valid, segments
-        rep_row, position, valid = inputs[n_ext], inputs[n_ext + 1], inputs[n_ext + 3]
+        ext, tree = inputs[:n_ext], TokenArrays(*inputs[n_ext:])
+        rep_row, position, valid = tree.rep_row, tree.position, tree.valid
         dev = position.device
         leaves = [_leaf(x) for x in ext]
         pid = schedule.prefix_ids.to(dev)
         pre_valid, pre_position = _take(valid, pid), _take(position, pid)
         with torch.set_grad_enabled(need_grad):
-            pre = graphs.prefix(*leaves, _take(rep_row, pid), pre_position, schedule.prefix_end.to(dev),
-                                pre_valid, torch.ones_like(pre_valid), schedule.prefix_segments.to(dev))
+            pre = graphs.prefix(*leaves, *TokenArrays(
+                rep_row=_take(rep_row, pid), position=pre_position, end=schedule.prefix_end.to(dev),
+                valid=pre_valid, all_valid=torch.ones_like(pre_valid), segments=schedule.prefix_segments.to(dev)))
         nf = len(graphs.frontier_dims)
         pre_front, cache = tuple(pre[:nf]), tuple(pre[nf:])
         outs = [_full(t, d, schedule.n_tokens) for t, d in zip(pre_front, graphs.frontier_dims)]
@@ -271,8 +277,9 @@ def _run_tail(graphs: TrunkGraphs, ext: Sequence, chunk: Chunk, rep_row: Tensor,
     dev = position.device
     ids = chunk.ids.to(dev)
     v = _take(valid, ids)
-    out = graphs.tail(*ext, _take(rep_row, ids), _take(position, ids), chunk.end.to(dev), v, torch.ones_like(v),
-                      chunk.segments.to(dev), *cache, pre_valid, torch.ones_like(pre_valid), chunk.cross.to(dev),
+    tree = TokenArrays(rep_row=_take(rep_row, ids), position=_take(position, ids), end=chunk.end.to(dev),
+                       valid=v, all_valid=torch.ones_like(v), segments=chunk.segments.to(dev))
+    out = graphs.tail(*ext, *tree, *cache, pre_valid, torch.ones_like(pre_valid), chunk.cross.to(dev),
                       pre_position)
     return tuple(out)
 
@@ -290,10 +297,33 @@ class ReplayTrunk(torch.nn.Module):
 
     @torch._dynamo.disable
     def forward(self, *args):
-        end, segments = args[self.n_ext + 2], args[self.n_ext + 5]
-        schedule = plan_replay(end, segments, self.chunk_tokens)
+        tree = TokenArrays(*args[self.n_ext:])
+        schedule = plan_replay(tree.end, tree.segments, self.chunk_tokens)
         self.last_schedule = schedule
         log.debug("branch_replay streaming: %s", schedule.summary())
         need_grad = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
                                                     for x in args[:self.n_ext])
         return ReplayFunction.apply(self.graphs, schedule, need_grad, self.n_ext, *args)
+
+
+@dataclasses.dataclass
+class StreamingRuntime:
+    """What a rewritten graph needs to run in streaming mode (brcompile/runtime/streaming.py)."""
+
+    mode: str  # "replay" or "auto"
+    memory_budget: Optional[int]
+    bytes_per_token: int  # trunk activation bytes per packed token (passes/split.py)
+    outer: Callable  # the packed graph with its trunk replaced by ``trunk``
+    trunk: Any  # brcompile.runtime.streaming.ReplayTrunk
+
+    def choose(self, tree: PackedTree) -> Optional[str]:
+        """None to stream this batch, or why the packed mode runs instead."""
+        seg = tree.segments
+        leaf = seg[:, 1] == seg[:, 2]
+        if bool(leaf.all()):
+            return "no shared prefix to cache"
+        if self.mode == "auto":
+            need = self.bytes_per_token * tree.stats.executed_tokens
+            if need <= self.memory_budget:
+                return f"packed activations ~{need / 2**20:.1f} MiB fit memory_budget"
+        return None
