@@ -1,11 +1,10 @@
-"""``python -m brcompile`` (also the ``brcompile`` command): ``bench`` and ``explain``.
+"""``python -m brcompile`` (also the ``brcompile`` command): ``explain``.
 
-    python -m brcompile bench [flags]                 # eager vs torch.compile vs branch_replay vs PrefixGrouper
-    python -m brcompile bench --quick                 # a tiny grid in seconds
     python -m brcompile explain [flags] script.py [script args ...]
 
-``bench``: see :mod:`brcompile.bench` (tables of speedups, FLOPs, bytes saved for backward and exactness;
-``bench.json`` and ``bench_speedup.png`` under ``--out``).
+The benchmark is a script of the repository, not part of the installed package:
+``python benchmarks/bench_grpo.py [flags]`` from a checkout (``python -m brcompile bench`` says so and exits
+with status 2).
 
 ``explain``: runs ``script.py`` (as ``__main__``, with ``sys.argv = [script.py, *script args]``) inside
 ``recording()`` of brcompile/tools/explain.py: every ``torch.compile`` of the script (and ``nn.Module.compile``) that
@@ -90,15 +89,14 @@ def run_explain(args) -> int:
     return status
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """``brcompile {bench, explain}``."""
-    from brcompile import bench
+BENCH_MOVED = ("brcompile bench: the benchmark is a script of the repository now; run "
+               "`python benchmarks/bench_grpo.py [flags]` from a checkout (--help lists the flags)")
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """``brcompile explain``."""
     p = argparse.ArgumentParser(prog="brcompile", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    bench.add_arguments(sub.add_parser("bench", help="dense eager vs torch.compile vs branch_replay vs "
-                                                     "PrefixGrouper over a grid", description=bench.__doc__,
-                                       formatter_class=argparse.RawDescriptionHelpFormatter))
     _explain_parser(sub.add_parser("explain", help="run a script with branch_replay and report at exit",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return p
@@ -107,12 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        from brcompile import bench
-
-        return bench.exit_status(bench.run(args))
-    return run_explain(args)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        print(BENCH_MOVED, file=sys.stderr)
+        return 2
+    return run_explain(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ brcompile nodes of the packed graph (tree attention, packed gathers, ...) and th
 Per call: rows, logical positions B*L vs executed tokens N, the dedup ratio, tree depth and segments, and
 (``measure=True``, the first ``measure_calls`` calls of each graph) the FLOPs and the bytes autograd saves
 for backward of one forward+backward, counted by running the *eager* graphs once more on the call's inputs
-(:func:`brcompile.bench.measure_fwd_bwd`; the compiled code computes the same graphs):
+(:func:`brcompile.tools.measure.measure_fwd_bwd`; the compiled code computes the same graphs):
 
     dense   = FlopCounterMode over the original (captured) graph: its forward, and its backward (gradient
               of ones for every output that requires grad) w.r.t. every input that requires grad
@@ -47,6 +47,8 @@ import torch.fx as fx
 
 from brcompile import runtime
 from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
+from brcompile.passes.axes import is_inplace
+from brcompile.tools.measure import limit_flops, measure_fwd_bwd
 
 log = logging.getLogger(__name__)
 
@@ -448,29 +450,23 @@ class ExplainReport:
 # recording: a backend that logs (and measures) every call of every graph it compiles
 
 
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift, operator.imatmul}
+#: In-place operators that :func:`brcompile.passes.axes.is_inplace` does not list; a re-run must avoid them too.
+_MORE_INPLACE_OPERATORS = (operator.imod, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul)
 
 
 def mutating_node(gm: fx.GraphModule) -> Optional[str]:
-    """The first node of ``gm`` that may mutate a tensor in place (``x.add_``, ``operator.iadd``, a mutable
-    op schema, ``inplace=True``), formatted; None when there is none. Best effort, on the side of caution."""
+    """The first node of ``gm`` that may mutate a tensor in place, formatted; None when there is none.
+
+    The analysis's detector (:func:`brcompile.passes.axes.is_inplace`: ``x.add_``, in-place operators,
+    ``operator.setitem``, ``out=``), plus what a re-run must also avoid: the in-place operators it does not
+    list, an ``inplace=True`` keyword (``F.relu(x, inplace=True)`` stays a call of ``F.relu`` in a Dynamo
+    graph) and an op whose schema is mutable. Best effort, on the side of caution."""
     for n in gm.graph.nodes:
-        if n.op == "call_method":
-            name = str(n.target)
-        elif n.op == "call_function":
-            if n.target in _INPLACE_OPERATORS:
-                return n.format_node()
-            if getattr(n.target, "__module__", None) in ("_operator", "operator"):
-                continue  # operator.and_, operator.not_ ...: the trailing "_" is not in-place
-            schema = getattr(n.target, "_schema", None)
-            if schema is not None and schema.is_mutable:
-                return n.format_node()
-            name = getattr(n.target, "__name__", "")
-        else:
+        if n.op not in ("call_method", "call_function"):
             continue
-        if (name.endswith("_") and not name.startswith("_")) or n.kwargs.get("inplace") is True:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if (is_inplace(n) or n.kwargs.get("inplace") is True or (schema is not None and schema.is_mutable)
+                or (n.op == "call_function" and n.target in _MORE_INPLACE_OPERATORS)):
             return n.format_node()
     return None
 
@@ -530,8 +526,6 @@ class _LoggedRuntime:
     def _cost(self, args: tuple, entry: dict) -> dict:
         """FLOPs and bytes saved for backward of the eager original graph and, for a replayed (packed-mode)
         call, of the eager packed graph on the same tree; the limit (module docstring)."""
-        from brcompile.bench import limit_flops, measure_fwd_bwd
-
         original = getattr(self.rt, "original", None)
         if original is None:
             return {"skipped": "the runtime has no original graph to re-run"}

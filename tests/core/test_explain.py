@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -220,8 +221,54 @@ def test_mutating_node_detection():
     def ands(x):
         return operator.and_(x > 0, x < 1) & (x != 0.5)
 
+    def relu_inplace(x):
+        return F.relu(x * 2, inplace=True)
+
+    g = fx.Graph()  # y = x * 2; y[0] = 1.0 (operator.setitem, as Dynamo records it)
+    x = g.placeholder("x")
+    y = g.call_function(operator.mul, (x, 2))
+    g.call_function(operator.setitem, (y, 0, 1.0))
+    g.output(y)
+    setitem = fx.GraphModule(torch.nn.Module(), g)
+
     assert "add_" in mutating_node(fx.symbolic_trace(mutates))
     assert mutating_node(fx.symbolic_trace(ands)) is None
+    assert "inplace" in mutating_node(fx.symbolic_trace(relu_inplace))
+    assert "setitem" in mutating_node(setitem)
+
+
+def test_explain_cli_runs_a_script_and_reports_at_exit(tmp_path, capsys):
+    """``python -m brcompile explain script.py``: the script's torch.compile runs branch_replay, other backends
+    are left alone and listed, the report comes at exit (also through sys.exit), nothing stays patched."""
+    from brcompile.__main__ import main
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch
+        from examples.gpt import GPT, GPTConfig
+        from examples.grpo import grpo_loss, make_grpo_batch
+
+        model = GPT(GPTConfig(vocab_size=37, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16)).double()
+        step = torch.compile(grpo_loss)
+        for seed in range(int(sys.argv[1])):
+            batch = make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(5, 8), response_len=(2, 4),
+                                    vocab_size=37, dtype=torch.float64, seed=seed)
+            step(model, **batch).backward()
+        torch.compile(torch.sin, backend="eager")(torch.ones(2))
+        sys.exit(3)
+    """))
+    real_compile = torch.compile
+    rc = main(["explain", "--compiler", "eager", "--json", str(tmp_path / "r.json"), "--rich", "no", "--no-code",
+               str(script), "2"])
+    out = capsys.readouterr().out
+    assert rc == 3 and torch.compile is real_compile
+    assert "brcompile explain" in out and "REWRITTEN" in out and "predicted cost" in out
+    assert "backend='eager'" in out and "def forward" not in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert len(doc["calls"]) == 2 and all(c["replayed"] for c in doc["calls"])
+    assert all("limit_flops" in c["cost"] for c in doc["calls"])
+    assert brcompile.stats().replayed_calls == 2
 
 
 def test_dump_dir_writes_python_and_coloured_dot(tmp_path):
@@ -271,3 +318,16 @@ def test_torch_logs_plus_brcompile_logs_before_and_after_graphs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "branch_replay graph 0 before:" in proc.stderr and "branch_replay graph 0 after:" in proc.stderr
     assert "tree_attention" in proc.stderr
+
+
+def test_measure_counts_cpu_attention_and_leaves_grads_alone():
+    """brcompile.tools.measure: CPU SDPA counted with torch's formula (fwd 4 B H L^2 D, bwd 10 B H L^2 D), the
+    bytes saved for backward exclude the inputs that require grad, and every ``.grad`` is left as it was."""
+    from brcompile.tools.measure import measure_fwd_bwd
+
+    q = torch.randn(2, 3, 7, 8, requires_grad=True)
+    q.grad = torch.full_like(q, 5.0)
+    cost = measure_fwd_bwd(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True).sum(), [q])
+    assert cost.backward and cost.attention_flops == cost.flops == 14 * 2 * 3 * 7 * 7 * 8
+    assert cost.other_flops == 0 and cost.saved_bytes > 0
+    assert torch.equal(q.grad, torch.full_like(q, 5.0))

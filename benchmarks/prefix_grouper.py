@@ -1,0 +1,171 @@
+"""PrefixGrouper (``pip install prefix-grouper``), the published peer, on the example GPT and GRPO loss.
+
+PrefixGrouper is used through its own API: the batch regrouped as one row per prompt
+``[prompt, response_1, ..., response_G]`` with rotary positions restarting at P for every response
+(:func:`group_batch`), every attention routed through ``PrefixGrouper.forward(attn_func, q, k, v)`` with an
+``attn_func`` that applies its key-padding mask and bottom-right-aligned causal masking
+(:func:`prefix_grouper_attn_func`), the logits split back with ``split_output(..., include_prefix_last=1)``
+and the same GRPO loss computed from the response log-probabilities (:func:`prefix_grouper_grpo_loss`).
+Routing the attentions needs the model's forward written out (:func:`prefix_grouper_logits`): that is the
+model edit PrefixGrouper asks of its users.
+
+This module is ``benchmarks/prefix_grouper.py``; the installed package is imported by its name
+``prefix_grouper``, so ``benchmarks/`` itself must not be on ``sys.path`` (``benchmarks/bench_grpo.py``
+replaces it by the repository root when run as a script).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from examples.gpt import apply_rotary_pos_emb, repeat_kv
+
+
+class PrefixGrouperError(ValueError):
+    """A batch PrefixGrouper's layout cannot express (rows of a group that do not share their prompt ...)."""
+
+
+def _package():
+    """The installed ``prefix_grouper`` package (ImportError when it is missing or shadowed by this file)."""
+    pkg = importlib.import_module("prefix_grouper")
+    if Path(getattr(pkg, "__file__", "") or "").resolve() == Path(__file__).resolve():
+        raise ImportError("benchmarks/ is on sys.path ahead of the installed prefix_grouper package "
+                          "(run benchmarks/bench_grpo.py as a script, or put the repository root first)")
+    return pkg
+
+
+def status() -> tuple[bool, str]:
+    """(usable, a line saying which version or why not)."""
+    try:
+        pkg = _package()
+    except ImportError as e:
+        return False, f"prefix_grouper is not installed (pip install prefix-grouper): {e}"
+    return True, f"prefix_grouper {getattr(pkg, '__version__', '?')}"
+
+
+def grpo_surrogate(logp: torch.Tensor, completion_mask: torch.Tensor, advantages: torch.Tensor,
+                   old_logprobs: torch.Tensor, clip_eps: float = 0.2) -> torch.Tensor:
+    """``examples.grpo.grpo_loss`` from the next-token log-probs ``logp`` [B, L-1] on:
+    ``-mean_b(sum_t m s / max(1, sum_t m))``, ``s = min(r A, clip(r, 1-eps, 1+eps) A)``, ``r = exp(logp - old)``,
+    ``m = completion_mask[:, 1:]``."""
+    ratio = torch.exp(logp - old_logprobs)
+    adv = advantages[:, None]
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    mask = completion_mask[:, 1:].to(surrogate.dtype)
+    per_sequence = (surrogate * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    return -per_sequence.mean()
+
+
+@dataclasses.dataclass
+class GroupedBatch:
+    """A GRPO batch in PrefixGrouper's layout: one row per prompt, ``[prompt, response_1, ..., response_G]``.
+
+    ``grouper``: the ``prefix_grouper.PrefixGrouper`` of ``group_info = [[P_g, T_g1, ..., T_gG], ...]``;
+    ``input_ids``/``position_ids`` [groups, Lg] (right-padded; every response's positions restart at P_g);
+    ``response_ids`` [B, T_max] (0 past a row's end); the scatter ``logp[rows, cols] = logp_resp[rows, steps]``
+    puts response log-probs back at the dense next-token positions ``t = P_g - 1 + j``.
+    """
+
+    grouper: Any
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    response_ids: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    steps: torch.Tensor
+
+
+def group_batch(batch: dict, group_size: int) -> GroupedBatch:
+    """Regroups a ``make_grpo_batch`` batch (prompts left-aligned, responses right after, right padding) for
+    PrefixGrouper; raises :class:`PrefixGrouperError` when the rows of a group do not share their prompt."""
+    PrefixGrouper = _package().PrefixGrouper
+
+    ids, am, cm = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
+    B, L = ids.shape
+    if B % group_size:
+        raise PrefixGrouperError(f"{B} rows are not whole groups of {group_size}")
+    prompt_mask = am & ~cm
+    T_max = int(cm.sum(1).max())
+    info, grouped, positions, responses, rows, cols, steps = [], [], [], [], [], [], []
+    for g in range(B // group_size):
+        r0 = g * group_size
+        P = int(prompt_mask[r0].sum())
+        prompt = ids[r0, :P]
+        parts, pos, lens = [prompt], [torch.arange(P)], []
+        for b in range(r0, r0 + group_size):
+            T = int(cm[b].sum())
+            if (int(prompt_mask[b].sum()) != P or not bool(prompt_mask[b, :P].all())
+                    or not torch.equal(ids[b, :P], prompt) or not bool(cm[b, P:P + T].all())):
+                raise PrefixGrouperError(f"row {b} does not share group {g}'s left-aligned prompt followed by "
+                                         f"its response")
+            resp = ids[b, P:P + T]
+            parts.append(resp)
+            pos.append(torch.arange(P, P + T))
+            lens.append(T)
+            responses.append(F.pad(resp, (0, T_max - T)))
+            rows += [b] * T
+            cols += range(P - 1, P - 1 + T)
+            steps += range(T)
+        info.append([P, *lens])
+        grouped.append(torch.cat(parts))
+        positions.append(torch.cat(pos).to(ids.device))
+    Lg = max(len(r) for r in grouped)
+    device = ids.device
+    return GroupedBatch(
+        grouper=PrefixGrouper(group_info=info, device=device, padding_mode="right"),
+        input_ids=torch.stack([F.pad(r, (0, Lg - len(r))) for r in grouped]),
+        position_ids=torch.stack([F.pad(p, (0, Lg - len(p))) for p in positions]),
+        response_ids=torch.stack(responses),
+        rows=torch.tensor(rows, device=device), cols=torch.tensor(cols, device=device),
+        steps=torch.tensor(steps, device=device),
+    )
+
+
+def prefix_grouper_attn_func(q, k, v, key_mask, n_rep: int = 1):
+    """PrefixGrouper's ``attn_func``: q [b, H, Lq, D], k/v [b, Hkv, Lk, D], ``key_mask`` [b, Lk] (True = a real
+    key). Causal masking aligned bottom-right (query i sees key j iff j <= i + Lk - Lq: the suffix queries
+    come after the Lk - Lq prefix keys), and the key-padding mask. Returns [b, Lq, H, D], as it expects."""
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    Lq, Lk = q.shape[2], k.shape[2]
+    causal = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(Lk - Lq)
+    mask = causal[None, None] & key_mask.bool()[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def prefix_grouper_logits(model, gb: GroupedBatch) -> torch.Tensor:
+    """The example GPT's forward (``examples.gpt.GPT``) on the grouped batch, each attention through
+    ``PrefixGrouper.forward``; rotary tables from ``gb.position_ids``. Logits [groups, Lg, V]."""
+    h = model.tok_emb(gb.input_ids)
+    inv_freq = model.inv_freq if model.inv_freq.dtype == torch.float64 else model.inv_freq.float()
+    freqs = gb.position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]  # [groups, 1, Lg, D]
+    for layer in model.layers:
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        G, Lg, _ = x.shape
+        q = a.q_proj(x).view(G, Lg, a.n_heads, a.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(G, Lg, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(G, Lg, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = gb.grouper.forward(prefix_grouper_attn_func, q, k, v, n_rep=a.n_rep)  # [groups, Lg, H, D]
+        h = h + a.o_proj(out.reshape(G, Lg, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.logits(model.norm(h))
+
+
+def prefix_grouper_grpo_loss(model, gb: GroupedBatch, batch: dict, clip_eps: float = 0.2) -> torch.Tensor:
+    """The GRPO loss of ``batch`` computed PrefixGrouper's way: grouped forward, ``split_output(logits,
+    include_prefix_last=1)`` (the last prompt token predicts the first response token), response log-probs
+    scattered to the dense next-token positions, then :func:`grpo_surrogate`."""
+    logits = prefix_grouper_logits(model, gb)
+    _, _, suffix, _ = gb.grouper.split_output(logits, include_prefix_last=1)  # [B, 1 + T_max, V]
+    logp_resp = torch.log_softmax(suffix[:, :-1], dim=-1).gather(-1, gb.response_ids[..., None]).squeeze(-1)
+    B, L = batch["input_ids"].shape
+    logp = logp_resp.new_zeros(B, L - 1).index_put((gb.rows, gb.cols), logp_resp[gb.rows, gb.steps])
+    return grpo_surrogate(logp, batch["completion_mask"], batch["advantages"], batch["old_logprobs"], clip_eps)
