@@ -14,8 +14,6 @@ The flags of this script's earlier, two-method version still work: ``--group-siz
 backend B); ``--json PATH`` writes the JSON document there too. Its defaults (dim 256, 4 layers, G = 8,
 P in {512, 2048}, T = 128, a full group and a mixed batch per P) are now spelt out:
 ``--dim 256 --layers 4 --group-sizes 8 --prefix-lens 512,2048 --tail-lens 128 --mixed-groups``.
-
-Other benchmark scripts import the measuring helpers below from here; they live in benchmarks/harness.py.
 """
 from __future__ import annotations
 
@@ -24,17 +22,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: the repository root, not benchmarks/, heads sys.path
-    if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-        sys.path[0] = str(ROOT)   # benchmarks/prefix_grouper.py must not shadow the prefix_grouper package
-    elif str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+if __package__ in (None, "") and str(ROOT) not in sys.path:  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (  # noqa: E402
-    FlopCount, TreeCount, count_flops, count_tree, limit_flops, lm_head_flops, main, saved_activation_bytes)
-
-__all__ = ["FlopCount", "TreeCount", "count_flops", "count_tree", "limit_flops", "lm_head_flops", "main",
-           "saved_activation_bytes"]
+from benchmarks.harness import main  # noqa: E402
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_grpo import saved_activation_bytes  # noqa: E402
+from benchmarks.harness import saved_activation_bytes  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.grpo import grpo_loss, make_grpo_batch  # noqa: E402
 

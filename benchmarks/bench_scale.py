@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_grpo import saved_activation_bytes  # noqa: E402
+from benchmarks.harness import saved_activation_bytes  # noqa: E402
 from benchmarks.bench_replay import peak_bytes, reset_peak, rss_bytes  # noqa: E402
 
 #: (num_prompts, G, P, T) rungs.

@@ -9,7 +9,7 @@ lengths T, it measures on the same model and batch:
 * ``torch.compile``: the dense loss compiled by ``--compile-backend`` (Inductor by default);
 * ``branch_replay``: compiled with ``brcompile.backend(compiler=--compiler, min_dedup=--min-dedup)``;
 * ``prefix_grouper``: PrefixGrouper (``pip install prefix-grouper``), the published peer, through its own API
-  (``benchmarks/prefix_grouper.py``; the example GPT only). Building its ``PrefixGrouper`` and regrouping the
+  (``benchmarks/peer_prefix_grouper.py``; the example GPT only). Building its ``PrefixGrouper`` and regrouping the
   inputs is data preparation in a PrefixGrouper trainer, so it is not timed (branch_replay's tree building is
   timed: it runs per call).
 
@@ -319,7 +319,7 @@ class GPTSubject:
 
     name = "gpt"
     left_pad_prompts = False
-    prefix_grouper = True   # benchmarks/prefix_grouper.py writes out this model's forward
+    prefix_grouper = True   # benchmarks/peer_prefix_grouper.py writes out this model's forward
 
     def __init__(self, config: GPTConfig, seed: int, dtype: torch.dtype, device: torch.device):
         self.config = config
@@ -542,7 +542,7 @@ class Runner:
             return self.subject.compiled_loss(method, batch, brcompile.backend(
                 compiler=self.args.compiler, min_dedup=self.args.min_dedup))
         if method == "prefix_grouper":
-            from benchmarks import prefix_grouper as pg
+            from benchmarks import peer_prefix_grouper as pg
 
             if not self.subject.prefix_grouper:
                 raise BenchError(f"the PrefixGrouper adapter runs the example GPT, not {self.subject.name}")
@@ -814,7 +814,7 @@ def run(args: argparse.Namespace) -> dict:
     """Runs the grid of ``args`` (:func:`parse_args`), prints the tables, writes JSON and the plot; returns the
     JSON document."""
     from brcompile.tools.explain import print_blocks
-    from benchmarks import prefix_grouper as pg
+    from benchmarks import peer_prefix_grouper as pg
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else torch.device(args.device)

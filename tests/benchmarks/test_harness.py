@@ -96,7 +96,7 @@ def test_methods_are_isolated(tmp_path, capsys):
 def test_prefix_grouper_adapter_is_exact_on_ragged_groups():
     """Several prompts of different lengths, ragged responses sharing their first tokens: PrefixGrouper's loss
     and gradients through the adapter equal the dense loss's."""
-    from benchmarks.prefix_grouper import group_batch, prefix_grouper_grpo_loss, status
+    from benchmarks.peer_prefix_grouper import group_batch, prefix_grouper_grpo_loss, status
 
     assert status()[0]
     model = GPT(GPTConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=40)).double()
@@ -139,8 +139,7 @@ def test_brcompile_bench_points_at_the_script(capsys):
 
 
 def test_bench_grpo_runs_as_a_script_from_the_repo_root(tmp_path):
-    """The script from the repository root, PrefixGrouper included when installed (the installed package, not
-    benchmarks/prefix_grouper.py, which sits next to the script)."""
+    """The script from the repository root, PrefixGrouper included when installed."""
     methods = "eager,prefix_grouper" if HAS_PG else "eager"
     proc = subprocess.run([sys.executable, "benchmarks/bench_grpo.py", "--group-sizes", "2", "--prefix-lens", "5",
                            "--tail-lens", "2", "--methods", methods, "--out", str(tmp_path), "--no-plot", *TINY],

@@ -1,4 +1,4 @@
-"""The example GPT, GRPO batch/loss, demo and benchmark plumbing, in eager mode (no brcompile backend).
+"""The example GPT, GRPO batch/loss and demo plumbing, in eager mode (no brcompile backend).
 
 These pin down the oracle side of every end-to-end test: the model is causal and row-independent,
 masks mean what they say, the batch generator builds the prefix structure it claims, and the losses
@@ -18,7 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import bench_grpo  # noqa: E402
 from examples import grpo_demo  # noqa: E402
 from examples.gpt import GPT, GPTConfig, repeat_kv  # noqa: E402
 from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss  # noqa: E402
@@ -345,65 +344,6 @@ def test_demo_parse_len():
     assert grpo_demo.parse_len("3:9") == (3, 9) == grpo_demo.parse_len("3,9")
 
 
-def test_bench_count_tree_by_hand():
-    """Rows [5 6 7 8], [5 6 9 0], [5 6 7 8], [4 0 0 0] with pads (id 0, mask 0).
-    Nodes: 5,6,7,8 | 9,pad | - | 4,pad,pad,pad = 10; tree pairs: valid ancestors (self included) per node:
-    1+2+3+4 | 3+3 | 1+1+1+1 = 20; dense pairs: 10 + 9 + 10 + 4 = 33."""
-    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0], [5, 6, 7, 8], [4, 0, 0, 0]])
-    tree = bench_grpo.count_tree(ids, (ids != 0).long())
-    assert (tree.rows, tree.logical, tree.nodes, tree.tree_pairs, tree.dense_pairs) == (4, 16, 10, 20, 33)
-
-
-def test_bench_limit_formula():
-    config = GPTConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2)
-    dense = bench_grpo.FlopCount(total=10_000_000, attention=4_000_000)
-    tree = bench_grpo.TreeCount(rows=4, logical=400, nodes=100, tree_pairs=1000, dense_pairs=5000)
-    limit = bench_grpo.limit_flops(dense, tree, config)
-    assert limit.attention == 3 * 4 * 1000 * 14 * 16
-    assert limit.total == 6_000_000 // 4 + limit.attention
-
-
-def test_bench_counts_cpu_attention_flops():
-    """FlopCounterMode alone counts nothing for CPU SDPA; the benchmark's mapping counts torch's formula:
-    fwd 4 * B H L^2 D, bwd 10 * B H L^2 D."""
-    q = torch.randn(2, 3, 7, 8, requires_grad=True)
-    step = lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    count = bench_grpo.count_flops(step)
-    assert count.attention == count.total == 14 * 2 * 3 * 7 * 7 * 8
-
-
-def test_bench_flop_counter_counts_compiled_code_and_keeps_it_compiled():
-    """Under FlopCounterMode Dynamo skips compiled code (and keeps skipping it); the benchmark's counter
-    must count what the compiled callable runs, and leave it compiled."""
-    calls = []
-
-    def backend(gm, example_inputs):
-        def run(*args):
-            calls.append(1)
-            return gm(*args)
-        return run
-
-    f = torch.compile(lambda w, x: (x @ w).relu().sum(), backend=backend)
-    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
-    x = torch.randn(7, 5, dtype=torch.float64)
-    f(w, x)
-    count = bench_grpo.count_flops(lambda: f(w, x).backward())
-    assert len(calls) == 2
-    assert count.total == 2 * (2 * 7 * 5 * 3) and count.attention == 0     # x @ w, and x^T @ grad for w
-    f(w, x)
-    assert len(calls) == 3
-
-
-def test_bench_quick_runs_with_eager_backend(capsys):
-    results = bench_grpo.main(["--quick", "--backend", "aot_eager", "--repeats", "1", "--device", "cpu"])
-    out = capsys.readouterr().out
-    assert len(results) == 2 and "| case |" in out
-    for r in results:
-        assert r.error is None and r.max_rel_grad_err <= 1e-5
-        assert r.compiled_flops == r.dense_flops            # aot_eager runs the same ops
-        assert r.limit_flops < r.dense_flops and r.nodes < r.B * r.L
-
-
 # ----------------------------------------------------------------------------------------------------
 # The HF (Qwen2) side of the demo: TRL's layout and loss, and the replay check (eager, no brcompile backend)
 
@@ -460,31 +400,6 @@ def test_demo_replay_failure():
     mixed = Stats(replayed_calls=1, fallback_calls=1, fallback_reasons=collections.Counter({"too small": 1}))
     assert "1 fell back: too small" in grpo_demo.replay_failure(mixed)
     assert "no call reached" in grpo_demo.replay_failure(Stats())
-
-
-def test_bench_count_tree_window_by_hand():
-    """Rows [5 6 7 8], [5 6 9 0], [5 6 7 8], [4 0 0 0]; the last 2 columns hold the nodes 7, 8 | 9, pad |
-    pad, pad = 6 (row 3 repeats row 1)."""
-    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0], [5, 6, 7, 8], [4, 0, 0, 0]])
-    tree = bench_grpo.count_tree(ids, (ids != 0).long(), window=2)
-    assert (tree.nodes, tree.window, tree.window_nodes) == (10, 2, 6)
-    assert bench_grpo.count_tree(ids, (ids != 0).long(), window=4).window_nodes == tree.nodes
-    with pytest.raises(ValueError, match="window"):
-        bench_grpo.count_tree(ids, (ids != 0).long(), window=5)
-
-
-def test_bench_limit_formula_with_a_head_window():
-    """logits_to_keep: the head's dense FLOPs (6 dim vocab per position, B * window positions) scale by
-    window_nodes / (B * window), the rest of the non-attention FLOPs by N / (B L)."""
-    config = GPTConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=100)
-    head = 6 * 64 * 100 * 4 * 10
-    assert bench_grpo.lm_head_flops(config, 4 * 10) == head
-    dense = bench_grpo.FlopCount(total=10_000_000 + head, attention=4_000_000)
-    tree = bench_grpo.TreeCount(rows=4, logical=400, nodes=100, tree_pairs=1000, dense_pairs=5000, window=10,
-                                window_nodes=25)
-    limit = bench_grpo.limit_flops(dense, tree, config)
-    assert limit.attention == 3 * 4 * 1000 * 14 * 16
-    assert limit.total == 6_000_000 // 4 + head * 25 // 40 + limit.attention
 
 
 def test_demo_without_transformers(capsys, monkeypatch):

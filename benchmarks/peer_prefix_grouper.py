@@ -9,15 +9,12 @@ and the same GRPO loss computed from the response log-probabilities (:func:`pref
 Routing the attentions needs the model's forward written out (:func:`prefix_grouper_logits`): that is the
 model edit PrefixGrouper asks of its users.
 
-This module is ``benchmarks/prefix_grouper.py``; the installed package is imported by its name
-``prefix_grouper``, so ``benchmarks/`` itself must not be on ``sys.path`` (``benchmarks/bench_grpo.py``
-replaces it by the repository root when run as a script).
+(The module is named ``peer_prefix_grouper`` so that it never shadows the installed ``prefix_grouper``.)
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +28,8 @@ class PrefixGrouperError(ValueError):
 
 
 def _package():
-    """The installed ``prefix_grouper`` package (ImportError when it is missing or shadowed by this file)."""
-    pkg = importlib.import_module("prefix_grouper")
-    if Path(getattr(pkg, "__file__", "") or "").resolve() == Path(__file__).resolve():
-        raise ImportError("benchmarks/ is on sys.path ahead of the installed prefix_grouper package "
-                          "(run benchmarks/bench_grpo.py as a script, or put the repository root first)")
-    return pkg
+    """The installed ``prefix_grouper`` package (ImportError when it is missing)."""
+    return importlib.import_module("prefix_grouper")
 
 
 def status() -> tuple[bool, str]:
