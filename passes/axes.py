@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import logging
 import operator
 from typing import Any, Callable, Optional
@@ -291,21 +292,44 @@ def dense_fallback(ctx: AxesContext, node: fx.Node, reason: str) -> TokenAxes:
     return DENSE
 
 
+#: Python's in-place operators (``x += y`` ...) and ``x[i] = y``, as Dynamo records them.
+INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.setitem})
+
+
+def _inplace_argument(node: fx.Node) -> bool:
+    """An ``inplace`` parameter set to True, by keyword or by position (``F.relu(x, True)``,
+    ``F.dropout(x, p, training, True)``): Dynamo keeps such calls as calls of the functional op."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # builtins without a signature, arguments that do not bind
+        return False
+    return bound.arguments.get("inplace") is True
+
+
 def is_inplace(node: fx.Node) -> bool:
+    """Whether ``node`` may write into one of its arguments: a ``Tensor.op_`` method, an in-place
+    operator or ``setitem``, ``out=``, an ``inplace=True`` argument, a mutable op schema."""
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.endswith("__") and node.target not in (
             "requires_grad_",)
-    if node.op == "call_function":
-        if node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                           operator.ifloordiv, operator.ipow, operator.iand, operator.ior, operator.setitem):
-            return True
-        if "out" in node.kwargs:
-            return True
-        if getattr(node.target, "__module__", None) in ("_operator", "operator"):
-            return False  # operator.and_/or_/xor/not_ are named with a trailing "_" but are pure
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_") and not name.endswith("__")
-    return False
+    if node.op != "call_function":
+        return False
+    if node.target in INPLACE_OPERATORS or "out" in node.kwargs:
+        return True
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return False  # operator.and_/or_/xor/not_ are named with a trailing "_" but are pure
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    name = getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.startswith("_") and not name.endswith("__"):
+        return True
+    return callable(node.target) and _inplace_argument(node)
 
 
 def propagate(ctx: AxesContext) -> None:

@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import logging
-import operator
 import sys
 import textwrap
 from typing import Any, Callable, Optional, Sequence
@@ -450,23 +449,11 @@ class ExplainReport:
 # recording: a backend that logs (and measures) every call of every graph it compiles
 
 
-#: In-place operators that :func:`brcompile.passes.axes.is_inplace` does not list; a re-run must avoid them too.
-_MORE_INPLACE_OPERATORS = (operator.imod, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul)
-
-
 def mutating_node(gm: fx.GraphModule) -> Optional[str]:
-    """The first node of ``gm`` that may mutate a tensor in place, formatted; None when there is none.
-
-    The analysis's detector (:func:`brcompile.passes.axes.is_inplace`: ``x.add_``, in-place operators,
-    ``operator.setitem``, ``out=``), plus what a re-run must also avoid: the in-place operators it does not
-    list, an ``inplace=True`` keyword (``F.relu(x, inplace=True)`` stays a call of ``F.relu`` in a Dynamo
-    graph) and an op whose schema is mutable. Best effort, on the side of caution."""
+    """The first node of ``gm`` that may mutate a tensor in place (:func:`brcompile.passes.axes.is_inplace`),
+    formatted; None when there is none. A graph that mutates is not re-run to measure it."""
     for n in gm.graph.nodes:
-        if n.op not in ("call_method", "call_function"):
-            continue
-        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if (is_inplace(n) or n.kwargs.get("inplace") is True or (schema is not None and schema.is_mutable)
-                or (n.op == "call_function" and n.target in _MORE_INPLACE_OPERATORS)):
+        if n.op in ("call_method", "call_function") and is_inplace(n):
             return n.format_node()
     return None
 
