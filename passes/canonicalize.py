@@ -27,6 +27,22 @@ Soft-capping (``tanh(s / cap) * cap`` with one number ``cap`` on both sides) is 
 only analysed, never run). Anything else between the scores and the softmax (a bias, another function) is
 refused with the op named.
 
+**Attention by meaning, not by one spelling.** Ops are matched through :mod:`..spellings` (every spelling
+of a family). The scores may be ``einsum("bhqd,bhkd->bhqk", q, k)`` and the output
+``einsum("bhqk,bhkd->bhqd", p, v)``; a scale applied to q (or k) before the scores is part of q (the SDPA
+scale is then 1). Between the scores and the softmax, mask and scale steps may come in any order
+(:func:`_mask_or_scale_step`): ``s + M``; ``s.masked_fill(C, v)`` / ``where(C, v, s)`` (nanoGPT's
+``att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))``); ``where(C, s, v)`` (GPT-J); ``s * c``,
+``s / c`` with a number ``c``. A fill value ``v`` must be a large negative constant: at most ``BLOCKING``
+(``-1e4``) as the softmax sees it (times the positive scales after it) — ``-1e9``, ``finfo.min``, ``-inf``.
+Then a masked score's probability is exactly 0, as it is in tree attention, provided the visible scores
+of its row lie within the exp underflow range above ``v`` (745 in float64, 104 in float32; scores of
+that size are not seen in practice). The steps become one canonical float mask (:func:`_canonical_mask`:
+0 where every step lets a key through, ``-inf`` where one blocks it; additive values <= ``BLOCKING``
+become ``-inf``, other values stay and the classification refuses them as a bias), classified by the
+probes of :mod:`..masks` like any mask. ALiBi (a per-head additive bias) and attention sinks (logits
+concatenated to the scores) are refused naming them: they need tree-attention features.
+
 A fully masked query row differs: the original's additive mask makes it uniform over all keys (or NaN
 when the lowest value overflows), tree attention makes it 0. Where the mask has key padding, the rewrite
 therefore adds a per-call guard (:func:`mask_guards`): no row may start with padding.
@@ -54,17 +70,27 @@ import torch.nn.functional as F
 from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, normalize_dim
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
 from brcompile.passes.rules.attention import SDPA, _sdpa_args
+from brcompile.passes.spellings import is_op, spellings
 
 log = logging.getLogger(__name__)
 
-SOFTMAX = (F.softmax, torch.softmax, torch.special.softmax, "softmax")
-MATMUL = (torch.matmul, operator.matmul, "matmul", "__matmul__")
-TRANSPOSE = (torch.transpose, "transpose", torch.swapaxes, "swapaxes", torch.permute, "permute")
-MUL = (operator.mul, torch.mul, "mul", "__mul__", "__rmul__")
-DIV = (operator.truediv, torch.div, torch.true_divide, "div", "truediv", "__truediv__")
-ADD = (operator.add, torch.add, "add", "__add__", "__radd__")
-CAST = ("to", "type", "type_as", "float", "double", "half", "bfloat16")
-DROPOUT = (F.dropout, torch.dropout, "dropout")
+SOFTMAX = spellings("softmax")
+MATMUL = spellings("matmul")
+TRANSPOSE = spellings("transpose", "permute")
+MUL = spellings("mul")
+DIV = spellings("div")
+ADD = spellings("add")
+CAST = spellings("cast")
+DROPOUT = spellings("dropout")
+MASKED_FILL = spellings("masked_fill")
+WHERE = spellings("where")
+EINSUM = spellings("einsum")
+
+#: A mask value at or below this blocks a key: ``exp(v - m)`` underflows to exactly 0 for any row maximum
+#: ``m`` of the visible scores above ``v + 745`` (float64; ``v + 104`` in float32). Large negative
+#: constants (``-1e4``, ``-1e9``, ``torch.finfo(dtype).min``) and ``-inf`` are masks; anything above
+#: is a bias and refused.
+BLOCKING = -1e4
 
 #: How far back from a softmax an unmatched chain is searched for a q @ k^T matmul, to tell an
 #: attention that cannot be canonicalised (refuse, with the op named) from an unrelated softmax.
@@ -93,7 +119,7 @@ class EagerChain:
     k: fx.Node
     v: fx.Node
     scale: Any  # number or a scalar node (resolved later)
-    mask: Optional[fx.Node]
+    masks: list  # mask steps, softmax-side first: ("add", M, post) | ("fill"/"keep", C, value, post)
     dropout_p: Any
     dropout_training: Any
     out: fx.Node
@@ -210,7 +236,7 @@ def _transposed_last_two(n: fx.Node) -> Optional[fx.Node]:
     t = _tensor(k)
     if t is None or t.dim() != 4:
         return None
-    if n.target in (torch.permute, "permute"):
+    if is_op(n, "permute"):
         dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
         if not dims:
             dims = n.kwargs.get("dims", ())
@@ -221,8 +247,37 @@ def _transposed_last_two(n: fx.Node) -> Optional[fx.Node]:
     return k
 
 
+def _einsum_4d(n: Any, kind: str) -> Optional[tuple[fx.Node, fx.Node]]:
+    """The two operands of ``einsum("bhqd,bhkd->bhqk", q, k)`` (``kind="scores"``) or
+    ``einsum("bhqk,bhkd->bhqd", p, v)`` (``kind="output"``), any letters, else None."""
+    if not _call_in(n, EINSUM) or n.kwargs:
+        return None
+    eq, ops = n.args[0], list(n.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if not isinstance(eq, str) or "->" not in eq or len(ops) != 2:
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2 or any(len(t) != 4 for t in (*terms, out)) or len(set(terms[0] + terms[1] + out)) != 5:
+        return None
+    a, b = terms
+    if not (a[:2] == b[:2] == out[:2]):
+        return None
+    if kind == "scores" and (a[3] == b[3] and a[2] == out[2] and b[2] == out[3]):
+        return ops[0], ops[1]
+    if kind == "output" and (a[3] == b[2] and a[2] == out[2] and b[3] == out[3]):
+        return ops[0], ops[1]
+    return None
+
+
 def _scores_matmul(n: Any) -> Optional[tuple[fx.Node, fx.Node]]:
-    """(q, k) if ``n`` is ``matmul(q, k^T)`` of two 4-D values."""
+    """(q, k) if ``n`` is ``matmul(q, k^T)`` (any spelling) or ``einsum("bhqd,bhkd->bhqk", q, k)`` of two
+    4-D values."""
+    qk = _einsum_4d(n, "scores")
+    if qk is not None:
+        tq, tk = _tensor(qk[0]), _tensor(qk[1])
+        return qk if tq is not None and tk is not None and tq.dim() == tk.dim() == 4 else None
     if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method") or n.target not in MATMUL:
         return None
     if len(n.args) != 2 or n.kwargs:
@@ -274,19 +329,25 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     if scores_t.dim() != 4 or dim is None or normalize_dim(dim, 4) != 3:
         _refuse(sm, sm, f"softmax over dim {dim} of a {scores_t.dim()}-D value, not the key dim")
     dead = [sm]
-    # backward: [add mask] -> [mul/div scale] -> matmul(q, k^T)
-    mask = None
+    # backward: mask steps (additive masks, masked_fill / where with a large negative value) and numeric
+    # scales in any order -> [soft-cap] -> [scale] -> scores (matmul(q, k^T) or einsum)
+    masks: list[tuple] = []  # ("add", M, post) | ("fill", C, v, post) | ("keep", C, v, post)
+    post = 1.0  # product of the numeric scales between a mask step and the softmax
     cur = x
-    if _call_in(cur, ADD) and len(cur.args) == 2 and not cur.kwargs:
-        a, b = cur.args
-        side = [o for o in (a, b) if isinstance(o, fx.Node) and _looks_like_attention(o)]
-        if len(side) != 1:
-            _refuse(sm, cur, "an addition to the scores where the mask operand cannot be told apart "
-                    "(both or neither operand comes from q @ k^T)")
-        mask = b if side[0] is a else a
+    while True:
+        step = _mask_or_scale_step(sm, cur)
+        if step is None:
+            break
+        kind, payload, nxt = step
+        if kind == "scale":
+            post *= payload
+        else:
+            masks.append((kind, *payload, post))
         dead.append(cur)
-        cur = side[0]
+        cur = nxt
     softcap, cur = _match_softcap(cur, dead)
+    if softcap and post != 1.0:
+        _refuse(sm, x, "a scale between the soft-capped scores and the softmax")
     scale: Any = 1.0
     if _call_in(cur, MUL + DIV) and len(cur.args) == 2 and not cur.kwargs:
         a, b = cur.args
@@ -298,24 +359,36 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
             scale = a
             dead.append(cur)
             cur = b
+    if post != 1.0:
+        if isinstance(scale, fx.Node) or (isinstance(scale, tuple) and isinstance(scale[1], fx.Node)):
+            _refuse(sm, x, "a scale read from an input combined with another scale of the scores")
+        scale = post * (1.0 / scale[1] if isinstance(scale, tuple) else scale)
     qk = _scores_matmul(cur)
     if qk is None:
         path = _path_to_scores(cur)
         capped = " (logit soft-capping)" if "tanh" in path else ""
+        if any(p in ("cat", "concat", "concatenate") for p in path):
+            _refuse(sm, cur, f"`{' <- '.join(path)}`: logits concatenated to the scores before the softmax "
+                    "(an attention sink) need a tree-attention sink feature, which does not exist")
         _refuse(sm, cur, f"`{' <- '.join(path)}` between the scores matmul and the softmax{capped} "
                 "is not supported")
     q, k = qk
     dead.append(cur)
     # shapes and dtypes
     tq, tk, ts = _tensor(q), _tensor(k), _tensor(cur)
-    if mask is not None:
-        tm = _tensor(mask)
-        if tm is None or not tm.is_floating_point():
-            _refuse(sm, x, "the value added to the scores is not a float tensor (a bool mask added is a bias)")
-        if tm.dtype != ts.dtype:
-            _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}")
-        if tuple(_tensor(x).shape) != tuple(ts.shape):
-            _refuse(sm, x, "the additive mask enlarges the scores")
+    if tuple(_tensor(x).shape) != tuple(ts.shape):
+        _refuse(sm, x, "the attention mask enlarges the scores")
+    _check_mask_steps(sm, x, masks)
+    for m in masks:
+        if m[0] == "add":
+            tm = _tensor(m[1])
+            if tm is None or not tm.is_floating_point():
+                _refuse(sm, x, "the value added to the scores is not a float tensor (a bool mask added is a bias)")
+            if tm.dtype != ts.dtype:
+                _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}")
+            if (tm.dim() == 4 and tm.shape[1] != 1) or (tm.dim() == 3 and tm.shape[0] != 1):
+                _refuse(sm, x, "a per-head additive bias on the scores (an ALiBi position bias?) needs a "
+                        "tree-attention bias feature, which does not exist")
     if tq.shape[:2] != tk.shape[:2]:
         _refuse(sm, cur, "query and key heads differ (no repeat_kv before the scores)")
     sd = ts.dtype
@@ -342,9 +415,12 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
         cur, nxt = nxt, _only_user(nxt)
     if nxt is None:
         _refuse(sm, cur, "the attention probabilities have other users (output_attentions=True?)")
-    if nxt.target not in MATMUL or len(nxt.args) != 2 or nxt.args[0] is not cur or nxt.kwargs:
+    pv = _einsum_4d(nxt, "output")
+    if pv is None and (nxt.target not in MATMUL or len(nxt.args) != 2 or nxt.kwargs):
         _refuse(sm, nxt, f"the probabilities go to `{_op_name(nxt)}`, not to a matmul with the values")
-    v = nxt.args[1]
+    p_, v = pv if pv is not None else nxt.args
+    if p_ is not cur:
+        _refuse(sm, nxt, "the probabilities are not the first operand of the matmul with the values")
     tv = _tensor(v)
     if tv is None or tv.dim() != 4 or tv.shape[:2] != tq.shape[:2] or tv.shape[2] != tk.shape[2]:
         _refuse(sm, nxt, "the values are not [B, H, Lk, D] like the keys")
@@ -354,10 +430,75 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     if _tensor(cur).dtype != tq.dtype:
         _refuse(sm, cur, f"the probabilities are {_tensor(cur).dtype}, the query is {tq.dtype}")
     dead.insert(0, nxt)
-    return EagerChain(q, k, v, scale, mask, p, training, nxt, dead, softcap)
+    return EagerChain(q, k, v, scale, masks, p, training, nxt, dead, softcap)
 
 
-TANH = (torch.tanh, "tanh", F.tanh)
+TANH = spellings("tanh")
+
+
+def _mask_or_scale_step(sm: fx.Node, cur: Any):
+    """One step between the scores and the softmax, walking towards the scores: ``("scale", c, s)`` for
+    ``s * c`` / ``c * s`` / ``s / c`` with a number ``c``; ``("add", (M,), s)`` for ``s + M``;
+    ``("fill", (C, v), s)`` for ``s.masked_fill(C, v)`` / ``where(C, v, s)``; ``("keep", (C, v), s)`` for
+    ``where(C, s, v)`` / ``s.where(C, v)``; None for anything else. ``s`` is the operand that comes from
+    the scores; the mask values are checked by the caller."""
+    if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
+        return None
+    a = list(cur.args)
+    if _call_in(cur, ADD) and len(a) == 2 and not cur.kwargs:
+        side = [o for o in a if isinstance(o, fx.Node) and _looks_like_attention(o)]
+        if len(side) == 2:
+            _refuse(sm, cur, "an addition to the scores where the mask operand cannot be told apart "
+                    "(both operands come from q @ k^T)")
+        if len(side) == 1:
+            return "add", (a[1] if side[0] is a[0] else a[0],), side[0]
+        return None
+    if _call_in(cur, MUL + DIV) and len(a) == 2 and not cur.kwargs:
+        s, c = a
+        if cur.target in MUL and _number(s) is not None:
+            s, c = c, s
+        if _number(c) is None or not _looks_like_attention(s) or _scores_matmul(s) is not None:
+            return None  # a scale directly on the scores is matched (with scalar inputs) by the caller
+        return "scale", (1.0 / _number(c) if cur.target in DIV else _number(c)), s
+    if _call_in(cur, MASKED_FILL):
+        s = a[0] if a else cur.kwargs.get("input")
+        C = a[1] if len(a) > 1 else cur.kwargs.get("mask")
+        v = a[2] if len(a) > 2 else cur.kwargs.get("value")
+        if isinstance(s, fx.Node) and _looks_like_attention(s):
+            return "fill", (C, v), s
+        return None
+    if _call_in(cur, WHERE) and not cur.kwargs:
+        if cur.op == "call_method" and len(a) == 3:  # s.where(C, v)
+            s, C, v = a
+            kind = "keep"
+        elif len(a) == 3:
+            C, x, y = a
+            kind, s, v = ("keep", x, y) if isinstance(x, fx.Node) and _looks_like_attention(x) else ("fill", y, x)
+        else:
+            return None
+        if isinstance(s, fx.Node) and _looks_like_attention(s):
+            return kind, (C, v), s
+    return None
+
+
+def _check_mask_steps(sm: fx.Node, x: fx.Node, masks: list) -> None:
+    """Each mask step must block with a large negative value (``BLOCKING``), as seen by the softmax (after
+    the scales between it and the softmax, which must be positive), on a bool condition."""
+    for m in masks:
+        kind, post = m[0], m[-1]
+        if post <= 0:
+            _refuse(sm, x, f"an attention mask followed by a non-positive scale {post}")
+        if kind == "add":
+            continue
+        C, v = m[1], m[2]
+        tc = _tensor(C)
+        if tc is None or tc.dtype != torch.bool:
+            _refuse(sm, x, "masked_fill / where on the scores with a condition that is not a bool tensor")
+        value = _number(v)
+        if value is None or not value * post <= BLOCKING:
+            what = "a value computed in the graph" if value is None else f"{value}"
+            _refuse(sm, x, f"masked_fill / where on the scores with {what}: not a large negative constant "
+                    f"(<= {BLOCKING:g}, -inf, finfo.min), so it is a bias, not a mask")
 
 
 def _number(x: Any) -> Optional[float]:
@@ -444,10 +585,12 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> lis
         else:
             scale = 1.0 / c
     p = ch.dropout_p if ch.dropout_training is not False else 0.0
+    with graph.inserting_before(ch.out):
+        mask = _canonical_mask(graph, ch)
     with graph.inserting_after(ch.out):
         node = graph.call_function(
             F.scaled_dot_product_attention, (ch.q, ch.k, ch.v),
-            {"attn_mask": ch.mask, "dropout_p": p, "is_causal": False, "scale": scale})
+            {"attn_mask": mask, "dropout_p": p, "is_causal": False, "scale": scale})
     node.meta.update(ch.out.meta)
     node.meta["br_canonical"] = "eager attention"
     if ch.softcap:
@@ -460,7 +603,48 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> lis
     # k^T (and a no-longer-used repeat_kv) become dead: removed by the final dead-code pass.
     canon.notes.append(f"{node.name}: eager attention {chain} -> scaled_dot_product_attention")
     log.debug("canonical attention %s from eager chain %s", node.name, chain)
-    return [node] if ch.mask is not None else []
+    return [node] if mask is not None else []
+
+
+def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
+    """One float mask of the scores' dtype, 0 where every mask step lets a key through and ``-inf`` where
+    one blocks it (a masked score's probability is exactly 0 either way, ``BLOCKING``): an additive mask
+    ``M`` (seen as ``M * post``) keeps 0 and turns values <= ``BLOCKING`` into ``-inf``, leaving any other
+    value for the mask classification to refuse as a bias; a ``masked_fill``/``where`` condition becomes
+    ``where(C, -inf, 0)`` (or its complement). None without mask steps. The nodes only build the mask: the
+    classification (:mod:`..masks`) evaluates them on probes, the packed graph never runs them."""
+    if not ch.masks:
+        return None
+    dtype = _tensor(ch.out).dtype
+    parts = []
+    for kind, *rest in ch.masks:
+        if kind == "add":
+            M, post = rest
+            m = M if post == 1.0 else _call(graph, operator.mul, (M, post))
+            m = _call(graph, "masked_fill", (m, _call(graph, operator.le, (m, BLOCKING)), float("-inf")))
+        else:
+            C, _, _ = rest
+            inf = float("-inf")
+            m = _call(graph, torch.where, (C, inf, 0.0) if kind == "fill" else (C, 0.0, inf))
+            m = _call(graph, "to", (m, dtype))
+        parts.append(m)
+    total = parts[0]
+    for m in parts[1:]:
+        total = _call(graph, operator.add, (total, m))
+    return total
+
+
+def _call(graph: fx.Graph, target, args) -> fx.Node:
+    """A new node (call_method for a string target) with its example value computed from its inputs'."""
+    op = "call_method" if isinstance(target, str) else "call_function"
+    node = graph.create_node(op, target, args, {})
+    try:
+        vals = [example_value(a) if isinstance(a, fx.Node) else a for a in args]
+        node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:]) if op == "call_method"
+                                      else target(*vals))
+    except Exception:  # pragma: no cover - metadata is best effort; the probes evaluate the real thing
+        log.debug("no example value for %s", node.name, exc_info=True)
+    return node
 
 
 def _specialise_scalars(node: fx.Node, placeholders: list[fx.Node], values: dict, canon: Canonical) -> None:

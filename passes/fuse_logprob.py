@@ -44,22 +44,23 @@ from brcompile.passes.axes import (
     CONST, DENSE, AxesContext, Window, dense_fallback, example_value, get_axes, node_args, normalize_dim,
     register_rule, set_axes, shape_of,
 )
+from brcompile.passes.spellings import spellings
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Head", "LogprobMatch", "emit_fused_gather", "match_cross_entropy", "match_gather", "walk_head"]
 
-LINEAR = {F.linear, torch._C._nn.linear}
-MATMUL = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
-MUL = {operator.mul, torch.mul, "mul", "__mul__", "__rmul__"}
-DIV = {operator.truediv, torch.div, torch.true_divide, "div", "true_divide", "__truediv__"}
-TANH = {torch.tanh, F.tanh, "tanh"}
-LOG_SOFTMAX = {torch.log_softmax, F.log_softmax, "log_softmax", torch.special.log_softmax}
-SOFTMAX = {torch.softmax, F.softmax, "softmax", torch.special.softmax}
-EXP = {torch.exp, "exp"}
-NEG = {operator.neg, torch.neg, "neg", "__neg__"}
-SUM = {torch.sum, "sum"}
-CASTS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone", torch.clone}
+LINEAR = set(spellings("linear"))
+MATMUL = set(spellings("matmul"))
+MUL = set(spellings("mul"))
+DIV = set(spellings("div"))
+TANH = set(spellings("tanh"))
+LOG_SOFTMAX = set(spellings("log_softmax"))
+SOFTMAX = set(spellings("softmax"))
+EXP = set(spellings("exp"))
+NEG = set(spellings("neg"))
+SUM = set(spellings("sum"))
+CASTS = {*spellings("cast"), "contiguous", "clone", torch.clone}
 RESHAPES = {"reshape", "view", torch.reshape, "flatten", torch.flatten}
 CROSS_ENTROPY = [F.cross_entropy]
 

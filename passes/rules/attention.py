@@ -15,15 +15,15 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.nn.functional as F
 
 from brcompile.passes.axes import (
     DENSE, AxesContext, CannotReplay, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
 )
 from brcompile.passes.fuse_logprob import emit_fused_gather
+from brcompile.passes.spellings import spellings
 from brcompile.backends.read_packed import read_packed
 
-SDPA = [F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention]
+SDPA = list(spellings("sdpa"))
 
 
 def _sdpa_args(node):

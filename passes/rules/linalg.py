@@ -1,4 +1,4 @@
-"""Linear algebra that contracts over a non-token dim: linear, matmul/bmm with a constant, embedding.
+"""Linear algebra that contracts over a non-token dim: linear, matmul/bmm with a constant, einsum, embedding.
 
 ``linear(x, W)[..., o] = sum_i x[..., i] W[o, i]``: each output element reads one input "row vector"
 (the same leading coordinates), so the token dims of ``x`` pass through when neither is the contracted
@@ -7,15 +7,16 @@ A product of two TOKEN values (``q @ k^T``) mixes positions: that is attention, 
 """
 from __future__ import annotations
 
-import operator
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from brcompile.passes.axes import AxesContext, dense_fallback, get_axes, register_rule, shape_of, token
+from brcompile.passes.spellings import spellings
 
 
-@register_rule([F.linear, torch._C._nn.linear])
+@register_rule(spellings("linear"))
 def linear(ctx: AxesContext, node):
     """linear(x, W, b): token dims of x must not be its last (contracted) dim; W, b constant."""
     x = node.args[0]
@@ -28,20 +29,102 @@ def linear(ctx: AxesContext, node):
     return token(ax.ndim, ax.row, ax.pos, ax.window)
 
 
-@register_rule([torch.matmul, operator.matmul, "matmul", torch.bmm, "bmm",
-                "__matmul__"])
+def _matmul_dims(sa, sb) -> Optional[tuple[int, dict, dict]]:
+    """(R, out dim of each dim of a, of each dim of b) for ``matmul(a, b)`` with shapes ``sa``, ``sb``;
+    contracted dims map to None. None for a 0-D operand."""
+    na, nb = len(sa), len(sb)
+    if na == 0 or nb == 0:
+        return None
+    if na == 1 and nb == 1:
+        return 0, {0: None}, {0: None}
+    if nb == 1:  # [..., K] @ [K] -> [...]
+        return na - 1, {d: (d if d < na - 1 else None) for d in range(na)}, {0: None}
+    if na == 1:  # [K] @ [..., K, M] -> [..., M]
+        R = nb - 1
+        return R, {0: None}, {d: (d if d < nb - 2 else (R - 1 if d == nb - 1 else None)) for d in range(nb)}
+    R = max(na, nb)
+    da = {d: (d + R - na if d < na - 2 else (R - 2 if d == na - 2 else None)) for d in range(na)}
+    db = {d: (d + R - nb if d < nb - 2 else (R - 1 if d == nb - 1 else None)) for d in range(nb)}
+    return R, da, db
+
+
+@register_rule([*spellings("matmul", "bmm")])
 def matmul(ctx: AxesContext, node):
-    """matmul(a, b) with a TOKEN and b a constant matrix (or b TOKEN and a constant with token dims in
-    b's batch dims): the contracted dim must not be a token dim; batch dims broadcast like pointwise."""
+    """matmul/bmm of one TOKEN operand and one constant, in either order: ``out[..., i, j] = sum_k a[..., i,
+    k] b[..., k, j]``. Each output element reads one row of ``a`` and one column of ``b`` at the same
+    (broadcast) batch coordinates, so a TOKEN operand keeps a token dim that is a batch dim, ``a``'s row
+    dim (``h @ W``) or ``b``'s column dim (``inv_freq[None, :, None] @ position_ids[:, None, :]``, HF's
+    rotary: the column is the position) — never the contracted dim. The constant must have extent 1 at
+    the output's token dims (a constant batch indexed by row or position would depend on dense
+    coordinates). Two TOKEN operands (``q @ k^T``) mix positions: that is attention, handled by the eager
+    canonicalisation; here they are materialised."""
     a, b = node.args[0], node.args[1]
     fa, fb = get_axes(a), get_axes(b)
-    out = shape_of(node)
-    if fa.is_token and fb.is_const:
-        sb = shape_of(b)
-        if fa.ndim - 1 in fa.token_dims() or sb is None or len(sb) > 2:
-            return dense_fallback(ctx, node, "matmul contracts a token dim or broadcasts a constant batch")
-        return token(len(out), fa.row, fa.pos, fa.window)  # batch dims stay; last dim is contracted
-    return dense_fallback(ctx, node, "matmul of two token values (attention scores) or of a dense value")
+    sa, sb, out = shape_of(a), shape_of(b), shape_of(node)
+    if fa.is_token == fb.is_token or fa.is_dense or fb.is_dense or None in (sa, sb, out):
+        return dense_fallback(ctx, node, "matmul of two token values (attention scores) or of a dense value")
+    dims = _matmul_dims(sa, sb)
+    if dims is None:
+        return dense_fallback(ctx, node, "matmul of a 0-D value")
+    R, da, db = dims
+    tok, tdims, cshape, cdims = (fa, da, sb, db) if fa.is_token else (fb, db, sa, da)
+    if any(tdims[d] is None for d in tok.token_dims()):
+        return dense_fallback(ctx, node, "matmul contracts a token dim")
+    out_tok = {tdims[d] for d in tok.token_dims()}
+    for d, o in cdims.items():
+        if o in out_tok and cshape[d] != 1:
+            return dense_fallback(ctx, node, "matmul with a constant that is not broadcast along a token dim")
+    return token(R, None if tok.row is None else tdims[tok.row], tdims[tok.pos], tok.window)
+
+
+def _einsum_operands(node):
+    eq = node.args[0]
+    ops = list(node.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    return eq, ops
+
+
+@register_rule(spellings("einsum"))
+def einsum(ctx: AxesContext, node):
+    """einsum with an explicit output (``"i , j -> i j"``, ``"bld,od->blo"``): an output element is a sum
+    over the contracted letters of products of operand elements at the output's coordinates. When every
+    TOKEN operand carries its row and position on the same letters, those letters are kept in the output
+    and are absent from the constants, each output element reads only its own (row, position) of the
+    TOKEN operands — causal and row-independent, like a pointwise op. Contracting a token letter (``q``
+    against ``k`` in attention scores) mixes positions: materialised."""
+    eq, ops = _einsum_operands(node)
+    if not isinstance(eq, str) or "->" not in eq or "." in eq:
+        return dense_fallback(ctx, node, "einsum without an explicit output or with an ellipsis")
+    lhs, rhs = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ops):
+        return dense_fallback(ctx, node, "einsum operands do not match the equation")
+    letters = None
+    window = None
+    for t, o in zip(terms, ops):
+        ax = get_axes(o)
+        if ax.is_dense:
+            return dense_fallback(ctx, node, "einsum of a dense value")
+        if not ax.is_token:
+            continue
+        if len(t) != ax.ndim or len(set(t)) != len(t):
+            return dense_fallback(ctx, node, "einsum with a repeated letter on a token value")
+        mine = (None if ax.row is None else t[ax.row], t[ax.pos])
+        if letters is not None and (mine[1] != letters[1] or (None not in (mine[0], letters[0])
+                                                              and mine[0] != letters[0])):
+            return dense_fallback(ctx, node, "einsum contracting or mixing token dims (attention scores?)")
+        if window is not None and ax.window != window:
+            return dense_fallback(ctx, node, "einsum of token values with different windows")
+        letters = (mine[0] if letters is None or letters[0] is None else letters[0], mine[1])
+        window = ax.window
+    tl = [x for x in letters if x is not None]
+    if any(rhs.count(x) != 1 for x in tl):
+        return dense_fallback(ctx, node, "einsum contracting or mixing token dims (attention scores?)")
+    for t, o in zip(terms, ops):
+        if not get_axes(o).is_token and any(x in t for x in tl):
+            return dense_fallback(ctx, node, "einsum with a constant indexed by a token dim")
+    return token(len(rhs), None if letters[0] is None else rhs.index(letters[0]), rhs.index(letters[1]), window)
 
 
 @register_rule([F.embedding, torch.embedding])

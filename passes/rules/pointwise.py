@@ -6,8 +6,13 @@ the output) and the result is TOKEN, provided
 
 * all TOKEN operands put their position dim on the same output dim, their row dims agree (or are absent:
   a position-only value such as a rotary table broadcasts over rows), and share one lazy window;
-* a CONST operand has extent 1 along the output's token dims (a constant indexed by position or row would
-  make the value depend on the dense coordinates, not on the tree node).
+* a CONST operand has extent 1 along the output's token dims (a constant indexed by row would make the
+  value depend on the dense row, not on the tree node) — or it is a **position table**: extent 1 along
+  the row dim and exactly the dense length L along the position dim, with the TOKEN operands' window
+  whole (a ``[T, hs]`` rotary cache ``cos[:T]`` broadcast against ``[B, H, T, hs]``, a learned
+  ``[L, D]`` position table). Then the dense element at column t reads the table's entry t, and the
+  column of a packed token is its tree position (§4), so the packed graph reads the table at
+  ``position[k]`` (``index_select``): a function of the position alone, causal and row-independent.
 
 Otherwise the TOKEN operands are materialised and the result is DENSE (still exact).
 """
@@ -16,46 +21,50 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.axes import (
     DENSE, AxesContext, dense_fallback, get_axes, register_rule, shape_of, token,
 )
+from brcompile.passes.spellings import spellings
 
 BINARY = [
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow,
+    *spellings("add", "sub", "rsub", "mul", "div", "rdiv", "floordiv", "pow", "rpow", "masked_fill", "where"),
     operator.mod, operator.and_, operator.or_, operator.xor, operator.eq, operator.ne, operator.lt,
     operator.le, operator.gt, operator.ge,
-    torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.maximum, torch.minimum,
+    torch.maximum, torch.minimum,
     torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and, torch.logical_or,
-    torch.where, torch.clamp, torch.clip, torch.lerp, torch.atan2, torch.fmod, torch.remainder,
-    torch.masked_fill, torch.addcmul, torch.addcdiv,
-    "add", "sub", "mul", "div", "truediv", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-    "masked_fill", "where", "clamp", "clip", "clamp_min", "clamp_max", "lerp", "logical_and", "logical_or",
-    "__and__", "__or__", "__mul__", "__add__", "__sub__", "__truediv__", "__radd__", "__rmul__",
-    "__rsub__", "__rtruediv__", "type_as",
+    torch.clamp, torch.clip, torch.lerp, torch.atan2, torch.fmod, torch.remainder,
+    torch.addcmul, torch.addcdiv,
+    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
+    "clamp", "clip", "clamp_min", "clamp_max", "lerp", "logical_and", "logical_or",
+    "__and__", "__or__",
 ]
 
 UNARY = [
-    operator.neg, operator.pos, operator.invert, operator.abs,
-    torch.neg, torch.exp, torch.exp2, torch.expm1, torch.log, torch.log1p, torch.log2, torch.sqrt,
-    torch.rsqrt, torch.sin, torch.cos, torch.tan, torch.tanh, torch.sigmoid, torch.abs, torch.sign,
+    *spellings("neg", "exp", "tanh", "sigmoid", "silu", "gelu", "cast"),
+    operator.pos, operator.invert, operator.abs,
+    torch.real, torch.imag, torch.conj, torch.polar, torch.exp2, torch.expm1, torch.log, torch.log1p, torch.log2, torch.sqrt,
+    torch.rsqrt, torch.sin, torch.cos, torch.tan, torch.abs, torch.sign,
     torch.square, torch.reciprocal, torch.erf, torch.floor, torch.ceil, torch.round, torch.trunc,
     torch.logical_not, torch.isnan, torch.isinf, torch.isfinite, torch.nan_to_num, torch.relu,
-    torch.nn.functional.silu, F.gelu, F.relu, F.leaky_relu, F.elu, F.softplus, F.mish, F.hardtanh,
-    F.relu6, F.logsigmoid, F.tanh, F.sigmoid, torch.special.expit, torch.special.erf,
-    "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh",
-    "sigmoid", "abs", "sign", "square", "reciprocal", "erf", "floor", "ceil", "round", "trunc",
-    "logical_not", "isnan", "isinf", "isfinite", "nan_to_num", "relu", "float", "double", "half",
-    "bfloat16", "int", "long", "bool", "to", "type", "detach", "clone", "contiguous", "__neg__",
+    F.relu, F.leaky_relu, F.elu, F.softplus, F.mish, F.hardtanh,
+    F.relu6, F.logsigmoid, torch.special.erf,
+    "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "sin", "cos", "tan",
+    "abs", "sign", "square", "reciprocal", "erf", "floor", "ceil", "round", "trunc",
+    "logical_not", "isnan", "isinf", "isfinite", "nan_to_num", "relu",
+    "int", "long", "bool", "detach", "clone", "contiguous", "conj",
     "__invert__", torch.clone, torch.detach,
 ]
 
 
-def broadcast_token_axes(ctx: AxesContext, node, operands) -> object:
+def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None = None) -> object:
     """Fact of a broadcasting op's output, or None if its operands cannot stay packed.
 
     An operand of rank r sits right-aligned in the output of rank R: its dim d is output dim R - r + d.
+    With ``tables`` (a dict), CONST position tables are admitted (module docstring) and recorded as
+    ``tables[operand] = its position dim``; without it they make the result None.
     """
     out_shape = shape_of(node)
     if out_shape is None:
@@ -91,15 +100,36 @@ def broadcast_token_axes(ctx: AxesContext, node, operands) -> object:
         if shp is None:
             continue  # python scalar
         off = R - len(shp)
-        for d in (row, pos):
-            if d is not None and d - off >= 0 and shp[d - off] != 1:
+        if row is not None and row - off >= 0 and shp[row - off] != 1:
+            return None
+        if pos - off >= 0 and shp[pos - off] != 1:
+            if tables is None or shp[pos - off] != ctx.L or not window.is_whole:
                 return None
+            tables[a] = pos - off  # a position table: read at each packed token's position
     return token(R, row if has_row else None, pos, window)
 
 
-@register_rule(BINARY + UNARY)
+def emit_pointwise(pk, node):
+    """The same op on packed operands; a position table (module docstring) is read at the packed tokens'
+    positions, ``table.index_select(d, position)``."""
+    tables = pk.notes.get(node)
+    if not isinstance(tables, dict):
+        return pk.copy(node)
+
+    def arg(a):
+        if a in tables:
+            return pk.graph.call_method("index_select", (pk.packed(a), tables[a], pk.tree("position")))
+        return pk.packed(a)
+
+    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
+                                         lambda a: arg(a) if isinstance(a, fx.Node) else a)
+    return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
+
+
+@register_rule(BINARY + UNARY, emit=emit_pointwise)
 def pointwise(ctx: AxesContext, node):
-    """Elementwise ops: the output element is f of the operands' elements at the same coordinates."""
+    """Elementwise ops: the output element is f of the operands' elements at the same coordinates; a
+    constant position table is read at each token's position (module docstring)."""
     operands = [a for a in list(node.args) + list(node.kwargs.values())]
     flat = []
     for a in operands:
@@ -109,9 +139,12 @@ def pointwise(ctx: AxesContext, node):
             flat.append(a)
     if node.target in ("to", "type") and not _is_dtype_cast(node):
         return dense_fallback(ctx, node, "Tensor.to with a device/other argument")
-    ax = broadcast_token_axes(ctx, node, [a for a in flat if hasattr(a, "meta")])
+    tables: dict = {}
+    ax = broadcast_token_axes(ctx, node, [a for a in flat if hasattr(a, "meta")], tables)
     if ax is None:
         return dense_fallback(ctx, node, "operands are not aligned on the token dims")
+    if tables:
+        ctx.notes[node] = tables
     return ax
 
 
@@ -120,7 +153,7 @@ def _is_dtype_cast(node) -> bool:
     return all(isinstance(a, (torch.dtype, bool)) or a is None or isinstance(a, torch.device) for a in rest)
 
 
-@register_rule([F.dropout, torch.dropout, "dropout", F.alpha_dropout])
+@register_rule([*spellings("dropout"), F.alpha_dropout])
 def dropout(ctx: AxesContext, node):
     """Dropout: the identity when ``p == 0`` or not training; otherwise its random mask is drawn per
     dense element, which a packed run cannot reproduce — refuse."""

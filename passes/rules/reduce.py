@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from brcompile.passes.axes import (
     AxesContext, dense_fallback, get_axes, normalize_dim, register_rule, shape_of, token,
 )
+from brcompile.passes.spellings import spellings
 
 REDUCTIONS = [
-    torch.sum, torch.mean, torch.amax, torch.amin, torch.prod, torch.logsumexp, torch.norm, torch.var,
+    *spellings("sum"), torch.mean, torch.amax, torch.amin, torch.prod, torch.logsumexp, torch.norm, torch.var,
     torch.std, torch.all, torch.any, torch.linalg.vector_norm,
-    "sum", "mean", "amax", "amin", "prod", "logsumexp", "norm", "var", "std", "all", "any",
+    "mean", "amax", "amin", "prod", "logsumexp", "norm", "var", "std", "all", "any",
 ]
 
 
@@ -48,8 +49,7 @@ def reduction(ctx: AxesContext, node):
     return token(out_ndim, sh(ax.row), sh(ax.pos), ax.window)
 
 
-@register_rule([torch.softmax, torch.log_softmax, F.softmax, F.log_softmax, "softmax", "log_softmax",
-                torch.special.log_softmax, torch.special.softmax, torch.cumsum, "cumsum"])
+@register_rule([*spellings("softmax", "log_softmax"), torch.cumsum, "cumsum"])
 def softmax(ctx: AxesContext, node):
     """softmax/log_softmax/cumsum along ``dim``: shape-preserving, allowed along a non-token dim."""
     ax = get_axes(node.args[0])
@@ -59,9 +59,12 @@ def softmax(ctx: AxesContext, node):
     return ax
 
 
-@register_rule([F.layer_norm, torch.layer_norm, F.rms_norm, F.group_norm])
+@register_rule([*spellings("layer_norm", "rms_norm"), F.group_norm])
 def layer_norm(ctx: AxesContext, node):
-    """layer_norm/rms_norm normalise over the trailing ``len(normalized_shape)`` dims; weights constant."""
+    """layer_norm/rms_norm (``F.rms_norm``, ``torch.rms_norm``, ``nn.RMSNorm``) normalise over the trailing
+    ``len(normalized_shape)`` dims: ``y = x / rms(x[..., trailing]) * w`` reads only the elements that
+    share every leading coordinate, so when no token dim is normalised each output element belongs to
+    the (row, position) of its input (causal, row-independent); the weights (and bias) must be constant."""
     ax = get_axes(node.args[0])
     nshape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
     k = 1 if isinstance(nshape, int) else len(nshape)

@@ -20,6 +20,7 @@ from brcompile.passes.axes import (
     AxesContext, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,
 )
+from brcompile.passes.spellings import spellings
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,8 +104,7 @@ def emit_reshape(pk, node):
     return pk.graph.call_method("reshape", (pk.packed(node.args[0]), sizes))
 
 
-@register_rule(["view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten",
-                torch.unflatten, "view_as", "reshape_as"], emit=emit_reshape)
+@register_rule(spellings("reshape"), emit=emit_reshape)
 def view(ctx: AxesContext, node):
     """view/reshape/flatten/unflatten: token dims must survive one-to-one (view algebra above)."""
     x = node.args[0]
@@ -150,7 +150,7 @@ def expand(ctx: AxesContext, node):
 def _perm_of(node, ndim: int) -> list[int]:
     t = node.target
     a = list(node.args[1:])
-    if t in ("transpose", torch.transpose, "swapaxes", torch.swapaxes):
+    if t in spellings("transpose"):
         d0, d1 = (normalize_dim(a[0], ndim), normalize_dim(a[1], ndim)) if a else (
             node.kwargs["dim0"], node.kwargs["dim1"])
         p = list(range(ndim))
@@ -177,8 +177,7 @@ def _perm_of(node, ndim: int) -> list[int]:
     raise AssertionError(t)
 
 
-@register_rule(["transpose", torch.transpose, "permute", torch.permute, "swapaxes", torch.swapaxes, "t",
-                "movedim", torch.movedim])
+@register_rule([*spellings("transpose", "permute"), "t", "movedim", torch.movedim])
 def permute(ctx: AxesContext, node):
     """Permutations: output dim i is input dim perm[i]."""
     ax = get_axes(node.args[0])
@@ -223,9 +222,54 @@ def squeeze(ctx: AxesContext, node):
     return token(ax.ndim - len(dims), sh(ax.row), sh(ax.pos), ax.window)
 
 
-@register_rule(["repeat_interleave", torch.repeat_interleave])
+def emit_repeat(pk, node):
+    """``x.repeat(sizes)`` on the packed value: the token dims' repeats are 1, so the sizes stand."""
+    return pk.copy(node)
+
+
+@register_rule(spellings("repeat"), emit=emit_repeat)
+def repeat(ctx: AxesContext, node):
+    """``x.repeat(r_0, …, r_k)`` tiles x: output element ``[i_0, …]`` is ``x[i_0 % s_0, …]`` (leading
+    repeats add dims). With a repeat of 1 on each token dim, the element at a token dim's coordinate t
+    reads x at t itself — the same (row, position) — so the value stays causal and row-independent
+    (``torch.outer(t, theta).repeat(1, 2)`` of a position value, a rotary cache). Repeating a token dim
+    would copy other positions or rows in: materialised."""
+    ax = get_axes(node.args[0])
+    reps = list(node.args[1:])
+    if len(reps) == 1 and isinstance(reps[0], (list, tuple, torch.Size)):
+        reps = list(reps[0])
+    if not reps:
+        reps = list(node.kwargs.get("repeats", ()))
+    off = len(reps) - ax.ndim
+    if off < 0 or any(hasattr(r, "meta") for r in reps):
+        return dense_fallback(ctx, node, "repeat with symbolic or too few repeats")
+    if any(reps[d + off] != 1 for d in ax.token_dims()):
+        return dense_fallback(ctx, node, "repeat along a token dim")
+    return token(ax.ndim + off, None if ax.row is None else ax.row + off, ax.pos + off, ax.window)
+
+
+@register_rule(spellings("view_as_complex"))
+def view_as_complex(ctx: AxesContext, node):
+    """``view_as_complex(x)``: ``[..., 2]`` real pairs -> ``[...]`` complex; an element pairs two numbers
+    of one (row, position), so token dims (never the last dim) stay where they are."""
+    ax = get_axes(node.args[0])
+    if ax.ndim - 1 in ax.token_dims():
+        return dense_fallback(ctx, node, "view_as_complex over a token dim")
+    return token(ax.ndim - 1, ax.row, ax.pos, ax.window)
+
+
+@register_rule(spellings("view_as_real"))
+def view_as_real(ctx: AxesContext, node):
+    """``view_as_real(z)``: ``[...]`` complex -> ``[..., 2]`` real; a new last dim, token dims stay."""
+    ax = get_axes(node.args[0])
+    return token(ax.ndim + 1, ax.row, ax.pos, ax.window)
+
+
+@register_rule(spellings("repeat_interleave"))
 def repeat_interleave(ctx: AxesContext, node):
-    """repeat_interleave(n, dim) along a non-token dim (GQA's repeat_kv written this way)."""
+    """repeat_interleave(n, dim) along a non-token dim (GQA's repeat_kv written this way): output index
+    i along ``dim`` reads input index ``i // n`` there, and the same coordinates elsewhere, so token dims
+    keep their coordinates (a repeat along a token dim would copy positions: materialised)."""
     ax = get_axes(node.args[0])
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
     reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
@@ -283,8 +327,8 @@ def emit_getitem(pk, node):
     """The same index on the packed data, with token dims left whole (their slicing went to the index)."""
     x = node.args[0]
     ax = get_axes(x)
-    if isinstance(example_value(x), (tuple, list)):
-        return pk.copy(node)  # an element of a split/chunk result, not tensor indexing
+    if isinstance(example_value(x), (tuple, list)) or not ax.is_token:
+        return pk.copy(node)  # an element of a split/chunk result, or a constant looked up by token values
     entries = _normalize_index(node.args[1], ax.ndim)
     new = []
     for d_in, _, e in _walk_index(entries):
@@ -301,6 +345,8 @@ def getitem(ctx: AxesContext, node):
     ax = get_axes(x)
     if isinstance(example_value(x), (tuple, list)):
         return ax  # an element of a split/chunk result: same fact as its siblings
+    if not ax.is_token:
+        return _lookup(ctx, node)
     entries = _normalize_index(node.args[1], ax.ndim)
     if entries is None:
         return dense_fallback(ctx, node, "advanced indexing of a token value")
@@ -323,6 +369,29 @@ def getitem(ctx: AxesContext, node):
     return token(out_ndim, row, pos, window)
 
 
+def _lookup(ctx: AxesContext, node):
+    """``table[idx]`` — a constant indexed along one dim by an integer TOKEN value (gpt-fast's
+    ``freqs_cis[input_pos]``, GPT-J's ``embed_positions[position_ids]``): like ``embedding``, the output
+    at idx's coordinates is the table's slice ``idx[...]``, a function of that one element of idx, so
+    idx's token dims pass through (placed where the indexed dim was; only whole slices may precede it,
+    and only whole slices or nothing follow it)."""
+    x, idx = node.args[0], node.args[1]
+    entries = list(idx) if isinstance(idx, tuple) else [idx]
+    toks = [i for i, e in enumerate(entries) if hasattr(e, "meta") and get_axes(e).is_token]
+    if len(toks) != 1 or not get_axes(x).is_const:
+        return dense_fallback(ctx, node, "indexing a constant by several or dense indices")
+    d = toks[0]
+    if any(e != slice(None) for e in entries[:d] + entries[d + 1:]):
+        return dense_fallback(ctx, node, "indexing a constant by a token value beside other indices")
+    ix = entries[d]
+    v = example_value(ix)
+    if not isinstance(v, torch.Tensor) or v.dtype not in (torch.int64, torch.int32) or v.dim() == 0:
+        return dense_fallback(ctx, node, "indexing a constant by a non-integer or 0-D token value")
+    ax = get_axes(ix)
+    sh = lambda a: None if a is None else a + d  # noqa: E731
+    return token(len(shape_of(node)), sh(ax.row), sh(ax.pos), ax.window)
+
+
 # --------------------------------------------------------------------------------------------------
 # cat / stack / split / chunk / unbind
 
@@ -334,7 +403,7 @@ def _same_token_facts(ctx, node, tensors):
     return facts[0]
 
 
-@register_rule([torch.cat, torch.concat, torch.concatenate])
+@register_rule(spellings("cat"))
 def cat(ctx: AxesContext, node):
     """cat along a non-token dim of operands that are all TOKEN with the same token dims (rotary halves);
     along any dim when every other operand is an empty constant (appending to an empty KV cache)."""

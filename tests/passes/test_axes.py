@@ -42,6 +42,16 @@ def facts(fn, *args):
 EMB = torch.nn.Embedding(V, D).double()
 W = torch.nn.Parameter(torch.randn(5, D, dtype=torch.float64))
 POS_TABLE = torch.nn.Parameter(torch.randn(L, D, dtype=torch.float64))  # absolute positions by slot
+ROW_TABLE = torch.nn.Parameter(torch.randn(B, 1, D, dtype=torch.float64))  # a constant indexed by row
+
+def _buffer(t):  # a constant the way Dynamo sees a module buffer (a static input)
+    return torch.nn.Parameter(t, requires_grad=False)
+
+
+COS = _buffer(torch.randn(2 * L, D, dtype=torch.float64))  # a [T_max, hs] rotary cache
+INV_FREQ = _buffer(torch.rand(D // 2, dtype=torch.float64))
+FREQS_CIS = _buffer(torch.polar(torch.ones(L, D // 2, dtype=torch.float64),
+                                torch.randn(L, D // 2, dtype=torch.float64)))
 
 TABLE = [
     ("embedding", lambda ids: EMB(ids), "token(row=0, pos=1)"),
@@ -57,7 +67,26 @@ TABLE = [
     ("shift_slice", lambda ids: EMB(ids)[:, :-1], "token(row=0, pos=1)"),
     ("merge_token_dims", lambda ids: EMB(ids).reshape(B * L, D), "dense"),
     ("arange_positions", lambda ids: EMB(ids) * torch.arange(L)[:, None], "token(row=0, pos=1)"),
-    ("position_table", lambda ids: EMB(ids) + POS_TABLE, "dense"),
+    # a constant with extent L on the position dim is a position table: read at each token's position
+    ("position_table", lambda ids: EMB(ids) + POS_TABLE, "token(row=0, pos=1)"),
+    ("row_table", lambda ids: EMB(ids) + ROW_TABLE, "dense"),
+    ("rotary_cache_broadcast", lambda ids: EMB(ids).view(B, L, 2, D // 2).transpose(1, 2) * COS[:L, : D // 2],
+     "token(row=0, pos=2)"),
+    ("table_lookup_by_position", lambda ids: EMB(ids) * COS[torch.arange(L)], "token(row=0, pos=1)"),
+    ("inv_freq_matmul_positions",
+     lambda ids: EMB(ids) * (INV_FREQ[None, :, None] @ torch.arange(L)[None, None, :].double()).transpose(1, 2)
+     .repeat(1, 1, 2), "token(row=0, pos=1)"),
+    ("einsum_outer_positions",
+     lambda ids: EMB(ids) * torch.einsum("i,j->ij", torch.arange(L).double(), INV_FREQ).repeat(1, 2),
+     "token(row=0, pos=1)"),
+    ("einsum_linear", lambda ids: torch.einsum("bld,od->blo", EMB(ids), W), "token(row=0, pos=1)"),
+    ("complex_rotary", lambda ids: torch.view_as_real(
+        torch.view_as_complex(EMB(ids).view(B, L, D // 2, 2)) * FREQS_CIS[:L]).flatten(2), "token(row=0, pos=1)"),
+    ("rms_norm", lambda ids: torch.rms_norm(EMB(ids), (D,), None, 1e-6), "token(row=0, pos=1)"),
+    ("repeat_features", lambda ids: EMB(ids).repeat(1, 1, 2), "token(row=0, pos=1)"),
+    ("repeat_positions", lambda ids: EMB(ids).repeat(1, 2, 1), "dense"),
+    ("repeat_interleave_heads", lambda ids: EMB(ids).view(B, L, 2, D // 2).repeat_interleave(2, dim=2),
+     "token(row=0, pos=1)"),
     ("cat_features", lambda ids: torch.cat([EMB(ids), -EMB(ids)], -1), "token(row=0, pos=1)"),
     ("cat_positions", lambda ids: torch.cat([EMB(ids), EMB(ids)], 1), "dense"),
     ("scores", lambda ids: EMB(ids) @ EMB(ids).transpose(-1, -2), "dense"),
