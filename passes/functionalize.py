@@ -1,0 +1,175 @@
+"""In-place writes into values the graph allocated become out-of-place ops (docs/ARCHITECTURE.md §3.1).
+
+Dynamo records ``x /= s``, ``x.add_(y)``, ``out.index_add_(0, i, v)``, ``F.relu(x, inplace=True)`` as
+writes. The token-axis rules reason about pure ops, so a write into a value derived from the token inputs
+is refused (``passes/axes.py: propagate``). Most such writes in real models go into a tensor the graph
+itself just made (a router's normalised top-k weights, a ``zeros_like`` accumulator): then
+
+    w = op_(x, *args)          (x fresh: nothing else holds its storage)
+
+is the same as ``x' = op(x, *args)`` read wherever ``x`` or ``w`` is read after the write, because
+
+- ``x`` is **fresh**: the result of an op that always allocates (a pointwise or reduction result, a matmul,
+  a factory, ``clone``, the values of ``topk``/``sort``), not a view or an op that may return its input;
+- nothing **aliases** it: every other reader of ``x`` that runs before the write allocates its own result
+  (so no view of ``x`` made before the write sees it), and readers after the write now read ``x'``;
+- the write does not **change the dtype**: every tensor argument has ``x``'s dtype (an out-of-place op would
+  promote; an in-place one casts back), checked on the example values.
+
+Anything else stays a write (``x[i] = v``, writes into inputs, views or aliased values), and the analysis
+refuses it where it touches a token value. The pass works on a copy; the user's graph is not changed.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from brcompile.passes.axes import example_value, is_inplace
+
+log = logging.getLogger(__name__)
+
+__all__ = ["functionalize"]
+
+#: In-place operator -> its out-of-place twin.
+OUT_OF_PLACE_OPERATORS = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+    operator.ipow: operator.pow, operator.imatmul: operator.matmul, operator.iand: operator.and_,
+    operator.ior: operator.or_, operator.ixor: operator.xor,
+}
+
+#: call_function targets whose result is always a new tensor.
+ALLOCATING_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.matmul, operator.neg,
+    torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.matmul, torch.bmm, torch.mm,
+    torch.baddbmm, torch.einsum, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.tanh, torch.sigmoid,
+    torch.softmax, torch.log_softmax, torch.sum, torch.mean, torch.cumsum, torch.where, torch.cat, torch.stack,
+    torch.clone, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
+    torch.empty_like, torch.full_like, torch.arange, torch.masked_fill, torch.pow, torch.abs,
+    F.linear, torch._C._nn.linear, F.softmax, F.log_softmax, F.silu, F.gelu, F.relu, F.embedding,
+    F.layer_norm, F.one_hot,
+}
+
+#: call_method names whose result is always a new tensor.
+ALLOCATING_METHODS = {
+    "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "softmax",
+    "log_softmax", "sum", "mean", "cumsum", "clone", "masked_fill", "new_zeros", "new_ones", "new_empty",
+    "new_full", "abs", "__add__", "__sub__", "__mul__", "__truediv__", "__radd__", "__rmul__", "__rsub__",
+    "__neg__", "__matmul__",
+}
+
+#: Ops returning a tuple of new tensors (read through ``getitem``).
+ALLOCATING_TUPLES = {torch.topk, torch.sort, torch.max, torch.min, "topk", "sort"}
+
+
+def _is_fresh(x: Any) -> bool:
+    """``x`` is the result of an op that always allocates (module docstring)."""
+    if not isinstance(x, fx.Node):
+        return False
+    if x.op == "call_function" and x.target is operator.getitem:
+        src = x.args[0]
+        return isinstance(src, fx.Node) and isinstance(x.args[1], int) and (
+            src.target in ALLOCATING_TUPLES and src.op in ("call_function", "call_method"))
+    if x.op == "call_function":
+        return x.target in ALLOCATING_FUNCTIONS and not x.kwargs.get("inplace") and "out" not in x.kwargs
+    if x.op == "call_method":
+        return x.target in ALLOCATING_METHODS
+    return False
+
+
+def _out_of_place(node: fx.Node) -> Optional[tuple[str, Any, tuple, dict]]:
+    """(op, target, args, kwargs) of the out-of-place twin of the write ``node``; None if it has none."""
+    if node.op == "call_method":
+        name = node.target
+        if name.endswith("_") and not name.endswith("__") and hasattr(torch.Tensor, name[:-1]):
+            return "call_method", name[:-1], node.args, dict(node.kwargs)
+        return None
+    if node.op != "call_function":
+        return None
+    if node.target in OUT_OF_PLACE_OPERATORS:
+        return "call_function", OUT_OF_PLACE_OPERATORS[node.target], node.args, dict(node.kwargs)
+    if node.kwargs.get("inplace") is True:
+        return "call_function", node.target, node.args, {**node.kwargs, "inplace": False}
+    try:
+        sig = inspect.signature(node.target)
+        bound = sig.bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return None
+    if bound.arguments.get("inplace") is True:
+        bound.arguments["inplace"] = False
+        return "call_function", node.target, tuple(bound.args), dict(bound.kwargs)
+    return None
+
+
+def _keeps_dtype(twin: tuple, x: fx.Node) -> bool:
+    """The out-of-place twin, run on the example values (fake tensors, in their fake mode), returns ``x``'s
+    dtype and shape: an in-place op casts back to ``x``'s dtype where the out-of-place one would promote."""
+    op, target, args, kwargs = twin
+    want = example_value(x)
+    mode = getattr(want, "fake_mode", None)
+    if not isinstance(want, torch.Tensor):
+        return False
+    vals = fx.node.map_arg((args, kwargs), example_value)
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            if op == "call_method":
+                got = getattr(vals[0][0], target)(*vals[0][1:], **vals[1])
+            else:
+                got = target(*vals[0], **vals[1])
+    except Exception:  # an op the fake mode cannot run: leave the write as it is
+        return False
+    return isinstance(got, torch.Tensor) and got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
+
+
+def _no_alias_before(x: fx.Node, write: fx.Node, order: dict) -> bool:
+    """Every reader of ``x`` other than the write either runs after it or allocates its own result."""
+    return all(u is write or order[u] > order[write] or _is_fresh(u) for u in x.users)
+
+
+def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with every write into a fresh, unaliased value made out of place (module
+    docstring); ``gm`` itself when there is none."""
+    writes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and is_inplace(n)]
+    if not writes:
+        return gm
+    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    graph = copy.graph
+    made: set[fx.Node] = set()  # the out-of-place twins: fresh by construction
+    for n in [n for n in graph.nodes if n.op in ("call_function", "call_method") and is_inplace(n)]:
+        order = {m: i for i, m in enumerate(graph.nodes)}
+        x = n.args[0] if n.args else None
+        twin = _out_of_place(n)
+        if twin is None or not (_is_fresh(x) or x in made) or not _keeps_dtype(twin, x) or not _no_alias_before(x, n, order):
+            continue
+        op, target, args, kwargs = twin
+        with graph.inserting_after(n):
+            new = graph.create_node(op, target, args, kwargs, name=f"{x.name}_updated")
+        new.meta.update(n.meta)
+        for u in list(x.users):
+            if u is not n and u is not new and order[u] > order[n]:
+                u.replace_input_with(x, new)
+        n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        graph.erase_node(n)
+        made.add(new)
+    if not made:
+        return gm
+    graph.lint()
+    copy.recompile()
+    log.debug("branch_replay: %d in-place write(s) made out of place", len(made))
+    return copy
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    env: dict = {}
+    out = new.graph_copy(graph, env)
+    new.output(out)
+    return new
