@@ -9,6 +9,11 @@ compare with each candidate meaning:
 * ``causal & keypad(X)``:  visible(b, i, j) = j <= i and X[b, j] != 0, for a [B, L] tree input X
 * either of them ``& window(W)``: also i - j < W (HF's sliding window over the batch columns, which are
   the tree positions)
+* ``causal+sequences(P)``: visible(b, i, j) = j <= i and no sequence starts in row b at a column in (j, i],
+  for a [B, L] integer tree input P (position ids) whose 0s start the sequences packed into a row
+  (padding-free batches: HF's mask from ``position_ids`` without an attention mask). It is checked on
+  trials whose P is well formed (every sequence counts 0, 1, 2, ...): the runtime replays only batches whose
+  P is (a per-call guard, :func:`sequences_guard`), and builds the tree over the sequences.
 
 Float masks must be exactly 0 where visible and ``-inf`` (or the dtype's lowest value) elsewhere — any
 other value is a bias, not a mask. Anything else (bidirectional prefixes, biases, other windows) stops the
@@ -63,14 +68,17 @@ SMALL_SIZE = 4
 
 @dataclasses.dataclass(frozen=True)
 class MaskInfo:
-    kind: str  # "causal" | "causal+keypad"
+    kind: str  # "causal" | "causal+keypad" | "causal+sequences"
     keypad: Optional[fx.Node] = None
     window: int = 0  # > 0: sliding window, query i sees keys j with i - j < window
     #: Longest length the meaning is proven for (None: every length); see the module docstring.
     max_length: Optional[int] = None
+    #: The position-id input whose 0s start the sequences packed into each row ("causal+sequences").
+    sequences: Optional[fx.Node] = None
 
     def __str__(self) -> str:
-        s = self.kind if self.keypad is None else f"{self.kind}({self.keypad.name})"
+        arg = self.keypad if self.keypad is not None else self.sequences
+        s = self.kind if arg is None else f"{self.kind}({arg.name})"
         s += f"+window({self.window})" if self.window else ""
         return s + (f" for L <= {self.max_length}" if self.max_length is not None else "")
 
@@ -484,8 +492,21 @@ def _is_symbolic_length(tree_input: fx.Node) -> bool:
 
 
 def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Sequence[_Trial]) -> MaskInfo:
-    """The one candidate meaning every trial agrees with, else CannotReplay. The window is read off the
-    trials without key padding (``_Trial.unpadded``); they must all show the same one."""
+    """The one candidate meaning every trial agrees with, else CannotReplay (see :func:`_row_meaning`);
+    a mask that is none of the row meanings may still be causal within packed sequences
+    (:func:`_sequence_meaning`)."""
+    try:
+        return _row_meaning(attn, mask, inputs, trials)
+    except CannotReplay as refusal:
+        info = _sequence_meaning(attn, mask, inputs, trials)
+        if info is None:
+            raise refusal
+        return info
+
+
+def _row_meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Sequence[_Trial]) -> MaskInfo:
+    """The one row candidate (causal, key padding, window) every trial agrees with, else CannotReplay. The
+    window is read off the trials without key padding (``_Trial.unpadded``); they must all show the same one."""
     evaluated = [(t, t.visible(mask, attn)) for t in trials]
     windows = {w for t, m in evaluated if t.unpadded for w in [sliding_window(m, attn)] if w is not None}
     if len(windows) > 1:
@@ -497,6 +518,86 @@ def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Se
                 return MaskInfo("causal" if cand is None else "causal+keypad", cand, window)
     raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input, "
                        "optionally with a sliding window (prefix-LM and bias masks are not supported)", attn)
+
+
+#: Start probabilities of the well-formed position-id patterns of :func:`_sequence_meaning` (0: one sequence
+#: per row; 1: every token its own sequence).
+SEQUENCE_PATTERNS = (0.0, 0.15, 0.4, 1.0)
+
+
+def sequence_positions(B: int, L: int, p_start: float, gen: torch.Generator) -> torch.Tensor:
+    """[B, L] well-formed position ids: each row a concatenation of sequences 0, 1, 2, ... whose starts
+    (after column 0) are drawn with probability ``p_start``."""
+    starts = torch.rand(B, L, generator=gen) < p_start
+    starts[:, 0] = True
+    t = torch.arange(L).expand(B, L)
+    return t - torch.where(starts, t, 0).cummax(dim=1).values
+
+
+def _sequence_meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node],
+                      trials: Sequence[_Trial]) -> Optional[MaskInfo]:
+    """``causal+sequences(P)`` for the first integer tree input P for which the mask is causal within the
+    sequences that P's 0s start, on every trial size with P replaced by well-formed position ids
+    (:data:`SEQUENCE_PATTERNS`, the other inputs as in the trial: key padding there must not change it);
+    None when there is none. Well-formed P is all the runtime replays (:func:`sequences_guard`)."""
+    gen = torch.Generator().manual_seed(1)
+    for P in inputs:
+        dtype = getattr(trials[0].values[P], "dtype", None) if trials else None
+        if dtype is None or dtype.is_floating_point or dtype == torch.bool:
+            continue
+        ok = True
+        for t in trials:
+            Bp, Lp = t.size
+            for p_start in SEQUENCE_PATTERNS:
+                values = dict(t.values)
+                pos = sequence_positions(Bp, Lp, p_start, gen)
+                values[P] = pos.to(device=t.values[P].device, dtype=dtype)
+                try:
+                    vis = visible(evaluate(mask, values, t.literal), attn)
+                except CannotReplay:
+                    raise
+                except Exception:  # evaluable on the trial's values, not on these: not this meaning
+                    log.debug("mask of %s: cannot be evaluated on packed-sequence positions", attn.name, exc_info=True)
+                    ok = False
+                    break
+                if not _matches_sequences(vis, pos):
+                    ok = False
+                    break
+            if not ok:
+                break
+        if ok and trials:
+            return MaskInfo("causal+sequences", sequences=P)
+    return None
+
+
+def _matches_sequences(vis: torch.Tensor, pos: torch.Tensor) -> bool:
+    """``vis`` [.., B, .., L, L] is exactly "j <= i within the sequence of (b, i)", sequences started by
+    the 0s of ``pos`` [B, L]."""
+    if vis.dim() < 2 or vis.shape[-1] != vis.shape[-2] or vis.shape[-1] != pos.shape[1]:
+        return False
+    L = pos.shape[1]
+    seq = (pos == 0).cumsum(dim=1).to(vis.device)  # [B, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=vis.device).tril()
+    expected = causal[None, None] & (seq[:, None, :, None] == seq[:, None, None, :])  # [B, 1, L, L]
+    try:
+        a, b = torch.broadcast_tensors(vis, expected)
+    except RuntimeError:
+        return False
+    return bool((a == b).all())
+
+
+def sequences_guard(info: MaskInfo, placeholders: Sequence[fx.Node]):
+    """The per-call guard of a ``causal+sequences(P)`` mask: P splits every row into well-formed sequences
+    (and their virtual layout is not too uneven): :func:`brcompile.runtime.tree.sequence_layout_problem`."""
+    from brcompile.passes.guards import BatchGuard  # local: guards has no pass dependencies
+    from brcompile.runtime.tree import sequence_layout_problem
+
+    pos = placeholders.index(info.sequences)
+
+    def check(args):
+        return sequence_layout_problem(args[pos])
+
+    return BatchGuard(f"{info.sequences.name} (input {pos}) splits the rows into packed sequences", check)
 
 
 def meaning_guard(attn: fx.Node, mask: fx.Node, info: MaskInfo, tree_inputs: Sequence[fx.Node],
@@ -544,4 +645,4 @@ def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, window: int = 
 
 
 __all__ = ["MaskInfo", "classify", "mask_only_nodes", "ancestors", "evaluate", "visible", "sliding_window",
-           "meaning_guard", "Scaling", "MAX_PROBE_ELEMENTS"]
+           "meaning_guard", "sequences_guard", "sequence_positions", "Scaling", "MAX_PROBE_ELEMENTS"]

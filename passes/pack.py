@@ -67,6 +67,9 @@ class Analysis:
     placeholders: list[fx.Node]
     guards: list[BatchGuard] = dataclasses.field(default_factory=list)  # per-call (passes.guards)
     canonical: list[str] = dataclasses.field(default_factory=list)  # what canonicalisation rewrote
+    #: padding-free batches: the position-id input whose 0s start the sequences packed into each row (every
+    #: attention is causal within them); the runtime builds the tree over the sequences
+    sequences: Optional[fx.Node] = None
 
     @property
     def tree_input_positions(self) -> list[int]:
@@ -75,6 +78,10 @@ class Analysis:
     @property
     def keypad_position(self) -> Optional[int]:
         return None if self.keypad is None else self.placeholders.index(self.keypad)
+
+    @property
+    def sequences_position(self) -> Optional[int]:
+        return None if self.sequences is None else self.placeholders.index(self.sequences)
 
     @property
     def materialisations(self) -> list[Materialisation]:
@@ -168,10 +175,14 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     if len(keypads) > 1:
         raise CannotReplay("attentions use different key-padding inputs")
     keypad = next(iter(keypads), None)
+    sequences = _sequences_input(attentions, classified)
     ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs)
     ctx.notes.update(classified)
     propagate(ctx)
     guards = canon.guards + eager_attention.mask_guards(canon, classified, placeholders)
+    if sequences is not None:
+        _check_column_free(gm, mask_nodes, sequences)
+        guards.append(masks_mod.sequences_guard(classified[attentions[0]], placeholders))
     raw = dict(zip(placeholders, example_inputs))
     for m in dict.fromkeys(m for a, m in zip(attentions, mask_args) if a in classified and isinstance(m, fx.Node)):
         a = next(a for a, mm in zip(attentions, mask_args) if mm is m)
@@ -179,7 +190,38 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         if g is not None:  # a dynamic-length graph whose mask is proven up to a length only: O(1) length guard
             guards.append(g)
     return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
-                    guards, canon.notes)
+                    guards, canon.notes, sequences)
+
+
+def _sequences_input(attentions: list[fx.Node], classified: dict) -> Optional[fx.Node]:
+    """The position-id input of a padding-free graph (every attention ``causal+sequences`` of the same
+    input), None when no attention is; CannotReplay when only some are (the tree is over sequences or over
+    rows, not both)."""
+    seqs = {classified[a].sequences if a in classified else None for a in attentions}
+    if seqs == {None}:
+        return None
+    if len(seqs) > 1:
+        names = sorted(str(classified[a]) if a in classified else "bidirectional" for a in attentions)
+        raise CannotReplay(f"attentions disagree on packed sequences ({', '.join(dict.fromkeys(names))}): some "
+                           f"are causal within the sequences of a padding-free row, others are not")
+    return next(iter(seqs))
+
+
+def _check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) -> None:
+    """In a padding-free graph a token's value may depend on its sequence only, not on its column in the
+    row: a packed token stands for tokens at different columns. A TOKEN value without a row dim is a
+    function of the column alone (``arange(L)`` outside the masks, a per-position table made outside the
+    graph): CannotReplay."""
+    for n in gm.graph.nodes:
+        if n.op == "output" or n in mask_nodes:
+            continue
+        ax = n.meta.get("br_axes")
+        if ax is not None and ax.is_token and ax.row is None:
+            what = "a per-position input" if n.op == "placeholder" else "a value computed from the column"
+            raise CannotReplay(
+                f"padding-free batch (the attentions are causal within the sequences that {sequences.name} "
+                f"starts): {what} ({n.name}) depends on the column in the row, not on the position in the "
+                f"sequence; pass position ids instead", n)
 
 
 def _is_token_shaped(p: fx.Node, B: int, L: int) -> bool:
@@ -430,6 +472,7 @@ class Packer:
         new_gm = fx.GraphModule(gm, self.graph, class_name="PackedGraph")
         new_gm.recompile()
         new_gm.br_token_outputs = self._token_outputs(out)
+        new_gm.br_sequences = self.an.sequences_position  # padding-free: the tree is over sequences (runtime)
         return new_gm
 
     def _token_outputs(self, out: fx.Node) -> tuple[int, ...]:

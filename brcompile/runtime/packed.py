@@ -12,7 +12,7 @@ import torch
 from brcompile.runtime import tree as tree_mod
 from brcompile.runtime.stats import _record
 from brcompile.runtime.streaming import StreamingRuntime
-from brcompile.runtime.tree import PackedTree, build_tree, rows_agree
+from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, rows_agree
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,9 @@ class PackedRuntime:
 
     Each call checks the rewrite's per-call guards (``passes.guards``), builds the prefix tree of the tree
     inputs, and runs the packed graph when the guards hold and the batch shares enough
-    (``dedup_ratio >= min_dedup``), else the original graph, recording why.
+    (``dedup_ratio >= min_dedup``), else the original graph, recording why. A padding-free graph (the packed
+    graph's ``br_sequences``: the position ids' argument position) gets the tree over the sequences packed
+    into its rows (:func:`brcompile.runtime.tree.build_sequence_tree`), never one reused by provenance.
     """
 
     def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
@@ -125,6 +127,7 @@ class PackedRuntime:
         # outputs that are dense reads of packed [1, N, ...] values at every (b, t): they carry the tree
         gm = getattr(eager_packed, "__self__", None)
         self.token_outputs: tuple = tuple(getattr(gm, "br_token_outputs", ()))
+        self.sequences: Optional[int] = getattr(gm, "br_sequences", None)  # padding-free: position ids' arg
         self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
 
     def _log_call(self, rec: CallRecord) -> None:
@@ -141,9 +144,11 @@ class PackedRuntime:
                 return self.original(*args)
         per_token = [args[i] for i in self.tree_positions]
         mask = None if self.keypad_position is None else args[self.keypad_position]
-        tree = _reused_tree(per_token) if mask is None else None
+        tree = _reused_tree(per_token) if mask is None and self.sequences is None else None
         source = "built" if tree is None else "provenance"
-        if tree is None:
+        if tree is None and self.sequences is not None:  # its guard checked the position ids
+            tree = build_sequence_tree(per_token, args[self.sequences])
+        elif tree is None:
             tree = build_tree(per_token, attention_mask=mask)
         if self.drop_padding and mask is not None:
             tree = tree_mod.drop_padding(tree)
@@ -211,7 +216,10 @@ class PackedRuntime:
         return self.original(*args)
 
     def _tag_outputs(self, out, tree: PackedTree, mask) -> None:
-        """Outputs read densely from packed values carry the tree (provenance), unless padding was dropped."""
+        """Outputs read densely from packed values carry the tree (provenance), unless padding was dropped or
+        the tree is over packed sequences (a graph over rows must not reuse it)."""
+        if tree.packed_sequences:
+            return
         if self.token_outputs and isinstance(out, (tuple, list)) and not (self.drop_padding and mask is not None):
             for i in self.token_outputs:
                 if i < len(out):

@@ -37,6 +37,10 @@ i..m with m = min{j >= i : lcp[j] <= last column of the segment}, so end, rep_ro
 Complexity: O(B*L) elementwise work plus O(B^2 log L) gathers for the pairwise search (the exact order
 is used directly when that is cheaper: many rows, short rows); no Python loop over tokens or columns.
 
+Padding-free batches (several sequences packed into one row, position ids restarting at 0 per sequence):
+:func:`build_sequence_tree` builds the same tree with the sequences as rows ([S, L_max] virtual rows, the
+padding past each sequence's end dropped) and maps it back to the dense [B, L] layout.
+
 Padding (``drop_padding=True``): :func:`drop_padding` deletes the invalid tokens from a built tree (the
 rest stays a preorder forest, every kept token under its nearest kept ancestor) and marks their dense
 positions with index -1. Dense reads of packed values go through :func:`read_packed` (0 at -1); a nonzero
@@ -64,11 +68,13 @@ __all__ = [
     "PackedTree",
     "TreeInputError",
     "TreeStats",
+    "build_sequence_tree",
     "build_tree",
     "counters",
     "default_token_hash",
     "drop_padding",
     "rows_agree",
+    "sequence_layout_problem",
     "tree_placeholders",
 ]
 
@@ -107,10 +113,14 @@ class TreeStats:
     dedup_ratio: float  # logical_tokens / executed_tokens
     depth: int  # longest root path in tokens (= L from build_tree; the most valid tokens of a row after drop_padding)
     segments: int  # S
+    sequences: int = 0  # packed sequences the rows hold (build_sequence_tree); 0 for a tree over rows
 
     def to_dict(self) -> dict:
-        """The fields as a plain dict (for logs and explain())."""
-        return dataclasses.asdict(self)
+        """The fields as a plain dict (for logs and explain()); ``sequences`` only for a sequence tree."""
+        d = dataclasses.asdict(self)
+        if not self.sequences:
+            del d["sequences"]
+        return d
 
 
 class TokenArrays(NamedTuple):
@@ -170,9 +180,9 @@ class PackedTree:
     index: Tensor  # [B, L] int64: dense (b, t) -> packed token id in [0, N); -1: dropped (drop_padding)
     parent: Tensor  # [N] int64: packed id of the parent token, -1 for a root
     end: Tensor  # [N] int64: exclusive end of the token's subtree range in packed order
-    position: Tensor  # [N] int64: the column t of the token (every row containing it has it at t)
+    position: Tensor  # [N] int64: the column of the token in row rep_row (a row tree: every row has it there)
     valid: Tensor  # [N] bool: the attention-mask bit of the token (all True without a mask)
-    rep_row: Tensor  # [N] int64: smallest row b with index[b, position[k]] == k
+    rep_row: Tensor  # [N] int64: smallest row b holding the token; index[rep_row[k], position[k]] == k
     segments: Tensor  # [S, 3] int64, rows (start, stop, subtree_end), sorted by start
     stats: TreeStats
 
@@ -201,6 +211,12 @@ class PackedTree:
     def batch_shape(self) -> tuple:
         """(B, L) of the dense batch."""
         return (self.index.shape[0], self.index.shape[1])
+
+    @property
+    def packed_sequences(self) -> bool:
+        """True for a tree over the sequences packed into the rows (:func:`build_sequence_tree`): a token's
+        column may differ between the rows holding it, so only (rep_row, position) locates it densely."""
+        return self.stats.sequences > 0
 
     def graph_args(self) -> TreeArgs:
         """The tree's inputs of a packed graph (``all_valid``: all True)."""
@@ -258,7 +274,8 @@ def _tree_of_codes(codes: tuple, mask: Optional[Tensor], hash_fn: Optional[HashF
 
 def rows_agree(tree: PackedTree, per_token: PerToken) -> bool:
     """True iff every position of every input equals, bitwise, the same input at its node's representative
-    position: ``x[b, t] == x[rep_row[index[b, t]], t]`` (all trailing elements). O(B*L*D), one gather.
+    position: ``x[b, t] == x[rep_row[k], position[k]]`` for ``k = index[b, t]`` (all trailing elements; in a
+    tree over rows ``position[k] == t``). O(B*L*D), one gather.
 
     For any prefix tree of the batch's rows (its nodes chain along each row) this is exactly "positions
     sharing a node agree on every input at every column up to theirs", i.e. the tree is a correct (maybe
@@ -267,8 +284,9 @@ def rows_agree(tree: PackedTree, per_token: PerToken) -> bool:
     B, L = tree.batch_shape
     if bool((tree.index < 0).any()):
         return False
-    rep = tree.rep_row.index_select(0, tree.index.reshape(-1)).view(B, L)
-    cols = torch.arange(L, device=tree.index.device).expand(B, L)
+    flat = tree.index.reshape(-1)
+    rep = tree.rep_row.index_select(0, flat).view(B, L)
+    cols = tree.position.index_select(0, flat).view(B, L)  # t itself in a tree over rows
     for x in inputs:
         if x.dim() < 2 or tuple(x.shape[:2]) != (B, L) or x.device != tree.index.device:
             return False
@@ -854,3 +872,97 @@ def _chain_segments(parent: Tensor, end: Tensor) -> Tensor:
     starts = (~continues).nonzero().squeeze(1)
     stops = torch.cat([starts[1:], starts.new_full((1,), n)])
     return torch.stack([starts, stops, end[starts]], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# padding-free batches: several sequences packed into one row (docs/ARCHITECTURE.md §4, "Packed sequences")
+
+#: A sequence tree lays the sequences out as [S, L_max] virtual rows; a batch whose layout would exceed
+#: this many times its B * L cells (and SEQUENCE_LAYOUT_MIN_CELLS; one long sequence among many short ones)
+#: is not replayed.
+SEQUENCE_LAYOUT_FACTOR = 4
+SEQUENCE_LAYOUT_MIN_CELLS = 1 << 16
+
+
+def sequence_layout_problem(positions: Tensor) -> Optional[str]:
+    """Why the [B, L] position ids ``positions`` do not describe rows of packed sequences, or None.
+
+    Well formed: every row starts a sequence (position 0 at column 0) and every later column either
+    starts one (position 0) or continues the previous column's (position + 1). The sequences then are the
+    maximal runs ``0, 1, 2, ...`` of each row, and a sequence's position ids are the columns within it.
+    Also refused: a layout of [S, L_max] virtual rows over SEQUENCE_LAYOUT_FACTOR * B * L cells (and over
+    SEQUENCE_LAYOUT_MIN_CELLS). O(B*L)."""
+    if not isinstance(positions, Tensor) or positions.dim() != 2 or positions.is_floating_point() \
+            or positions.dtype == torch.bool or positions.numel() == 0:
+        return "position ids are not a non-empty integer [B, L] tensor"
+    p = positions.to(torch.int64)
+    B, L = p.shape
+    ok = torch.ones_like(p, dtype=torch.bool)
+    ok[:, 0] = p[:, 0] == 0
+    ok[:, 1:] = (p[:, 1:] == 0) | (p[:, 1:] == p[:, :-1] + 1)
+    if not bool(ok.all()):
+        b, t = (int(v) for v in (~ok).nonzero()[0])
+        prev = "" if t == 0 else f" after {int(p[b, t - 1])}"
+        return (f"position ids do not split the rows into sequences 0, 1, 2, ... (row {b}, column {t}: "
+                f"{int(p[b, t])}{prev}; every sequence must start at 0 and count up by 1)")
+    starts = (p == 0).reshape(-1).nonzero().squeeze(1)
+    lengths = torch.diff(starts, append=starts.new_full((1,), B * L))
+    S, L_max = starts.shape[0], int(lengths.max())
+    if S * L_max > max(SEQUENCE_LAYOUT_FACTOR * B * L, SEQUENCE_LAYOUT_MIN_CELLS):
+        return (f"packed sequences too uneven to lay out: {S} sequences of up to {L_max} tokens in a [{B}, {L}] "
+                f"batch (over {SEQUENCE_LAYOUT_FACTOR}x its cells)")
+    return None
+
+
+def build_sequence_tree(per_token: PerToken, positions: Tensor, *, hash_fn: Optional[HashFn] = None) -> PackedTree:
+    """The exact prefix tree of the **sequences** packed into the rows of a padding-free batch.
+
+    ``positions``: [B, L] position ids that restart at 0 at every sequence (:func:`sequence_layout_problem`
+    must hold, else TreeInputError). Two tokens are the same node iff their sequences agree on every
+    per-token input at every position up to theirs: the tree of :func:`build_tree` with the sequences as
+    rows. Built as exactly that: the S sequences become [S, L_max] virtual rows (cell (s, c) = the c-th
+    token of sequence s; cells past a sequence's end are padding, dropped with :func:`drop_padding`), and
+    the result is mapped back to the dense layout:
+
+        index[b, t]          = virtual index of (sequence of (b, t), t - its first column)
+        rep_row, position    = the dense row and column of the token's first occurrence (smallest sequence)
+        parent, end, segments = the virtual tree's (a preorder forest of the sequences' nodes)
+
+    so ``k <= q < end[k]`` is still "k is an ancestor-or-self of q" and ``x[rep_row, position]`` reads a
+    token's inputs; ``position`` is a dense column, not the token's position in its sequence (a graph whose
+    values depend on the column is refused for such batches at compile time). ``stats.sequences = S``;
+    ``depth`` is L_max; logical/valid tokens are the dense B * L.
+    """
+    problem = sequence_layout_problem(positions)
+    if problem is not None:
+        raise TreeInputError(problem)
+    inputs = _input_list(per_token)
+    B, L = positions.shape
+    for j, x in enumerate(inputs):
+        if x.dim() < 2 or tuple(x.shape[:2]) != (B, L) or x.device != positions.device:
+            raise TreeInputError(f"per_token[{j}] has shape {tuple(x.shape)} on {x.device}; the position ids "
+                                 f"are [{B}, {L}] on {positions.device}")
+    device = positions.device
+    first = (positions == 0).reshape(-1)
+    starts = first.nonzero().squeeze(1)  # flat index of each sequence's first token, in dense order
+    lengths = torch.diff(starts, append=starts.new_full((1,), B * L))
+    S, L_max = starts.shape[0], int(lengths.max())
+    cols = torch.arange(L_max, device=device)
+    real = cols[None, :] < lengths[:, None]  # [S, L_max]
+    src = torch.where(real, starts[:, None] + cols[None, :], starts[:, None])  # padding repeats token 0
+    virtual = [x.reshape(B * L, *x.shape[2:])[src] for x in inputs]
+    vtree = build_tree(virtual, attention_mask=None if bool(real.all()) else real, hash_fn=hash_fn)
+    vtree = drop_padding(vtree)
+    seq_of = torch.cumsum(first, dim=0) - 1  # [B * L]: the sequence of each dense position
+    column = torch.arange(B * L, device=device) - starts[seq_of]
+    index = vtree.index[seq_of, column].view(B, L)
+    rep_start = starts[vtree.rep_row]
+    rep_row = torch.div(rep_start, L, rounding_mode="floor")
+    position = rep_start % L + vtree.position
+    n = vtree.num_tokens
+    stats = TreeStats(rows=B, logical_tokens=B * L, executed_tokens=n, valid_tokens=B * L,
+                      dedup_ratio=B * L / n, depth=L_max, segments=vtree.stats.segments, sequences=S)
+    tree = PackedTree(index, vtree.parent, vtree.end, position, torch.ones(n, dtype=torch.bool, device=device),
+                      rep_row, vtree.segments, stats)
+    log.debug("sequence tree: %s", stats)
+    return tree

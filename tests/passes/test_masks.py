@@ -199,3 +199,84 @@ def test_large_example_batch_compiles_under_a_memory_cap(window, dynamic):
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     assert line.startswith(f"RESULT {2 if dynamic else 1} 0 "), line
+
+
+# --------------------------------------------------------------------------------------------------
+# packed sequences (padding-free batches): causal within the sequences that position ids start
+
+
+class PackedLM(nn.Module):
+    """One attention layer over rows of packed sequences: the mask is ``j <= i`` within the sequence, the
+    sequences numbered by the 0s of the position ids (``starts="diff"``: HF's rule, a new sequence wherever
+    the position does not count up by 1); ``causal=False``: bidirectional within a sequence. The position
+    ids also feed a learned position embedding."""
+
+    def __init__(self, vocab=37, dim=16, heads=2, starts="zero", causal=True):
+        super().__init__()
+        self.heads, self.starts, self.causal = heads, starts, causal
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos_emb = nn.Embedding(64, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids, pos):
+        B, L = ids.shape
+        h = self.emb(ids) + self.pos_emb(pos)
+        q, k, v = self.qkv(h).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.starts == "zero":
+            seq = (pos == 0).cumsum(-1)
+        else:
+            seq = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        m = seq[:, None, :, None] == seq[:, None, None, :]
+        if self.causal:
+            i = torch.arange(L, device=ids.device)
+            m = m & (i[:, None] >= i[None, :])
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return self.out(o.transpose(1, 2).reshape(B, L, -1))
+
+
+def packed_batch(rows, prompt, tails, seed=0, vocab=37):
+    """``rows`` rows, each the concatenation of sequences ``prompt + tail`` (one shared prompt, a random
+    tail of each length in ``tails``), with position ids 0, 1, ... per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randint(1, vocab, (prompt,), generator=g)
+    ids, pos = [], []
+    for _ in range(rows):
+        seqs = [torch.cat([p, torch.randint(1, vocab, (n,), generator=g)]) for n in tails]
+        ids.append(torch.cat(seqs))
+        pos.append(torch.cat([torch.arange(len(s)) for s in seqs]))
+    return torch.stack(ids), torch.stack(pos)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("starts", ["zero", "diff"])
+def test_packed_sequences_mask_exact(starts, dynamic):
+    """Masks causal within packed sequences (started by 0s, or HF's "position does not count up" rule:
+    the same on well-formed position ids) are ``causal+sequences`` of the position ids (``run_exact``
+    passes them as its second argument, ``am``); the tree is over the sequences (the prompt of every
+    sequence is computed once across rows), exact."""
+    model = PackedLM(starts=starts).double()
+    batches = [packed_batch(2, 6, (3, 2, 4), seed=1)] + ([packed_batch(3, 5, (2, 4), seed=2)] if dynamic else [])
+    backend = run_exact(model, batches, dynamic=dynamic)
+    s = brcompile.stats()
+    assert s.replayed_calls == len(batches) and s.fallback_calls == 0, str(s)
+    ids, pos = batches[0]
+    prefixes = {tuple(ids[b, c - int(pos[b, c]):c + 1].tolist()) for b in range(ids.shape[0]) for c in range(ids.shape[1])}
+    assert backend.records[0].runtime.calls[0].tree_stats["executed_tokens"] == len(prefixes) < ids.numel()
+    assert all(m.endswith("causal+sequences(l_am_)") for r in backend.records for m in r.masks), \
+        [r.masks for r in backend.records]
+
+
+def test_bidirectional_within_sequences_is_refused():
+    model = PackedLM(causal=False).double()
+    run_exact(model, [packed_batch(2, 6, (3, 2, 4), seed=1)], dynamic=False)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    assert any("neither causal nor" in r for r in s.fallback_reasons), str(s)
+
+
+def test_sequence_positions_are_well_formed():
+    g = torch.Generator().manual_seed(0)
+    for p in masks.SEQUENCE_PATTERNS:
+        pos = masks.sequence_positions(3, 17, p, g)
+        assert (pos[:, 0] == 0).all() and ((pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)).all()
