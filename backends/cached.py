@@ -27,6 +27,7 @@ float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,13 +35,13 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from brcompile.backends.ops import (
-    TreeAttentionError, _check_impl_name, _check_inputs, _check_window, _window_kwargs, count_visible_pairs,
-    get_attention_impl, lse_dtype_for, register_lower_precision_autocast,
+    ATTENTION_IMPLS, TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, count_visible_pairs, impl_for,
+    register_lower_precision_autocast,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cross_calls", "tree_attention_cached"]
+__all__ = ["CachedPrefix", "cross_calls", "tree_attention_cached"]
 
 
 #: Largest cache-key range one cross call covers off the CPU, where the pair is explicit matmuls: the
@@ -50,8 +51,9 @@ MATH_KEY_BLOCK = 4096
 USE_CPU_FLASH = True
 
 
-def _flash(q: Tensor) -> bool:
-    return q.device.type == "cpu" and USE_CPU_FLASH
+def _flash(a: TreeAttentionArgs) -> bool:
+    """Whether the cross pairs of ``a`` run through the CPU flash kernel (CPU, no soft-cap)."""
+    return a.q.device.type == "cpu" and USE_CPU_FLASH and not a.softcap
 
 
 def cross_calls(cross: Tensor, cache_valid: Tensor, max_keys: Optional[int] = None) -> list:
@@ -80,28 +82,46 @@ def cross_calls(cross: Tensor, cache_valid: Tensor, max_keys: Optional[int] = No
     return calls
 
 
-def _check_cached(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor) -> None:
-    """Raise TreeAttentionError unless the cache tensors fit q (works on fake tensors)."""
-    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise TreeAttentionError(f"tree_attention_cached: k_cache {tuple(k_cache.shape)} and v_cache "
-                                 f"{tuple(v_cache.shape)} must both be [Hkv, P, D]")
-    if k_cache.shape[2] != q.shape[2] or q.shape[0] % k_cache.shape[0] != 0:
-        raise TreeAttentionError(f"tree_attention_cached: cache {tuple(k_cache.shape)} does not fit q "
-                                 f"{tuple(q.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TreeAttentionError("tree_attention_cached: the cache must have q's dtype")
-    if cache_valid.dtype != torch.bool or cache_valid.shape != k_cache.shape[1:2]:
-        raise TreeAttentionError(f"tree_attention_cached: cache_valid must be bool [P={k_cache.shape[1]}]")
-    if cross.dtype != torch.int64 or cross.dim() != 2 or cross.shape[1] != 4:
-        raise TreeAttentionError(f"tree_attention_cached: cross must be int64 [C, 4], got {cross.dtype} "
-                                 f"{tuple(cross.shape)}")
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The cached prefix a chunk's queries also see (module docstring): ``k_cache``/``v_cache`` [Hkv, P, D],
+    ``cache_valid`` [P] bool, ``cross`` [C, 4] int64 rows ``(q_start, q_stop, k_start, k_stop)`` and, with a
+    window, the cache's positions ``cache_position`` [P]."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+    cache_valid: Tensor
+    cross: Tensor
+    cache_position: Optional[Tensor] = None
+
+    def check(self, a: TreeAttentionArgs) -> "CachedPrefix":
+        """Raise TreeAttentionError unless the cache fits the chunk's arguments ``a`` (works on fake
+        tensors); returns self."""
+        q, k_cache = a.q, self.k_cache
+        check_qkv(q, k_cache, self.v_cache, "tree_attention_cached")  # the cache as k, v: q's D and dtype
+        if self.cache_valid.dtype != torch.bool or self.cache_valid.shape != k_cache.shape[1:2]:
+            raise TreeAttentionError(f"tree_attention_cached: cache_valid must be bool [P={k_cache.shape[1]}]")
+        if self.cross.dtype != torch.int64 or self.cross.dim() != 2 or self.cross.shape[1] != 4:
+            raise TreeAttentionError(f"tree_attention_cached: cross must be int64 [C, 4], got {self.cross.dtype} "
+                                     f"{tuple(self.cross.shape)}")
+        check_window(a.window, self.cache_position, k_cache.shape[1])
+        return self
+
+    def pieces(self, a: TreeAttentionArgs) -> list:
+        """The cross calls as kernel calls (backends.cpu._Piece, never causal), cut into key ranges of at
+        most MATH_KEY_BLOCK where they run as explicit math; with a window, query blocks whose keys are
+        trimmed to the reachable positions and masked by the window (backends.cpu.query_blocks, with the
+        chunk's positions for the queries and the cache's for the keys)."""
+        cv = self.cache_valid.cpu()
+        pos = None if a.position is None else a.position.cpu()
+        cpos = None if self.cache_position is None else self.cache_position.cpu()
+        max_keys = None if _flash(a) else MATH_KEY_BLOCK
+        return list(_pieces(cross_calls(self.cross, cv, max_keys), cv, a.window, pos, cpos))
 
 
 def _pieces(calls, cache_valid: Tensor, window: int, position: Optional[Tensor], cache_position: Optional[Tensor],
             block: int = 512):
-    """The cross calls as kernel calls (backends.cpu._Piece, never causal); with a window, query blocks whose
-    keys are trimmed to the reachable positions and masked by the window (backends.cpu.query_blocks, with the
-    chunk's positions for the queries and the cache's for the keys)."""
+    """The kernel calls of ``calls`` (see :meth:`CachedPrefix.pieces`)."""
     from brcompile.backends.cpu import _Piece, query_blocks
 
     for call in calls:
@@ -114,22 +134,21 @@ def _pieces(calls, cache_valid: Tensor, window: int, position: Optional[Tensor],
             yield _Piece(q0, q1, k0, k1, False, None, ~seen.any(1), seen)
 
 
-def _cross_forward(q, k_cache, v_cache, pieces, scale, out, lse, softcap=0.0):
+def _cross_forward(a: TreeAttentionArgs, c: CachedPrefix, out: Tensor, lse: Tensor) -> None:
     """Merge every cross piece's (out_i, lse_i) into (out, lse)."""
     from brcompile.backends.cpu import _flash_fwd, _group_kv, _merge_safe, additive_mask, math_forward
 
-    hkv = k_cache.shape[0]
-    g = q.shape[0] // hkv
-    qg = q.unflatten(0, (hkv, g))
-    for pc in pieces:
+    g = a.q.shape[0] // c.k_cache.shape[0]
+    qg = a.q.unflatten(0, (c.k_cache.shape[0], g))
+    for pc in c.pieces(a):
         qs = slice(pc.q0, pc.q1)
-        kg, vg = _group_kv(k_cache, pc, g), _group_kv(v_cache, pc, g)
-        if _flash(q) and not softcap:
-            o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=additive_mask(pc.seen, q.dtype),
-                              scale=scale)
+        kg, vg = _group_kv(c.k_cache, pc, g), _group_kv(c.v_cache, pc, g)
+        if _flash(a):
+            o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=additive_mask(pc.seen, a.q.dtype),
+                              scale=a.scale)
         else:
-            o, l = math_forward(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), vg.to(lse.dtype), pc.seen, scale,
-                                softcap)
+            o, l = math_forward(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), vg.to(lse.dtype), pc.seen, a.scale,
+                                a.softcap)
         o, l = o.flatten(0, 1), l.flatten(0, 1)
         if pc.empty_rows is not None:
             e = pc.empty_rows.to(o.device)
@@ -137,28 +156,36 @@ def _cross_forward(q, k_cache, v_cache, pieces, scale, out, lse, softcap=0.0):
         _merge_safe(out[:, qs], lse[:, qs], o, l)
 
 
-def _cross_backward(grad_out, q, k_cache, v_cache, out, lse, pieces, scale, dq, dk, dv, softcap=0.0):
+def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out: Tensor, lse: Tensor,
+                    dq: Tensor, dk: Tensor, dv: Tensor) -> None:
     """Accumulate the cross pieces' (dq, dk_cache, dv_cache) with the merged out and lse (a row that sees
     nothing at all gets lse = +inf, so every p of it is 0)."""
     from brcompile.backends.cpu import _flash_bwd, _group_kv, additive_mask, math_backward
 
-    hkv = k_cache.shape[0]
-    g = q.shape[0] // hkv
-    qg, gog, outg = (t.unflatten(0, (hkv, g)) for t in (q, grad_out.to(q.dtype), out))
+    hkv = c.k_cache.shape[0]
+    g = a.q.shape[0] // hkv
+    qg, gog, outg = (t.unflatten(0, (hkv, g)) for t in (a.q, grad_out.to(a.q.dtype), out))
     lseg = lse.masked_fill(torch.isneginf(lse), float("inf")).unflatten(0, (hkv, g))
-    for pc in pieces:
+    for pc in c.pieces(a):
         qs, ks = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
-        kg, vg = _group_kv(k_cache, pc, g), _group_kv(v_cache, pc, g)
-        if _flash(q) and not softcap:
+        kg, vg = _group_kv(c.k_cache, pc, g), _group_kv(c.v_cache, pc, g)
+        if _flash(a):
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
-                                    False, attn_mask=additive_mask(pc.seen, q.dtype), scale=scale)
+                                    False, attn_mask=additive_mask(pc.seen, a.q.dtype), scale=a.scale)
         else:
             acc = lse.dtype
             gq, gk, gv = math_backward(gog[:, :, qs].to(acc), qg[:, :, qs].to(acc), kg.to(acc), vg.to(acc),
-                                       outg[:, :, qs].to(acc), lseg[:, :, qs], pc.seen, scale, softcap)
+                                       outg[:, :, qs].to(acc), lseg[:, :, qs], pc.seen, a.scale, a.softcap)
         dq[:, qs] += gq.flatten(0, 1).to(dq.dtype)
         dk[:, ks] += gk.sum(1, dtype=dk.dtype)
         dv[:, ks] += gv.sum(1, dtype=dv.dtype)
+
+
+def _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
+               cache_position, softcap) -> tuple[TreeAttentionArgs, CachedPrefix]:
+    """The op's arguments (but ``impl``) as (chunk args, cached prefix), checked."""
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    return a, CachedPrefix(k_cache, v_cache, cache_valid, cross, cache_position).check(a)
 
 
 @torch.library.custom_op("brcompile::tree_attention_cached_forward", mutates_args=())
@@ -167,35 +194,21 @@ def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tens
                        impl: str, window: int = 0, position: Optional[Tensor] = None,
                        cache_position: Optional[Tensor] = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """(out [Hq, n, D], lse [Hq, n]) over the chunk's own tree keys and its cached prefix keys."""
-    _check_inputs(q, k, v, end, valid, segments)
-    _check_cached(q, k_cache, v_cache, cache_valid, cross)
-    _check_window(window, position, q.shape[1])
-    _check_window(window, cache_position, k_cache.shape[1])
-    chosen = get_attention_impl(impl, q.device)
-    out_t, lse_t = chosen.forward(q, k, v, end, valid, segments, scale,
-                                  **_window_kwargs(chosen, window, position, softcap))
-    acc = lse_dtype_for(q.dtype)
-    out, lse = out_t.to(acc).contiguous(), lse_t.to(acc).contiguous()
-    _cross_forward(q, k_cache, v_cache, _cross_pieces(q, cross, cache_valid, window, position, cache_position,
-                                                      softcap), scale, out, lse, softcap)
+    a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
+                      cache_position, softcap)
+    out_t, lse_t = impl_for(impl, a).forward(a)
+    out, lse = out_t.to(a.lse_dtype).contiguous(), lse_t.to(a.lse_dtype).contiguous()
+    _cross_forward(a, c, out, lse)
     return out.to(q.dtype), lse
-
-
-def _cross_pieces(q, cross, cache_valid, window, position, cache_position, softcap=0.0) -> list:
-    cv = cache_valid.cpu()
-    pos = None if position is None else position.cpu()
-    cpos = None if cache_position is None else cache_position.cpu()
-    max_keys = None if (_flash(q) and not softcap) else MATH_KEY_BLOCK
-    return list(_pieces(cross_calls(cross, cv, max_keys), cv, window, pos, cpos))
 
 
 @_cached_forward_op.register_fake
 def _cached_forward_fake(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
                          window=0, position=None, cache_position=None, softcap=0.0):
-    _check_inputs(q, k, v, end, valid, segments)
-    _check_cached(q, k_cache, v_cache, cache_valid, cross)
-    _check_impl_name(impl)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=lse_dtype_for(q.dtype))
+    a, _ = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
+                      cache_position, softcap)
+    ATTENTION_IMPLS.check_name(impl)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=a.lse_dtype)
 
 
 @torch.library.custom_op("brcompile::tree_attention_cached_backward", mutates_args=())
@@ -206,16 +219,14 @@ def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                         cache_position: Optional[Tensor] = None,
                         softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dk_cache, dv_cache): each part's backward with the merged out and lse."""
-    chosen = get_attention_impl(impl, q.device)
-    dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
-                                 **_window_kwargs(chosen, window, position, softcap))
-    acc = lse_dtype_for(q.dtype)
+    a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
+                      cache_position, softcap)
+    dq, dk, dv = impl_for(impl, a).backward(a, grad_out, out, lse)
+    acc = a.lse_dtype
     dq = dq.to(acc).contiguous()
     dkc = torch.zeros(k_cache.shape, dtype=acc, device=q.device)
     dvc = torch.zeros(v_cache.shape, dtype=acc, device=q.device)
-    _cross_backward(grad_out, q, k_cache, v_cache, out, lse.to(acc),
-                    _cross_pieces(q, cross, cache_valid, window, position, cache_position, softcap), scale, dq, dkc,
-                    dvc, softcap)
+    _cross_backward(a, c, grad_out, out, lse.to(acc), dq, dkc, dvc)
     return dq.to(q.dtype), dk, dv, dkc.to(k_cache.dtype), dvc.to(v_cache.dtype)
 
 
@@ -229,19 +240,17 @@ def _cached_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, k_c
 def _setup_context(ctx, inputs, output):
     (q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl, window, position,
      cache_position, softcap) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, position,
-                          cache_position)
-    ctx.scale, ctx.impl, ctx.window, ctx.softcap = scale, impl, window, softcap
-    ctx.mark_non_differentiable(lse)
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap)
+    a.save_for_backward(ctx, *output, k_cache, v_cache, cache_valid, cross, cache_position)
+    ctx.impl = impl
+    ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad_out, grad_lse):
-    (q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, position,
-     cache_position) = ctx.saved_tensors
+    a, (out, lse, k_cache, v_cache, cache_valid, cross, cache_position) = TreeAttentionArgs.saved(ctx)
     dq, dk, dv, dkc, dvc = torch.ops.brcompile.tree_attention_cached_backward(
-        grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid, cross, ctx.scale,
-        ctx.impl, ctx.window, position, cache_position, ctx.softcap)
+        grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, k_cache, v_cache, cache_valid, cross, a.scale,
+        ctx.impl, a.window, a.position, cache_position, a.softcap)
     return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None, None
 
 

@@ -47,7 +47,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.ops import AttentionImpl, TreeAttentionError, lse_dtype_for, register_attention_impl
+from brcompile.backends.ops import (
+    AttentionImpl, TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward,
+    register_attention_impl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -284,50 +287,47 @@ def _merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Te
     lse_acc.copy_(lse_new)
 
 
-def cpu_forward(
-    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float,
-    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+@attention_forward
+def cpu_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by the segment-pair schedule with logsumexp merging."""
+    q, k, v = a.q, a.k, a.v
     _require_cpu(q, k, v)
     hq, n, d = q.shape
-    hkv = k.shape[0]
-    g = hq // hkv
-    acc_dtype = lse_dtype_for(q.dtype)
+    hkv, g = k.shape[0], a.group
+    acc_dtype = a.lse_dtype
     out = torch.zeros((hq, n, d), dtype=acc_dtype)
     lse = torch.full((hq, n), float("-inf"), dtype=acc_dtype)
     qg = q.unflatten(0, (hkv, g))
-    valid_cpu = valid.cpu()
     touched = torch.zeros(n, dtype=torch.bool)  # rows that already hold a partial result
-    pos_cpu = None if position is None else position.cpu()
-    for call in segment_schedule(end, valid, segments):
-        for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu, blocked=bool(softcap)):
-            if softcap:
-                o, l = math_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
-                                    _group_kv(v, pc, g).to(acc_dtype), pc.seen, scale, softcap)
-            else:
-                o, l = _flash_fwd(
-                    qg[:, :, pc.q0 : pc.q1],
-                    _group_kv(k, pc, g),
-                    _group_kv(v, pc, g),
-                    0.0,
-                    pc.causal,
-                    attn_mask=pc.mask,
-                    scale=scale,
-                )
-            o, l = o.flatten(0, 1), l.flatten(0, 1)
-            rows = slice(pc.q0, pc.q1)
-            if pc.empty_rows is not None and bool(pc.empty_rows.any()):  # window: rows that saw nothing here
-                o = o.masked_fill(pc.empty_rows[None, :, None], 0.0)
-                l = l.masked_fill(pc.empty_rows[None, :], float("-inf"))
-                _merge_safe(out[:, rows], lse[:, rows], o, l)
-            elif touched[rows].any():
-                _merge_into(out[:, rows], lse[:, rows], o, l)
-            else:  # first contribution to these rows: the merge would be a copy
-                out[:, rows] = o
-                lse[:, rows] = l
-            touched[rows] = True
+    for pc in _schedule_pieces(a):
+        if a.softcap:
+            o, l = math_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
+                                _group_kv(v, pc, g).to(acc_dtype), pc.seen, a.scale, a.softcap)
+        else:
+            o, l = _flash_fwd(qg[:, :, pc.q0 : pc.q1], _group_kv(k, pc, g), _group_kv(v, pc, g), 0.0, pc.causal,
+                              attn_mask=pc.mask, scale=a.scale)
+        o, l = o.flatten(0, 1), l.flatten(0, 1)
+        rows = slice(pc.q0, pc.q1)
+        if pc.empty_rows is not None and bool(pc.empty_rows.any()):  # window: rows that saw nothing here
+            o = o.masked_fill(pc.empty_rows[None, :, None], 0.0)
+            l = l.masked_fill(pc.empty_rows[None, :], float("-inf"))
+            _merge_safe(out[:, rows], lse[:, rows], o, l)
+        elif touched[rows].any():
+            _merge_into(out[:, rows], lse[:, rows], o, l)
+        else:  # first contribution to these rows: the merge would be a copy
+            out[:, rows] = o
+            lse[:, rows] = l
+        touched[rows] = True
     return out.to(q.dtype), lse
+
+
+def _schedule_pieces(a: TreeAttentionArgs):
+    """The kernel calls of the segment-pair schedule of ``a``'s tree: query blocks with a window or a
+    soft-cap (the explicit-math path needs each block's visibility)."""
+    valid = a.valid.cpu()
+    position = None if a.position is None else a.position.cpu()
+    for call in segment_schedule(*a.tree):
+        yield from _pieces(call, valid, a.q.dtype, a.window, position, blocked=bool(a.softcap))
 
 
 def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
@@ -340,28 +340,15 @@ def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Te
     lse_acc.copy_(lse_new)
 
 
-def cpu_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    end: Tensor,
-    valid: Tensor,
-    segments: Tensor,
-    scale: float,
-    window: int = 0,
-    position: Optional[Tensor] = None,
-    softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
+@attention_backward
+def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): per call, the flash backward with the merged out and lse; dq accumulates over
     calls, dk/dv over the calls of each key's segment and over the query heads of its group."""
+    q, k, v = a.q, a.k, a.v
     _require_cpu(grad_out, q, k, v, out, lse)
     hq, n, d = q.shape
-    hkv = k.shape[0]
-    g = hq // hkv
-    acc_dtype = lse_dtype_for(q.dtype)
+    hkv, g = k.shape[0], a.group
+    acc_dtype = a.lse_dtype
     dq = torch.zeros((hq, n, d), dtype=acc_dtype)
     dk = torch.zeros((hkv, n, d), dtype=acc_dtype)
     dv = torch.zeros((hkv, n, d), dtype=acc_dtype)
@@ -369,39 +356,23 @@ def cpu_backward(
     gog = grad_out.to(q.dtype).unflatten(0, (hkv, g))
     outg = out.unflatten(0, (hkv, g))
     lse_k = lse.to(acc_dtype)
-    if window or softcap:  # a row that sees nothing anywhere: lse = +inf makes each of its p = exp(s - lse) 0
+    if a.window or a.softcap:  # a row that sees nothing anywhere: lse = +inf makes each of its p = exp(s - lse) 0
         lse_k = lse_k.masked_fill(torch.isneginf(lse_k), float("inf"))
     lseg = lse_k.unflatten(0, (hkv, g))
-    valid_cpu = valid.cpu()
-    pos_cpu = None if position is None else position.cpu()
-    for call in segment_schedule(end, valid, segments):
-        for pc in _pieces(call, valid_cpu, q.dtype, window, pos_cpu, blocked=bool(softcap)):
-            qs = slice(pc.q0, pc.q1)
-            ks = slice(pc.k0, pc.k1)
-            if softcap:
-                gq, gk, gv = math_backward(
-                    gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
-                    _group_kv(v, pc, g).to(acc_dtype), outg[:, :, qs].to(acc_dtype), lseg[:, :, qs], pc.seen,
-                    scale, softcap)
-                dq[:, qs] += gq.flatten(0, 1)
-                dk[:, ks] += gk.sum(1, dtype=acc_dtype)
-                dv[:, ks] += gv.sum(1, dtype=acc_dtype)
-                continue
-            gq, gk, gv = _flash_bwd(
-                gog[:, :, qs],
-                qg[:, :, qs],
-                _group_kv(k, pc, g),
-                _group_kv(v, pc, g),
-                outg[:, :, qs],
-                lseg[:, :, qs],
-                0.0,
-                pc.causal,
-                attn_mask=pc.mask,
-                scale=scale,
-            )
-            dq[:, qs] += gq.flatten(0, 1)
-            dk[:, ks] += gk.sum(1, dtype=acc_dtype)
-            dv[:, ks] += gv.sum(1, dtype=acc_dtype)
+    for pc in _schedule_pieces(a):
+        qs = slice(pc.q0, pc.q1)
+        ks = slice(pc.k0, pc.k1)
+        kg, vg = _group_kv(k, pc, g), _group_kv(v, pc, g)
+        if a.softcap:
+            gq, gk, gv = math_backward(gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype), kg.to(acc_dtype),
+                                       vg.to(acc_dtype), outg[:, :, qs].to(acc_dtype), lseg[:, :, qs], pc.seen,
+                                       a.scale, a.softcap)
+        else:
+            gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
+                                    pc.causal, attn_mask=pc.mask, scale=a.scale)
+        dq[:, qs] += gq.flatten(0, 1)
+        dk[:, ks] += gk.sum(1, dtype=acc_dtype)
+        dv[:, ks] += gv.sum(1, dtype=acc_dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -53,7 +53,6 @@ matmuls are shared (:func:`logprob_forward`, :func:`logprob_backward`). ``"cpu"`
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import math
 from typing import Callable, Optional
@@ -64,11 +63,13 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from brcompile.backends.read_packed import check_dropped_grad
+from brcompile.backends.registry import Impl, Registry
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_BYTES",
+    "LOGPROB_IMPLS",
     "LogprobError",
     "LogprobImpl",
     "count_read_tokens",
@@ -102,7 +103,7 @@ class LogprobError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class LogprobImpl:
+class LogprobImpl(Impl):
     """The per-row softmax math of one chunk of logits (the chunking and matmuls are shared).
 
     row_forward(raw [C, V], rows [r], targets [r], scale, softcap, want_entropy, work) -> (logp [r], H [C] or None)
@@ -114,73 +115,36 @@ class LogprobImpl:
 
     Both may overwrite ``raw`` and ``work`` (a second [>= C, V] buffer of the call, reused by every
     chunk) and return either. ``raw`` is contiguous, in the compute dtype (float32 for half inputs).
-    ``device_types`` / ``dtypes``: where the impl runs (None: anywhere).
+    ``device_types`` / ``dtypes`` (keyword): where the impl runs (None: anywhere).
     """
 
-    name: str
+    Error = LogprobError
+    op = "packed_logprob"
+
     row_forward: Callable
     row_grad: Callable
-    device_types: Optional[frozenset] = None
-    dtypes: Optional[frozenset] = None
-
-    def __post_init__(self):
-        if not self.name or self.name == "auto":
-            raise LogprobError(f"invalid packed_logprob impl name {self.name!r}")
-
-    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return (self.device_types is None or device.type in self.device_types) and (
-            self.dtypes is None or dtype in self.dtypes)
 
 
-_IMPLS: dict[str, LogprobImpl] = {}
-_LAZY = {"triton": "brcompile.backends.triton.logprob"}
+#: The packed_logprob impls: cpu (below) and triton (imported on first use; "auto" picks it on CUDA for
+#: the dtypes it takes).
+LOGPROB_IMPLS = Registry("packed_logprob", LogprobImpl, builtins={"triton": "brcompile.backends.triton.logprob"})
 
 
 def register_logprob_impl(impl: LogprobImpl) -> None:
     """Register (or replace) a packed_logprob implementation under ``impl.name``."""
-    if not isinstance(impl, LogprobImpl):
-        raise LogprobError(f"register_logprob_impl expects a LogprobImpl, got {type(impl).__name__}")
-    _IMPLS[impl.name] = impl
+    LOGPROB_IMPLS.register(impl)
 
 
 def registered_logprob_impls() -> tuple[str, ...]:
     """Names usable as ``impl`` (registered or importable on demand), without ``"auto"``."""
-    return tuple(sorted(set(_IMPLS) | set(_LAZY)))
-
-
-def _load(name: str) -> Optional[LogprobImpl]:
-    if name not in _IMPLS and name in _LAZY:
-        try:
-            importlib.import_module(_LAZY[name])
-        except ImportError as e:
-            raise LogprobError(f"packed_logprob impl {name!r} is unavailable: importing {_LAZY[name]} "
-                               f"failed ({e})") from e
-    return _IMPLS.get(name)
+    return LOGPROB_IMPLS.names()
 
 
 def get_logprob_impl(name: str, device, dtype: torch.dtype) -> LogprobImpl:
     """The implementation ``name`` for inputs on ``device`` of ``dtype``; ``"auto"`` is triton on CUDA
     (float32/float16/bfloat16, when triton imports), else cpu. Raises LogprobError when it is unknown
     or does not run there."""
-    device = torch.device(device)
-    if name == "auto":
-        if device.type == "cuda" and dtype in (torch.float32, *_HALF):
-            try:
-                impl = _load("triton")
-                if impl is not None and impl.supports(device, dtype):
-                    return impl
-            except LogprobError:
-                log.debug("packed_logprob: triton unavailable, using the cpu impl", exc_info=True)
-        return _IMPLS["cpu"]
-    impl = _load(name)
-    if impl is None:
-        raise LogprobError(f"unknown packed_logprob impl {name!r}; known: "
-                           f"{', '.join(registered_logprob_impls())} or 'auto'")
-    if not impl.supports(device, dtype):
-        raise LogprobError(f"packed_logprob impl {name!r} does not run on {device.type} {dtype} "
-                           f"(devices {sorted(impl.device_types or ['any'])}, dtypes "
-                           f"{sorted(str(d) for d in impl.dtypes or ['any'])})")
-    return impl
+    return LOGPROB_IMPLS.get(name, device, dtype)
 
 
 def softcap_logits(raw: Tensor, scale: float, softcap: float) -> Tensor:
@@ -245,7 +209,7 @@ def _cpu_row_grad(raw: Tensor, scale: float, softcap: float, G: Optional[Tensor]
     return dr.mul_(t.mul_(t).neg_().add_(1)) if t is not None else dr
 
 
-register_logprob_impl(LogprobImpl("cpu", _cpu_row_forward, _cpu_row_grad))
+register_logprob_impl(LogprobImpl("cpu", row_forward=_cpu_row_forward, row_grad=_cpu_row_grad))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -468,12 +432,6 @@ def _check_inputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index:
         raise LogprobError(f"packed_logprob: chunk must be >= 0 (0 = automatic), got {chunk}")
 
 
-def _check_impl_name(impl: str) -> None:
-    if impl != "auto" and impl not in _IMPLS and impl not in _LAZY:
-        raise LogprobError(f"unknown packed_logprob impl {impl!r}; known: "
-                           f"{', '.join(registered_logprob_impls())} or 'auto'")
-
-
 @torch.library.custom_op("brcompile::packed_logprob", mutates_args=())
 def _packed_logprob_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor, targets: Tensor,
                        scale: float, softcap: float, want_entropy: bool, chunk: int,
@@ -489,7 +447,7 @@ def _packed_logprob_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], i
 def _packed_logprob_fake(hidden, weight, bias, index, targets, scale, softcap, want_entropy, chunk, impl):
     """Shapes only: logp like index; entropy like index or [0]."""
     _check_inputs(hidden, weight, bias, index, targets, scale, softcap, chunk)
-    _check_impl_name(impl)
+    LOGPROB_IMPLS.check_name(impl)
     return hidden.new_empty(index.shape), hidden.new_empty(index.shape if want_entropy else (0,))
 
 
@@ -511,7 +469,7 @@ def _packed_logprob_backward_fake(grad_logp, grad_entropy, hidden, weight, bias,
                                   chunk, impl):
     """Shapes only: dhidden like hidden, dweight like weight, dbias like bias or [0]."""
     _check_inputs(hidden, weight, bias, index, targets, scale, softcap, chunk)
-    _check_impl_name(impl)
+    LOGPROB_IMPLS.check_name(impl)
     db = hidden.new_empty(0) if bias is None else bias.new_empty(bias.shape)
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
 

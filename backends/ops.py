@@ -5,12 +5,13 @@ Three ops, mirroring how ``scaled_dot_product_attention`` is built from ``_scale
 ``brcompile::tree_attention(q, k, v, end, valid, segments, float scale, str impl) -> Tensor``
     What the graph rewrite emits. CompositeImplicitAutograd: it is ``tree_attention_forward(...)[0]``,
     so AOTAutograd traces through it to the two ops below.
-``brcompile::tree_attention_forward(...) -> (Tensor out, Tensor lse)``
+``brcompile::tree_attention_forward(q, k, v, end, valid, segments, scale, impl, window=0, position=None,
+  softcap=0.0) -> (Tensor out, Tensor lse)``
     Opaque custom op with a fake impl, a flop formula and an autograd formula. ``lse`` (natural-log
     logsumexp of the scaled scores of each query row, ``-inf`` for a query that sees no key) is saved
     for backward and is not differentiable (as for SDPA's logsumexp).
-``brcompile::tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl)
-  -> (Tensor dq, Tensor dk, Tensor dv)``
+``brcompile::tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl,
+  window=0, position=None, softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)``
     Opaque custom op with a fake impl and a flop formula, so AOTAutograd can trace the backward.
 
 Shapes (N packed tokens in DFS preorder, see brcompile.runtime.tree.PackedTree)::
@@ -20,17 +21,22 @@ Shapes (N packed tokens in DFS preorder, see brcompile.runtime.tree.PackedTree):
     out [Hq, N, D] (q.dtype)   lse [Hq, N] (float32 for float16/bfloat16 inputs, else q.dtype)
 
 Mask: query q sees key k  <=>  k <= q < end[k] and valid[k] (and, with ``window`` W > 0, also
-position[q] - position[k] < W: HF's sliding window, over the tree positions = the batch columns). A query
-that sees no key outputs 0 and gets zero gradient. ``out[:, q] = sum_k softmax_k(scale * q.k) v[:, k]`` over the visible keys.
+position[q] - position[k] < W: HF's sliding window, over the tree positions = the batch columns). With
+``softcap`` c > 0 the scores are ``c * tanh(scale * q.k / c)``. A query that sees no key outputs 0 and gets
+zero gradient. ``out[:, q] = sum_k softmax_k(scale * q.k) v[:, k]`` over the visible keys.
 
-Implementations are looked up by name in a registry (``register_attention_impl``); ``"reference"``,
-``"cpu"`` and ``"triton"`` are imported lazily on first use and register themselves.
+The op bodies gather their arguments (all but ``impl``) into one :class:`TreeAttentionArgs`, check it once
+(:meth:`TreeAttentionArgs.check`) and hand it to the implementation named ``impl``, looked up in a registry
+(``register_attention_impl``, :class:`brcompile.backends.registry.Registry`); ``"reference"``, ``"cpu"`` and
+``"triton"`` are imported lazily on first use and register themselves.
 """
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import functools
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -38,13 +44,19 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from brcompile.backends.registry import Impl, Registry
+
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ATTENTION_IMPLS",
     "AttentionImpl",
     "AttentionImplError",
+    "TreeAttentionArgs",
     "TreeAttentionError",
+    "attention_backward",
     "attention_extras",
+    "attention_forward",
     "check_impl_supports",
     "count_visible_pairs",
     "get_attention_impl",
@@ -63,173 +75,157 @@ class AttentionImplError(RuntimeError):
     """An attention implementation that is unknown, or unavailable for the device of the inputs."""
 
 
-@dataclass(frozen=True)
-class AttentionImpl:
-    """One way to execute tree attention.
-
-    forward(q, k, v, end, valid, segments, scale) -> (out, lse)
-    backward(grad_out, q, k, v, out, lse, end, valid, segments, scale) -> (dq, dk, dv)
-
-    With ``supports_window``, both also take ``window=W, position=pos`` (keyword; only passed when W > 0):
-    query q then sees key k only if also ``pos[q] - pos[k] < W`` (a sliding window over tree positions).
-    With ``supports_softcap``, both also take ``softcap=c`` (keyword; only passed when c > 0): the scores
-    are ``c * tanh(scale * q.k / c)`` (Gemma2's logit soft-capping) before the softmax.
-
-    ``out``/``lse`` passed to backward are the ones forward returned (merged over the whole tree).
-    ``device_types``: the ``torch.device.type`` values the impl runs on; ``None`` means any.
-    """
-
-    name: str
-    forward: Callable
-    backward: Callable
-    device_types: Optional[frozenset] = None
-    supports_window: bool = False
-    supports_softcap: bool = False
-
-    def __post_init__(self):
-        if not self.name or self.name == "auto":
-            raise AttentionImplError(f"invalid attention impl name {self.name!r}")
-        if not callable(self.forward) or not callable(self.backward):
-            raise AttentionImplError(f"attention impl {self.name!r}: forward and backward must be callable")
-
-
-_IMPLS: dict[str, AttentionImpl] = {}
-
-# Built-in impls: imported on first use; each module calls register_attention_impl at import.
-_LAZY_MODULES = {
-    "reference": "brcompile.backends.reference",
-    "cpu": "brcompile.backends.cpu",
-    "triton": "brcompile.backends.triton",
-}
-
-
-def register_attention_impl(impl: AttentionImpl) -> None:
-    """Register (or replace) an attention implementation under ``impl.name``."""
-    if not isinstance(impl, AttentionImpl):
-        raise AttentionImplError(f"register_attention_impl expects an AttentionImpl, got {type(impl).__name__}")
-    if impl.name in _IMPLS and _IMPLS[impl.name] is not impl:
-        log.info("tree_attention: replacing attention impl %r", impl.name)
-    _IMPLS[impl.name] = impl
-
-
-def registered_attention_impls() -> tuple[str, ...]:
-    """Names usable as ``impl`` (registered or importable on demand), without ``"auto"``."""
-    return tuple(sorted(set(_IMPLS) | set(_LAZY_MODULES)))
-
-
-_TRITON_IMPORTABLE: Optional[bool] = None
-
-
-def _triton_importable() -> bool:
-    """Whether ``import triton`` succeeds (cached)."""
-    global _TRITON_IMPORTABLE
-    if _TRITON_IMPORTABLE is None:
-        try:
-            importlib.import_module("triton")
-            _TRITON_IMPORTABLE = True
-        except ImportError:
-            _TRITON_IMPORTABLE = False
-    return _TRITON_IMPORTABLE
-
-
-def _resolve_name(name: str, device: torch.device) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA when triton imports, else ``"cpu"``; other names unchanged."""
-    if name != "auto":
-        return name
-    if device.type == "cuda" and _triton_importable():
-        return "triton"
-    return "cpu"
-
-
-def get_attention_impl(name: str, device) -> AttentionImpl:
-    """The implementation ``name`` (``"auto"`` resolved for ``device``); raises AttentionImplError if it
-    is unknown, cannot be imported, or does not run on ``device``."""
-    device = torch.device(device)
-    resolved = _resolve_name(name, device)
-    if resolved not in _IMPLS and resolved in _LAZY_MODULES:
-        module = _LAZY_MODULES[resolved]
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise AttentionImplError(
-                f"tree_attention impl {resolved!r} is unavailable: importing {module} failed ({e})"
-            ) from e
-    impl = _IMPLS.get(resolved)
-    if impl is None:
-        if resolved in _LAZY_MODULES:
-            raise AttentionImplError(
-                f"tree_attention impl {resolved!r}: {_LAZY_MODULES[resolved]} imported but registered nothing"
-            )
-        raise AttentionImplError(
-            f"unknown tree_attention impl {name!r}; known: {', '.join(registered_attention_impls())} or 'auto'"
-        )
-    if impl.device_types is not None and device.type not in impl.device_types:
-        raise AttentionImplError(
-            f"tree_attention impl {resolved!r} runs on {sorted(impl.device_types)}, not on device "
-            f"{device.type!r}" + (" (requested 'auto'; is triton installed?)" if name == "auto" else "")
-        )
-    return impl
-
-
 def lse_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """dtype of the logsumexp output: float32 for float16/bfloat16 inputs, else the input dtype."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor) -> None:
-    """Raise TreeAttentionError unless the inputs match the op's contract (works on fake tensors)."""
+# ------------------------------------------------------------------------------------------ arguments
+
+
+@dataclass(frozen=True)
+class TreeAttentionArgs:
+    """The arguments of one tree attention (every op argument but ``impl``); what an impl receives.
+
+    ``q [Hq, N, D]``, ``k``/``v [Hkv, N, D]``, the tree arrays ``end``/``valid``/``segments``, ``scale``;
+    ``window`` W > 0 with ``position [N]``: the sliding window ``position[q] - position[k] < W``;
+    ``softcap`` c > 0: scores ``c * tanh(scale * q.k / c)``. Neutral defaults (0, None, 0.0) mean off; a
+    new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3). The field
+    order is the op's argument order (without ``impl``), so ``TreeAttentionArgs(q, k, v, end, valid,
+    segments, scale, window, position, softcap)`` reads like the op call.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    end: Tensor
+    valid: Tensor
+    segments: Tensor
+    scale: float
+    window: int = 0
+    position: Optional[Tensor] = None
+    softcap: float = 0.0
+
+    @property
+    def tree(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(end, valid, segments)."""
+        return self.end, self.valid, self.segments
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (Hq // Hkv)."""
+        return self.q.shape[0] // self.k.shape[0]
+
+    @property
+    def lse_dtype(self) -> torch.dtype:
+        """dtype of lse (and of the impls' accumulators): float32 for half inputs, else q's dtype."""
+        return lse_dtype_for(self.q.dtype)
+
+    def replace(self, **changes) -> "TreeAttentionArgs":
+        """A copy with some fields changed (e.g. ``q=q.double()``)."""
+        return dataclasses.replace(self, **changes)
+
+    def check(self) -> "TreeAttentionArgs":
+        """Raise TreeAttentionError unless the arguments match the op's contract (also on fake tensors:
+        shapes and dtypes only); returns self."""
+        check_qkv(self.q, self.k, self.v, "tree_attention")
+        n = self.q.shape[1]
+        if self.k.shape[1] != n:
+            raise TreeAttentionError(
+                f"tree_attention: q {tuple(self.q.shape)} and k {tuple(self.k.shape)} disagree on N or D")
+        end, valid, segments = self.tree
+        if end.dtype != torch.int64 or end.dim() != 1 or end.shape[0] != n:
+            raise TreeAttentionError(f"tree_attention: end must be int64 [N={n}], got {end.dtype} {tuple(end.shape)}")
+        if valid.dtype != torch.bool or valid.dim() != 1 or valid.shape[0] != n:
+            raise TreeAttentionError(
+                f"tree_attention: valid must be bool [N={n}], got {valid.dtype} {tuple(valid.shape)}")
+        if segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != 3:
+            raise TreeAttentionError(
+                f"tree_attention: segments must be int64 [S, 3], got {segments.dtype} {tuple(segments.shape)}")
+        check_window(self.window, self.position, n)
+        if isinstance(self.softcap, bool) or not isinstance(self.softcap, numbers.Real):
+            raise TreeAttentionError(f"tree_attention: softcap must be a float (0: no soft-cap), "
+                                     f"got {type(self.softcap).__name__}")
+        if not (math.isfinite(self.softcap) and self.softcap >= 0):
+            raise TreeAttentionError(f"tree_attention: softcap must be a finite float >= 0 (0: no soft-cap), "
+                                     f"got {self.softcap}")
+        return self
+
+    def save_for_backward(self, ctx, *tensors: Optional[Tensor]) -> None:
+        """Save the arguments (and ``tensors``, e.g. out and lse) on an autograd ``ctx``; see :meth:`saved`."""
+        ctx.save_for_backward(self.q, self.k, self.v, self.end, self.valid, self.segments, self.position, *tensors)
+        ctx.tree_attention = (self.scale, self.window, self.softcap)
+
+    @classmethod
+    def saved(cls, ctx) -> tuple["TreeAttentionArgs", list]:
+        """(args, [tensors]) as :meth:`save_for_backward` saved them."""
+        q, k, v, end, valid, segments, position, *tensors = ctx.saved_tensors
+        scale, window, softcap = ctx.tree_attention
+        return cls(q, k, v, end, valid, segments, scale, window, position, softcap), tensors
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(TreeAttentionArgs))
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, what: str) -> None:
+    """q [Hq, N, D] and k, v [Hkv, M, D] of one floating dtype with Hq a multiple of Hkv (M: the keys,
+    the cache's for cached attention); raises TreeAttentionError."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise TreeAttentionError(
-            f"tree_attention expects q [Hq, N, D], k and v [Hkv, N, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+        raise TreeAttentionError(f"{what} expects q [Hq, N, D], k and v [Hkv, N, D]; got q {tuple(q.shape)}, "
+                                 f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape != v.shape:
-        raise TreeAttentionError(f"tree_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
-    hq, n, d = q.shape
-    hkv = k.shape[0]
-    if k.shape[1] != n or k.shape[2] != d:
-        raise TreeAttentionError(
-            f"tree_attention: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on N or D"
-        )
+        raise TreeAttentionError(f"{what}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    hq, hkv = q.shape[0], k.shape[0]
+    if k.shape[2] != q.shape[2]:
+        raise TreeAttentionError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on N or D")
     if hkv == 0 or hq % hkv != 0:
-        raise TreeAttentionError(f"tree_attention: Hq={hq} must be a positive multiple of Hkv={hkv}")
+        raise TreeAttentionError(f"{what}: Hq={hq} must be a positive multiple of Hkv={hkv}")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise TreeAttentionError(
-            f"tree_attention: q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if end.dtype != torch.int64 or end.dim() != 1 or end.shape[0] != n:
-        raise TreeAttentionError(f"tree_attention: end must be int64 [N={n}], got {end.dtype} {tuple(end.shape)}")
-    if valid.dtype != torch.bool or valid.dim() != 1 or valid.shape[0] != n:
-        raise TreeAttentionError(
-            f"tree_attention: valid must be bool [N={n}], got {valid.dtype} {tuple(valid.shape)}"
-        )
-    if segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != 3:
-        raise TreeAttentionError(
-            f"tree_attention: segments must be int64 [S, 3], got {segments.dtype} {tuple(segments.shape)}"
-        )
+        raise TreeAttentionError(f"{what}: q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _check_window(window: int, position: Optional[Tensor], n) -> None:
-    """A window needs the [N] int64 positions of the tokens."""
+def check_window(window: int, position: Optional[Tensor], n) -> None:
+    """A window is an int >= 0 (0: none); a window needs the [N] integer positions of the tokens."""
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        raise TreeAttentionError(f"tree_attention: window must be an int (0: no window), got {type(window).__name__}")
     if window < 0:
-        raise TreeAttentionError(f"tree_attention: window={window} must be >= 0 (0: no window)")
-    if window and (position is None or position.dtype != torch.int64 or position.dim() != 1
-                   or position.shape[0] != n):
-        raise TreeAttentionError(f"tree_attention: window={window} needs position int64 [N={n}], got "
-                                 f"{None if position is None else (position.dtype, tuple(position.shape))}")
+        raise TreeAttentionError(f"tree_attention: window must be >= 0 (0: no window), got {window}")
+    if window and (position is None or position.dtype == torch.bool or position.is_floating_point()
+                   or position.is_complex() or position.dim() != 1 or position.shape[0] != n):
+        got = None if position is None else (position.dtype, tuple(position.shape))
+        raise TreeAttentionError(f"tree_attention: window={window} needs position, the tokens' integer positions "
+                                 f"[N={n}], got {got}")
 
 
-def _window_kwargs(impl: "AttentionImpl", window: int, position: Optional[Tensor], softcap: float = 0.0) -> dict:
-    """The impl's extra arguments for a window and a soft-cap (none without them); refuses an impl that
-    does not support what is asked (see :func:`check_impl_supports`)."""
-    kw = {}
-    if window:
-        kw.update(window=window, position=position)
-    if softcap:
-        kw["softcap"] = softcap
-    if kw:
-        check_impl_supports(impl, window, softcap)
-    return kw
+def attention_forward(fn: Callable) -> Callable:
+    """Decorator of an impl's ``forward(args: TreeAttentionArgs, **options) -> (out, lse)``: the result may
+    also be called the op's way, ``forward(q, k, v, end, valid, segments, scale, window=0, position=None,
+    softcap=0.0, **options)`` (standalone use: tests, benchmarks), which builds and checks the args."""
+
+    @functools.wraps(fn)
+    def forward(*args, **kwargs):
+        if args and isinstance(args[0], TreeAttentionArgs):
+            return fn(*args, **kwargs)
+        fields = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
+        return fn(TreeAttentionArgs(*args, **fields).check(), **kwargs)
+
+    return forward
+
+
+def attention_backward(fn: Callable) -> Callable:
+    """Decorator of an impl's ``backward(args, grad_out, out, lse, **options) -> (dq, dk, dv)``; the result
+    may also be called the op's way, ``backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
+    window=0, position=None, softcap=0.0, **options)``, which builds and checks the args."""
+
+    @functools.wraps(fn)
+    def backward(*args, **kwargs):
+        if args and isinstance(args[0], TreeAttentionArgs):
+            return fn(*args, **kwargs)
+        grad_out, q, k, v, out, lse, *rest = args
+        fields = {name: kwargs.pop(name) for name in _FIELDS[6:] if name in kwargs}
+        return fn(TreeAttentionArgs(q, k, v, *rest, **fields).check(), grad_out, out, lse, **kwargs)
+
+    return backward
 
 
 def attention_extras(args: Sequence) -> tuple:
@@ -237,7 +233,65 @@ def attention_extras(args: Sequence) -> tuple:
     return (tuple(args[8:]) + (0, None, 0.0))[:3]
 
 
-def check_impl_supports(impl: "AttentionImpl", window: int = 0, softcap: float = 0.0) -> None:
+# ------------------------------------------------------------------------------------------ registry
+
+
+@dataclass(frozen=True)
+class AttentionImpl(Impl):
+    """One way to execute tree attention.
+
+    forward(args: TreeAttentionArgs) -> (out, lse)
+    backward(args: TreeAttentionArgs, grad_out, out, lse) -> (dq, dk, dv)
+
+    ``args`` has been checked (:meth:`TreeAttentionArgs.check`). With ``supports_window`` the impl honours
+    ``args.window``/``args.position`` (query q sees key k only if also ``pos[q] - pos[k] < W``), with
+    ``supports_softcap`` ``args.softcap`` (scores ``c * tanh(scale * q.k / c)``, Gemma2's logit
+    soft-capping); an impl without the flag is never handed a window / soft-cap (:func:`check_impl_supports`).
+    ``out``/``lse`` passed to backward are the ones forward returned (merged over the whole tree).
+    ``device_types`` (keyword): the ``torch.device.type`` values the impl runs on; ``None`` means any.
+    Decorating forward/backward with :func:`attention_forward` / :func:`attention_backward` lets them be
+    called with the op's positional arguments too.
+    """
+
+    Error = AttentionImplError
+    op = "tree_attention"
+
+    forward: Callable
+    backward: Callable
+    supports_window: bool = False
+    supports_softcap: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not callable(self.forward) or not callable(self.backward):
+            raise AttentionImplError(f"attention impl {self.name!r}: forward and backward must be callable")
+
+
+#: The tree-attention impls; the built-ins are imported on first use and register themselves.
+ATTENTION_IMPLS = Registry("tree_attention", AttentionImpl, builtins={
+    "reference": "brcompile.backends.reference",
+    "cpu": "brcompile.backends.cpu",
+    "triton": "brcompile.backends.triton",
+})
+
+
+def register_attention_impl(impl: AttentionImpl) -> None:
+    """Register (or replace) an attention implementation under ``impl.name``."""
+    ATTENTION_IMPLS.register(impl)
+
+
+def registered_attention_impls() -> tuple[str, ...]:
+    """Names usable as ``impl`` (registered or importable on demand), without ``"auto"``."""
+    return ATTENTION_IMPLS.names()
+
+
+def get_attention_impl(name: str, device) -> AttentionImpl:
+    """The implementation ``name`` (``"auto"``: triton on CUDA when it imports, else cpu); raises
+    AttentionImplError if it is unknown, cannot be imported, or does not run on ``device``."""
+    return ATTENTION_IMPLS.get(name, device)
+
+
+def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0.0) -> None:
     """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped attention."""
     if window and not impl.supports_window:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
@@ -245,12 +299,11 @@ def check_impl_supports(impl: "AttentionImpl", window: int = 0, softcap: float =
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support logit soft-capping")
 
 
-def _check_impl_name(impl: str) -> None:
-    """Raise AttentionImplError for a name that is neither 'auto' nor known (usable at trace time)."""
-    if impl != "auto" and impl not in _IMPLS and impl not in _LAZY_MODULES:
-        raise AttentionImplError(
-            f"unknown tree_attention impl {impl!r}; known: {', '.join(registered_attention_impls())} or 'auto'"
-        )
+def impl_for(name: str, args: TreeAttentionArgs) -> AttentionImpl:
+    """The impl ``name`` for ``args`` (its device; its window and soft-cap supported)."""
+    impl = get_attention_impl(name, args.q.device)
+    check_impl_supports(impl, args.window, args.softcap)
+    return impl
 
 
 def _check_result(name: str, what: str, got: Tensor, like_shape, like_dtype) -> None:
@@ -271,50 +324,32 @@ def _tree_attention_forward_op(
     window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D], lse [Hq, N]) of tree attention, computed by the impl named ``impl``."""
-    _check_inputs(q, k, v, end, valid, segments)
-    _check_window(window, position, q.shape[1])
-    chosen = get_attention_impl(impl, q.device)
-    out, lse = chosen.forward(q, k, v, end, valid, segments, scale,
-                              **_window_kwargs(chosen, window, position, softcap))
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    chosen = impl_for(impl, a)
+    out, lse = chosen.forward(a)
     _check_result(chosen.name, "out", out, q.shape, q.dtype)
-    _check_result(chosen.name, "lse", lse, q.shape[:2], lse_dtype_for(q.dtype))
+    _check_result(chosen.name, "lse", lse, q.shape[:2], a.lse_dtype)
     return out, lse
 
 
 @_tree_attention_forward_op.register_fake
 def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0):
     """Shapes only: out like q (contiguous), lse [Hq, N]."""
-    _check_inputs(q, k, v, end, valid, segments)
-    _check_window(window, position, q.shape[1])
-    _check_impl_name(impl)
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(q.shape[:2], dtype=lse_dtype_for(q.dtype))
-    return out, lse
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    ATTENTION_IMPLS.check_name(impl)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=a.lse_dtype)
 
 
 @torch.library.custom_op("brcompile::tree_attention_backward", mutates_args=())
 def _tree_attention_backward_op(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    end: Tensor,
-    valid: Tensor,
-    segments: Tensor,
-    scale: float,
-    impl: str,
-    window: int = 0,
-    position: Optional[Tensor] = None,
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, end: Tensor, valid: Tensor,
+    segments: Tensor, scale: float, impl: str, window: int = 0, position: Optional[Tensor] = None,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of tree attention for the upstream gradient ``grad_out`` (any strides)."""
-    _check_inputs(q, k, v, end, valid, segments)
-    _check_window(window, position, q.shape[1])
-    chosen = get_attention_impl(impl, q.device)
-    dq, dk, dv = chosen.backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
-                                 **_window_kwargs(chosen, window, position, softcap))
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    chosen = impl_for(impl, a)
+    dq, dk, dv = chosen.backward(a, grad_out, out, lse)
     _check_result(chosen.name, "dq", dq, q.shape, q.dtype)
     _check_result(chosen.name, "dk", dk, k.shape, k.dtype)
     _check_result(chosen.name, "dv", dv, v.shape, v.dtype)
@@ -325,29 +360,25 @@ def _tree_attention_backward_op(
 def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0,
                                   position=None, softcap=0.0):
     """Shapes only: dq like q, dk like k, dv like v (contiguous)."""
-    _check_inputs(q, k, v, end, valid, segments)
-    _check_impl_name(impl)
+    TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    ATTENTION_IMPLS.check_name(impl)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _forward_setup_context(ctx, inputs, output):
     """Save what backward needs; lse is an auxiliary output without gradient."""
-    q, k, v, end, valid, segments, scale, impl, window, position, softcap = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, position)
-    ctx.scale = scale
+    *fields, impl, window, position, softcap = inputs
+    TreeAttentionArgs(*fields, window, position, softcap).save_for_backward(ctx, *output)
     ctx.impl = impl
-    ctx.window = window
-    ctx.softcap = softcap
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(output[1])
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
     """d(out)/d(q, k, v) via the tree_attention_backward op; the tree arrays get no gradient."""
-    q, k, v, out, lse, end, valid, segments, position = ctx.saved_tensors
+    a, (out, lse) = TreeAttentionArgs.saved(ctx)
     dq, dk, dv = torch.ops.brcompile.tree_attention_backward(
-        grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale, ctx.impl, ctx.window, position, ctx.softcap
-    )
+        grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, a.scale, ctx.impl, a.window, a.position,
+        a.softcap)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

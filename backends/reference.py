@@ -1,6 +1,7 @@
 """Reference tree attention: dense masked attention in float64, the oracle for every other impl.
 
-O(N^2) memory and time; meant for tests and small inputs. Registered as impl ``"reference"``.
+O(N^2) memory and time; meant for tests and small inputs. Registered as impl ``"reference"``; its forward
+and backward take a ``TreeAttentionArgs`` (or, standalone, the op's positional arguments).
 
 With s[h, q, k] = scale * q[h, q] . k[h // g, k] (g = Hq // Hkv) and M the tree mask
 (``dense_tree_mask``), the forward is
@@ -23,7 +24,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.ops import AttentionImpl, lse_dtype_for, register_attention_impl
+from brcompile.backends.ops import (
+    AttentionImpl, TreeAttentionArgs, attention_backward, attention_forward, register_attention_impl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,52 +74,38 @@ def _probabilities(s: Tensor, lse64: Tensor) -> Tensor:
     return torch.exp(s - safe_lse[..., None])
 
 
-def reference_forward(
-    q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float,
-    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+@attention_forward
+def reference_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by dense masked attention computed in float64."""
-    mask = dense_tree_mask(end, valid, window, position)
-    q64, k64, v64 = q.double(), k.double(), v.double()
-    s, _ = _masked_scores(q64, k64, mask, scale, softcap)
+    mask = dense_tree_mask(a.end, a.valid, a.window, a.position)
+    q64, k64, v64 = a.q.double(), a.k.double(), a.v.double()
+    s, _ = _masked_scores(q64, k64, mask, a.scale, a.softcap)
     lse64 = torch.logsumexp(s, dim=-1)
     p = _probabilities(s, lse64)
-    out64 = torch.matmul(p, _expand_kv(v64, q.shape[0]))
-    return out64.to(q.dtype), lse64.to(lse_dtype_for(q.dtype))
+    out64 = torch.matmul(p, _expand_kv(v64, a.q.shape[0]))
+    return out64.to(a.q.dtype), lse64.to(a.lse_dtype)
 
 
-def reference_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    end: Tensor,
-    valid: Tensor,
-    segments: Tensor,
-    scale: float,
-    window: int = 0,
-    position: Optional[Tensor] = None,
-    softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
+@attention_backward
+def reference_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor,
+                       lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the saved out and lse, by the explicit formulas above, in float64 (soft-capped:
     ds is multiplied by d(softcap * tanh(x / softcap))/dx = 1 - t^2 before the q/k products)."""
-    hkv = k.shape[0]
-    mask = dense_tree_mask(end, valid, window, position)
-    q64, k64, v64 = q.double(), k.double(), v.double()
+    hq, hkv = a.q.shape[0], a.k.shape[0]
+    mask = dense_tree_mask(a.end, a.valid, a.window, a.position)
+    q64, k64, v64 = a.q.double(), a.k.double(), a.v.double()
     dout = grad_out.double()
-    sc, t = _masked_scores(q64, k64, mask, scale, softcap)
+    sc, t = _masked_scores(q64, k64, mask, a.scale, a.softcap)
     p = _probabilities(sc, lse.double())
-    dp = torch.matmul(dout, _expand_kv(v64, q.shape[0]).transpose(-1, -2))
+    dp = torch.matmul(dout, _expand_kv(v64, hq).transpose(-1, -2))
     delta = (dout * out.double()).sum(-1, keepdim=True)
     ds = p * (dp - delta)
-    if softcap:
+    if a.softcap:
         ds = ds * (1 - t * t)
-    dq = torch.matmul(ds, _expand_kv(k64, q.shape[0])) * scale
-    dk = _reduce_kv(torch.matmul(ds.transpose(-1, -2), q64) * scale, hkv)
+    dq = torch.matmul(ds, _expand_kv(k64, hq)) * a.scale
+    dk = _reduce_kv(torch.matmul(ds.transpose(-1, -2), q64) * a.scale, hkv)
     dv = _reduce_kv(torch.matmul(p.transpose(-1, -2), dout), hkv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(a.q.dtype), dk.to(a.k.dtype), dv.to(a.v.dtype)
 
 
 register_attention_impl(AttentionImpl(name="reference", forward=reference_forward, backward=reference_backward,

@@ -1,8 +1,9 @@
 """Triton tree-attention kernels (GPU; on CPU with TRITON_INTERPRET=1). Registers impl ``"triton"``.
 
 ``brcompile.backends.ops`` imports this package when ``impl="triton"`` (or ``"auto"`` on CUDA) is first
-requested; importing it registers ``AttentionImpl("triton", tree_attention_forward,
-tree_attention_backward, supports_window=True, supports_softcap=True)``: sliding windows over tree positions
+requested; importing it registers ``AttentionImpl("triton", forward=tree_attention_forward,
+backward=tree_attention_backward, supports_window=True, supports_softcap=True)`` (both take a
+``TreeAttentionArgs``): sliding windows over tree positions
 and logit soft-capping (``c * tanh(scale * q.k / c)``, Gemma2) run in the kernels.
 The impl runs on CUDA tensors, and on any device when Triton's interpreter is active (TRITON_INTERPRET=1
 set before triton is imported).
@@ -19,32 +20,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from brcompile.backends.ops import AttentionImpl, register_attention_impl
 
-from .tree_attention import (
-    KernelConfig,
-    KeyTiles,
-    LaunchConfig,
-    build_key_tiles,
-    default_launch_config,
-    is_interpreter,
-    tree_attention,
-    tree_attention_backward,
-    tree_attention_forward,
-    window_tile_starts,
-)
-
-__all__ = [
-    "KernelConfig",
-    "KeyTiles",
-    "LaunchConfig",
-    "build_key_tiles",
-    "default_launch_config",
-    "is_interpreter",
-    "tree_attention",
-    "tree_attention_backward",
-    "tree_attention_forward",
-    "window_tile_starts",
-]
-
+from .tree_attention import *  # noqa: F401,F403  (the package re-exports the module's public names)
+from .tree_attention import __all__, is_interpreter, tree_attention_backward, tree_attention_forward
 
 register_attention_impl(
     AttentionImpl(

@@ -61,13 +61,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
-import operator
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from brcompile.backends.ops import TreeAttentionArgs, attention_backward, attention_forward
 
 log = logging.getLogger(__name__)
 
@@ -813,68 +813,21 @@ _WINDOW_CACHE = _TensorKeyedCache(window_tile_starts)
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, end, valid, segments) -> None:
-    """Shapes, dtypes and devices of the tree-attention contract; raises a typed error otherwise."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [H, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    hq, n, d = q.shape
-    if k.shape != v.shape or k.shape[1] != n or k.shape[2] != d:
-        raise ValueError(f"k and v must be [Hkv, {n}, {d}] like q [Hq, N, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
-    hkv = k.shape[0]
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+def _check_inputs(a: TreeAttentionArgs) -> None:
+    """What the kernels add to the op's contract (:meth:`TreeAttentionArgs.check`): a supported dtype and
+    head dim, one device, CUDA (or the interpreter). Raises TypeError / ValueError / RuntimeError."""
+    q, d = a.q, a.q.shape[2]
     if not 1 <= d <= _MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in [1, {_MAX_HEAD_DIM}], got {d}")
-    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share one dtype of {_SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if end.shape != (n,) or valid.shape != (n,):
-        raise ValueError(f"end and valid must be [{n}]; got {tuple(end.shape)}, {tuple(valid.shape)}")
-    if end.is_floating_point() or end.dtype == torch.bool:
-        raise TypeError(f"end must be an integer tensor, got {end.dtype}")
-    if valid.dtype != torch.bool:
-        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
-    devices = {t.device for t in (q, k, v, end, valid, segments)}
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"q, k, v must share one dtype of {_SUPPORTED_DTYPES}; got {q.dtype}")
+    devices = {t.device for t in (q, a.k, a.v, *a.tree) + ((a.position,) if a.window else ())}
     if len(devices) != 1:
         raise ValueError(f"all tree-attention inputs must be on one device, got {sorted(map(str, devices))}")
     if q.device.type != "cuda" and not is_interpreter():
         raise RuntimeError(
             f"Triton tree attention runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set before "
             f"triton is imported); got device {q.device}")
-
-
-def _check_window(window, position, n: int, device: torch.device) -> int:
-    """The window as an int (0: none); with a window, ``position`` must be an integer [N] tensor on
-    ``device``. Raises TypeError / ValueError otherwise."""
-    try:
-        if isinstance(window, bool):
-            raise TypeError
-        window = operator.index(window)
-    except TypeError:
-        raise TypeError(f"window must be an int (0: no window), got {type(window).__name__}") from None
-    if window < 0:
-        raise ValueError(f"window must be >= 0 (0: no window), got {window}")
-    if window == 0:
-        return 0
-    if position is None:
-        raise ValueError(f"window={window} needs the [N={n}] token positions, got position=None")
-    if position.dtype == torch.bool or position.is_floating_point() or position.is_complex():
-        raise TypeError(f"position must be an integer tensor, got {position.dtype}")
-    if position.shape != (n,):
-        raise ValueError(f"position must be [{n}], got {tuple(position.shape)}")
-    if position.device != device:
-        raise ValueError(f"position is on {position.device}, the other inputs on {device}")
-    return window
-
-
-def _check_softcap(softcap) -> float:
-    """The soft-cap as a float (0.0: none); raises TypeError for a non-real, ValueError for a negative,
-    infinite or NaN value."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a float (0: no soft-cap), got {type(softcap).__name__}")
-    softcap = float(softcap)
-    if not (math.isfinite(softcap) and softcap >= 0.0):
-        raise ValueError(f"softcap must be a finite float >= 0 (0: no soft-cap), got {softcap}")
-    return softcap
 
 
 def _positions_arg(window: int, position, kend: torch.Tensor) -> torch.Tensor:
@@ -914,17 +867,18 @@ def _launch(kernel, grid, cfg: KernelConfig, *args, **constexprs) -> None:
     kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=1)
 
 
-def tree_attention_forward(q, k, v, end, valid, segments, scale, window: int = 0,
-                           position: torch.Tensor | None = None, softcap: float = 0.0, *,
-                           config: LaunchConfig | None = None):
+@attention_forward
+def tree_attention_forward(a: TreeAttentionArgs, *, config: LaunchConfig | None = None):
     """(out [Hq, N, D] q.dtype, lse [Hq, N] float32) of tree attention; see the module docstring.
 
-    ``window`` W > 0 restricts query q to keys with ``position[q] - position[k] < W`` (position: [N] int).
-    ``softcap`` c > 0 caps the scores: ``c * tanh(scale * q.k / c)`` (lse is over the capped scores).
+    ``a.window`` W > 0 restricts query q to keys with ``position[q] - position[k] < W`` (position: [N] int).
+    ``a.softcap`` c > 0 caps the scores: ``c * tanh(scale * q.k / c)`` (lse is over the capped scores).
+    Also callable as ``tree_attention_forward(q, k, v, end, valid, segments, scale, window=0, position=None,
+    softcap=0.0, *, config=None)`` (:func:`brcompile.backends.ops.attention_forward`).
     """
-    _check_inputs(q, k, v, end, valid, segments)
-    window = _check_window(window, position, q.shape[1], q.device)
-    softcap = _check_softcap(softcap)
+    _check_inputs(a)
+    q, k, v, end, valid, segments = a.q, a.k, a.v, *a.tree
+    window, position, softcap = int(a.window), a.position, float(a.softcap)
     hq, n, d = q.shape
     hkv = k.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # every row is written by the kernel
@@ -944,7 +898,7 @@ def tree_attention_forward(q, k, v, end, valid, segments, scale, window: int = 0
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0),
-        n, hq, float(scale) * _LOG2E, window, softcap,
+        n, hq, float(a.scale) * _LOG2E, window, softcap,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=_block_d(d),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INPUT_PRECISION=_input_precision(q.dtype),
         HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
@@ -952,16 +906,16 @@ def tree_attention_forward(q, k, v, end, valid, segments, scale, window: int = 0
     return out, lse
 
 
-def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, window: int = 0,
-                            position: torch.Tensor | None = None, softcap: float = 0.0, *,
-                            config: LaunchConfig | None = None):
+@attention_backward
+def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config: LaunchConfig | None = None):
     """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes.
 
-    ``window``/``position``/``softcap`` as in :func:`tree_attention_forward` (the ones the forward used).
+    ``a`` as the forward got it. Also callable as ``tree_attention_backward(grad_out, q, k, v, out, lse, end,
+    valid, segments, scale, window=0, position=None, softcap=0.0, *, config=None)``.
     """
-    _check_inputs(q, k, v, end, valid, segments)
-    window = _check_window(window, position, q.shape[1], q.device)
-    softcap = _check_softcap(softcap)
+    _check_inputs(a)
+    q, k, v, end, valid, segments = a.q, a.k, a.v, *a.tree
+    window, position, softcap = int(a.window), a.position, float(a.softcap)
     hq, n, d = q.shape
     hkv = k.shape[0]
     if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != (hq, n):
@@ -985,7 +939,7 @@ def tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, s
     )
     kend = _key_end(end, valid)
     pos = _positions_arg(window, position, kend)
-    sm_scale = float(scale)
+    sm_scale = float(a.scale)
     qk_scale = sm_scale * _LOG2E
     group = hq // hkv
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=_block_d(d), INPUT_PRECISION=_input_precision(q.dtype),
@@ -1032,23 +986,19 @@ class TreeAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, end, valid, segments, scale, config, window=0, position=None, softcap=0.0):
-        out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, window, position, softcap,
-                                          config=config)
-        ctx.save_for_backward(q, k, v, out, lse, end, valid, segments, position)
-        ctx.scale = scale
+        a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+        out, lse = tree_attention_forward(a, config=config)
+        a.save_for_backward(ctx, out, lse)
         ctx.config = config
-        ctx.window = window
-        ctx.softcap = softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, end, valid, segments, position = ctx.saved_tensors
+        a, (out, lse) = TreeAttentionArgs.saved(ctx)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, ctx.scale,
-                                             ctx.window, position, ctx.softcap, config=ctx.config)
+        dq, dk, dv = tree_attention_backward(a, grad_out, out, lse, config=ctx.config)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -20,10 +20,12 @@ from brcompile.backends import ops
 from brcompile.backends.ops import (
     AttentionImpl,
     AttentionImplError,
+    TreeAttentionArgs,
     TreeAttentionError,
     count_visible_pairs,
     get_attention_impl,
     register_attention_impl,
+    registered_attention_impls,
     tree_attention,
 )
 from brcompile.backends.reference import dense_tree_mask
@@ -378,28 +380,83 @@ def test_errors_are_typed_and_clear():
 
 
 def test_registry_accepts_new_impls(monkeypatch):
-    """A registered impl is dispatched to by name and must return correctly shaped results."""
-    monkeypatch.setattr(ops, "_IMPLS", dict(ops._IMPLS))  # registrations below do not outlive the test
+    """A registered impl is dispatched to by name with one TreeAttentionArgs and must return correctly
+    shaped results."""
+    registry = ops.ATTENTION_IMPLS
+    monkeypatch.setattr(registry, "_impls", dict(registry._impls))  # registrations below do not outlive the test
     calls = []
 
-    def fwd(q, k, v, end, valid, segments, scale):
+    def fwd(a):
+        assert isinstance(a, TreeAttentionArgs) and a.scale == 0.5 and not a.window and a.position is None
         calls.append("fwd")
-        return get_attention_impl("reference", q.device).forward(q, k, v, end, valid, segments, scale)
+        return get_attention_impl("reference", a.q.device).forward(a)
 
-    def bwd(*args):
+    def bwd(a, grad_out, out, lse):
         calls.append("bwd")
-        return get_attention_impl("reference", args[1].device).backward(*args)
+        return get_attention_impl("reference", a.q.device).backward(a, grad_out, out, lse)
 
     register_attention_impl(AttentionImpl("test_spy", fwd, bwd))
+    assert "test_spy" in registered_attention_impls()
     tokens, mask = CASES["one_prompt"]
     tree = toy_tree(tokens, mask)
     q, k, v = _inputs(tree.end.numel(), 2, 1, 32, torch.float64)
-    tree_attention(q, k, v, tree.arrays, impl="test_spy").sum().backward()
+    tree_attention(q, k, v, tree.arrays, 0.5, impl="test_spy").sum().backward()
     assert calls == ["fwd", "bwd"]
+    with pytest.raises(AttentionImplError, match="does not support a sliding window"):
+        tree_attention(q, k, v, tree.arrays, 0.5, impl="test_spy", window=2, position=torch.arange(q.shape[1]))
 
-    register_attention_impl(AttentionImpl("test_bad", lambda q, *a: (q[:, :1], q[:, 0]), bwd))
+    register_attention_impl(AttentionImpl("test_bad", lambda a: (a.q[:, :1], a.q[:, 0]), bwd))
     with pytest.raises(AttentionImplError, match="returned out"):
         tree_attention(q, k, v, tree.arrays, impl="test_bad")
+    with pytest.raises(AttentionImplError, match="invalid tree_attention impl name"):
+        AttentionImpl("auto", fwd, bwd)
+    with pytest.raises(AttentionImplError, match="register expects AttentionImpl"):
+        register_attention_impl(object())
+
+
+def test_impls_take_args_or_the_ops_positional_arguments():
+    """reference/cpu forward and backward: one TreeAttentionArgs, or (standalone) the op's positional
+    arguments, which are checked first; both give the same numbers."""
+    from brcompile.backends.cpu import cpu_backward, cpu_forward
+    from brcompile.backends.reference import reference_backward, reference_forward
+
+    tokens, mask = CASES["one_prompt"]
+    tree = toy_tree(tokens, mask)
+    q, k, v = _inputs(tree.end.numel(), 4, 2, 32, torch.float64)
+    a = TreeAttentionArgs(q, k, v, *tree.arrays, 0.3).check()
+    go = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(4))
+    for forward, backward in ((reference_forward, reference_backward), (cpu_forward, cpu_backward)):
+        out, lse = forward(a)
+        out2, lse2 = forward(q, k, v, *tree.arrays, 0.3)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        grads = backward(a, go, out, lse)
+        for g, g2 in zip(grads, backward(go, q, k, v, out, lse, *tree.arrays, 0.3)):
+            assert torch.equal(g, g2)
+        with pytest.raises(TreeAttentionError, match="multiple of Hkv"):
+            forward(q[:3], k, v, *tree.arrays, 0.3)
+    with pytest.raises(TreeAttentionError, match="window must be an int"):
+        a.replace(window=2.5, position=torch.arange(q.shape[1])).check()
+    with pytest.raises(TreeAttentionError, match="softcap must be a finite float"):
+        a.replace(softcap=float("nan")).check()
+
+
+def test_one_registry_for_every_op():
+    """tree_attention and packed_logprob impls live in two instances of one Registry: lazy built-ins,
+    typed errors, "auto" resolved per device."""
+    from brcompile.backends import logprob
+    from brcompile.backends.registry import Registry
+
+    assert isinstance(ops.ATTENTION_IMPLS, Registry) and isinstance(logprob.LOGPROB_IMPLS, Registry)
+    assert {"cpu", "reference", "triton"} <= set(registered_attention_impls())
+    assert {"cpu", "triton"} <= set(logprob.registered_logprob_impls())
+    ops.ATTENTION_IMPLS.check_name("auto")
+    with pytest.raises(AttentionImplError, match="unknown tree_attention impl"):
+        ops.ATTENTION_IMPLS.check_name("nope")
+    with pytest.raises(logprob.LogprobError, match="unknown packed_logprob impl"):
+        logprob.LOGPROB_IMPLS.check_name("nope")
+    with pytest.raises(AttentionImplError, match="does not run on meta"):
+        get_attention_impl("cpu", "meta")
+    assert logprob.get_logprob_impl("auto", "meta", torch.float32).name == "cpu"  # cpu runs anywhere
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -436,7 +436,7 @@ def test_bad_inputs_raise():
     end, valid, segments = tree_on(DEVICE, make_tree("tiny"))
     n = end.numel()
     q, k, v = random_qkv(3, 2, n, 16, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="multiple of kv heads"):
+    with pytest.raises(ops.TreeAttentionError, match="multiple of Hkv"):  # the op's contract, checked first
         tree_attention_forward(q, k, v, end, valid, segments, 1.0)
     q, k, v = random_qkv(2, 1, n, 300, torch.float32, seed=0)
     with pytest.raises(ValueError, match="head dim"):
@@ -445,7 +445,7 @@ def test_bad_inputs_raise():
     with pytest.raises(TypeError, match="dtype"):
         tree_attention_forward(q, k, v, end, valid, segments, 1.0)
     q, k, v = random_qkv(2, 1, n, 16, torch.float32, seed=0)
-    with pytest.raises(TypeError, match="valid must be a bool"):
+    with pytest.raises(ops.TreeAttentionError, match="valid must be bool"):
         tree_attention_forward(q, k, v, end, valid.long(), segments, 1.0)
 
 
@@ -699,13 +699,13 @@ def test_window_bad_inputs_raise():
     arrays = (tree.end, tree.valid, tree.segments, 1.0)
     with pytest.raises(ValueError, match="window must be >= 0"):
         tree_attention_forward(q, k, v, *arrays, -1, tree.position)
-    with pytest.raises(TypeError, match="window must be an int"):
+    with pytest.raises(ops.TreeAttentionError, match="window must be an int"):
         tree_attention_forward(q, k, v, *arrays, 2.5, tree.position)
-    with pytest.raises(ValueError, match="needs the"):
+    with pytest.raises(ops.TreeAttentionError, match="needs position"):
         tree_attention_forward(q, k, v, *arrays, 2, None)
-    with pytest.raises(ValueError, match="position must be"):
+    with pytest.raises(ops.TreeAttentionError, match="needs position"):
         tree_attention_forward(q, k, v, *arrays, 2, tree.position[:-1])
-    with pytest.raises(TypeError, match="position must be an integer"):
+    with pytest.raises(ops.TreeAttentionError, match="integer positions"):
         tree_attention_backward(q, q, k, v, q, q[:, :, 0], *arrays, 2, tree.position.float())
     with pytest.raises(ValueError, match="window_tile_starts needs window > 0"):
         window_tile_starts(build_key_tiles(tree.segments, n, 16, 16), tree.position, 0, n)
@@ -832,7 +832,7 @@ def test_softcap_bad_values_raise():
         with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
             tree_attention_forward(q, k, v, *arrays, softcap=bad)
     for bad in (True, "5", torch.tensor(5.0)):
-        with pytest.raises(TypeError, match="softcap must be a float"):
+        with pytest.raises(ops.TreeAttentionError, match="softcap must be a float"):
             tree_attention_backward(q, q, k, v, q, q[:, :, 0], *arrays, softcap=bad)
 
 
