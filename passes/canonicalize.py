@@ -457,8 +457,9 @@ def _mask_or_scale_step(sm: fx.Node, cur: Any):
         s, c = a
         if cur.target in MUL and _number(s) is not None:
             s, c = c, s
-        if _number(c) is None or not _looks_like_attention(s) or _scores_matmul(s) is not None:
-            return None  # a scale directly on the scores is matched (with scalar inputs) by the caller
+        if _number(c) is None or not _looks_like_attention(s) or _scores_matmul(s) is not None \
+                or _call_in(s, TANH):
+            return None  # a scale directly on the scores (or a soft-cap's factor) is matched by the caller
         return "scale", (1.0 / _number(c) if cur.target in DIV else _number(c)), s
     if _call_in(cur, MASKED_FILL):
         s = a[0] if a else cur.kwargs.get("input")
