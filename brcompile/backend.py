@@ -161,7 +161,8 @@ class BranchReplayBackend:
             if replay_reason is not None:
                 log.info("branch_replay: graph %d runs packed only: %s", gid, replay_reason)
         rt = runtime.PackedRuntime(original, run_packed, an.tree_input_positions,
-                                   an.keypad_position, opts.min_dedup, eager_packed=packed.forward,
+                                   an.key_padding if an.keypad is not None else None, opts.min_dedup,
+                                   eager_packed=packed.forward,
                                    guards=[g for g in an.guards if not (opts.drop_padding and g.padding_only)],
                                    drop_padding=opts.drop_padding, streaming=streaming, strict=opts.strict)
         fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]
@@ -240,7 +241,7 @@ def _packed_example_args(an, example_inputs) -> list:
     from brcompile.runtime.tree import build_tree
 
     args = [hint(a) for a in example_inputs]
-    mask = None if an.keypad_position is None else args[an.keypad_position]
+    mask = an.key_padding(args)
     tree = build_tree([args[i] for i in an.tree_input_positions], attention_mask=mask)
     return [*args, *tree.graph_args()]
 

@@ -24,29 +24,21 @@ checked once (keyed by identity, version counter and storage).
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from brcompile.passes.axes import CannotReplay, example_value
+from brcompile.passes import masks as masks_mod
+from brcompile.passes.axes import CannotReplay, example_value, is_static_input
 from brcompile.passes.guards import BatchGuard
 
-__all__ = ["InputMask", "classify_input_mask", "check_mask", "key_validity", "mask_guard"]
+__all__ = ["InputMask", "check_mask", "classify_input_mask", "input_mask_source", "key_validity"]
 
 #: Elements of one query chunk of the check (bounds its temporary memory).
 CHUNK_ELEMENTS = 1 << 24
-
-
-@dataclasses.dataclass(frozen=True)
-class InputMask:
-    """What a mask input means: causal + key padding (its diagonal) [+ a sliding window]."""
-
-    node: fx.Node  # the graph input holding the mask
-    window: int = 0
 
 
 def visible(mask: torch.Tensor) -> Optional[torch.Tensor]:
@@ -115,11 +107,94 @@ def check_mask(mask: torch.Tensor, window: int) -> Optional[str]:
     return None
 
 
-def classify_input_mask(attn: fx.Node, mask: fx.Node) -> InputMask:
-    """The meaning of the example mask input ``mask`` of attention ``attn`` (CannotReplay if it has none
-    that tree attention computes)."""
-    x = example_value(mask)
-    where = f"the attention mask comes from graph input {mask.name}"
+def input_mask_source(mask: Any) -> Optional[fx.Node]:
+    """The graph input an attention mask is made from, when it comes from outside the graph: the mask
+    itself, or the only non-static ``[B | 1, ..., L, L]`` input of the subgraph that computes it
+    (``mask[:, :, :, :L]``, ``where(mask, 0, -inf)``). None for a mask built inside the graph."""
+    if not isinstance(mask, fx.Node):
+        return None
+    sources = [n for n in masks_mod.ancestors(mask) if n.op == "placeholder" and not is_static_input(n)
+               and isinstance(example_value(n), torch.Tensor) and example_value(n).dim() in (3, 4)]
+    return sources[0] if len(sources) == 1 else None
+
+
+class InputMask:
+    """An attention mask from outside the graph: what it means (causal & key padding [& window]), the
+    per-call check and the tree's key padding, both computed once per call's mask tensor.
+
+    ``mask``: the attention's mask node; ``inputs``: every graph input its subgraph reads, with its position
+    (the first is the source: the ``[B, H, L, L]`` input)."""
+
+    def __init__(self, mask: fx.Node, inputs: Sequence[tuple[fx.Node, int]], window: int):
+        self.mask, self.inputs, self.window = mask, tuple(inputs), window
+        self._seen: dict[int, tuple] = {}  # id(source) -> (weakref, key, reason, key padding)
+        self._lock = threading.Lock()
+
+    @property
+    def source(self) -> fx.Node:
+        return self.inputs[0][0]
+
+    def __str__(self) -> str:
+        w = f" & window {self.window}" if self.window else ""
+        return f"mask input {self.source.name}: causal & key padding{w}"
+
+    def value(self, args: Sequence[Any]) -> torch.Tensor:
+        """The attention's mask for this call (its subgraph evaluated when it is computed from the input)."""
+        if self.mask is self.source:
+            return args[self.inputs[0][1]]
+        return masks_mod.evaluate(self.mask, {n: args[i] for n, i in self.inputs})
+
+    def examine(self, args: Sequence[Any]) -> tuple[Optional[str], Optional[torch.Tensor]]:
+        """(why this call's mask is not what the rewrite assumed or None, the [B' , L] key padding)."""
+        src = args[self.inputs[0][1]]
+        if not isinstance(src, torch.Tensor):
+            return f"{self.source.name} is {type(src).__name__} in this call, not a tensor", None
+        key = (src._version, src.data_ptr(), tuple(src.shape),
+               tuple(a if not isinstance(a, torch.Tensor) else (id(a), a._version)
+                     for a in (args[i] for _, i in self.inputs[1:])))
+        with self._lock:
+            hit = self._seen.get(id(src))
+            if hit is not None and hit[0]() is src and hit[1] == key:
+                return hit[2], hit[3]
+        mask = self.value(args)
+        reason = check_mask(mask, self.window)
+        found = (None if reason is None else f"{self.source.name}: {reason}",
+                 None if reason is not None else key_validity(mask if mask.dim() == 4 else mask[:, None]))
+        try:
+            ref = weakref.ref(src, lambda _r, i=id(src), seen=self._seen: seen.pop(i, None))
+        except TypeError:
+            return found
+        with self._lock:
+            self._seen[id(src)] = (ref, key, *found)
+        return found
+
+    def guard(self) -> BatchGuard:
+        """Per call: the mask is still causal & key padding (& window); checked once per mask tensor."""
+        return BatchGuard(f"{self} (checked once per tensor)", lambda args: self.examine(args)[0])
+
+    def key_padding(self, args: Sequence[Any]) -> torch.Tensor:
+        """``valid[b, k]`` of this call's mask (after :meth:`guard` passed), ``[B' , L]``, B' = B or 1."""
+        reason, valid = self.examine(args)
+        if valid is None:
+            raise RuntimeError(f"branch_replay: key padding of a mask that failed its check: {reason}")
+        return valid
+
+
+def classify_input_mask(attn: fx.Node, mask: fx.Node, placeholders: Sequence[fx.Node],
+                        example: Sequence[Any]) -> InputMask:
+    """The meaning of the mask ``mask`` of attention ``attn``, made from a graph input
+    (:func:`input_mask_source`), read off the example (CannotReplay if tree attention does not compute it)."""
+    source = input_mask_source(mask)
+    where = f"the attention mask comes from graph input {source.name}"
+    reads = [n for n in masks_mod.ancestors(mask) if n.op == "placeholder"]
+    inputs = [(source, placeholders.index(source))] + [(n, placeholders.index(n)) for n in reads if n is not source]
+    try:
+        x = InputMask(mask, inputs, 0).value(example)
+    except CannotReplay:
+        raise
+    except Exception as e:
+        raise CannotReplay(f"{where} (a mask built outside the compiled graph) and the subgraph that reads it "
+                           f"cannot be evaluated: {type(e).__name__}: {e}", attn) from e
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or getattr(x, "fake_mode", None) is not None:
         raise CannotReplay(f"{where} (a mask built outside the compiled graph) and its example value cannot be "
                            "read", attn)
@@ -135,41 +210,4 @@ def classify_input_mask(attn: fx.Node, mask: fx.Node) -> InputMask:
     if reason is not None:
         raise CannotReplay(f"{where} (a mask built outside the compiled graph, read from the tensor): {reason}",
                            attn)
-    return InputMask(mask, window)
-
-
-# --------------------------------------------------------------------------------------------------
-# run time: each call's mask is checked once per tensor
-
-_CHECKED: dict[int, tuple] = {}  # id(mask) -> (weakref, _version, data_ptr, shape, window, reason)
-_LOCK = threading.Lock()
-
-
-def _cached_check(mask: torch.Tensor, window: int) -> Optional[str]:
-    key = (mask._version, mask.data_ptr(), tuple(mask.shape), window)
-    with _LOCK:
-        hit = _CHECKED.get(id(mask))
-        if hit is not None and hit[0]() is mask and hit[1:5] == key:
-            return hit[5]
-    reason = check_mask(mask, window)
-    try:
-        ref = weakref.ref(mask, lambda _r, i=id(mask): _CHECKED.pop(i, None))
-    except TypeError:
-        return reason
-    with _LOCK:
-        _CHECKED[id(mask)] = (ref, *key, reason)
-    return reason
-
-
-def mask_guard(position: int, info: InputMask) -> BatchGuard:
-    """Per call: input ``position`` is still causal + key padding (+ window) (module docstring)."""
-    what = f"mask input {info.node.name} is causal & key padding" + (f" & window {info.window}" if info.window else "")
-
-    def check(args):
-        x = args[position]
-        if not isinstance(x, torch.Tensor):
-            return f"mask input {info.node.name} is {type(x).__name__} in this call, not a tensor"
-        reason = _cached_check(x, info.window)
-        return None if reason is None else f"mask input {info.node.name}: {reason}"
-
-    return BatchGuard(f"{what} (input {position}, checked once per tensor)", check)
+    return InputMask(mask, inputs, window)

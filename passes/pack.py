@@ -23,11 +23,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes import masks as masks_mod
+from brcompile.passes import input_masks, masks as masks_mod
 from brcompile.passes.axes import (
     AxesContext, CannotReplay, Materialisation, Window, example_value, get_axes, hint, is_static_input,
     node_args, propagate, rule_for, shape_of,
 )
+from brcompile.passes.functionalize import functionalize
 from brcompile.passes.guards import BatchGuard
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes.rules.attention import SDPA
@@ -70,6 +71,9 @@ class Analysis:
     #: padding-free batches: the position-id input whose 0s start the sequences packed into each row (every
     #: attention is causal within them); the runtime builds the tree over the sequences
     sequences: Optional[fx.Node] = None
+    #: the attention mask when it comes from outside the graph (``keypad`` is then its graph input): its
+    #: per-call check is among the guards, and the tree's key padding is its diagonal
+    input_mask: Optional[input_masks.InputMask] = None
 
     @property
     def tree_input_positions(self) -> list[int]:
@@ -78,6 +82,16 @@ class Analysis:
     @property
     def keypad_position(self) -> Optional[int]:
         return None if self.keypad is None else self.placeholders.index(self.keypad)
+
+    def key_padding(self, args: Sequence[Any]) -> Optional[torch.Tensor]:
+        """The tree's ``[B, L]`` key padding for a call: the key-padding input, or the diagonal of a mask from
+        outside the graph (broadcast over the rows when the mask is); None without key padding."""
+        if self.keypad is None:
+            return None
+        if self.input_mask is None:
+            return args[self.keypad_position]
+        valid = self.input_mask.key_padding(args)
+        return valid.expand(args[self.tree_input_positions[0]].shape[0], valid.shape[1])
 
     @property
     def sequences_position(self) -> Optional[int]:
@@ -119,6 +133,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     constants: :mod:`.rules.eager_attention`); ``gm`` itself is not modified."""
     if len([n for n in gm.graph.nodes if n.op == "placeholder"]) != len(example_inputs):
         raise CannotReplay("example inputs do not match the graph's placeholders")
+    gm = functionalize(gm)
     canon = eager_attention.canonicalize(gm, example_inputs)
     gm = canon.gm
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -144,7 +159,9 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
             needed.update(anc)
             if arg is not m:
                 needed_qkv.update(anc)
-    tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L)]
+    outside = {a: m for a, m in zip(attentions, mask_args) if input_masks.input_mask_source(m) is not None}
+    outside_sources = {input_masks.input_mask_source(m) for m in outside.values()}
+    tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L) and p not in outside_sources]
     if token_ids is not None and token_ids not in tree_inputs:
         raise CannotReplay("the attentions do not depend on the token ids")
     if not tree_inputs:
@@ -152,7 +169,9 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
                            f"per-token [B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
     position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree_inputs
                        for d in [_position_dim(p, B, L)] if d is not None}
-    _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders)
+    _check_masks_are_computed([a for a in attentions if a not in outside],
+                              [m for a, m in zip(attentions, mask_args) if a not in outside], tree_inputs, placeholders)
+    input_mask = _input_mask(outside, placeholders, example_inputs)
     # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with
     mask_keys = [p for p in tree_inputs if example_value(p).dim() == 2]
     mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in mask_args if isinstance(m, fx.Node)])
@@ -165,6 +184,9 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
             continue  # bidirectional: the sdpa rule names it
         if is_causal:
             raise CannotReplay("attention with both a mask and is_causal=True", a)
+        if a in outside:
+            classified[a] = masks_mod.MaskInfo("causal+keypad", keypad=input_mask.source, window=input_mask.window)
+            continue
         if m not in mask_nodes:
             raise CannotReplay("attention mask is also used outside attention masks", a)
         if not mask_keys:
@@ -179,18 +201,36 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs)
     ctx.notes.update(classified)
     propagate(ctx)
-    guards = canon.guards + eager_attention.mask_guards(canon, classified, placeholders)
+    guards = canon.guards + eager_attention.mask_guards(
+        canon, {a: i for a, i in classified.items() if a not in outside}, placeholders)
+    if input_mask is not None:
+        guards.append(input_mask.guard())
     if sequences is not None:
         _check_column_free(gm, mask_nodes, sequences)
         guards.append(masks_mod.sequences_guard(classified[attentions[0]], placeholders))
     raw = dict(zip(placeholders, example_inputs))
-    for m in dict.fromkeys(m for a, m in zip(attentions, mask_args) if a in classified and isinstance(m, fx.Node)):
+    for m in dict.fromkeys(m for a, m in zip(attentions, mask_args)
+                           if a in classified and a not in outside and isinstance(m, fx.Node)):
         a = next(a for a, mm in zip(attentions, mask_args) if mm is m)
         g = masks_mod.meaning_guard(a, m, classified[a], mask_keys, placeholders, raw)
         if g is not None:  # a dynamic-length graph whose mask is proven up to a length only: O(1) length guard
             guards.append(g)
     return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
-                    guards, canon.notes, sequences)
+                    guards, canon.notes, sequences, input_mask)
+
+
+def _input_mask(outside: dict, placeholders: list, example_inputs: Sequence[Any]) -> Optional[input_masks.InputMask]:
+    """The one mask from outside the graph that the attentions in ``outside`` use, classified
+    (:mod:`.input_masks`); None when there is none. Attentions with different such masks: CannotReplay (the
+    tree has one key padding)."""
+    if not outside:
+        return None
+    masks = list(dict.fromkeys(outside.values()))
+    if len(masks) > 1:
+        raise CannotReplay(f"the attentions use {len(masks)} different masks from outside the graph "
+                           f"({', '.join(m.name for m in masks)}); one is supported", next(iter(outside)))
+    a = next(iter(outside))
+    return input_masks.classify_input_mask(a, masks[0], placeholders, example_inputs)
 
 
 def _sequences_input(attentions: list[fx.Node], classified: dict) -> Optional[fx.Node]:

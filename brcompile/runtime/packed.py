@@ -70,10 +70,11 @@ def provenance_of(t: Any) -> Optional[PackedTree]:
     return entry[2]
 
 
-def _reused_tree(per_token: Sequence[Any]) -> Optional[PackedTree]:
+def _reused_tree(per_token: Sequence[Any], key_padding: Optional[torch.Tensor] = None) -> Optional[PackedTree]:
     """A tree to reuse without hashing: the provenance tree of a key, when every other key without that
-    provenance agrees with it exactly (:func:`brcompile.runtime.tree.rows_agree`); None to build one. The reused tree
-    gets ``valid`` all True (the graph reusing it has no key-padding mask)."""
+    provenance agrees with it exactly (:func:`brcompile.runtime.tree.rows_agree`); None to build one. The reused
+    tree's ``valid`` is this graph's key padding: all True without one; with one (a mask from outside the
+    graph, the same at every block), it must give every packed token one value (:func:`_node_validity`)."""
     trees = [provenance_of(x) for x in per_token]
     B, L = tuple(per_token[0].shape[:2])
     tree = next((t for t in trees if t is not None and t.batch_shape == (B, L)
@@ -83,10 +84,28 @@ def _reused_tree(per_token: Sequence[Any]) -> Optional[PackedTree]:
     others = [x for x, t in zip(per_token, trees) if t is not tree]
     if others and not rows_agree(tree, others):
         return None
+    if key_padding is not None:
+        valid = _node_validity(tree, key_padding)
+        if valid is None:
+            return None
+        return dataclasses.replace(tree, valid=valid,
+                                   stats=dataclasses.replace(tree.stats, valid_tokens=int(valid.sum())))
     if tree.stats.valid_tokens != B * L:
         tree = dataclasses.replace(tree, valid=torch.ones_like(tree.valid),
                                    stats=dataclasses.replace(tree.stats, valid_tokens=B * L))
     return tree
+
+
+def _node_validity(tree: PackedTree, key_padding: torch.Tensor) -> Optional[torch.Tensor]:
+    """``v[k]``: the key padding of packed token k's positions, when they all agree (``kp[b, t] ==
+    v[index[b, t]]`` everywhere) and none was dropped; else None."""
+    index = tree.index
+    if tuple(key_padding.shape) != tuple(index.shape) or bool((index < 0).any()):
+        return None
+    kp = key_padding.to(device=index.device, dtype=torch.bool)
+    v = torch.zeros(tree.num_tokens, dtype=torch.bool, device=index.device)
+    v[index.reshape(-1)] = kp.reshape(-1)
+    return v if torch.equal(v[index], kp) else None
 
 
 def _describe_key(x: Any) -> str:
@@ -107,7 +126,8 @@ class PackedRuntime:
     """
 
     def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
-                 keypad_position: Optional[int], min_dedup: float, max_calls_logged: int = 64,
+                 key_padding: Optional[Callable[[Sequence], torch.Tensor]], min_dedup: float,
+                 max_calls_logged: int = 64,
                  eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = (),
                  drop_padding: bool = False, streaming: Optional[StreamingRuntime] = None,
                  strict: bool = False):
@@ -117,7 +137,7 @@ class PackedRuntime:
         self.packed = packed
         self.eager_packed = eager_packed
         self.tree_positions = tree_positions
-        self.keypad_position = keypad_position
+        self.key_padding = key_padding  # args -> the tree's [B, L] key padding (passes.pack.Analysis.key_padding)
         self.min_dedup = min_dedup
         self.calls: list[CallRecord] = []
         self.max_calls_logged = max_calls_logged
@@ -143,8 +163,9 @@ class PackedRuntime:
                 log.debug("branch_replay call falls back: %s", reason)
                 return self.original(*args)
         per_token = [args[i] for i in self.tree_positions]
-        mask = None if self.keypad_position is None else args[self.keypad_position]
-        tree = _reused_tree(per_token) if mask is None and self.sequences is None else None
+        mask = None if self.key_padding is None else self.key_padding(args)
+        tree = _reused_tree(per_token, mask) if self.sequences is None and not (self.drop_padding and mask is not None) \
+            else None
         source = "built" if tree is None else "provenance"
         if tree is None and self.sequences is not None:  # its guard checked the position ids
             tree = build_sequence_tree(per_token, args[self.sequences])

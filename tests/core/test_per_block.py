@@ -145,13 +145,16 @@ def test_modified_block_output_is_hashed_again():
     assert_exact(h3, want, torch.float64, "block output after the in-place change")
 
 
-def test_mask_built_outside_the_block_falls_back_with_reason():
-    """A [B, 1, L, L] mask made outside the compiled block cannot be classified from inside: the original
-    graph runs (exact), with the reason."""
+@pytest.mark.parametrize("mode", ["packed", "replay"])
+def test_mask_built_outside_the_block_replays(mode):
+    """A [B, 1, L, L] causal & key-padding mask made outside the compiled blocks (as FSDP2-per-block and HF
+    per-layer setups hand it over) is read off the tensor (passes/input_masks.py): every block replays with
+    its diagonal as the key padding; the mask is checked once, and blocks after the first reuse the tree."""
     model = make_model()
     batch = make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(5, 8), response_len=(2, 5),
                             vocab_size=CFG["vocab_size"], seed=4, dtype=torch.float64)
-    backend = brcompile.backend(**BACKEND_OPTIONS)
+    assert not bool(batch["attention_mask"].all())
+    backend = brcompile.backend(**BACKEND_OPTIONS, mode=mode, chunk_tokens=8)
     compiled = [torch.compile(layer, backend=backend) for layer in model.layers]
 
     def run(eager):
@@ -159,11 +162,50 @@ def test_mask_built_outside_the_block_falls_back_with_reason():
         return grpo_loss(wrapped, *grpo_args(batch))
 
     check_exact(model, run)
+    assert_replayed(CFG["n_layers"])
+    rec = backend.records[0]
+    assert rec.rewritten and any("causal+keypad(l_mask_)" in m for m in rec.masks), rec.masks
+    calls = [c for r in backend.records for c in r.runtime.calls]
+    assert [c.tree_stats["source"] for c in calls] == ["built"] + ["provenance"] * (CFG["n_layers"] - 1)
+
+
+def test_mask_from_outside_checked_per_call():
+    """The first call's mask is causal & key padding (the block replays); a later call hands the same block a
+    mask that lets a query see a later key: that call runs the original graph, with the reason."""
+    model = make_model()
+    batch = make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(5, 8), response_len=(2, 5),
+                            vocab_size=CFG["vocab_size"], seed=4, dtype=torch.float64)
+    B, L = batch["input_ids"].shape
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    blk = torch.compile(model.layers[0], backend=backend)
+    h = model.tok_emb(batch["input_ids"])
+    cos, sin = model.rotary_cos_sin(L, h.device, h.dtype)
+    idx = torch.arange(L)
+    mask = (idx[:, None] >= idx[None, :])[None, None] & batch["attention_mask"][:, None, None, :].bool()
+    peek = mask.clone()
+    peek[:, :, 0, 1] = True  # the first query sees the second key
+    for m in (mask, peek):
+        assert_exact(blk(h, cos, sin, m), model.layers[0](h, cos, sin, m), torch.float64, "block output")
     s = brcompile.stats()
-    assert s.replayed_calls == 0 and s.fallback_calls == CFG["n_layers"], str(s)
+    assert s.replayed_calls == 1 and s.fallback_calls == 1, str(s)
     (reason,) = s.fallback_reasons
-    assert "built outside the compiled graph" in reason and "mask" in reason, reason
-    assert not backend.records[0].rewritten
+    assert "l_mask_" in reason and "not causal" in reason, reason
+
+
+def test_mask_from_outside_that_is_not_causal_falls_back_with_reason():
+    """A bidirectional mask from outside (an encoder's, a prefix-LM's) is not what tree attention computes:
+    the original graph runs (exact), with the reason naming the input."""
+    model = make_model()
+    batch = equal_length_batch()
+    B, L = batch["input_ids"].shape
+    backend = brcompile.backend(**BACKEND_OPTIONS)
+    blk = torch.compile(model.layers[0], backend=backend)
+    h = model.tok_emb(batch["input_ids"])
+    cos, sin = model.rotary_cos_sin(L, h.device, h.dtype)
+    mask = torch.ones(B, 1, L, L, dtype=torch.bool)
+    assert_exact(blk(h, cos, sin, mask), model.layers[0](h, cos, sin, mask), torch.float64, "block output")
+    (reason,) = brcompile.stats().fallback_reasons
+    assert "built outside the compiled graph" in reason and "not causal" in reason, reason
 
 
 # ------------------------------------------------------------------------------------------------ inputs_embeds
@@ -312,9 +354,9 @@ def test_hf_llama_compiled_per_decoder_layer(llama_norms_in_float64):
     assert sources == ["built", "provenance", "provenance"]
 
 
-def test_hf_llama_padding_mask_per_layer_falls_back(llama_norms_in_float64):
-    """With padding HF builds a 4D mask once and hands it to every layer: not classifiable inside a layer's
-    graph, so every layer runs its original graph, with the reason."""
+def test_hf_llama_padding_mask_per_layer_replays(llama_norms_in_float64):
+    """With padding HF builds a 4D mask once and hands it to every layer: each layer's graph reads its meaning
+    off the tensor (causal & key padding) and replays."""
     model = _llama(num_layers=2)
     batch = make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(4, 7), response_len=(2, 5),
                             vocab_size=61, seed=2)
@@ -324,9 +366,7 @@ def test_hf_llama_padding_mask_per_layer_falls_back(llama_norms_in_float64):
     for layer in model.model.layers:
         layer.compile(backend=backend)
     compare(model(input_ids=ids, attention_mask=am).logits)
-    s = brcompile.stats()
-    assert s.replayed_calls == 0 and s.fallback_calls == 2, str(s)
-    assert all("built outside the compiled graph" in r for r in s.fallback_reasons), s.fallback_reasons
+    assert_replayed(2)
 
 
 def test_hf_llama_graph_break_inside_forward(llama_norms_in_float64):

@@ -5,7 +5,7 @@ import torch.fx as fx
 
 from brcompile.passes import input_masks
 from brcompile.passes.axes import CannotReplay
-from brcompile.passes.input_masks import check_mask, classify_input_mask, key_validity, mask_guard
+from brcompile.passes.input_masks import check_mask, classify_input_mask, key_validity
 
 
 def hf_mask(valid: torch.Tensor, window: int = 0, additive: bool = False, dtype=torch.float32) -> torch.Tensor:
@@ -22,15 +22,22 @@ def hf_mask(valid: torch.Tensor, window: int = 0, additive: bool = False, dtype=
     return torch.zeros(vis.shape, dtype=dtype).masked_fill(~vis, torch.finfo(dtype).min)
 
 
-def graph_with_mask(example: torch.Tensor):
-    """A graph ``sdpa(q, q, q, attn_mask=mask)`` whose mask placeholder carries ``example``."""
+def graph_with_mask(example: torch.Tensor, invert: bool = False):
+    """A graph ``sdpa(q, q, q, attn_mask=mask)`` (``invert``: ``attn_mask=~mask``, the input marks what is
+    hidden); returns a classifier of its mask on an example mask."""
     g = fx.Graph()
     q = g.placeholder("q")
     m = g.placeholder("mask")
     m.meta["example_value"] = example
-    attn = g.call_function(torch.nn.functional.scaled_dot_product_attention, (q, q, q), {"attn_mask": m})
+    arg = g.call_function(torch.bitwise_not, (m,)) if invert else m
+    attn = g.call_function(torch.nn.functional.scaled_dot_product_attention, (q, q, q), {"attn_mask": arg})
     g.output(attn)
-    return attn, m
+    return attn, arg, [q, m]
+
+
+def classify(example: torch.Tensor, invert: bool = False):
+    attn, arg, placeholders = graph_with_mask(example, invert)
+    return classify_input_mask(attn, arg, placeholders, (None, example))
 
 
 RIGHT_PADDED = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
@@ -42,16 +49,14 @@ LEFT_PADDED = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
 def test_causal_keypad_window_is_read_off_the_example(additive, window):
     # an additive mask needs a visible key in every query's window: one padded column at most
     valid = RIGHT_PADDED if not additive else torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
-    attn, m = graph_with_mask(hf_mask(valid, window, additive))
-    info = classify_input_mask(attn, m)
-    assert info.window == window and info.node is m
+    info = classify(hf_mask(valid, window, additive))
+    assert info.window == window and info.source.name == "mask"
     assert torch.equal(key_validity(hf_mask(valid, window, additive)), valid.bool())
 
 
 def test_broadcast_mask_without_padding():
     mask = hf_mask(torch.ones(1, 7, dtype=torch.long))
-    attn, m = graph_with_mask(mask)
-    assert classify_input_mask(attn, m).window == 0
+    assert classify(mask).window == 0
     assert key_validity(mask).shape == (1, 7)
 
 
@@ -74,9 +79,8 @@ def test_masks_tree_attention_does_not_compute_are_refused(case):
     else:
         mask = torch.cat([mask, mask.roll(1, dims=0)], dim=1)
         why = "not causal"
-    attn, m = graph_with_mask(mask)
     with pytest.raises(CannotReplay, match=why):
-        classify_input_mask(attn, m)
+        classify(mask)
 
 
 def test_check_reads_in_bounded_chunks(monkeypatch):
@@ -91,14 +95,25 @@ def test_guard_checks_each_mask_tensor_once(monkeypatch):
     calls = []
     real = input_masks.check_mask
     monkeypatch.setattr(input_masks, "check_mask", lambda m, w: calls.append(1) or real(m, w))
-    attn, m = graph_with_mask(hf_mask(RIGHT_PADDED))
-    guard = mask_guard(1, classify_input_mask(attn, m))
+    info = classify(hf_mask(RIGHT_PADDED))
+    guard = info.guard()
     calls.clear()
     mask = hf_mask(RIGHT_PADDED)
     for _ in range(4):  # the same mask handed to four blocks
         assert guard((None, mask)) is None
+        assert torch.equal(info.key_padding((None, mask)), RIGHT_PADDED.bool())
     assert len(calls) == 1
     mask[0, 0, 0, 1] = True  # an in-place edit moves the version counter: checked again, and refused
     assert "not causal" in guard((None, mask))
     assert len(calls) == 2
     assert "not a tensor" in guard((None, None))
+
+
+def test_mask_computed_from_the_input_is_evaluated():
+    """attn_mask = ~hidden: the subgraph from the input is evaluated, at compile time and per call."""
+    hidden = ~hf_mask(RIGHT_PADDED)
+    info = classify(hidden, invert=True)
+    assert info.guard()((None, hidden)) is None
+    assert torch.equal(info.key_padding((None, hidden)), RIGHT_PADDED.bool())
+    with pytest.raises(CannotReplay, match="not causal"):
+        classify(hf_mask(RIGHT_PADDED), invert=True)  # a mask of what is visible, inverted: anti-causal
