@@ -8,7 +8,7 @@ from pathlib import Path
 # instead of silently running the original graph, so a bug cannot hide behind an exact fallback. Set
 # before any test imports brcompile (the default backend reads it when it is made, at import).
 # BRCOMPILE_STRICT=0 in the environment turns it off; tests of the internal-error fallback itself pass
-# strict=False (tests/core/test_strict.py).
+# strict=False (tests/test_strict.py).
 os.environ.setdefault("BRCOMPILE_STRICT", "1")
 
 import torch  # noqa: E402

@@ -1,5 +1,5 @@
 """The op-spelling table and the eager-attention canonicalisation by meaning (passes/spellings.py,
-passes/canonicalize.py). End-to-end exactness of the spellings is in tests/zoo."""
+passes/canonicalize.py). End-to-end exactness of the spellings is in tests/models/zoo."""
 import operator
 
 import pytest
