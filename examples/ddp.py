@@ -16,11 +16,13 @@ GRPO loss over the union of the ranks' rows (``brcompile/data.py``). The modes:
   model and loss, as one graph: it replays, with the lazy gather of the next-token log-probs.
 - ``ddp_model``: ``DistributedDataParallel(model)`` and the loss *function* compiled. Dynamo does not
   trace DDP's forward, so the function splits there: the model's forward replays (its logits come out
-  dense, [B, L, V]) and the loss after it is a graph without token ids, which runs unchanged (recorded
+  dense, [B, L, V]) and the loss after it is a graph without attention, which runs unchanged (recorded
   as a fallback; exact). FSDP2 hooks split a compiled loss function the same way.
 - ``fsdp2_blocks``: ``fully_shard`` on every block and on the objective (the usual FSDP recipe). Dynamo
-  breaks the graph at every FSDP unit, so no graph sees the token ids: every graph runs unchanged (exact,
-  recorded as fallbacks, nothing shared).
+  breaks the graph at every FSDP unit: each block's graph sees hidden states [B, L, D] (its tree keys,
+  hashed once and reused by provenance in the next block) and the [B, 1, L, L] mask the model built
+  before the blocks (read off the tensor: causal & key padding); every block replays. The graphs around
+  the blocks (embedding, final norm and loss) hold no attention and run unchanged.
 
 Run: ``python examples/ddp.py [--modes ddp fsdp2] [--world-size 2]`` (spawns its own processes, loopback
 only, free port picked by the OS), or ``torchrun --standalone --nproc-per-node 2 examples/ddp.py``.

@@ -142,10 +142,8 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     values = {p: hint(v) for p, v in zip(placeholders, example_inputs)}
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
     token_ids = _find_token_ids_or_none(gm)
-    if token_ids is None and not attentions:
-        find_token_ids(gm)  # raises: neither token ids nor attention
-    if not attentions:
-        raise CannotReplay("no scaled_dot_product_attention in the graph (nothing to share)")
+    if not attentions:  # e.g. the loss after a graph break: each row's values are its own, nothing to share
+        raise CannotReplay("no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged)")
     mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
