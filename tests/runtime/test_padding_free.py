@@ -39,7 +39,7 @@ def make_model(family: str, impl: str = "sdpa", dtype=torch.float64):
 
 def _rmsnorm_in_input_dtype(self, hidden_states):
     """HF's Llama/Qwen2 RMSNorm with its math in the input's dtype (HF's own casts to float32: with them,
-    a shared token's gradient agrees to the float32 bound only; tests/core/test_hf.py)."""
+    a shared token's gradient agrees to the float32 bound only; tests/models/test_hf.py)."""
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 

@@ -196,7 +196,7 @@ def _rmsnorm_in_input_dtype(self, hidden_states):
 def test_hf_qwen2_streamed(norms, monkeypatch):
     """An unmodified Qwen2 (SDPA, float64) model-only compile on a left-padded prompt + right-padded
     completion batch. HF's RMSNorm rounds to float32, so gradients meet the float32 bound (as in packed
-    mode, tests/core/test_hf.py); with the norms in float64 every gradient meets 1e-10."""
+    mode, tests/models/test_hf.py); with the norms in float64 every gradient meets 1e-10."""
     transformers = pytest.importorskip("transformers", minversion="5.0")
     if norms == "float64":
         from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm

@@ -1,4 +1,4 @@
-"""The zoo: small decoder LMs in the spelling of well-known public codebases (``tests/zoo/models.py``),
+"""The zoo: small decoder LMs in the spelling of well-known public codebases (``tests/models/zoo/models.py``),
 compiled unchanged with ``branch_replay``.
 
 Each replaying style must give the eager loss and every parameter gradient to 1e-10 relative error in
@@ -12,7 +12,7 @@ import torch
 import brcompile
 from brcompile.testing import assert_exact
 from examples.grpo import grpo_loss, make_grpo_batch
-from tests.zoo import models
+from tests.models.zoo import models
 
 BACKEND = brcompile.backend(compiler="eager")
 BATCH = dict(num_prompts=2, group_size=3, prompt_len=(6, 9), response_len=(2, 5), vocab_size=models.VOCAB,
