@@ -1,4 +1,4 @@
-"""Attention masks built outside the compiled graph (docs/ARCHITECTURE.md §8.2).
+"""Attention masks built outside the compiled graph (docs/ARCHITECTURE.md §8).
 
 A per-block graph (``torch.compile(block)``, FSDP2 ``fully_shard`` per block, a graph break between the
 model's mask construction and its layers) receives the ``[B | 1, 1 | H, L, L]`` mask its model built once,
