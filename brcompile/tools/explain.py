@@ -247,6 +247,10 @@ def brcompile_nodes(gm: Optional[fx.GraphModule]) -> dict[str, int]:
     return dict(counts)
 
 
+#: How a call's tree was obtained (``CallRecord.tree_stats["source"]``).
+_TREE_SOURCE = {"built": "keys hashed", "provenance": "provenance"}
+
+
 def _mask_summary(masks: Sequence[str]) -> str:
     """``("out: causal", "out_2: causal")`` -> ``"causal x2"`` (one line per distinct mask kind)."""
     kinds = collections.Counter(m.split(": ", 1)[-1] for m in masks)
@@ -384,7 +388,8 @@ class ExplainReport:
                               *(fmt_int(t.get(k)) for k in ("rows", "logical_tokens", "valid_tokens",
                                                             "executed_tokens")),
                               fmt_ratio(t.get("logical_tokens"), t.get("executed_tokens")),
-                              fmt_int(t.get("depth")), fmt_int(t.get("segments"))])
+                              fmt_int(t.get("depth")), fmt_int(t.get("segments")),
+                              _TREE_SOURCE.get(t.get("source"), "-"), "\n".join(t.get("keys", ())) or "-"])
             if not c["replayed"]:
                 notes.append(f"call {i} (graph {c['graph_id']}) ran the original graph: {c.get('reason')}")
             cost = c.get("cost")
@@ -402,7 +407,7 @@ class ExplainReport:
             notes.append(f"... {len(self.calls) - max_calls} more call(s) (all of them in to_dict())")
         tables = [Table("calls: the prefix tree of each batch",
                         ["call", "graph", "ran", "rows", "logical B*L", "valid", "executed N", "dedup", "depth",
-                         "segments"], tree_rows, notes)]
+                         "segments", "tree from", "tree keys"], tree_rows, notes)]
         if cost_rows or cost_notes:
             cost_notes = ["FLOPs of one run of the eager graphs on the call's inputs (matmuls and attention, "
                           "as torch's flop counter counts); " + LIMIT_FORMULA + "; dense attention counts the "

@@ -156,12 +156,17 @@ def _backward_to(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
 def measure_fwd_bwd(fn: Callable, args: Sequence[Any]) -> Cost:
     """Counts one eager forward+backward of ``fn(*args)``: runs it and, when an output requires grad, the
     backward of every such output (gradient of ones) down to every input that requires grad
-    (:func:`_backward_to`: every ``.grad`` is left as it was).
+    (:func:`_backward_to`: every ``.grad`` is left as it was); a non-leaf input is detached first, so the
+    user's autograd graph upstream of ``args`` is neither run nor freed.
 
     Returns the FLOPs of both (FlopCounterMode with :data:`CPU_ATTENTION_FLOPS`; under FlopCounterMode Dynamo
     skips compiled code, so ``fn`` should be an eager graph) and the bytes saved for backward during the
     forward (:class:`SavedBytes`), storages of the inputs that require grad excluded.
     """
+    # an input computed by the user's graph (a hidden state from the previous block) is cut off it: the
+    # backward measured stops there and never runs (or frees) the user's own graph
+    args = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad and not a.is_leaf
+            else a for a in args]
     inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
         with SavedBytes(storage_ptrs(inputs)) as saved:

@@ -331,3 +331,29 @@ def test_measure_counts_cpu_attention_and_leaves_grads_alone():
     assert cost.backward and cost.attention_flops == cost.flops == 14 * 2 * 3 * 7 * 7 * 8
     assert cost.other_flops == 0 and cost.saved_bytes > 0
     assert torch.equal(q.grad, torch.full_like(q, 5.0))
+
+
+def test_report_of_per_block_graphs_shows_tree_keys_and_provenance():
+    """Blocks compiled one by one: the report's call table says which call hashed its keys (the first
+    block's hidden states) and which reused the previous block's tree (provenance), with the keys; the
+    cost of each call is measured even though its input (a hidden state) is not a leaf."""
+    model = tiny_model()
+    batch = tiny_batch()
+    ids = batch["input_ids"]
+    with recording(brcompile.backend(**EAGER), measure=True) as rec:
+        blocks = [torch.compile(layer) for layer in model.layers]
+        h = model.tok_emb(ids)
+        cos, sin = model.rotary_cos_sin(ids.shape[1], h.device, h.dtype)
+        for blk in blocks:
+            h = blk(h, cos, sin)
+        h.square().sum().backward()
+    report = rec.report()
+    assert [c["replayed"] for c in report.calls] == [True, True]
+    assert [c["tree"]["source"] for c in report.calls] == ["built", "provenance"]
+    table = report.call_tables()[0]
+    assert table.headers[-2:] == ["tree from", "tree keys"]
+    assert [row[-2] for row in table.rows] == ["keys hashed", "provenance"]
+    B, L = ids.shape
+    assert all(row[-1] == f"[{B}, {L}, {CFG['dim']}] float64" for row in table.rows)
+    costs = [c.get("cost") for c in report.calls]
+    assert all(c is not None and "skipped" not in c and c["packed_flops"] < c["dense_flops"] for c in costs), costs
