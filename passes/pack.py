@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes import input_masks, masks as masks_mod
+from brcompile.passes import checkpoint as checkpoints, input_masks, masks as masks_mod
 from brcompile.passes.axes import (
     AxesContext, CannotReplay, Materialisation, Window, example_value, get_axes, hint, is_static_input,
     node_args, propagate, rule_for, shape_of,
@@ -133,6 +133,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     constants: :mod:`.rules.eager_attention`); ``gm`` itself is not modified."""
     if len([n for n in gm.graph.nodes if n.op == "placeholder"]) != len(example_inputs):
         raise CannotReplay("example inputs do not match the graph's placeholders")
+    gm = checkpoints.inline_checkpoints(gm)  # checkpoint bodies inlined, tagged; the rewrite re-outlines them
     gm = functionalize(gm)
     canon = eager_attention.canonicalize(gm, example_inputs)
     gm = canon.gm
@@ -143,6 +144,10 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
     token_ids = _find_token_ids_or_none(gm)
     if not attentions:  # e.g. the loss after a graph break: each row's values are its own, nothing to share
+        hop = checkpoints.body_with_attention(gm, SDPA)
+        if hop is not None:
+            raise CannotReplay(f"attention inside a {getattr(hop.target, '__name__', hop.target)} body (only "
+                               f"activation-checkpoint bodies are analysed)", hop)
         raise CannotReplay("no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged)")
     mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
     if token_ids is not None:
@@ -483,9 +488,15 @@ class Packer:
                 self.env[p] = new
         for name in GRAPH_ARGS:
             self._tree[name] = self.graph.placeholder(f"tree_{name}")
+        spans = _checkpoint_spans(gm)
+        regions: list[tuple[checkpoints.CheckpointRegion, list[fx.Node]]] = []  # packed nodes per checkpoint
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "output") or node in self.an.ctx.mask_nodes:
                 continue
+            if node in spans:
+                if not regions or regions[-1][0] is not spans[node]:
+                    regions.append((spans[node], []))
+                last = next(iter(reversed(self.graph.nodes)))
             ax = get_axes(node)
             rule = rule_for(node)
             if ax.is_dense:
@@ -502,12 +513,20 @@ class Packer:
                 self.env[node] = self.copy(node)
             if isinstance(self.env[node], fx.Node):
                 self.env[node].meta.setdefault("from_node", node.name)
+            if node in spans:
+                made = regions[-1][1]
+                n = last.next
+                while n.op != "root":
+                    made.append(n)
+                    n = n.next
         out = next(n for n in gm.graph.nodes if n.op == "output")
         outs = fx.node.map_aggregate(out.args[0], lambda a: self.dense(a) if isinstance(a, fx.Node) else a)
         self.graph.output(outs)
         self.graph.eliminate_dead_code()
         self.graph.lint()
         new_gm = fx.GraphModule(gm, self.graph, class_name="PackedGraph")
+        if regions:  # the packed nodes of each activation checkpoint back into a checkpoint call
+            checkpoints.outline_checkpoints(new_gm, regions)
         new_gm.recompile()
         new_gm.br_token_outputs = self._token_outputs(out)
         new_gm.br_sequences = self.an.sequences_position  # padding-free: the tree is over sequences (runtime)
@@ -531,6 +550,24 @@ class Packer:
                     and shape is not None and len(shape) >= 2 and tuple(shape[:2]) == (B, L):
                 found.append(i)
         return tuple(found)
+
+
+def _checkpoint_spans(gm: fx.GraphModule) -> dict[fx.Node, "checkpoints.CheckpointRegion"]:
+    """Node -> its activation-checkpoint region (passes/checkpoint.py): every node from a region's first to
+    its last tagged node (canonicalisation's new nodes included). Regions that overlap: CannotReplay."""
+    order = list(gm.graph.nodes)
+    bounds: dict = {}
+    for i, n in enumerate(order):
+        r = checkpoints.region_of(n)
+        if r is not None:
+            bounds[r] = (bounds.get(r, (i, i))[0], i)
+    spans: dict = {}
+    for r, (lo, hi) in bounds.items():
+        for n in order[lo:hi + 1]:
+            if n in spans or checkpoints.region_of(n) not in (None, r):
+                raise CannotReplay(f"activation checkpoint {r.body}: its nodes are interleaved with others", n)
+            spans[n] = r
+    return spans
 
 
 def build_packed_graph(an: Analysis, options: Optional[PackOptions] = None) -> fx.GraphModule:

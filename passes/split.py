@@ -86,6 +86,11 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     if region is not None:  # the trunk graphs would run outside the region (in a lower precision's place)
         raise CannotReplay("streaming replay: an autocast region inside the compiled function (the packed mode "
                            "runs; autocast around the compiled call streams)", region)
+    ckpt = next((n for n in packed.graph.nodes if n.op == "call_function"
+                 and n.target is torch.ops.higher_order.tag_activation_checkpoint), None)
+    if ckpt is not None:  # the trunk would have to be split inside the checkpoint bodies (not done)
+        raise CannotReplay("streaming replay: activation checkpoints in the graph (the packed mode runs, "
+                           "recomputing the checkpoint bodies packed)", ckpt)
     tree = tree_placeholders(packed)
     tok_nodes = tree.tokens
     n_sym = symbolic_run(packed, example_args, token_positions(packed))
