@@ -1,0 +1,49 @@
+"""benchmarks/hf_sweep.py: the per-architecture function classifies (llama replays exactly, GPT-2 falls back
+because its Conv1D flattens the token dims) and the summary normalises reasons into classes. Classifications, not timings."""
+import pytest
+
+pytest.importorskip("transformers", minversion="5.0")
+
+from benchmarks import hf_sweep  # noqa: E402
+
+
+def test_llama_replays_exactly():
+    row = hf_sweep.run_arch("llama")
+    assert row["status"] == "replayed", row
+    assert row["impl"] == "sdpa" and row["dtype"] == "float64"
+    assert row["replayed_calls"] >= 1 and row["fallback_calls"] == 0
+    assert row["executed_tokens"] < row["logical_tokens"]
+    # HF's RMSNorm runs in float32 inside a float64 model: the float32 bound, with the reason recorded
+    assert row["bound"] == 1e-5 and "LlamaRMSNorm" in row["bound_reason"]
+    assert row["loss_err"] <= row["bound"] and row["grad_err"] <= row["bound"]
+
+
+def test_gpt2_falls_back_with_reason():
+    row = hf_sweep.run_arch("gpt2")
+    assert row["status"] == "fell back", row
+    assert row["replayed_calls"] == 0 and row["fallback_calls"] >= 1
+    reasons = hf_sweep.row_reasons(row)
+    # GPT-2's Conv1D flattens the token dims before its addmm: the attention inputs are not packed values
+    assert any("attention inputs are not packed token values" in r for r in reasons), reasons
+    assert row["loss_err"] <= row["bound"] and row["grad_err"] <= row["bound"]  # the original graph ran
+
+
+def test_reason_classes_and_table():
+    a = "attention inputs are not packed token values: view_3 was made dense by addmm_1 (view [6, 13, 32] -> [78, 32])"
+    b = "attention inputs are not packed token values: view_7 was made dense by addmm_4 (view [6, 11, 32] -> [66, 32])"
+    assert hf_sweep.reason_class(a) == hf_sweep.reason_class(b)
+    rows = [
+        dict(arch="x", model_class="X", status="fell back", fallback_reasons={a: 1}, graphs=[], error=None,
+             executed_tokens=0, logical_tokens=0),
+        dict(arch="y", model_class="Y", status="fell back", fallback_reasons={b: 1}, graphs=[], error=None,
+             executed_tokens=0, logical_tokens=0),
+        dict(arch="z", model_class="Z", status="replayed", fallback_reasons={}, graphs=[], error=None,
+             executed_tokens=5, logical_tokens=9, bound=1e-10, bound_reason="float64", loss_err=0.0, grad_err=0.0),
+        dict(arch="w", model_class="W", status="not instantiable", error="build: ValueError: needs a vision config"),
+    ]
+    summ = hf_sweep.summarize(rows)
+    assert summ["counts"]["fell back"] == 2 and summ["counts"]["replayed"] == 1
+    assert summ["runnable"] == 3 and round(summ["replay_pct"]) == 33
+    assert summ["reason_classes"][0][1] == 2  # one class, two archs
+    md = hf_sweep.markdown(dict(rows=rows, summary=summ, transformers="t", torch="t", date="d"))
+    assert "| z | Z | replayed exactly |" in md
