@@ -91,11 +91,26 @@ class TokenAxes:
     row: Optional[int] = None
     pos: Optional[int] = None
     window: Optional[Window] = None
+    # -- token-local regions (passes/rules/moe.py); all unset for an ordinary TOKEN value --
+    #: k >= 1: ``pos`` is the *flattened* token dim (``row`` None): dense extent B·L·k, entry (b·L + t)·k + s,
+    #: packed extent N·k, entry n·k + s (k entries per token, e.g. its top-k expert slots)
+    flat: int = 0
+    #: the flat entries are listed in the order of this sort (its ``perm``) instead of their natural order
+    order: Optional[Any] = None
+    #: an integer index: entry e holds the place of e's own entry (or its token, factor f) in the flat space
+    #: (f, order) it points into: ``(f, order)``
+    points: Optional[tuple] = None
+    #: per-group counts or offsets (no token dim) of the keys sorted by a sort: ``("counts" | "offsets", sort)``
+    groups: Optional[tuple] = None
 
     def __post_init__(self):
+        if self.kind is Kind.TOKEN and self.groups is not None:
+            return
         if self.kind is Kind.TOKEN:
             if self.pos is None:
                 raise ValueError("a TOKEN value needs a position dim")
+            if self.flat and self.row is not None:
+                raise ValueError("a flattened TOKEN value has no row dim")
             dims = [d for d in (self.row, self.pos) if d is not None]
             if any(not 0 <= d < self.ndim for d in dims) or len(set(dims)) != len(dims):
                 raise ValueError(f"bad token dims row={self.row} pos={self.pos} for ndim={self.ndim}")
@@ -119,18 +134,35 @@ class TokenAxes:
     def token_dims(self) -> tuple[int, ...]:
         return tuple(d for d in (self.row, self.pos) if d is not None)
 
+    @property
+    def local(self) -> bool:
+        """A value of a token-local region (flattened tokens, a sort order, an index, group offsets)."""
+        return bool(self.flat) or self.order is not None or self.points is not None or self.groups is not None
+
+    @property
+    def region(self) -> bool:
+        """A region value other than a flattened value in its natural order (only region rules read it)."""
+        return self.order is not None or self.points is not None or self.groups is not None
+
     def __str__(self) -> str:
         if self.kind is not Kind.TOKEN:
             return self.kind.value
-        return f"token(row={self.row}, pos={self.pos})"
+        if self.groups is not None:
+            return f"token({self.groups[0]} of {getattr(self.groups[1], 'name', self.groups[1])})"
+        extra = "" if not self.flat else f", flat={self.flat}"
+        if self.order is not None:
+            extra += f", order={self.order.name}"
+        if self.points is not None:
+            extra += f", points=({self.points[0]}, {getattr(self.points[1], 'name', None)})"
+        return f"token(row={self.row}, pos={self.pos}{extra})"
 
 
 CONST = TokenAxes(Kind.CONST)
 DENSE = TokenAxes(Kind.DENSE)
 
 
-def token(ndim: int, row: Optional[int], pos: int, window: Window) -> TokenAxes:
-    return TokenAxes(Kind.TOKEN, ndim, row, pos, window)
+def token(ndim: int, row: Optional[int], pos: int, window: Window, **region) -> TokenAxes:
+    return TokenAxes(Kind.TOKEN, ndim, row, pos, window, **region)
 
 
 def get_axes(node: Any) -> TokenAxes:
@@ -187,21 +219,27 @@ class Rule:
     emit: Optional[Callable] = None
     always: bool = False  # consulted whatever the operands' kinds: token sources (``arange(L)``)
     # and ops that must run packed (attention)
+    #: what the rule knows of token-local regions (passes/rules/moe.py): "" nothing (a flattened operand is
+    #: materialised, any other region operand refused), "carry" a per-token op whose proof holds entry by
+    #: entry (the operands' flat/order are carried to its result), "own" a rule that sets them itself
+    local: str = ""
 
 
 RULES: dict[Any, Rule] = {}
 
 
-def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False):
+def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: str = ""):
     """Decorator: register ``fn(ctx, node) -> TokenAxes`` for one target or a list of targets.
 
-    Targets are callables (``call_function``) or method names (``call_method``, e.g. ``"view"``).
+    Targets are callables (``call_function``), method names (``call_method``, e.g. ``"view"``) or the
+    qualified names of custom ops (``"transformers::grouped_mm_fallback"``, matched by name so that the
+    library defining them need not be loaded).
     """
     if not isinstance(targets, (list, tuple)):
         targets = [targets]
 
     def deco(fn):
-        rule = Rule(fn.__name__, fn, emit, always)
+        rule = Rule(fn.__name__, fn, emit, always, local)
         for t in targets:
             RULES[t] = rule
         return fn
@@ -211,7 +249,13 @@ def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = Fa
 
 def rule_for(node: fx.Node) -> Optional[Rule]:
     if node.op in ("call_function", "call_method"):
-        return RULES.get(node.target)
+        rule = RULES.get(node.target)
+        if rule is None and node.op == "call_function":
+            name = getattr(node.target, "_qualified_op_name", None) or getattr(
+                getattr(node.target, "_overloadpacket", None), "_qualified_op_name", None)
+            if isinstance(name, str):
+                rule = RULES.get(name)
+        return rule
     return None
 
 
@@ -263,7 +307,11 @@ class AxesContext:
     def materialise(self, arg: fx.Node, user: fx.Node, reason: str) -> None:
         """Record that TOKEN ``arg`` is used densely by ``user`` (it will be gathered to [B, L, …])."""
         ax = get_axes(arg)
-        if ax.row is None and arg.op != "placeholder":  # a position-only input is its own dense value
+        if ax.region:
+            raise CannotReplay(
+                f"{arg.name} ({ax}) is a value of a token-local region in the batch's sort order, an index or "
+                f"group offsets; {user.name} would need its dense value ({reason})", user)
+        if ax.row is None and not ax.flat and arg.op != "placeholder":  # a position-only input is its own dense value
             raise CannotReplay(
                 f"position-only value {arg.name} is used by an op that needs it dense ({reason})", user)
         if arg not in self.materialised:
@@ -357,6 +405,22 @@ def propagate(ctx: AxesContext) -> None:
             continue
         facts = [get_axes(a) for a in args]
         rule = rule_for(node)
+        local = [f for f in facts if f.is_token and f.local]
+        if any(f.points is not None or f.groups is not None for f in local) and (
+                rule is None or rule.local != "own"):
+            from brcompile.passes.rules import moe as _moe
+            set_axes(node, _moe.region_op(ctx, node))  # an index or group offsets: the region's own ops only
+            continue
+        if local and (rule is None or not rule.local):
+            if any(f.region for f in local):
+                ctx.fail(node, f"a value of a token-local region ({next(f for f in local if f.region)}) is used "
+                               f"by {_target_name(node)}, which no token-local rule covers")
+            set_axes(node, dense_fallback(ctx, node, f"{_target_name(node)} of flattened tokens"))
+            continue
+        if local and rule.local == "carry":
+            if len({(f.flat, f.order) for f in facts if f.is_token}) != 1:
+                ctx.fail(node, f"{_target_name(node)} mixes values of different token-local layouts "
+                               f"({', '.join(sorted({str(f) for f in facts if f.is_token}))})")
         if rule is not None:
             if rule.always or any(f.is_token for f in facts):
                 ax = rule.propagate(ctx, node)
@@ -364,6 +428,8 @@ def propagate(ctx: AxesContext) -> None:
                 ax = DENSE
             else:
                 ax = CONST
+            if local and rule.local == "carry" and ax.is_token and not ax.local:
+                ax = dataclasses.replace(ax, flat=local[0].flat, order=local[0].order)
         elif any(f.is_token for f in facts):
             ax = dense_fallback(ctx, node, f"no token-axis rule for {_target_name(node)}")
         elif any(f.is_dense for f in facts):

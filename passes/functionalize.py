@@ -16,6 +16,11 @@ is the same as ``x' = op(x, *args)`` read wherever ``x`` or ``w`` is read after 
 - the write does not **change the dtype**: every tensor argument has ``x``'s dtype (an out-of-place op would
   promote; an in-place one casts back), checked on the example values.
 
+One indexed write is made out of place too, the inverse of a permutation (MoE dispatch, HF's grouped
+experts): ``inv = empty_like(p); inv[p] = arange(n)`` with ``p`` the indices of a 1-D ``sort``/``argsort``
+of n elements (a permutation of ``0..n-1``, so every element of ``inv`` is written exactly once) is
+``argsort(p)``: both give the i with ``p[i] == j`` at each j.
+
 Anything else stays a write (``x[i] = v``, writes into inputs, views or aliased values), and the analysis
 refuses it where it touches a token value. The pass works on a copy; the user's graph is not changed.
 """
@@ -145,6 +150,10 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     made: set[fx.Node] = set()  # the out-of-place twins: fresh by construction
     for n in [n for n in graph.nodes if n.op in ("call_function", "call_method") and is_inplace(n)]:
         order = {m: i for i, m in enumerate(graph.nodes)}
+        inv = _inverse_permutation(n, order)
+        if inv is not None:
+            made.add(inv)
+            continue
         x = n.args[0] if n.args else None
         twin = _out_of_place(n)
         if twin is None or not (_is_fresh(x) or x in made) or not _keeps_dtype(twin, x) or not _no_alias_before(x, n, order):
@@ -165,6 +174,54 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     copy.recompile()
     log.debug("branch_replay: %d in-place write(s) made out of place", len(made))
     return copy
+
+
+def _is_permutation(p: Any) -> bool:
+    """``p`` is the indices of a sort/argsort of a 1-D tensor: a permutation of ``0..n-1``."""
+    if not isinstance(p, fx.Node) or p.op not in ("call_function", "call_method"):
+        return False
+    v = example_value(p)
+    if not isinstance(v, torch.Tensor) or v.dim() != 1:
+        return False
+    if p.target in (torch.argsort, "argsort"):
+        src = p.args[0]
+    elif p.target is operator.getitem and p.args[1] == 1 and isinstance(p.args[0], fx.Node) and \
+            p.args[0].target in (torch.sort, "sort"):
+        src = p.args[0].args[0]
+    else:
+        return False
+    sv = example_value(src)
+    return isinstance(sv, torch.Tensor) and sv.dim() == 1
+
+
+def _inverse_permutation(n: fx.Node, order: dict) -> Optional[fx.Node]:
+    """``setitem(inv, p, arange(numel(p)))`` into ``inv = empty_like(p)`` read by nothing before it: replaced
+    by ``argsort(p)`` (module docstring); the new node, or None when ``n`` is not that write."""
+    if n.op != "call_function" or n.target is not operator.setitem or len(n.args) != 3:
+        return None
+    inv, p, a = n.args
+    if not (isinstance(inv, fx.Node) and inv.target in (torch.empty_like, "new_empty") and inv.args
+            and inv.args[0] is p and not inv.kwargs and _is_permutation(p)):
+        return None
+    if not (isinstance(a, fx.Node) and a.target is torch.arange and len(a.args) == 1
+            and set(a.kwargs) <= {"device"}):
+        return None
+    pv, av = example_value(p), example_value(a)
+    if not isinstance(av, torch.Tensor) or av.dtype != pv.dtype or tuple(av.shape) != tuple(pv.shape):
+        return None
+    if any(u is not n and order[u] < order[n] for u in inv.users):
+        return None
+    graph = n.graph
+    with graph.inserting_after(n):
+        new = graph.call_function(torch.argsort, (p,))
+    new.meta.update({k: v for k, v in inv.meta.items() if k in ("example_value", "val", "stack_trace")})
+    for u in list(inv.users):
+        if u is not n and order[u] > order[n]:
+            u.replace_input_with(inv, new)
+    graph.erase_node(n)
+    if not inv.users:
+        graph.erase_node(inv)
+    return new
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

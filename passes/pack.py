@@ -259,7 +259,7 @@ def _check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) 
         if n.op == "output" or n in mask_nodes:
             continue
         ax = n.meta.get("br_axes")
-        if ax is not None and ax.is_token and ax.row is None:
+        if ax is not None and ax.is_token and ax.row is None and not ax.local:  # flattened tokens keep their rows
             what = "a per-position input" if n.op == "placeholder" else "a value computed from the column"
             raise CannotReplay(
                 f"padding-free batch (the attentions are causal within the sequences that {sequences.name} "
@@ -334,7 +334,8 @@ def _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders) 
 # emission
 
 
-def materialize(data: torch.Tensor, index: torch.Tensor, row: int, pos: int, dropped: bool = False) -> torch.Tensor:
+def materialize(data: torch.Tensor, index: torch.Tensor, row: Optional[int], pos: int, dropped: bool = False,
+                flat: int = 0) -> torch.Tensor:
     """Dense value of a packed one: ``dense[.., b, .., t, ..] = data[.., 0, .., index[b, t], ..]``, and 0
     where ``index[b, t] == -1`` (a padded position that ``drop_padding=True`` left out of the tree).
 
@@ -345,6 +346,10 @@ def materialize(data: torch.Tensor, index: torch.Tensor, row: int, pos: int, dro
     ``dropped`` (option drop_padding): the index may hold -1, read through brcompile::read_packed (opaque to
     Inductor, so the backward check runs compiled); otherwise a plain gather Inductor can fuse.
     """
+    if flat:  # a flattened value: [.., N·k, ..] -> [.., B·L·k, ..] (entry (b·L + t)·k + s = packed n·k + s)
+        x = data.movedim(pos, 0).unflatten(0, (-1, flat))  # [N, k, ...]
+        x = read_packed(x, index) if dropped else x[index]  # [B, L, k, ...]
+        return x.flatten(0, 2).movedim(0, pos)
     x = data.movedim((row, pos), (0, 1))[0]  # [N, ...]
     x = read_packed(x, index) if dropped else x[index]  # [B', L', ...]
     return x.movedim((0, 1), (row, pos))
@@ -434,7 +439,7 @@ class Packer:
             else:
                 self._dense[arg] = self.graph.call_function(
                     materialize, (self.packed(arg), self.index(ax.window), ax.row, ax.pos,
-                                  self.options.drop_padding))
+                                  self.options.drop_padding, ax.flat))
         return self._dense[arg]
 
     def _sinks_window(self, n: fx.Node) -> bool:

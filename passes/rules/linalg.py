@@ -16,7 +16,7 @@ from brcompile.passes.axes import AxesContext, dense_fallback, get_axes, registe
 from brcompile.passes.spellings import spellings
 
 
-@register_rule(spellings("linear"))
+@register_rule(spellings("linear"), local="carry")
 def linear(ctx: AxesContext, node):
     """linear(x, W, b): token dims of x must not be its last (contracted) dim; W, b constant."""
     x = node.args[0]
@@ -48,7 +48,7 @@ def _matmul_dims(sa, sb) -> Optional[tuple[int, dict, dict]]:
     return R, da, db
 
 
-@register_rule([*spellings("matmul", "bmm")])
+@register_rule([*spellings("matmul", "bmm")], local="carry")
 def matmul(ctx: AxesContext, node):
     """matmul/bmm of one TOKEN operand and one constant, in either order: ``out[..., i, j] = sum_k a[..., i,
     k] b[..., k, j]``. Each output element reads one row of ``a`` and one column of ``b`` at the same
@@ -61,6 +61,10 @@ def matmul(ctx: AxesContext, node):
     a, b = node.args[0], node.args[1]
     fa, fb = get_axes(a), get_axes(b)
     sa, sb, out = shape_of(a), shape_of(b), shape_of(node)
+    if fa.is_token and fb.is_token and None not in (sa, sb, out):
+        batched = _batched_token_matmul(sa, sb, fa, fb)
+        if batched is not None:
+            return batched
     if fa.is_token == fb.is_token or fa.is_dense or fb.is_dense or None in (sa, sb, out):
         return dense_fallback(ctx, node, "matmul of two token values (attention scores) or of a dense value")
     dims = _matmul_dims(sa, sb)
@@ -75,6 +79,28 @@ def matmul(ctx: AxesContext, node):
         if o in out_tok and cshape[d] != 1:
             return dense_fallback(ctx, node, "matmul with a constant that is not broadcast along a token dim")
     return token(R, None if tok.row is None else tdims[tok.row], tdims[tok.pos], tok.window)
+
+
+def _batched_token_matmul(sa, sb, fa, fb):
+    """Two TOKEN operands whose token dims are the same *batch* dims of the product (a per-token matmul:
+    ``bmm(W[expert_ids], h.unsqueeze(-1))`` of batched experts): output element ``[z, i, j]`` reads only
+    ``a[z, i, :]`` and ``b[z, :, j]`` at the same batch coordinates z, so when both operands put their row and
+    position (same layout and window) on the same output batch dims, each output element reads one token —
+    of the same (row, position) — in both operands. None otherwise (attention scores ``q @ kᵀ``)."""
+    dims = _matmul_dims(sa, sb)
+    if dims is None:
+        return None
+    R, da, db = dims
+    if (fa.flat, fa.order, fa.window) != (fb.flat, fb.order, fb.window):
+        return None
+    ta = [da[d] for d in fa.token_dims()]
+    tb = [db[d] for d in fb.token_dims()]
+    if None in ta or ta != tb or any(o >= R - 2 for o in ta) or len(sa) < 3 or len(sb) < 3:
+        return None
+    if (fa.row is None) != (fb.row is None) or any(sa[d] != sb[d + len(sb) - len(sa)] for d in fa.token_dims()
+                                                    if 0 <= d + len(sb) - len(sa) < len(sb)):
+        return None
+    return token(R, None if fa.row is None else da[fa.row], da[fa.pos], fa.window)
 
 
 def _einsum_operands(node):

@@ -126,7 +126,7 @@ def emit_pointwise(pk, node):
     return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
 
 
-@register_rule(BINARY + UNARY, emit=emit_pointwise)
+@register_rule(BINARY + UNARY, emit=emit_pointwise, local="carry")
 def pointwise(ctx: AxesContext, node):
     """Elementwise ops: the output element is f of the operands' elements at the same coordinates; a
     constant position table is read at each token's position (module docstring)."""
@@ -153,7 +153,7 @@ def _is_dtype_cast(node) -> bool:
     return all(isinstance(a, (torch.dtype, bool)) or a is None or isinstance(a, torch.device) for a in rest)
 
 
-@register_rule([*spellings("dropout"), F.alpha_dropout])
+@register_rule([*spellings("dropout"), F.alpha_dropout], local="carry")
 def dropout(ctx: AxesContext, node):
     """Dropout: the identity when ``p == 0`` or not training; otherwise its random mask is drawn per
     dense element, which a packed run cannot reproduce — refuse."""

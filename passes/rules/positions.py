@@ -6,6 +6,8 @@ are the dense sizes (read from the lazy index, never from the packed data).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from brcompile.passes.axes import (
@@ -63,11 +65,14 @@ def _emit_dim_size(pk, x, ax, d):
     """The dense size of dim ``d`` of TOKEN ``x``: token dims from the (windowed) index, others packed."""
     if d in ax.token_dims():
         idx = pk.index(ax.window)
+        if ax.flat:  # the flattened token dim: B·L·k
+            n = pk.graph.call_method("numel", (idx,))
+            return n if ax.flat == 1 else pk.graph.call_function(operator.mul, (n, ax.flat))
         return pk.graph.call_method("size", (idx, 0 if d == ax.row else 1))
     return pk.graph.call_method("size", (pk.packed(x), d))
 
 
-@register_rule(["size", torch.ops.aten.sym_size.int], emit=emit_size)
+@register_rule(["size", torch.ops.aten.sym_size.int], emit=emit_size, local="own")
 def size(ctx: AxesContext, node):
     """x.size(d): an int; x.size(): the dense shape (a tuple, its token dims read from the index)."""
     return CONST

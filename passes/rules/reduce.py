@@ -35,7 +35,7 @@ def _reduced_dims(node, ndim: int):
     return [normalize_dim(d, ndim) for d in dim]
 
 
-@register_rule(REDUCTIONS)
+@register_rule(REDUCTIONS, local="carry")
 def reduction(ctx: AxesContext, node):
     """Reduce over ``dim`` (kept or dropped): allowed iff no token dim is reduced."""
     ax = get_axes(node.args[0])
@@ -49,17 +49,21 @@ def reduction(ctx: AxesContext, node):
     return token(out_ndim, sh(ax.row), sh(ax.pos), ax.window)
 
 
-@register_rule([*spellings("softmax", "log_softmax"), torch.cumsum, "cumsum"])
+@register_rule([*spellings("softmax", "log_softmax"), torch.cumsum, "cumsum"], local="carry")
 def softmax(ctx: AxesContext, node):
     """softmax/log_softmax/cumsum along ``dim``: shape-preserving, allowed along a non-token dim."""
     ax = get_axes(node.args[0])
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if ax.flat and dim is not None and normalize_dim(dim, ax.ndim) == ax.pos:
+        return dense_fallback(ctx, node, "cumsum/softmax over the flattened tokens: each entry depends on every "
+                                         "other token of the batch (an expert capacity count, token dropping by "
+                                         "capacity depends on the number of tokens in the batch)")
     if dim is None or normalize_dim(dim, ax.ndim) in ax.token_dims():
         return dense_fallback(ctx, node, "softmax/cumsum along a token dim")
     return ax
 
 
-@register_rule([*spellings("layer_norm", "rms_norm"), F.group_norm])
+@register_rule([*spellings("layer_norm", "rms_norm"), F.group_norm], local="carry")
 def layer_norm(ctx: AxesContext, node):
     """layer_norm/rms_norm (``F.rms_norm``, ``torch.rms_norm``, ``nn.RMSNorm``) normalise over the trailing
     ``len(normalized_shape)`` dims: ``y = x / rms(x[..., trailing]) * w`` reads only the elements that

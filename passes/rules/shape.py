@@ -100,11 +100,11 @@ def emit_reshape(pk, node):
     sizes = pk.static_sizes(node)
     if ax.row is not None:
         sizes[ax.row] = 1
-    sizes[ax.pos] = pk.N()
+    sizes[ax.pos] = -1 if ax.flat else pk.N()  # a flattened token dim: N·k, the only unknown extent
     return pk.graph.call_method("reshape", (pk.packed(node.args[0]), sizes))
 
 
-@register_rule(spellings("reshape"), emit=emit_reshape)
+@register_rule(spellings("reshape"), emit=emit_reshape, local="own")
 def view(ctx: AxesContext, node):
     """view/reshape/flatten/unflatten: token dims must survive one-to-one (view algebra above)."""
     x = node.args[0]
@@ -115,10 +115,44 @@ def view(ctx: AxesContext, node):
     if not ax.is_token:
         return dense_fallback(ctx, node, "view of a non-token value with token operands")
     ins, outs = shape_of(x), shape_of(node)
-    m = map_token_dims(ins, outs, ax.token_dims())
+    m = None if ax.local else map_token_dims(ins, outs, ax.token_dims())
     if m is None:
+        flat = flatten_view(ctx, ax, ins, outs)
+        if flat is not None:
+            return flat
+        if ax.region:
+            ctx.fail(node, f"view {list(ins)} -> {list(outs)} of a value in a sort order of the flattened tokens")
         return dense_fallback(ctx, node, f"view {list(ins)} -> {list(outs)} merges or splits a token dim")
     return token(len(outs), None if ax.row is None else m[ax.row], m[ax.pos], ax.window)
+
+
+def flatten_view(ctx: AxesContext, ax, ins, outs):
+    """Flattening the tokens and unflattening them back (MoE blocks: ``h.view(-1, D)`` … ``reshape(B, L, D)``).
+
+    Row-major order puts the elements of one token together when the token dims lead: an input
+    ``[1…, B, L, inner…]`` (row right before position) or ``[1…, B·L·k, inner…]`` (flattened, ``k`` entries per
+    token) holds token (b, t)'s ``I`` elements contiguously at ``(b·L + t)·I``. A view to
+    ``[1…, e, inner'…]`` with ``e = B·L·k'`` (``k'`` >= 1) therefore gives out entry ``i`` the elements of token
+    ``i // k'`` only: a flattened value (``flat = k'``), causal and row-independent entry by entry; ``e = B``
+    followed by ``L`` unflattens back to row and position dims. The packed value is the same view of
+    ``[1…, N·k, inner…]`` (``N`` tokens in place of ``B·L``). Only a whole window, in natural order, is
+    flattened (a sorted or sliced token dim has no such layout)."""
+    if ax.order is not None or ax.points is not None or ax.groups is not None or not ax.window.is_whole:
+        return None
+    lead = ax.row if ax.row is not None else ax.pos
+    if ax.row is not None and ax.pos != ax.row + 1:
+        return None
+    if any(ins[d] != 1 for d in range(lead)):
+        return None
+    BL = ctx.B * ctx.L
+    j = next((j for j, e in enumerate(outs) if e != 1), None)
+    if j is None or any(outs[d] != 1 for d in range(j)):
+        return None
+    if j + 1 < len(outs) and outs[j] == ctx.B and outs[j + 1] == ctx.L:
+        return token(len(outs), j, j + 1, ax.window)
+    if outs[j] % BL == 0:
+        return token(len(outs), None, j, ax.window, flat=outs[j] // BL)
+    return None
 
 
 def emit_expand(pk, node):
@@ -129,7 +163,7 @@ def emit_expand(pk, node):
     return pk.graph.call_method("expand", (pk.packed(node.args[0]), sizes))
 
 
-@register_rule(["expand", "expand_as", torch.broadcast_to], emit=emit_expand)
+@register_rule(["expand", "expand_as", torch.broadcast_to], emit=emit_expand, local="carry")
 def expand(ctx: AxesContext, node):
     """expand: new leading dims and extent-1 dims broadcast; token dims keep their place (shifted by the
     number of new leading dims) and must not be expanded themselves."""
@@ -177,7 +211,7 @@ def _perm_of(node, ndim: int) -> list[int]:
     raise AssertionError(t)
 
 
-@register_rule([*spellings("transpose", "permute"), "t", "movedim", torch.movedim])
+@register_rule([*spellings("transpose", "permute"), "t", "movedim", torch.movedim], local="carry")
 def permute(ctx: AxesContext, node):
     """Permutations: output dim i is input dim perm[i]."""
     ax = get_axes(node.args[0])
@@ -186,7 +220,7 @@ def permute(ctx: AxesContext, node):
     return token(ax.ndim, None if ax.row is None else inv[ax.row], inv[ax.pos], ax.window)
 
 
-@register_rule(["unsqueeze", torch.unsqueeze])
+@register_rule(["unsqueeze", torch.unsqueeze], local="carry")
 def unsqueeze(ctx: AxesContext, node):
     """unsqueeze(d): dims at or after d shift by one."""
     ax = get_axes(node.args[0])
@@ -211,7 +245,7 @@ def _squeezed(node, ax) -> list[int]:
     return [normalize_dim(d, ax.ndim) for d in dims if shp[normalize_dim(d, ax.ndim)] == 1]
 
 
-@register_rule(["squeeze", torch.squeeze], emit=emit_squeeze)
+@register_rule(["squeeze", torch.squeeze], emit=emit_squeeze, local="carry")
 def squeeze(ctx: AxesContext, node):
     """squeeze: removes extent-1 dims; squeezing a token dim (B == 1 or L == 1) is refused."""
     ax = get_axes(node.args[0])
@@ -227,7 +261,7 @@ def emit_repeat(pk, node):
     return pk.copy(node)
 
 
-@register_rule(spellings("repeat"), emit=emit_repeat)
+@register_rule(spellings("repeat"), emit=emit_repeat, local="carry")
 def repeat(ctx: AxesContext, node):
     """``x.repeat(r_0, …, r_k)`` tiles x: output element ``[i_0, …]`` is ``x[i_0 % s_0, …]`` (leading
     repeats add dims). With a repeat of 1 on each token dim, the element at a token dim's coordinate t
@@ -265,7 +299,7 @@ def view_as_real(ctx: AxesContext, node):
     return token(ax.ndim + 1, ax.row, ax.pos, ax.window)
 
 
-@register_rule(spellings("repeat_interleave"))
+@register_rule(spellings("repeat_interleave"), local="own")
 def repeat_interleave(ctx: AxesContext, node):
     """repeat_interleave(n, dim) along a non-token dim (GQA's repeat_kv written this way): output index
     i along ``dim`` reads input index ``i // n`` there, and the same coordinates elsewhere, so token dims
@@ -273,6 +307,13 @@ def repeat_interleave(ctx: AxesContext, node):
     ax = get_axes(node.args[0])
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
     reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    if ax.flat and ax.order is None and dim is not None and isinstance(reps, int) and \
+            normalize_dim(dim, ax.ndim) == ax.pos:
+        # along the flattened token dim: out entry i reads entry i // reps, so each of a token's k·reps
+        # entries reads that token only (batched experts: one copy of the hidden state per top-k slot)
+        return token(ax.ndim, None, ax.pos, ax.window, flat=ax.flat * reps)
+    if ax.region:
+        ctx.fail(node, "repeat_interleave of a value in a sort order of the flattened tokens")
     if dim is None or hasattr(reps, "meta") or normalize_dim(dim, ax.ndim) in ax.token_dims():
         return dense_fallback(ctx, node, "repeat_interleave over a token dim")
     return ax
@@ -330,13 +371,15 @@ def emit_getitem(pk, node):
     if isinstance(example_value(x), (tuple, list)) or not ax.is_token:
         return pk.copy(node)  # an element of a split/chunk result, or a constant looked up by token values
     entries = _normalize_index(node.args[1], ax.ndim)
+    if entries is None or ax.local:  # a gather inside a token-local region (rules/moe.py): the same index
+        return pk.copy(node)
     new = []
     for d_in, _, e in _walk_index(entries):
         new.append(slice(None) if d_in is not None and d_in in ax.token_dims() else e)
     return pk.graph.call_function(operator.getitem, (pk.packed(x), tuple(new)))
 
 
-@register_rule([operator.getitem], emit=emit_getitem)
+@register_rule([operator.getitem], emit=emit_getitem, local="own")
 def getitem(ctx: AxesContext, node):
     """Basic indexing. Non-token dims: as is. A token dim: a whole slice keeps it; a partial slice on the
     position dim (``logits[:, :-1]``) or on the row dim goes to the lazy window — the packed data stays
@@ -344,11 +387,17 @@ def getitem(ctx: AxesContext, node):
     x = node.args[0]
     ax = get_axes(x)
     if isinstance(example_value(x), (tuple, list)):
+        if ax.is_token and ax.points == ("pair",):  # (values, indices) of a sort along the flattened tokens
+            from brcompile.passes.rules import moe
+            return moe.sort_output(ctx, node)
         return ax  # an element of a split/chunk result: same fact as its siblings
     if not ax.is_token:
         return _lookup(ctx, node)
     entries = _normalize_index(node.args[1], ax.ndim)
-    if entries is None:
+    if entries is None or ax.local:
+        if ax.local:
+            from brcompile.passes.rules import moe
+            return moe.region_getitem(ctx, node)
         return dense_fallback(ctx, node, "advanced indexing of a token value")
     window = ax.window
     row = pos = None
@@ -388,8 +437,11 @@ def _lookup(ctx: AxesContext, node):
     if not isinstance(v, torch.Tensor) or v.dtype not in (torch.int64, torch.int32) or v.dim() == 0:
         return dense_fallback(ctx, node, "indexing a constant by a non-integer or 0-D token value")
     ax = get_axes(ix)
+    if ax.points is not None or ax.groups is not None:
+        ctx.fail(node, "a constant indexed by a permutation index or group offsets of a token-local region")
     sh = lambda a: None if a is None else a + d  # noqa: E731
-    return token(len(shape_of(node)), sh(ax.row), sh(ax.pos), ax.window)
+    # a flattened (or sorted) index keeps its layout: entry e reads the table at e's own key
+    return token(len(shape_of(node)), sh(ax.row), sh(ax.pos), ax.window, flat=ax.flat, order=ax.order)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,7 +455,7 @@ def _same_token_facts(ctx, node, tensors):
     return facts[0]
 
 
-@register_rule(spellings("cat"))
+@register_rule(spellings("cat"), local="carry")
 def cat(ctx: AxesContext, node):
     """cat along a non-token dim of operands that are all TOKEN with the same token dims (rotary halves);
     along any dim when every other operand is an empty constant (appending to an empty KV cache)."""
@@ -424,7 +476,7 @@ def _is_empty_const(t, dim) -> bool:
     return shp == (0,) or (len(shp) > 0 and shp[normalize_dim(dim, len(shp))] == 0)
 
 
-@register_rule([torch.stack])
+@register_rule([torch.stack], local="carry")
 def stack(ctx: AxesContext, node):
     """stack inserts a new dim at ``dim``; token dims at or after it shift by one."""
     tensors = node.args[0] if node.args else node.kwargs["tensors"]
@@ -437,7 +489,7 @@ def stack(ctx: AxesContext, node):
     return token(f.ndim + 1, sh(f.row), sh(f.pos), f.window)
 
 
-@register_rule(["split", torch.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split])
+@register_rule(["split", torch.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split], local="carry")
 def split(ctx: AxesContext, node):
     """split/chunk along a non-token dim: every piece keeps the token dims (the tuple's fact is the
     pieces' fact)."""
@@ -448,7 +500,7 @@ def split(ctx: AxesContext, node):
     return ax
 
 
-@register_rule(["unbind", torch.unbind])
+@register_rule(["unbind", torch.unbind], local="carry")
 def unbind(ctx: AxesContext, node):
     """unbind(dim) along a non-token dim: pieces lose that dim."""
     ax = get_axes(node.args[0])

@@ -65,7 +65,14 @@ TABLE = [
     ("softmax_positions", lambda ids: torch.softmax(EMB(ids), 1), "dense"),
     ("linear", lambda ids: F.linear(EMB(ids), W), "token(row=0, pos=1)"),
     ("shift_slice", lambda ids: EMB(ids)[:, :-1], "token(row=0, pos=1)"),
-    ("merge_token_dims", lambda ids: EMB(ids).reshape(B * L, D), "dense"),
+    # flattening the leading (row, position) dims: a flattened token value (rules/moe.py), and back
+    ("merge_token_dims", lambda ids: EMB(ids).reshape(B * L, D), "token(row=None, pos=0, flat=1)"),
+    ("merge_token_dims_inner", lambda ids: EMB(ids).reshape(B * L * 2, D // 2), "token(row=None, pos=0, flat=2)"),
+    ("flatten_unflatten", lambda ids: F.linear(EMB(ids).view(-1, D), W).reshape(B, L, 5), "token(row=0, pos=1)"),
+    ("merge_inner_first", lambda ids: EMB(ids).transpose(0, 1).reshape(B * L, D), "dense"),
+    ("flat_topk_router", lambda ids: torch.topk(torch.softmax(EMB(ids).view(-1, D), -1), 2, dim=-1)[0],
+     "token(row=None, pos=0, flat=1)"),
+    ("flat_cumsum_capacity", lambda ids: EMB(ids).view(-1, D).cumsum(0), "dense"),
     ("arange_positions", lambda ids: EMB(ids) * torch.arange(L)[:, None], "token(row=0, pos=1)"),
     # a constant with extent L on the position dim is a position table: read at each token's position
     ("position_table", lambda ids: EMB(ids) + POS_TABLE, "token(row=0, pos=1)"),
@@ -152,8 +159,12 @@ def run_all(gm: fx.GraphModule, inputs) -> dict[str, torch.Tensor]:
     return values
 
 
-def prefix_slice(v: torch.Tensor, ax, row: int, t: int) -> torch.Tensor:
-    """Entries of TOKEN value ``v`` at dense row ``row`` (if it has a row dim) and positions <= t."""
+def prefix_slice(v: torch.Tensor, ax, row: int, t: int, rows: int = 0) -> torch.Tensor:
+    """Entries of TOKEN value ``v`` at dense row ``row`` (if it has a row dim) and positions <= t (a flattened
+    value, ``rows`` rows of tokens: unflattened to [rows, L, k] first)."""
+    if ax.flat:
+        v = v.unflatten(ax.pos, (rows, -1, ax.flat)).select(ax.pos, row)
+        return v.narrow(ax.pos, 0, t + 1)
     if ax.row is not None:
         v = v.select(ax.row, row)
         pos = ax.pos - (1 if ax.row < ax.pos else 0)
@@ -186,16 +197,19 @@ def check_claims(gm, inputs, tree_positions, t: int):
     other = run_all(gm, perturbed(False))
     copied = run_all(gm, perturbed(True))
     checked = 0
+    rows = inputs[tree_positions[0]].shape[0]
     for n in gm.graph.nodes:
         ax = n.meta.get("br_axes")
         if ax is None or not ax.is_token or not ax.window.is_whole or not isinstance(base.get(n.name), torch.Tensor):
             continue
-        a = prefix_slice(base[n.name], ax, 0, t)
-        b = prefix_slice(other[n.name], ax, 0, t)
+        if ax.region:  # a sort order, an index or group offsets: no per-position dense value to compare
+            continue
+        a = prefix_slice(base[n.name], ax, 0, t, rows)
+        b = prefix_slice(other[n.name], ax, 0, t, rows)
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=lambda m: f"{n.name} not causal: {m}")
-        if ax.row is not None:
-            c0 = prefix_slice(copied[n.name], ax, 0, t)
-            c1 = prefix_slice(copied[n.name], ax, 1, t)
+        if ax.row is not None or ax.flat:
+            c0 = prefix_slice(copied[n.name], ax, 0, t, rows)
+            c1 = prefix_slice(copied[n.name], ax, 1, t, rows)
             torch.testing.assert_close(c1, c0, rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"{n.name} not row-independent: {m}")
         checked += 1

@@ -1,0 +1,286 @@
+"""Mixture-of-experts blocks: routing, dispatch to experts and combine are token-local.
+
+A MoE block computes, for every token, ``y = sum_s w_s(h) · E_{e_s(h)}(h)`` where the router picks experts
+``e_s`` and weights ``w_s`` from the token's own hidden state ``h``: each token's output depends on its own
+hidden state only. Implementations reach that per-token function through batch-wide steps; each rule below
+proves one of them keeps every token's result a function of that token alone, so a TOKEN value stays causal
+and row-independent and the packed graph may run the same ops over the N packed tokens instead of B·L:
+
+* **Flattened tokens** (``shape.flatten_view``): ``h.view(-1, D)`` gives a ``[B·L·k, …]`` value whose entry
+  ``(b·L + t)·k + s`` belongs to token (b, t) (fact ``flat = k``); its packed twin is ``[N·k, …]`` with entry
+  ``n·k + s``. Per-entry ops (pointwise, ``linear``, ``softmax``/``topk``/``one_hot`` on the expert dim,
+  lookups ``W[expert_ids]``, ``repeat_interleave`` along the flat dim, batched per-token ``bmm``) keep it;
+  ``reshape(B, L, D)`` unflattens it.
+* **Token-local regions** (sort-based dispatch, HF's ``grouped_mm`` experts): ``sort(key)`` of a flattened
+  integer key (the expert ids) gives the sorted keys and a permutation P. A value *in the order of P*
+  (fact ``order = P``) lists entry ``P(i)``'s value at place i; an *index* (fact ``points = (f, o)``) holds
+  at each entry the place of that same entry (or of its token, ``f = 1``) in the layout ``(flat f, order o)``
+  — ``P`` itself points into the natural order, ``P // k`` at the token, ``argsort(P)`` (the inverse
+  permutation, also ``inv[P] = arange``, functionalised to it) into P's order. ``x[idx]`` of a value laid
+  out as idx points to returns, at each of idx's entries, the value of that entry's own token or entry:
+  the layout becomes idx's own. Group offsets ``cumsum(histc(sorted keys, bins=E, min=0, max=E-1))`` (fact
+  ``groups``) bound the runs of equal keys in P's order when the keys are integers in ``[0, E)`` (proved
+  from their ``topk``/``argmax`` origin); a grouped matmul ``grouped_mm(x, W, offs)`` of a value in P's
+  order then multiplies the row of entry ``P(i)`` by ``W[key(P(i))]``: a per-entry function again.
+  The packed graph computes the sort, the counts and the offsets over the N·k packed entries: a different
+  permutation, but every value is still, entry by entry, the same function of its own token, and the
+  inverse permutation brings it back to the natural order, where ``packed[n·k + s] == dense[(b·L + t)·k + s]``
+  for every (b, t) of node n.
+
+A region value in a sort order, an index or group offsets has no dense counterpart at the same place: any
+op other than these is refused with ``CannotReplay`` naming it (``axes.propagate``), as is a cumsum over the
+flattened tokens (a position-in-expert count: token dropping by capacity depends on the number of tokens
+in the batch). A flattened value in its natural order needed dense (a router auxiliary loss over all
+tokens) is materialised exactly (``packed[index]`` per entry, ``pack.materialize``).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from brcompile.passes.axes import (
+    AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule, shape_of, token,
+)
+from brcompile.passes.rules import reduce as _reduce
+
+_CASTS = {"to", "long", "int", "float", "double", "type", "type_as"}
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+GROUPED_MM = [t for t in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if t is not None] + [
+    "transformers::grouped_mm_fallback"]
+
+
+def _dim(node, pos: int, default=None):
+    return node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else default)
+
+
+# --------------------------------------------------------------------------------------------------
+# per-token ops on the expert dim
+
+
+@register_rule([torch.topk, "topk"], local="carry")
+def topk(ctx: AxesContext, node):
+    """``topk(x, k, dim)`` along a non-token dim (the experts): the k largest of one token's scores and their
+    indices — both outputs keep x's token dims (the tuple's fact is its elements' fact). Along a token dim it
+    would compare tokens: materialised."""
+    ax = get_axes(node.args[0])
+    dim = _dim(node, 2, -1)
+    if normalize_dim(dim, ax.ndim) in ax.token_dims():
+        return dense_fallback(ctx, node, "topk along a token dim")
+    return ax
+
+
+@register_rule([F.one_hot], local="carry")
+def one_hot(ctx: AxesContext, node):
+    """``one_hot(ids, E)``: a new last dim of extent E, each element a function of one id: token dims stay."""
+    ax = get_axes(node.args[0])
+    return token(ax.ndim + 1, ax.row, ax.pos, ax.window)
+
+
+@register_rule([torch.argmax, torch.argmin, "argmax", "argmin"], local="carry")
+def argmax(ctx: AxesContext, node):
+    """argmax/argmin over a non-token dim (a top-1 router): a reduction over that dim."""
+    if _dim(node, 1) is None:
+        return dense_fallback(ctx, node, "argmax over all elements")
+    return _reduce.reduction(ctx, node)
+
+
+# --------------------------------------------------------------------------------------------------
+# sort: along the expert dim (per token) or along the flattened tokens (a token-local region)
+
+
+@register_rule([torch.sort, "sort", torch.argsort, "argsort"], local="own")
+def sort(ctx: AxesContext, node):
+    """``sort``/``argsort`` along a non-token dim: per token (its facts stay). Along the flattened tokens of a
+    1-D key in natural order: the start of a token-local region (module docstring) — the sorted keys are in
+    the order of this sort (``order``), the permutation points into the natural order. ``argsort`` of a
+    permutation index is its inverse: it points into that permutation's order."""
+    x = node.args[0]
+    ax = get_axes(x)
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    dim = _dim(node, 1, -1)
+    if ax.points is not None:
+        own = (ax.flat, ax.order)
+        if name == "argsort" and ax.ndim == 1 and ax.order is not None and ax.points == (ax.flat, None):
+            # a permutation of the entries (P, not P // k): argsort(P)[j] = the place of entry j in P's order
+            return token(1, None, 0, ax.window, flat=own[0], points=(own[0], own[1]))
+        ctx.fail(node, f"{name} of a permutation index other than the inverse of a sort of the flattened tokens")
+    if ax.region:
+        ctx.fail(node, f"{name} of a value in a sort order of the flattened tokens")
+    d = normalize_dim(dim, ax.ndim)
+    if d not in ax.token_dims():
+        return ax
+    if not ax.flat or ax.ndim != 1:
+        return dense_fallback(ctx, node, f"{name} along a token dim")
+    if name == "argsort":
+        return token(1, None, 0, ax.window, flat=ax.flat, order=node, points=(ax.flat, None))
+    return token(1, None, 0, ax.window, flat=ax.flat, order=node, points=("pair",))
+
+
+def sort_output(ctx: AxesContext, node):
+    """``sort(key)[0]``: the keys in the sort's order; ``sort(key)[1]``: the permutation P, at place i the
+    natural place of the entry ``P(i)`` listed there — it points into the natural order."""
+    ax = get_axes(node.args[0])
+    if node.args[1] == 0:
+        return token(1, None, 0, ax.window, flat=ax.flat, order=ax.order)
+    return token(1, None, 0, ax.window, flat=ax.flat, order=ax.order, points=(ax.flat, None))
+
+
+# --------------------------------------------------------------------------------------------------
+# indexing inside a region
+
+
+def region_getitem(ctx: AxesContext, node):
+    """``x[idx]`` with ``x`` laid out as the index ``idx`` points to: place i of the result reads x at the
+    place of i's own entry (or its token), so the result is that entry's value, laid out as idx is. Basic
+    indexing that keeps the flattened dim whole keeps the layout. Anything else: refused in a sort order,
+    materialised in natural order."""
+    from brcompile.passes.rules import shape
+    x, idx = node.args[0], node.args[1]
+    ax = get_axes(x)
+    entries = list(idx) if isinstance(idx, tuple) else [idx]
+    tensors = [i for i, e in enumerate(entries) if isinstance(e, fx.Node)]
+    if ax.points is not None or ax.groups is not None:
+        ctx.fail(node, "indexing a permutation index or group offsets of a token-local region")
+    if tensors:
+        if tensors != [ax.pos] or any(e != slice(None) for i, e in enumerate(entries) if i != ax.pos):
+            return _refuse(ctx, node, ax, "an index of the flattened tokens beside other indices")
+        ix = get_axes(entries[ax.pos])
+        v = example_value(entries[ax.pos])
+        if not ix.is_token or ix.points is None or ix.points != (ax.flat, ax.order) or ix.ndim != 1 or \
+                not isinstance(v, torch.Tensor) or v.dtype not in _INT_DTYPES:
+            return _refuse(ctx, node, ax, "gathering flattened tokens by an index that does not point into "
+                                          "their layout")
+        return token(len(shape_of(node)), None, ax.pos, ix.window, flat=ix.flat, order=ix.order)
+    norm = shape._normalize_index(idx, ax.ndim)
+    if norm is None:
+        return _refuse(ctx, node, ax, "advanced indexing of flattened tokens")
+    pos = None
+    for d_in, d_out, e in shape._walk_index(norm):
+        if d_in == ax.pos:
+            if d_out is None or e != slice(None):
+                return _refuse(ctx, node, ax, "slicing the flattened tokens")
+            pos = d_out
+    return token(len(shape_of(node)), None, pos, ax.window, flat=ax.flat, order=ax.order)
+
+
+def _refuse(ctx, node, ax, reason):
+    if ax.region:
+        ctx.fail(node, reason + " (in a sort order)")
+    return dense_fallback(ctx, node, reason)
+
+
+# --------------------------------------------------------------------------------------------------
+# indices and group offsets: the few ops a region performs on them
+
+
+def region_op(ctx: AxesContext, node):
+    """An op with a permutation-index or group-offsets operand and no region rule of its own: an index may be
+    divided by the number of entries per token (``P // k`` points at the token) or cast to another integer
+    type; counts may be cast and summed up into offsets (``cumsum(counts, 0)``). Anything else would read
+    the batch's token order: refused."""
+    args = [a for a in node.args if isinstance(a, fx.Node)] + [
+        a for a in node.kwargs.values() if isinstance(a, fx.Node)]
+    facts = [get_axes(a) for a in args]
+    x = node.args[0] if node.args else None
+    ax = get_axes(x)
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    v = example_value(node)
+    if len(args) == 1 and ax.is_token and (ax.points is not None or ax.groups is not None):
+        if name in _CASTS and isinstance(v, torch.Tensor) and (ax.groups is not None or v.dtype in _INT_DTYPES):
+            return ax
+        if node.target in (operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__") and \
+                ax.points is not None and isinstance(node.args[1], int) and node.args[1] > 0:
+            f, o = ax.points
+            c = node.args[1]
+            if o is None and isinstance(f, int) and f % c == 0:
+                # place of entry e = token·f + s; // c = token·(f/c) + s // c: the place of e in flat f/c
+                return token(ax.ndim, None, ax.pos, ax.window, flat=ax.flat, order=ax.order, points=(f // c, None))
+        if ax.groups is not None and ax.groups[0] == "counts" and name == "cumsum" and \
+                normalize_dim(_dim(node, 1, 0), 1) == 0:
+            return token(1, None, None, ax.window, groups=("offsets", ax.groups[1], ax.groups[2]))
+    what = next(f for f in facts if f.is_token and (f.points is not None or f.groups is not None))
+    ctx.fail(node, f"{name} of a value of a token-local region ({what}) would read the batch's token order")
+
+
+def _key_range(node: fx.Node):
+    """Number of distinct values an integer key can take, from its origin: the indices of ``topk``/``sort``
+    along a dim of extent E, or ``argmax``/``argmin`` over it, through views and integer casts; else None."""
+    seen = 0
+    while isinstance(node, fx.Node) and seen < 32:
+        seen += 1
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            tname = src.target if isinstance(src.target, str) else getattr(src.target, "__name__", "")
+            if tname in ("topk", "sort") and node.args[1] == 1:
+                dim = _dim(src, 2 if tname == "topk" else 1, -1)
+                shp = shape_of(src.args[0])
+                return shp[normalize_dim(dim, len(shp))]
+            if tname == "sort" and node.args[1] == 0:
+                node = src.args[0]  # the sorted keys take the keys' values
+                continue
+            if tname == "chunk":
+                return None
+            node = src if get_axes(src).is_token else None
+            continue
+        tname = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if tname in ("argmax", "argmin"):
+            shp = shape_of(node.args[0])
+            return shp[normalize_dim(_dim(node, 1), len(shp))]
+        if tname in ("reshape", "view", "flatten", "contiguous", "clone", "detach") or tname in _CASTS:
+            node = node.args[0]
+            continue
+        return None
+    return None
+
+
+@register_rule([torch.histc, "histc"], local="own")
+def histc(ctx: AxesContext, node):
+    """``histc(sorted keys, bins=E, min=0, max=E-1)`` of integer keys in ``[0, E)``: bin ``b`` counts the key
+    value b (``floor(v·E/(E-1)) = v`` for ``v < E-1``, the top value falls in the last bin), i.e. the size
+    of each run of equal keys in the sort's order; ``cumsum`` makes them the runs' ends (group offsets). The
+    counts are batch-wide, but only grouped matmuls of values in that same order read them (region_op)."""
+    x = node.args[0]
+    ax = get_axes(x)
+    bins = node.kwargs.get("bins", node.args[1] if len(node.args) > 1 else 100)
+    lo = node.kwargs.get("min", node.args[2] if len(node.args) > 2 else 0)
+    hi = node.kwargs.get("max", node.args[3] if len(node.args) > 3 else 0)
+    if ax.order is None or ax.points is not None or ax.ndim != 1:
+        return _refuse(ctx, node, ax, "histc of flattened tokens that are not the keys of a sort")
+    srt = ax.order
+    descending = srt.kwargs.get("descending", srt.args[2] if len(srt.args) > 2 else False)
+    if descending is not False:
+        ctx.fail(node, "group counts of keys sorted in descending order")
+    E = _key_range(x)
+    if not (isinstance(bins, int) and bins >= 2 and lo == 0 and hi == bins - 1 and E is not None and E <= bins):
+        ctx.fail(node, f"histc(bins={bins}, min={lo}, max={hi}) of keys not proved to be integers in [0, bins) "
+                       f"(their origin gives {E} values): the counts need not be the runs of equal keys")
+    return token(1, None, None, ax.window, groups=("counts", srt, bins))
+
+
+@register_rule(GROUPED_MM, local="own")
+def grouped_mm(ctx: AxesContext, node):
+    """``grouped_mm(x, W, offs)`` with ``x`` the rows of flattened entries in a sort's order and ``offs`` the
+    offsets of that sort's keys: row i lies in the run of its key, so it is multiplied by ``W[key(P(i))]``
+    (``x[i] @ W[g]`` for the group g of row i): a per-entry function of entry ``P(i)``, in the same order."""
+    x = node.args[0]
+    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("mat_b", node.kwargs.get("weight"))
+    offs = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+    ax, fw, fo = get_axes(x), get_axes(w), get_axes(offs)
+    extra = [k for k, v in node.kwargs.items() if k not in ("offs", "mat_b", "weight", "out_dtype") and v is not None]
+    if len(node.args) > 3 or extra:
+        ctx.fail(node, "grouped_mm with a bias or other extra arguments")
+    if not ax.is_token or ax.order is None or ax.points is not None or ax.pos != 0 or ax.ndim != 2:
+        return _refuse(ctx, node, ax, "grouped_mm of rows that are not in a sort order of the flattened tokens")
+    if not fw.is_const or fo.groups is None or fo.groups[0] != "offsets" or fo.groups[1] is not ax.order:
+        ctx.fail(node, "grouped_mm whose weights are not constant or whose offsets are not the group offsets of "
+                       "the sort that orders its rows")
+    ws = shape_of(w)
+    if ws is None or len(ws) != 3 or ws[0] != fo.groups[2]:
+        ctx.fail(node, "grouped_mm with a weight count other than the number of groups")
+    return token(2, None, 0, ax.window, flat=ax.flat, order=ax.order)
+
+
+__all__ = ["sort_output", "region_getitem", "region_op"]
