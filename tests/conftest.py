@@ -1,5 +1,6 @@
 """Shared test setup: strict mode (BRCOMPILE_STRICT=1), TRITON_INTERPRET=1 without a GPU, the repo root on
-sys.path (for ``examples`` / ``benchmarks``), fresh Dynamo state and fresh brcompile counters in every test."""
+sys.path (for ``examples`` / ``benchmarks`` / ``tests.helpers``), fresh Dynamo state and fresh brcompile counters in
+every test; the ``float64_norms`` fixture. Shared plain helpers are in tests/helpers.py."""
 import os
 import sys
 from pathlib import Path
@@ -33,3 +34,22 @@ def _fresh_compile_state():
     brcompile.reset_stats()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def float64_norms(monkeypatch):
+    """HF's RMSNorms (Llama, Qwen2, Qwen3, Mistral, Gemma3) with their math in the model's dtype instead of
+    float32: a float64 model's gradients can then be held to the float64 bound (tests/models/test_hf.py's
+    docstring says why HF's float32 norm gives the float32 bound only). Skips without transformers."""
+    from tests.helpers import gemma_rmsnorm_in_input_dtype, rmsnorm_in_input_dtype, transformers_or_skip
+
+    transformers_or_skip()
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    for cls in (LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm):
+        monkeypatch.setattr(cls, "forward", rmsnorm_in_input_dtype)
+    monkeypatch.setattr(Gemma3RMSNorm, "forward", gemma_rmsnorm_in_input_dtype)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from brcompile.backends import ops
+from brcompile.testing import TOLERANCE
 from brcompile.backends.ops import (
     AttentionImpl,
     AttentionImplError,
@@ -179,7 +180,7 @@ def assert_rel_close(actual, expected, tol, what=""):
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(scale, 1e-30), msg=lambda m: f"{what}: {m}")
 
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TOL = TOLERANCE  # the contract's bound per dtype (brcompile.testing)
 
 
 def _run_packed_and_dense(case, hq, hkv, d, dtype, impl, seed=0):

@@ -25,13 +25,6 @@ from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss  # noqa: E
 F64 = dict(atol=1e-12, rtol=1e-10)
 
 
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def small_config(**kw) -> GPTConfig:
     """A tiny model with odd-ish sizes: vocab 53, dim 24 (3 heads of 8, GQA 3 -> 1), hidden 40."""
     base = dict(vocab_size=53, dim=24, n_layers=2, n_heads=3, n_kv_heads=1, hidden_dim=40)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import brcompile
-from brcompile.testing import assert_exact, rel_err
+from brcompile.testing import TOLERANCE, assert_exact, rel_err
 from examples import dpo, ppo
 from examples.gpt import GPTConfig, GPT
+from tests.helpers import assert_replayed
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TOL = TOLERANCE  # the contract's bound per dtype (brcompile.testing)
 BACKEND_OPTIONS = dict(compiler="aot_eager")  # no Inductor codegen: fast on 2 CPU cores
 
 
@@ -27,12 +28,6 @@ def tiny_config(**kw) -> GPTConfig:
     cfg = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48)
     cfg.update(kw)
     return GPTConfig(**cfg)
-
-
-def assert_replayed(calls: int):
-    s = brcompile.stats()
-    assert s.replayed_calls == calls and s.fallback_calls == 0, str(s)
-    assert s.executed_tokens < s.logical_tokens, str(s)
 
 
 # ------------------------------------------------------------------------------------------------ DPO

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import brcompile
-from brcompile.testing import rel_err
+from brcompile.testing import TOLERANCE, rel_err
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss
+from tests.helpers import grpo_args
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TOL = TOLERANCE  # the contract's bound per dtype (brcompile.testing)
 V = 61
 
 
@@ -29,10 +30,6 @@ def batch(dtype=torch.float64, seed=1, **kw):
     spec = dict(num_prompts=2, group_size=4, prompt_len=(5, 8), response_len=(2, 5), shared_response_prefix=1)
     spec.update(kw)
     return make_grpo_batch(vocab_size=V, seed=seed, dtype=dtype, **spec)
-
-
-def grpo_args(b):
-    return (b["input_ids"], b["attention_mask"], b["completion_mask"], b["advantages"], b["old_logprobs"])
 
 
 def compiled_run(fn, model, args, **options):

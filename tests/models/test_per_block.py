@@ -15,6 +15,7 @@ from brcompile import runtime
 from brcompile.testing import assert_exact
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch
+from tests.helpers import assert_replayed, grpo_args, hf_tiny_model
 
 BACKEND_OPTIONS = dict(compiler="aot_eager")  # AOTAutograd, no Inductor codegen: fast on 2 cores
 CFG = dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=48)
@@ -56,11 +57,6 @@ class PerBlock(torch.nn.Module):
         return m.logits(m.norm(h))
 
 
-def grpo_args(batch):
-    return (batch["input_ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"],
-            batch["old_logprobs"])
-
-
 def check_exact(model, run, dtype=torch.float64):
     """run(model) -> loss, eagerly (reference) and through the compiled pieces: loss and every grad."""
     params = list(model.parameters())
@@ -73,13 +69,6 @@ def check_exact(model, run, dtype=torch.float64):
         assert (a is None) == (b is None), name
         if b is not None:
             assert_exact(a, b, dtype, f"grad of {name}")
-
-
-def assert_replayed(calls):
-    s = brcompile.stats()
-    assert s.replayed_calls == calls and s.fallback_calls == 0, str(s)
-    assert s.rewritten_graphs > 0, str(s)
-    assert s.executed_tokens < s.logical_tokens, str(s)
 
 
 # ------------------------------------------------------------------------------------------------ per block
@@ -294,27 +283,7 @@ def test_float_keys_compare_bitwise_not_by_value():
 
 
 def _llama(num_layers=3):
-    transformers = pytest.importorskip("transformers", minversion="5.0")
-    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float64)
-
-
-@pytest.fixture
-def llama_norms_in_float64(monkeypatch):
-    """HF's RMSNorm computes in float32 even in a float64 model; with its math in float64 the gradients can
-    be held to the float64 bound."""
-    transformers = pytest.importorskip("transformers", minversion="5.0")
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    def forward(self, hidden_states):
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
-    return transformers
+    return hf_tiny_model("llama", "sdpa", torch.float64, num_hidden_layers=num_layers)
 
 
 def shared_ids(rows=5, prompt=7, response=4, seed=1):
@@ -339,7 +308,7 @@ def check_hf(model, fn, dtype=torch.float64):
     return compare
 
 
-def test_hf_llama_compiled_per_decoder_layer(llama_norms_in_float64):
+def test_hf_llama_compiled_per_decoder_layer(float64_norms):
     """layer.compile() on every LlamaDecoderLayer, no padding (HF passes no mask: SDPA is_causal): every
     layer replays; the rotary cos/sin [1, L, head_dim] are per-position inputs, the hidden states the key."""
     model = _llama()
@@ -354,7 +323,7 @@ def test_hf_llama_compiled_per_decoder_layer(llama_norms_in_float64):
     assert sources == ["built", "provenance", "provenance"]
 
 
-def test_hf_llama_padding_mask_per_layer_replays(llama_norms_in_float64):
+def test_hf_llama_padding_mask_per_layer_replays(float64_norms):
     """With padding HF builds a 4D mask once and hands it to every layer: each layer's graph reads its meaning
     off the tensor (causal & key padding) and replays."""
     model = _llama(num_layers=2)
@@ -369,7 +338,7 @@ def test_hf_llama_padding_mask_per_layer_replays(llama_norms_in_float64):
     assert_replayed(2)
 
 
-def test_hf_llama_graph_break_inside_forward(llama_norms_in_float64):
+def test_hf_llama_graph_break_inside_forward(float64_norms):
     """A graph break inside the model's forward (a pre-hook on a layer calling graph_break) splits the compiled
     model into graphs that see hidden states: those with attention replay, the rest run unchanged."""
     model = _llama()

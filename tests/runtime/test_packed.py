@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import brcompile
-from brcompile.testing import assert_exact
+from brcompile.testing import TOLERANCE, assert_exact
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss
+from tests.helpers import assert_replayed
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TOL = TOLERANCE  # the contract's bound per dtype (brcompile.testing)
 # AOTAutograd over the packed graph (no Inductor codegen) keeps the suite fast on 2 cores; the default
 # compiler (inductor, dynamic shapes) has its own tests below.
 BACKEND = brcompile.backend(compiler="aot_eager")
@@ -50,13 +51,6 @@ def check_exact(model, loss_fn, args, dtype=torch.float64, **kw):
 def grpo_args(batch, use_mask=True):
     return (batch["input_ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"],
             batch["old_logprobs"], 0.2, use_mask)
-
-
-def assert_replayed(calls=1):
-    s = brcompile.stats()
-    assert s.replayed_calls == calls, f"expected {calls} replayed call(s), got {s}"
-    assert s.fallback_calls == 0, str(s)
-    assert s.executed_tokens < s.logical_tokens
 
 
 BATCHES = {

@@ -20,37 +20,16 @@ import brcompile
 from brcompile.runtime.tree import build_sequence_tree, build_tree, drop_padding, sequence_layout_problem
 from brcompile.testing import assert_exact, assert_subtree_ranges
 
-transformers = pytest.importorskip("transformers", minversion="5.0")
-from transformers import AutoModelForCausalLM  # noqa: E402
+from tests.helpers import assert_replayed, hf_tiny_model
 
 EAGER_ONLY = brcompile.backend(compiler="eager")
 DROP_PADDING = brcompile.backend(compiler="eager", drop_padding=True)
 VOCAB = 61
-TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
-FAMILIES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
 
 
 def make_model(family: str, impl: str = "sdpa", dtype=torch.float64):
-    cfg = FAMILIES[family](**TINY, attn_implementation=impl)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).to(dtype)
-
-
-def _rmsnorm_in_input_dtype(self, hidden_states):
-    """HF's Llama/Qwen2 RMSNorm with its math in the input's dtype (HF's own casts to float32: with them,
-    a shared token's gradient agrees to the float32 bound only; tests/models/test_hf.py)."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-@pytest.fixture
-def float64_norms(monkeypatch):
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-
-    for cls in (LlamaRMSNorm, Qwen2RMSNorm):
-        monkeypatch.setattr(cls, "forward", _rmsnorm_in_input_dtype)
+    """A tiny HF ``family`` model (skips without transformers)."""
+    return hf_tiny_model(family, impl, dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,18 +121,13 @@ def run_layout(model, args, backend=EAGER_ONLY, tol=torch.float64, dynamic=False
     return brcompile.stats()
 
 
-def assert_replayed(s, calls=1):
-    assert s.replayed_calls == calls and s.fallback_calls == 0, str(s)
-    assert s.executed_tokens < s.logical_tokens, str(s)
-
-
 def padded_executed_tokens(model, seqs):
     """Executed tokens of the padded layout of the same rollouts, its padding dropped (drop_padding=True):
     exactly the distinct prefixes of the rollouts."""
     ids, am, cm = padded_layout(seqs)
     torch._dynamo.reset()
     s = run_layout(model, (ids, None, am, cm), backend=DROP_PADDING)
-    assert_replayed(s)
+    assert_replayed(s=s)
     torch._dynamo.reset()
     return s.executed_tokens
 
@@ -169,13 +143,19 @@ def padded_executed_tokens(model, seqs):
     pytest.param("qwen2", "two_rows", "packed", marks=pytest.mark.slow),
 ])
 def test_padding_free_replays_exactly(float64_norms, family, layout, mode):
-    """SDPA, float64: loss and every gradient to 1e-10; the rewrite ran, with the padded layout's dedup."""
+    """SDPA, float64: loss and every gradient to 1e-10; the rewrite ran, with the padded layout's dedup; the
+    masks were classified causal within sequences and the tree was built over the six sequences."""
     model = make_model(family)
     seqs = rollouts()
     ids, pos, cm = padding_free_layout(seqs, LAYOUTS[layout])
     backend = brcompile.backend(compiler="eager", mode=mode, chunk_tokens=8)
     s = run_layout(model, (ids, pos, None, cm), backend=backend)
-    assert_replayed(s)
+    assert_replayed(s=s)
+    (rec,) = backend.records
+    assert rec.rewritten, rec.reason
+    assert rec.masks and all("causal+sequences(" in m for m in rec.masks), rec.masks
+    if mode == "packed":
+        assert rec.runtime.last_tree.packed_sequences and rec.runtime.last_tree.stats.sequences == 6
     assert s.streamed_calls == (mode == "replay"), str(s)
     assert s.logical_tokens == ids.numel()
     # the distinct prefixes: 2 prompts (11 tokens) + 17 response tokens - 1 shared first response token
@@ -202,47 +182,36 @@ def test_padding_free_eager_attention():
     SDPA, classified causal within sequences, replayed to the float32 bound."""
     model = make_model("llama", impl="eager", dtype=torch.float32)
     ids, pos, cm = padding_free_layout(rollouts(), LAYOUTS["two_rows"])
-    assert_replayed(run_layout(model, (ids, pos, None, cm), tol=torch.float32))
-
-
-def test_mask_is_classified_as_sequences():
-    model = make_model("llama")
-    ids, pos, cm = padding_free_layout(rollouts(), LAYOUTS["one_row"])
-    backend = brcompile.backend(compiler="eager")
-    torch.compile(functools.partial(next_token_loss, model), backend=backend)(ids, pos, None, cm)
-    (rec,) = backend.records
-    assert rec.rewritten, rec.reason
-    assert rec.masks and all("causal+sequences(" in m for m in rec.masks), rec.masks
-    assert rec.runtime.last_tree.packed_sequences and rec.runtime.last_tree.stats.sequences == 6
+    assert_replayed(s=run_layout(model, (ids, pos, None, cm), tol=torch.float32))
 
 
 # --------------------------------------------------------------------------------------------------
 # fallbacks
 
 
-@pytest.mark.parametrize("bad", ["offset", "gap"])
-def test_malformed_position_ids_fall_back(bad):
+def test_malformed_position_ids_fall_back():
     """Position ids that do not start every sequence at 0 (a row starting at 3) or that jump inside one
-    (0, 1, 2, 5, ...): the packed-sequence guard refuses the call, the original graph runs (exact)."""
+    (0, 1, 2, 5, ...): the packed-sequence guard refuses each call, the original graph runs (exact). One
+    compile serves both calls: the guard is per call."""
     model = make_model("llama")
     fn = functools.partial(next_token_loss, model)
     compiled = torch.compile(fn, backend=EAGER_ONLY)
-    ids, pos, cm = padding_free_layout(rollouts(), LAYOUTS["one_row"])
-    good = pos.clone()
-    compiled(ids, good, None, cm)  # compiles (and replays) on well-formed position ids
-    brcompile.reset_stats()
-    if bad == "offset":
-        pos = pos.clone()
-        pos[0, :8] += 3
-    else:
-        pos = pos.clone()
-        pos[0, 3:8] += 2
-    ref = fn(ids, pos, None, cm)
-    out = compiled(ids, pos, None, cm)
-    assert_exact(out, ref, torch.float64, "loss")
-    s = brcompile.stats()
-    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    assert any("position ids do not split the rows into sequences" in r for r in s.fallback_reasons), str(s)
+    ids, good, cm = padding_free_layout(rollouts(), LAYOUTS["one_row"])
+    compiled(ids, good.clone(), None, cm)  # compiles (and replays) on well-formed position ids
+    for bad in ("offset", "gap"):
+        brcompile.reset_stats()
+        pos = good.clone()
+        if bad == "offset":
+            pos[0, :8] += 3
+        else:
+            pos[0, 3:8] += 2
+        ref = fn(ids, pos, None, cm)
+        out = compiled(ids, pos, None, cm)
+        assert_exact(out, ref, torch.float64, f"loss ({bad})")
+        s = brcompile.stats()
+        assert s.replayed_calls == 0 and s.fallback_calls == 1, f"{bad}: {s}"
+        assert any("position ids do not split the rows into sequences" in r for r in s.fallback_reasons), \
+            f"{bad}: {s}"
 
 
 def test_column_dependent_value_is_refused():

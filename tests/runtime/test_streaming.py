@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import brcompile
-from brcompile.testing import rel_err
+from brcompile.testing import TOLERANCE, rel_err
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch
+from tests.helpers import hf_tiny_model
 
-TOL = 1e-10
+TOL = TOLERANCE[torch.float64]
 
 
 
@@ -184,29 +185,17 @@ def test_explain_shows_the_split_and_schedule():
 
 
 # ------------------------------------------------------------------------------------------------- HF
-# Only these tests need transformers: the skip is per test, so the GPT tests above still run without it.
-
-
-def _rmsnorm_in_input_dtype(self, hidden_states):
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+# Only these tests need transformers: hf_tiny_model skips per test, so the GPT tests above still run without it.
 
 
 @pytest.mark.parametrize("norms", ["hf", "float64"])
-def test_hf_qwen2_streamed(norms, monkeypatch):
+def test_hf_qwen2_streamed(norms, request):
     """An unmodified Qwen2 (SDPA, float64) model-only compile on a left-padded prompt + right-padded
     completion batch. HF's RMSNorm rounds to float32, so gradients meet the float32 bound (as in packed
     mode, tests/models/test_hf.py); with the norms in float64 every gradient meets 1e-10."""
-    transformers = pytest.importorskip("transformers", minversion="5.0")
     if norms == "float64":
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-
-        monkeypatch.setattr(Qwen2RMSNorm, "forward", _rmsnorm_in_input_dtype)
-    cfg = transformers.Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).double()
+        request.getfixturevalue("float64_norms")
+    model = hf_tiny_model("qwen2", "sdpa", torch.float64)
     batch = make_grpo_batch(vocab_size=61, seed=2, num_prompts=2, group_size=6, prompt_len=(4, 8),
                             response_len=(2, 5), left_pad_prompts=True)
 
@@ -215,7 +204,7 @@ def test_hf_qwen2_streamed(norms, monkeypatch):
 
     backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=7)
     rec = check(logits, (batch["input_ids"], batch["attention_mask"]), list(model.parameters()), backend,
-                grad_tol=TOL if norms == "float64" else 1e-5)
+                grad_tol=TOLERANCE[torch.float64 if norms == "float64" else torch.float32])
     assert_streamed(rec)
 
 

@@ -1,0 +1,77 @@
+"""Helpers shared by the test files, imported as ``from tests.helpers import ...`` (tests/conftest.py puts the
+repo root on sys.path; ``tests`` is a namespace package, like ``tests.models.zoo``). Fixtures live in
+tests/conftest.py; the one tolerance table is ``brcompile.testing.TOLERANCE``.
+
+* ``grpo_args``: the positional arguments of ``examples.grpo.grpo_loss`` from a GRPO batch.
+* ``assert_replayed``: the counters show that the packed graph really ran (no silent fallback).
+* tiny HuggingFace models: ``transformers_or_skip``, ``HF_TINY``, ``hf_tiny_model``, and the RMSNorm forwards
+  with their math in the input's dtype (the ``float64_norms`` fixture installs them).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import brcompile
+
+
+def grpo_args(batch, *extra):
+    """(input_ids, attention_mask, completion_mask, advantages, old_logprobs, *extra) of a GRPO batch
+    (``examples.grpo.make_grpo_batch``); ``extra`` e.g. ``0.2, use_mask`` for ``grpo_loss``'s clip and mask flag."""
+    return (batch["input_ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"],
+            batch["old_logprobs"], *extra)
+
+
+def assert_replayed(calls: int = 1, s=None):
+    """``calls`` calls ran the packed graph, none fell back, a graph was rewritten and tokens were shared
+    (``s``: a ``brcompile.stats()`` snapshot; the current counters by default)."""
+    s = brcompile.stats() if s is None else s
+    assert s.replayed_calls == calls and s.fallback_calls == 0, str(s)
+    assert s.rewritten_graphs > 0, str(s)
+    assert s.executed_tokens < s.logical_tokens, str(s)
+
+
+# ------------------------------------------------------------------------------------ tiny HF models
+
+
+def transformers_or_skip():
+    """The ``transformers`` module (5.x), or skip the calling test (CI installs it: ``.[dev]``)."""
+    return pytest.importorskip("transformers", minversion="5.0")
+
+
+#: hidden 32, 2 layers, vocab 61: the size every HF test uses unless it needs more
+HF_TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128)
+#: family -> (config class name, the config overrides it needs at HF_TINY's size)
+HF_FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=8)),  # q/k RMS norms
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "gemma2": ("Gemma2Config", dict(head_dim=8)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=8)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=None)),
+}
+
+
+def hf_tiny_model(family: str = "llama", impl: str = "sdpa", dtype=torch.float64, seed: int = 0, **overrides):
+    """``AutoModelForCausalLM.from_config`` of a tiny ``family`` config (HF_TINY, then the family's
+    overrides, then ``overrides``), random weights from ``seed``, in ``dtype`` (None: as built, float32)."""
+    transformers = transformers_or_skip()
+    cls_name, extra = HF_FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**{**HF_TINY, **extra, **overrides}, attn_implementation=impl)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model if dtype is None else model.to(dtype)
+
+
+def rmsnorm_in_input_dtype(self, hidden_states):
+    """HF's Llama/Qwen2/Qwen3/Mistral RMSNorm with its math in the input's dtype (HF's own casts to float32:
+    with them a shared token's gradient agrees to the float32 bound only; tests/models/test_hf.py)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def gemma_rmsnorm_in_input_dtype(self, x):
+    """Gemma3's RMSNorm (``x * rsqrt(mean(x^2) + eps) * (1 + w)``) without its ``x.float()``."""
+    return self._norm(x) * (1.0 + self.weight)
