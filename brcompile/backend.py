@@ -59,6 +59,11 @@ class Options:
         rewrite or the streaming split instead of running the original graph (or the packed mode) with
         the reason "internal error: ...". CannotReplay, a typed refusal, still falls back. Default False,
         or True when the environment variable BRCOMPILE_STRICT=1 is set (the test suite runs strict).
+    verify: on the first call of each rewritten graph that would replay, also run the original graph
+        (forward, no grad, same RNG state) and compare every output within the dtype's bound (float64
+        1e-10, float32 1e-5, bfloat16 2e-2, float16 2e-3 relative); if they differ, that call and every
+        later call of the graph run the original, with both values in the reason. Costs one extra
+        forward of each graph, once. Forward values only: gradients are not compared.
     """
 
     min_dedup: float = 1.05
@@ -71,6 +76,7 @@ class Options:
     memory_budget: Optional[int] = None
     chunk_tokens: int = 2048
     strict: bool = dataclasses.field(default_factory=strict_default)
+    verify: bool = False
 
     def __post_init__(self):
         if self.compiler not in COMPILERS:
@@ -164,7 +170,8 @@ class BranchReplayBackend:
                                    an.key_padding if an.keypad is not None else None, opts.min_dedup,
                                    eager_packed=packed.forward,
                                    guards=[g for g in an.guards if not (opts.drop_padding and g.padding_only)],
-                                   drop_padding=opts.drop_padding, streaming=streaming, strict=opts.strict)
+                                   drop_padding=opts.drop_padding, streaming=streaming, strict=opts.strict,
+                                   verify=opts.verify)
         fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]
         covered = {name for n in fused_nodes for name in n.meta.get("br_fused_covers", ())}
         rec = GraphRecord(

@@ -9,7 +9,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from torch.utils._pytree import tree_leaves
+
 from brcompile.runtime import tree as tree_mod
+from brcompile.testing import TOLERANCE, rel_err
 from brcompile.runtime.stats import _record
 from brcompile.runtime.streaming import StreamingRuntime
 from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, rows_agree
@@ -108,6 +111,10 @@ def _node_validity(tree: PackedTree, key_padding: torch.Tensor) -> Optional[torc
     return v if torch.equal(v[index], kp) else None
 
 
+#: ``verify=True`` bounds on the relative error of a packed graph's outputs, by dtype: reassociation only.
+VERIFY_TOLERANCE = {**TOLERANCE, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
 def _describe_key(x: Any) -> str:
     if not isinstance(x, torch.Tensor):
         return type(x).__name__
@@ -130,8 +137,10 @@ class PackedRuntime:
                  max_calls_logged: int = 64,
                  eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = (),
                  drop_padding: bool = False, streaming: Optional[StreamingRuntime] = None,
-                 strict: bool = False):
+                 strict: bool = False, verify: bool = False):
         self.original = original
+        self.verify = verify  # compare the first replayed call's outputs with the original graph's
+        self.verify_failed: Optional[str] = None  # set when that comparison failed: every call runs the original
         self.strict = strict  # re-raise a failing packed/streaming forward instead of running the original
         self.guards = tuple(guards)  # passes.guards.BatchGuard: args -> None or the reason to fall back
         self.packed = packed
@@ -155,6 +164,10 @@ class PackedRuntime:
             self.calls.append(rec)
 
     def __call__(self, *args):
+        if self.verify_failed is not None:
+            _record(fallback_calls=1, reason=self.verify_failed)
+            self._log_call(CallRecord(False, None, self.verify_failed))
+            return self.original(*args)
         for guard in self.guards:
             reason = guard(args)
             if reason is not None:
@@ -188,6 +201,15 @@ class PackedRuntime:
             log.debug("branch_replay call falls back: %s", reason)
             return self.original(*args)
         tree_args = tree.graph_args()
+        if self.verify:
+            self.verify = False
+            reason = self._verify(args, tree_args)
+            if reason is not None:
+                self.verify_failed = reason
+                log.warning("branch_replay: %s", reason)
+                _record(fallback_calls=1, reason=reason)
+                self._log_call(CallRecord(False, st.to_dict(), reason))
+                return self.original(*args)
         why_packed = None if self.streaming is None else self.streaming.choose(tree)
         if why_packed is not None:
             log.debug("branch_replay call runs packed, not streamed: %s", why_packed)
@@ -223,6 +245,38 @@ class PackedRuntime:
         log.debug("branch_replay call: %s (tree %s)", st, source)
         self._tag_outputs(out, tree, mask)
         return out
+
+    def _verify(self, args: Sequence[Any], tree_args: Sequence[Any]) -> Optional[str]:
+        """``verify=True``: run the original and the packed graph forward on this call (no grad, the same RNG
+        state) and compare every output: floating ones within :data:`VERIFY_TOLERANCE` of their dtype
+        (``rel_err``), others equal. None when they agree, else the reason (with both values of the first
+        scalar output that differs: the loss, for a loss function)."""
+        run = self.eager_packed or self.packed
+        devices = [a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
+        with torch.no_grad():
+            with torch.random.fork_rng(devices=devices):
+                want = self.original(*args)
+            with torch.random.fork_rng(devices=devices):
+                got = run(*args, *tree_args)
+        want_l, got_l = tree_leaves(want), tree_leaves(got)
+        if len(want_l) != len(got_l):
+            return f"verify=True: the packed graph returned {len(got_l)} outputs, the original {len(want_l)}"
+        for i, (w, g) in enumerate(zip(want_l, got_l)):
+            if not isinstance(w, torch.Tensor):
+                continue
+            if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
+                return f"verify=True: output {i} differs in kind, shape or dtype from the original graph's"
+            if w.is_floating_point():
+                err = rel_err(g, w)
+                tol = VERIFY_TOLERANCE.get(w.dtype, 1e-2)
+                if not err <= tol:  # NaN fails too
+                    both = f" (original {w.item():.10g}, packed {g.item():.10g})" if w.numel() == 1 else ""
+                    return (f"verify=True: output {i} of the packed graph differs from the original graph's by "
+                            f"{err:.2e} relative (bound {tol:.0e} for {str(w.dtype).replace('torch.', '')})"
+                            f"{both}; every call of this graph runs the original")
+            elif not torch.equal(g, w):
+                return f"verify=True: integer/bool output {i} of the packed graph differs from the original graph's"
+        return None
 
     def _failed(self, e: Exception, what: str, st, args):
         """A packed (or streaming) forward that raised: a bug of the rewrite that the compile-time checks
