@@ -376,7 +376,7 @@ class Qwen2Subject:
 
     def tolerance(self, dtype: torch.dtype) -> float:
         """The float32 bound whatever ``dtype``: HF's RMSNorm normalises in float32 even in a float64 model,
-        and a shared token's gradient is summed in another order by the packed backward (tests/core/test_hf.py
+        and a shared token's gradient is summed in another order by the packed backward (tests/models/test_hf.py
         measures ~1e-7 in float64)."""
         return 1e-5
 
