@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from examples.gpt import apply_rotary_pos_emb, repeat_kv
+from examples.grpo import grpo_surrogate
 
 
 class PrefixGrouperError(ValueError):
@@ -39,19 +40,6 @@ def status() -> tuple[bool, str]:
     except ImportError as e:
         return False, f"prefix_grouper is not installed (pip install prefix-grouper): {e}"
     return True, f"prefix_grouper {getattr(pkg, '__version__', '?')}"
-
-
-def grpo_surrogate(logp: torch.Tensor, completion_mask: torch.Tensor, advantages: torch.Tensor,
-                   old_logprobs: torch.Tensor, clip_eps: float = 0.2) -> torch.Tensor:
-    """``examples.grpo.grpo_loss`` from the next-token log-probs ``logp`` [B, L-1] on:
-    ``-mean_b(sum_t m s / max(1, sum_t m))``, ``s = min(r A, clip(r, 1-eps, 1+eps) A)``, ``r = exp(logp - old)``,
-    ``m = completion_mask[:, 1:]``."""
-    ratio = torch.exp(logp - old_logprobs)
-    adv = advantages[:, None]
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    mask = completion_mask[:, 1:].to(surrogate.dtype)
-    per_sequence = (surrogate * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
-    return -per_sequence.mean()
 
 
 @dataclasses.dataclass

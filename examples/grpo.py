@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-__all__ = ["make_grpo_batch", "grpo_loss", "masked_nll_loss"]
+__all__ = ["make_grpo_batch", "grpo_loss", "grpo_surrogate", "masked_nll_loss"]
 
 
 def _as_range(value, name: str) -> tuple[int, int]:
@@ -136,6 +136,13 @@ def grpo_loss(model, input_ids, attention_mask, completion_mask, advantages, old
     """
     logits = model(input_ids, attention_mask if use_attention_mask else None)
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return grpo_surrogate(logp, completion_mask, advantages, old_logprobs, clip_eps)
+
+
+def grpo_surrogate(logp, completion_mask, advantages, old_logprobs, clip_eps=0.2):
+    """The loss of :func:`grpo_loss` from the next-token log-probs ``logp`` [B, L-1]:
+    ``-mean_b(sum_t m s / max(1, sum_t m))``, ``s = min(r A, clip(r, 1-eps, 1+eps) A)``, ``r = exp(logp - old)``,
+    ``m = completion_mask[:, 1:]``."""
     ratio = torch.exp(logp - old_logprobs)
     adv = advantages[:, None]
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)

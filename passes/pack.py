@@ -154,14 +154,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         B, L = hint(tuple(example_value(token_ids).shape))
     else:
         B, L = _attention_batch_dims(attentions[0])
-    needed: set[fx.Node] = set()  # everything the attentions read, masks included
-    needed_qkv: set[fx.Node] = set()  # everything their queries, keys and values read
-    for a, m in zip(attentions, mask_args):
-        for arg in node_args(a):
-            anc = masks_mod.ancestors(arg)
-            needed.update(anc)
-            if arg is not m:
-                needed_qkv.update(anc)
+    needed, needed_qkv = _attention_inputs(attentions, mask_args)
     outside = {a: m for a, m in zip(attentions, mask_args) if input_masks.input_mask_source(m) is not None}
     outside_sources = {input_masks.input_mask_source(m) for m in outside.values()}
     tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L) and p not in outside_sources]
@@ -178,13 +171,48 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with
     mask_keys = [p for p in tree_inputs if example_value(p).dim() == 2]
     mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in mask_args if isinstance(m, fx.Node)])
+    classified = _classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_mask,
+                                 set(outside))
+    keypads = {info.keypad for info in classified.values() if info.keypad is not None}
+    if len(keypads) > 1:
+        raise CannotReplay("attentions use different key-padding inputs")
+    keypad = next(iter(keypads), None)
+    sequences = _sequences_input(attentions, classified)
+    ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs)
+    ctx.notes.update(classified)
+    propagate(ctx)
+    if sequences is not None:
+        _check_column_free(gm, mask_nodes, sequences)
+    guards = canon.guards + _mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences,
+                                         mask_keys, placeholders, example_inputs)
+    return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
+                    guards, canon.notes, sequences, input_mask)
+
+
+def _attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:
+    """(everything the attentions read, masks included; everything their queries, keys and values read)."""
+    needed: set[fx.Node] = set()
+    needed_qkv: set[fx.Node] = set()
+    for a, m in zip(attentions, mask_args):
+        for arg in node_args(a):
+            anc = masks_mod.ancestors(arg)
+            needed.update(anc)
+            if arg is not m:
+                needed_qkv.update(anc)
+    return needed, needed_qkv
+
+
+def _classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_mask, outside: set) -> dict:
+    """Every causal attention's :class:`.masks.MaskInfo`: ``is_causal`` alone is causal; a mask from outside the
+    graph means what :mod:`.input_masks` read off it; any other mask is probed (:func:`.masks.classify`).
+    Attentions without a mask and without ``is_causal`` are left out (the sdpa rule names them)."""
     classified: dict[fx.Node, masks_mod.MaskInfo] = {}
     for a, m in zip(attentions, mask_args):
         is_causal = a.kwargs.get("is_causal", a.args[5] if len(a.args) > 5 else False)
         if m is None:
             if is_causal:
                 classified[a] = masks_mod.MaskInfo("causal")
-            continue  # bidirectional: the sdpa rule names it
+            continue
         if is_causal:
             raise CannotReplay("attention with both a mask and is_causal=True", a)
         if a in outside:
@@ -196,20 +224,19 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
             raise CannotReplay("the attention mask is built in the graph without any [B, L] input (token ids, "
                                "attention mask): its meaning cannot be probed; use is_causal=True", a)
         classified[a] = masks_mod.classify(a, m, mask_keys, values)
-    keypads = {info.keypad for info in classified.values() if info.keypad is not None}
-    if len(keypads) > 1:
-        raise CannotReplay("attentions use different key-padding inputs")
-    keypad = next(iter(keypads), None)
-    sequences = _sequences_input(attentions, classified)
-    ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs)
-    ctx.notes.update(classified)
-    propagate(ctx)
-    guards = canon.guards + eager_attention.mask_guards(
-        canon, {a: i for a, i in classified.items() if a not in outside}, placeholders)
+    return classified
+
+
+def _mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences, mask_keys,
+                 placeholders, example_inputs) -> list[BatchGuard]:
+    """The per-call guards of what the mask classification assumed: no query without keys (eager additive
+    masks), the mask from outside the graph still causal & key padding, well-formed packed sequences, the
+    length a probed meaning is proven for."""
+    guards = eager_attention.mask_guards(canon, {a: i for a, i in classified.items() if a not in outside},
+                                         placeholders)
     if input_mask is not None:
         guards.append(input_mask.guard())
     if sequences is not None:
-        _check_column_free(gm, mask_nodes, sequences)
         guards.append(masks_mod.sequences_guard(classified[attentions[0]], placeholders))
     raw = dict(zip(placeholders, example_inputs))
     for m in dict.fromkeys(m for a, m in zip(attentions, mask_args)
@@ -218,8 +245,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         g = masks_mod.meaning_guard(a, m, classified[a], mask_keys, placeholders, raw)
         if g is not None:  # a dynamic-length graph whose mask is proven up to a length only: O(1) length guard
             guards.append(g)
-    return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
-                    guards, canon.notes, sequences, input_mask)
+    return guards
 
 
 def _input_mask(outside: dict, placeholders: list, example_inputs: Sequence[Any]) -> Optional[input_masks.InputMask]:

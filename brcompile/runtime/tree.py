@@ -136,17 +136,11 @@ class TokenArrays(NamedTuple):
     segments: Any
 
 
-class TreeArgs(NamedTuple):
+class TreeArgs(NamedTuple("_TreeArgs", [("index", Any), *((f, Any) for f in TokenArrays._fields)])):
     """Every tree input of a packed graph, after the original inputs (:meth:`PackedTree.graph_args`):
     ``index`` (dense ``[B, L]`` -> packed id, for the dense reads) then the :class:`TokenArrays`."""
 
-    index: Any
-    rep_row: Any
-    position: Any
-    end: Any
-    valid: Any
-    all_valid: Any
-    segments: Any
+    __slots__ = ()
 
     @property
     def tokens(self) -> TokenArrays:
