@@ -402,7 +402,7 @@ def summarize(rows: list[dict]) -> dict:
         for c in {reason_class(x) for x in row_reasons(r)}:
             classes[c] += 1
             examples.setdefault(c, []).append(r["arch"])
-    not_inst = collections.Counter(reason_class(r["error"] or "")[:100] for r in rows
+    not_inst = collections.Counter(re.sub(r"\d+", "N", (r["error"] or "").split(" {")[0])[:120] for r in rows
                                    if r["status"] == "not instantiable")
     return dict(counts={c: counts.get(c, 0) for c in CLASSES}, total=len(rows), runnable=runnable,
                 replay_pct=(100.0 * (counts["replayed"]) / runnable) if runnable else 0.0,
@@ -440,7 +440,7 @@ def markdown(result: dict) -> str:
     out.append("")
     out.append("| arch | class | result | attn | dtype | bound | loss err | worst grad err | tokens exec/logical | why |")
     out.append("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["arch"]):
         why = r.get("error") or ""
         if r["status"] in ("fell back", "partly"):
             why = "; ".join(sorted({reason_class(x) for x in row_reasons(r)})) or why
