@@ -169,6 +169,8 @@ def expand(ctx: AxesContext, node):
     number of new leading dims) and must not be expanded themselves."""
     x = node.args[0]
     ax = get_axes(x)
+    if not ax.is_token:  # expand_as(constant, token value): the token value only gives the (dense) shape
+        return dense_fallback(ctx, node, "expand of a value without token dims to a token value's shape")
     ins, outs = shape_of(x), shape_of(node)
     off = len(outs) - len(ins)
     for d in ax.token_dims():
