@@ -60,15 +60,15 @@ ALLOCATING_FUNCTIONS = {
     torch.clone, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
     torch.empty_like, torch.full_like, torch.arange, torch.masked_fill, torch.pow, torch.abs,
     F.linear, torch._C._nn.linear, F.softmax, F.log_softmax, F.silu, F.gelu, F.relu, F.embedding,
-    F.layer_norm, F.one_hot,
+    F.layer_norm, F.one_hot, torch.gather, torch.index_select, torch.take_along_dim, F.sigmoid, F.softplus,
 }
 
 #: call_method names whose result is always a new tensor.
 ALLOCATING_METHODS = {
     "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "softmax",
     "log_softmax", "sum", "mean", "cumsum", "clone", "masked_fill", "new_zeros", "new_ones", "new_empty",
-    "new_full", "abs", "__add__", "__sub__", "__mul__", "__truediv__", "__radd__", "__rmul__", "__rsub__",
-    "__neg__", "__matmul__",
+    "new_full", "abs", "gather", "index_select", "take_along_dim", "__add__", "__sub__", "__mul__",
+    "__truediv__", "__radd__", "__rmul__", "__rsub__", "__neg__", "__matmul__",
 }
 
 #: Ops returning a tuple of new tensors (read through ``getitem``).
