@@ -21,6 +21,8 @@ experts): ``inv = empty_like(p); inv[p] = arange(n)`` with ``p`` the indices of 
 of n elements (a permutation of ``0..n-1``, so every element of ``inv`` is written exactly once) is
 ``argsort(p)``: both give the i with ``p[i] == j`` at each j.
 
+A fresh buffer filled by writes into slices of it that tile it along one dim (DeepSeek MLA's
+``k = new_empty(...); k[..., :a].copy_(k_nope); k[..., a:].copy_(k_rot)``) becomes ``cat`` of the sources.
 Anything else stays a write (``x[i] = v``, writes into inputs, views or aliased values), and the analysis
 refuses it where it touches a token value. The pass works on a copy; the user's graph is not changed.
 """
@@ -148,6 +150,10 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     copy = fx.GraphModule(gm, _copy_graph(gm.graph))
     graph = copy.graph
     made: set[fx.Node] = set()  # the out-of-place twins: fresh by construction
+    for base in [n for n in graph.nodes if _is_fresh(n)]:
+        tiled = _tiling_writes(base)
+        if tiled is not None:
+            made.add(_cat_of_tiles(graph, base, *tiled))
     for n in [n for n in graph.nodes if n.op in ("call_function", "call_method") and is_inplace(n)]:
         order = {m: i for i, m in enumerate(graph.nodes)}
         inv = _inverse_permutation(n, order)
@@ -174,6 +180,83 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     copy.recompile()
     log.debug("branch_replay: %d in-place write(s) made out of place", len(made))
     return copy
+
+
+def _slice_along(index: Any, ndim: int) -> Optional[tuple[int, int, Optional[int]]]:
+    """(dim, start, stop) when ``index`` selects one static range along one dim and everything along the
+    others (``x[..., a:b]``, ``x[:, :, a:b]``); None for any other index."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if sum(i is Ellipsis for i in idx) > 1 or any(not (i is Ellipsis or isinstance(i, slice)) for i in idx):
+        return None
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        idx = idx[:k] + (slice(None),) * (ndim - len(idx) + 1) + idx[k + 1:]
+    cut = [(d, i) for d, i in enumerate(idx) if i != slice(None)]
+    if len(cut) != 1:
+        return None
+    d, sl = cut[0]
+    if sl.step not in (None, 1) or not all(v is None or (isinstance(v, int) and v >= 0) for v in (sl.start, sl.stop)):
+        return None
+    return d, sl.start or 0, sl.stop
+
+
+def _tiling_writes(base: fx.Node) -> Optional[tuple[int, list]]:
+    """``(dim, [(start, source, view, write)...])`` when every use of the fresh ``base`` before its first read
+    is ``base[..., a:b].copy_(source)`` along one dim, the ranges tile ``base``'s extent there exactly, and
+    each view is used by its write only (DeepSeek MLA's ``k = new_empty(...); k[..., :a].copy_(k_nope);
+    k[..., a:].copy_(k_rot)``); else None."""
+    val = example_value(base)
+    if not isinstance(val, torch.Tensor):
+        return None
+    tiles, dim = [], None
+    for u in base.users:
+        if not (u.op == "call_function" and u.target is operator.getitem and u.args[0] is base):
+            continue
+        cut = _slice_along(u.args[1], val.dim())
+        writes = list(u.users)
+        if cut is None or len(writes) != 1 or writes[0].op != "call_method" or writes[0].target != "copy_" \
+                or writes[0].args[0] is not u or len(writes[0].args) != 2 or writes[0].kwargs or writes[0].users:
+            return None
+        d, a, b = cut
+        size = val.shape[d]
+        b = size if b is None else min(b, size)
+        if dim not in (None, d) or not isinstance(writes[0].args[1], fx.Node):
+            return None
+        dim = d
+        tiles.append((a, b, writes[0].args[1], u, writes[0]))
+    if not tiles:
+        return None
+    tiles.sort(key=lambda t: t[0])
+    if tiles[0][0] != 0 or tiles[-1][1] != val.shape[dim] or any(t[1] != n[0] for t, n in zip(tiles, tiles[1:])):
+        return None
+    order = {m: i for i, m in enumerate(base.graph.nodes)}
+    last = max(order[t[4]] for t in tiles)
+    views = {t[3] for t in tiles}
+    if any(u not in views and order[u] < last for u in base.users) or any(
+            order[t[2]] > order[t[4]] for t in tiles):
+        return None
+    for a, b, src, view, _ in tiles:  # copy_ broadcasts and casts; a tile's source must already fit
+        sv, vv = example_value(src), example_value(view)
+        if not isinstance(sv, torch.Tensor) or tuple(sv.shape) != tuple(vv.shape) or sv.dtype != vv.dtype:
+            return None
+    return dim, tiles
+
+
+def _cat_of_tiles(graph: fx.Graph, base: fx.Node, dim: int, tiles: list) -> fx.Node:
+    """Replace the tiling writes into ``base`` by ``cat(sources, dim)`` read wherever ``base`` is read
+    after them."""
+    last = max(tiles, key=lambda t: list(graph.nodes).index(t[4]))[4]
+    with graph.inserting_after(last):
+        cat = graph.call_function(torch.cat, ([t[2] for t in tiles],), {"dim": dim})
+    cat.meta.update(base.meta)
+    for _, _, _, view, write in tiles:
+        write.replace_all_uses_with(cat)
+        graph.erase_node(write)
+        graph.erase_node(view)
+    base.replace_all_uses_with(cat, delete_user_cb=lambda u: u is not cat)
+    if not base.users:
+        graph.erase_node(base)
+    return cat
 
 
 def _is_permutation(p: Any) -> bool:

@@ -41,6 +41,22 @@ def accumulate(h, idx):
     return F.relu(out, inplace=True)
 
 
+def mla_keys(h):
+    """DeepSeek MLA: a new buffer filled by copies into two slices that tile its last dim."""
+    a = h * 2
+    b = (h + 1)[..., :3]
+    k = a.new_empty(a.shape[0], a.shape[1] + 3)
+    k[..., : a.shape[1]].copy_(a)
+    k[..., a.shape[1]:].copy_(b)
+    return k * 3
+
+
+def gap_in_tiles(h):
+    k = h.new_empty(h.shape[0], h.shape[1] + 3)
+    k[..., : h.shape[1]].copy_(h * 2)  # the last 3 columns are never written
+    return k[..., : h.shape[1]] + 1
+
+
 def into_input(h):
     h.mul_(2)
     return h + 1
@@ -70,7 +86,8 @@ H = torch.randn(5, 4)
 
 
 @pytest.mark.parametrize("fn, args", [(router, (H, torch.randn(4, 3))),
-                                      (accumulate, (H, torch.tensor([1, 0, 4, 4, 2])))])
+                                      (accumulate, (H, torch.tensor([1, 0, 4, 4, 2]))),
+                                      (mla_keys, (H,))])
 def test_writes_into_fresh_values_become_pure(fn, args):
     gm = capture(fn, *args)
     assert writes(gm)
@@ -82,8 +99,9 @@ def test_writes_into_fresh_values_become_pure(fn, args):
 
 
 @pytest.mark.parametrize("fn, args", [(into_input, (H.clone(),)), (into_view, (H,)), (aliased_before, (H,)),
+                                      (gap_in_tiles, (H,)),
                                       (promoting, (H, torch.ones(4, dtype=torch.float64)))],
-                         ids=["input", "view", "aliased", "promoting"])
+                         ids=["input", "view", "aliased", "gap_in_tiles", "promoting"])
 def test_other_writes_stay(fn, args):
     gm = capture(fn, *[a.clone() for a in args])
     before = writes(gm)
