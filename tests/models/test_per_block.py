@@ -8,10 +8,8 @@ rewrite ran (or fell back, with the expected reason).
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 import brcompile
-from brcompile import runtime
 from brcompile.testing import assert_exact
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch
