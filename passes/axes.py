@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from brcompile.passes.spellings import target_name
+
 log = logging.getLogger(__name__)
 
 META_KEY = "br_axes"
@@ -470,12 +472,7 @@ def is_static_input(node: fx.Node) -> bool:
     return "_parameters" in s or "_buffers" in s or "ParamBuffer" in s
 
 
-def _target_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, str):
-        return f"Tensor.{t}"
-    mod = getattr(t, "__module__", None) or ""
-    return f"{mod}.{getattr(t, '__name__', repr(t))}".lstrip(".")
+_target_name = target_name  # (re-exported name used by the rules' messages)
 
 
 def normalize_dim(d: int, ndim: int) -> int:

@@ -165,41 +165,20 @@ class PackedRuntime:
 
     def __call__(self, *args):
         if self.verify_failed is not None:
-            _record(fallback_calls=1, reason=self.verify_failed)
-            self._log_call(CallRecord(False, None, self.verify_failed))
-            return self.original(*args)
+            return self._original(args, self.verify_failed)
         for guard in self.guards:
             reason = guard(args)
             if reason is not None:
-                _record(fallback_calls=1, reason=reason)
-                self._log_call(CallRecord(False, None, reason))
-                log.debug("branch_replay call falls back: %s", reason)
-                return self.original(*args)
+                return self._original(args, reason)
         per_token = [args[i] for i in self.tree_positions]
         mask = None if self.key_padding is None else self.key_padding(args)
-        tree = _reused_tree(per_token, mask) if self.sequences is None and not (self.drop_padding and mask is not None) \
-            else None
-        source = "built" if tree is None else "provenance"
-        if tree is None and self.sequences is not None:  # its guard checked the position ids
-            tree = build_sequence_tree(per_token, args[self.sequences])
-        elif tree is None:
-            tree = build_tree(per_token, attention_mask=mask)
-        if self.drop_padding and mask is not None:
-            tree = tree_mod.drop_padding(tree)
-        self.last_tree = tree
-        self.last_tree_source = source
+        tree, source = self._tree(args, per_token, mask)
         st = tree.stats
         if st.executed_tokens == 0:
-            reason = "every position of the batch is padding (drop_padding left no token)"
-            _record(fallback_calls=1, reason=reason)
-            self._log_call(CallRecord(False, st.to_dict(), reason))
-            return self.original(*args)
+            return self._original(args, "every position of the batch is padding (drop_padding left no token)", st)
         if st.dedup_ratio < self.min_dedup:
-            reason = f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}"
-            _record(fallback_calls=1, reason=reason)
-            self._log_call(CallRecord(False, st.to_dict(), reason))
-            log.debug("branch_replay call falls back: %s", reason)
-            return self.original(*args)
+            return self._original(
+                args, f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}", st)
         tree_args = tree.graph_args()
         if self.verify:
             self.verify = False
@@ -207,44 +186,61 @@ class PackedRuntime:
             if reason is not None:
                 self.verify_failed = reason
                 log.warning("branch_replay: %s", reason)
-                _record(fallback_calls=1, reason=reason)
-                self._log_call(CallRecord(False, st.to_dict(), reason))
-                return self.original(*args)
+                return self._original(args, reason, st)
         why_packed = None if self.streaming is None else self.streaming.choose(tree)
         if why_packed is not None:
             log.debug("branch_replay call runs packed, not streamed: %s", why_packed)
-        if self.streaming is not None and why_packed is None:
-            try:
-                out = self.streaming.outer(*args, *tree_args)
-            except Exception as e:
-                return self._failed(e, "streaming", st, args)
+        streamed = self.streaming is not None and why_packed is None
+        try:
+            out = self.streaming.outer(*args, *tree_args) if streamed else self._run_packed(args, tree_args)
+        except Exception as e:
+            return self._failed(e, "streaming" if streamed else "packed", st, args)
+        if streamed:
             schedule = self.streaming.trunk.last_schedule
             _record(replayed_calls=1, streamed_calls=1, logical_tokens=st.logical_tokens,
                     executed_tokens=st.executed_tokens)
             self._log_call(CallRecord(True, self._tree_record(st, per_token, source), mode="replay",
                                       schedule=None if schedule is None else schedule.summary()))
-            log.debug("branch_replay streaming call: %s", st)
-            self._tag_outputs(out, tree, mask)
-            return out
-        try:
-            out = self.packed(*args, *tree_args)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            if self.strict or self.eager_packed is None:
-                return self._failed(e, "packed", st, args)
-            log.warning("branch_replay: compiling the packed graph failed; running it uncompiled",
-                        exc_info=True)
-            self.packed = self.eager_packed
-            try:
-                out = self.packed(*args, *tree_args)
-            except Exception as e:
-                return self._failed(e, "packed", st, args)
-        except Exception as e:
-            return self._failed(e, "packed", st, args)
-        _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens)
-        self._log_call(CallRecord(True, self._tree_record(st, per_token, source)))
-        log.debug("branch_replay call: %s (tree %s)", st, source)
+        else:
+            _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens)
+            self._log_call(CallRecord(True, self._tree_record(st, per_token, source)))
+        log.debug("branch_replay %s call: %s (tree %s)", "streaming" if streamed else "packed", st, source)
         self._tag_outputs(out, tree, mask)
         return out
+
+    def _original(self, args: Sequence[Any], reason: str, st=None):
+        """This call runs the original graph; the reason is counted and logged."""
+        _record(fallback_calls=1, reason=reason)
+        self._log_call(CallRecord(False, None if st is None else st.to_dict(), reason))
+        log.debug("branch_replay call falls back: %s", reason)
+        return self.original(*args)
+
+    def _tree(self, args: Sequence[Any], per_token: list, mask: Optional[torch.Tensor]) -> tuple[PackedTree, str]:
+        """The call's tree and where it came from: reused by provenance (``"provenance"``), or built from the
+        keys (``"built"``: over the packed sequences of a padding-free graph, whose guard checked the
+        position ids, else over the rows), padding dropped when asked."""
+        reuse = self.sequences is None and not (self.drop_padding and mask is not None)
+        tree = _reused_tree(per_token, mask) if reuse else None
+        source = "built" if tree is None else "provenance"
+        if tree is None and self.sequences is not None:
+            tree = build_sequence_tree(per_token, args[self.sequences])
+        elif tree is None:
+            tree = build_tree(per_token, attention_mask=mask)
+        if self.drop_padding and mask is not None:
+            tree = tree_mod.drop_padding(tree)
+        self.last_tree, self.last_tree_source = tree, source
+        return tree, source
+
+    def _run_packed(self, args: Sequence[Any], tree_args: Sequence[Any]):
+        """The packed graph on this call; if compiling it fails (not strict), it runs uncompiled from then on."""
+        try:
+            return self.packed(*args, *tree_args)
+        except torch._dynamo.exc.BackendCompilerFailed:
+            if self.strict or self.eager_packed is None:
+                raise
+            log.warning("branch_replay: compiling the packed graph failed; running it uncompiled", exc_info=True)
+            self.packed = self.eager_packed
+            return self.packed(*args, *tree_args)
 
     def _verify(self, args: Sequence[Any], tree_args: Sequence[Any]) -> Optional[str]:
         """``verify=True``: run the original and the packed graph forward on this call (no grad, the same RNG
@@ -286,9 +282,7 @@ class PackedRuntime:
             raise e
         reason = f"internal error running the {what} graph: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.warning("branch_replay: %s; running the original graph", reason, exc_info=True)
-        _record(fallback_calls=1, reason=reason)
-        self._log_call(CallRecord(False, st.to_dict(), reason))
-        return self.original(*args)
+        return self._original(args, reason, st)
 
     def _tag_outputs(self, out, tree: PackedTree, mask) -> None:
         """Outputs read densely from packed values carry the tree (provenance), unless padding was dropped or
