@@ -143,7 +143,7 @@ def _covering_cells():
     """Every (family, impl, padding) — what decides the model's code and its mask — with one (path, dynamic)
     each, rotated so that every family meets all four (path, dynamic) runs and so does every (impl, padding):
     all pairs (and these triples) of the five factors are covered by 20 cells instead of the 80 of the
-    full product, whose other cells ran the same code paths again (issue 16)."""
+    full product, whose other cells ran the same code paths again."""
     cells = []
     for f, family in enumerate(FIVE):
         for i, impl in enumerate(["sdpa", "eager"]):
