@@ -164,3 +164,13 @@ def dropout(ctx: AxesContext, node):
     ctx.fail(node, f"dropout with p={p} in training draws a random mask per dense element")
     return DENSE
 
+
+
+@register_rule([torch.ones_like, torch.zeros_like, torch.full_like], local="carry")
+def filled_like(ctx: AxesContext, node):
+    """``ones_like(x)`` / ``zeros_like(x)`` / ``full_like(x, v)``: x's shape filled with a constant. Every element
+    is the same constant wherever it sits, so the packed op on packed x is the packing of the dense result: the
+    fact is x's (its token dims), with ``dtype``/``device`` keywords as given."""
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    ax = get_axes(x)
+    return ax if ax.is_token else DENSE if ax.is_dense else ax
