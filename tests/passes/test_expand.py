@@ -21,21 +21,30 @@ class ConstExpandedToTokens(torch.nn.Module):
         return (o * s).square().sum()
 
 
-def test_expand_of_a_constant_to_token_shape():
+def replay_exact(model):
+    """Compile ``model`` (eager packed graph) on ids with a shared prefix: loss and every gradient equal the
+    eager model's, and the call replayed with fewer executed tokens. Returns the backend."""
     torch.manual_seed(0)
-    model = ConstExpandedToTokens().double()
+    model = model.double()
     ids = torch.randint(1, 11, (1, 7)).repeat(3, 1)
     ids[1:, 5:] = torch.randint(1, 11, (2, 2))
     params = list(model.parameters())
     want = model(ids)
     gw = torch.autograd.grad(want, params)
-    got = torch.compile(model, backend=brcompile.backend(compiler="eager"))(ids)
+    backend = brcompile.backend(compiler="eager")
+    got = torch.compile(model, backend=backend)(ids)
     gg = torch.autograd.grad(got, params)
     assert_exact(got, want, torch.float64, "loss")
     for a, b in zip(gg, gw):
         assert_exact(a, b, torch.float64, "grad")
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.executed_tokens < s.logical_tokens, str(s)
+    return backend
+
+
+def test_expand_of_a_constant_to_token_shape():
+    torch.manual_seed(0)
+    replay_exact(ConstExpandedToTokens())
 
 
 class FilledLike(torch.nn.Module):
@@ -54,19 +63,6 @@ class FilledLike(torch.nn.Module):
 
 def test_ones_like_and_full_like_of_token_values_stay_packed():
     torch.manual_seed(0)
-    model = FilledLike().double()
-    ids = torch.randint(1, 11, (1, 7)).repeat(3, 1)
-    ids[1:, 5:] = torch.randint(1, 11, (2, 2))
-    params = list(model.parameters())
-    want = model(ids)
-    gw = torch.autograd.grad(want, params)
-    backend = brcompile.backend(compiler="eager")
-    got = torch.compile(model, backend=backend)(ids)
-    gg = torch.autograd.grad(got, params)
-    assert_exact(got, want, torch.float64, "loss")
-    for a, b in zip(gg, gw):
-        assert_exact(a, b, torch.float64, "grad")
-    s = brcompile.stats()
-    assert s.replayed_calls == 1 and s.executed_tokens < s.logical_tokens, str(s)
+    backend = replay_exact(FilledLike())
     mats = backend.records[0].materialisations  # only the loss's sum reads dense values
     assert all("like" not in node for node, *_ in mats), mats
