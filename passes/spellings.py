@@ -56,6 +56,8 @@ FAMILIES: dict[str, tuple] = {
     "neg": (operator.neg, *_fn("neg", "negative"), "neg", "negative", "__neg__"),
     "matmul": (operator.matmul, *_fn("matmul"), "matmul", "__matmul__"),
     "bmm": (*_fn("bmm"), "bmm"),
+    "mm": (*_fn("mm"), "mm"),
+    "addmm": (*_fn("addmm"), "addmm"),
     "baddbmm": (*_fn("baddbmm"), "baddbmm"),
     "einsum": (*_fn("einsum"),),
     "linear": (F.linear, _nn.linear),

@@ -48,9 +48,9 @@ def _matmul_dims(sa, sb) -> Optional[tuple[int, dict, dict]]:
     return R, da, db
 
 
-@register_rule([*spellings("matmul", "bmm")], local="carry")
+@register_rule([*spellings("matmul", "bmm", "mm")], local="carry")
 def matmul(ctx: AxesContext, node):
-    """matmul/bmm of one TOKEN operand and one constant, in either order: ``out[..., i, j] = sum_k a[..., i,
+    """matmul/bmm/mm of one TOKEN operand and one constant, in either order: ``out[..., i, j] = sum_k a[..., i,
     k] b[..., k, j]``. Each output element reads one row of ``a`` and one column of ``b`` at the same
     (broadcast) batch coordinates, so a TOKEN operand keeps a token dim that is a batch dim, ``a``'s row
     dim (``h @ W``) or ``b``'s column dim (``inv_freq[None, :, None] @ position_ids[:, None, :]``, HF's
@@ -58,7 +58,11 @@ def matmul(ctx: AxesContext, node):
     the output's token dims (a constant batch indexed by row or position would depend on dense
     coordinates). Two TOKEN operands (``q @ k^T``) mix positions: that is attention, handled by the eager
     canonicalisation; here they are materialised."""
-    a, b = node.args[0], node.args[1]
+    return _product(ctx, node, node.args[0], node.args[1])
+
+
+def _product(ctx: AxesContext, node, a, b):
+    """The fact of ``a @ b`` computed by ``node`` (matmul's proof above), or the dense fallback."""
     fa, fb = get_axes(a), get_axes(b)
     sa, sb, out = shape_of(a), shape_of(b), shape_of(node)
     if fa.is_token and fb.is_token and None not in (sa, sb, out):
@@ -79,6 +83,36 @@ def matmul(ctx: AxesContext, node):
         if o in out_tok and cshape[d] != 1:
             return dense_fallback(ctx, node, "matmul with a constant that is not broadcast along a token dim")
     return token(R, None if tok.row is None else tdims[tok.row], tdims[tok.pos], tok.window)
+
+
+@register_rule(spellings("addmm"), local="carry")
+def addmm(ctx: AxesContext, node):
+    """``addmm(c, a, b, beta=β, alpha=α) = β·c + α·(a @ b)`` (GPT-2's ``Conv1D``: ``addmm(bias, x.view(-1, D),
+    W)`` of flattened tokens). The product keeps a token dim exactly as ``mm`` does (matmul above); the sum
+    then is a pointwise op of the product and ``c`` broadcast to ``[n, m]``, so it keeps the product's fact
+    when ``c`` is a constant with extent 1 along the product's token dims (a bias ``[m]``) or a TOKEN value
+    with the product's own token dims and window (a residual). β and α must be constants: they scale every
+    element alike. Anything else is materialised."""
+    c, a, b = (list(node.args) + [None] * 3)[:3]
+    c = node.kwargs.get("input", c)
+    a = node.kwargs.get("mat1", a)
+    b = node.kwargs.get("mat2", b)
+    scalars = [node.kwargs.get(k, node.args[i] if len(node.args) > i else None) for i, k in ((3, "beta"), (4, "alpha"))]
+    if any(not get_axes(s).is_const for s in scalars):
+        return dense_fallback(ctx, node, "addmm with a per-token beta or alpha")
+    prod = _product(ctx, node, a, b)
+    if not prod.is_token:
+        return prod
+    fc, sc = get_axes(c), shape_of(c)
+    if fc.is_token:
+        same = fc.ndim == prod.ndim and (fc.row, fc.pos, fc.window) == (prod.row, prod.pos, prod.window)
+        return prod if same else dense_fallback(ctx, node, "addmm of a token value not aligned with the product")
+    if fc.is_dense or sc is None:
+        return dense_fallback(ctx, node, "addmm with a dense addend")
+    off = prod.ndim - len(sc)
+    if any(d - off >= 0 and sc[d - off] != 1 for d in prod.token_dims()):
+        return dense_fallback(ctx, node, "addmm with a constant addend that is not broadcast along a token dim")
+    return prod
 
 
 def _batched_token_matmul(sa, sb, fa, fb):

@@ -43,6 +43,8 @@ EMB = torch.nn.Embedding(V, D).double()
 W = torch.nn.Parameter(torch.randn(5, D, dtype=torch.float64))
 POS_TABLE = torch.nn.Parameter(torch.randn(L, D, dtype=torch.float64))  # absolute positions by slot
 ROW_TABLE = torch.nn.Parameter(torch.randn(B, 1, D, dtype=torch.float64))  # a constant indexed by row
+BIAS = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+FLAT_TABLE = torch.nn.Parameter(torch.randn(B * L, 5, dtype=torch.float64))  # a constant per flattened token
 
 def _buffer(t):  # a constant the way Dynamo sees a module buffer (a static input)
     return torch.nn.Parameter(t, requires_grad=False)
@@ -69,6 +71,14 @@ TABLE = [
     ("merge_token_dims", lambda ids: EMB(ids).reshape(B * L, D), "token(row=None, pos=0, flat=1)"),
     ("merge_token_dims_inner", lambda ids: EMB(ids).reshape(B * L * 2, D // 2), "token(row=None, pos=0, flat=2)"),
     ("flatten_unflatten", lambda ids: F.linear(EMB(ids).view(-1, D), W).reshape(B, L, 5), "token(row=0, pos=1)"),
+    # GPT-2's Conv1D: addmm(bias, x.view(-1, D), W) keeps the flattened token rows
+    ("addmm_flat", lambda ids: torch.addmm(BIAS, EMB(ids).view(-1, D), W.t()).view(B, L, 5), "token(row=0, pos=1)"),
+    ("mm_flat", lambda ids: torch.mm(EMB(ids).view(-1, D), W.t()), "token(row=None, pos=0, flat=1)"),
+    ("addmm_residual", lambda ids: torch.addmm(EMB(ids).view(-1, D)[:, :5], EMB(ids).view(-1, D), W.t(), beta=0.5),
+     "token(row=None, pos=0, flat=1)"),
+    ("addmm_per_token_constant", lambda ids: torch.addmm(FLAT_TABLE, EMB(ids).view(-1, D), W.t()), "dense"),
+    ("mm_token_columns", lambda ids: torch.mm(W, EMB(ids).view(-1, D).t()), "token(row=None, pos=1, flat=1)"),
+    ("mm_contracts_tokens", lambda ids: torch.mm(EMB(ids).view(-1, D).t(), FLAT_TABLE), "dense"),
     ("merge_inner_first", lambda ids: EMB(ids).transpose(0, 1).reshape(B * L, D), "dense"),
     ("flat_topk_router", lambda ids: torch.topk(torch.softmax(EMB(ids).view(-1, D), -1), 2, dim=-1)[0],
      "token(row=None, pos=0, flat=1)"),

@@ -1,0 +1,55 @@
+"""Unmodified HuggingFace causal LMs beyond the five families of test_hf.py, each one the witness of a
+general rule it used to break (built tiny and random by the sweep's recipe, ``benchmarks/hf_sweep.py``:
+hidden 32, 2 layers, vocab 96; the sweep's GRPO batch: 2 prompts x 3 responses, right padding).
+
+Every case compares the masked next-token loss and every parameter gradient with the eager model in
+float64 (bound ``TOLERANCE[float64]``, or the float32 bound where the model computes in float32 inside:
+HF's RMSNorm, see test_hf.py) and asserts through ``brcompile.stats()`` that the call replayed.
+"""
+import functools
+
+import pytest
+import torch
+
+import brcompile
+from brcompile.testing import assert_exact
+from tests.helpers import assert_replayed
+
+transformers = pytest.importorskip("transformers", minversion="5.0")  # every test here runs an HF model
+hf_sweep = pytest.importorskip("benchmarks.hf_sweep")
+
+
+def replay_arch(arch: str, grad_dtype=torch.float64):
+    """Build ``arch`` tiny (the sweep's config recipe), run the loss eagerly and under the backend (the packed
+    FX graph run as is), compare the loss (float64 bound) and every gradient (``grad_dtype``'s bound), and
+    assert the call replayed. Returns the backend (its records)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model, _, _ = hf_sweep.build_model(arch, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
+    model = model.to(torch.float64).train()
+    batch = hf_sweep.grpo_batch()
+    args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    fn = functools.partial(hf_sweep.next_token_loss, model)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    want = fn(*args)
+    gw = torch.autograd.grad(want, [p for _, p in params], allow_unused=True)
+    backend = brcompile.backend(compiler="eager")
+    got = torch.compile(fn, backend=backend)(*args)
+    gg = torch.autograd.grad(got, [p for _, p in params], allow_unused=True)
+    assert_replayed()
+    assert_exact(got, want, torch.float64, "loss")
+    for (name, _), a, b in zip(params, gg, gw):
+        if b is None:
+            assert a is None or not a.abs().max().item(), f"grad of {name}: eager has none"
+            continue
+        assert_exact(a, b, grad_dtype, f"grad of {name}")
+    return backend
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt-sw3"])
+def test_addmm_of_flattened_tokens(arch):
+    """GPT-2's ``Conv1D``: ``addmm(bias, x.view(-1, D), W).view(B, L, -1)`` — the product keeps the flattened
+    token rows (rules/linalg.py: addmm), so no projection is materialised."""
+    backend = replay_arch(arch)
+    reasons = [reason for *_, reason in backend.records[0].materialisations]
+    assert not any("addmm" in r or "flattened" in r for r in reasons), reasons
