@@ -117,6 +117,8 @@ class GraphRecord:
     materialisations: tuple[tuple[str, str, int, str], ...] = ()  # (node, user, numel, reason)
     lazy_gathers: tuple[str, ...] = ()
     fused: tuple[str, ...] = ()  # one line per fused log-prob read-out (brcompile::packed_logprob)
+    repacked: tuple = ()  # dense causal regions packed again (passes/repack.py: Repacked)
+    not_repacked: tuple[tuple[str, str], ...] = ()  # (dense value, why it stays dense)
     replay: Optional[dict] = None  # streaming split (mode replay/auto): trunk, frontier, cached K/V
     replay_reason: Optional[str] = None  # why the streaming split was refused (packed mode is used)
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -182,6 +184,8 @@ class BranchReplayBackend:
                                    for m in an.materialisations if m.node.name not in covered),
             lazy_gathers=tuple(n.name for n in an.lazy_gathers if n.name not in covered),
             fused=tuple(n.meta["br_fused"] for n in fused_nodes),
+            repacked=tuple(an.ctx.repacked),
+            not_repacked=tuple((n.name, why) for n, why in an.ctx.repack_refused.items()),
             replay=replay_info,
             replay_reason=replay_reason,
             runtime=rt,

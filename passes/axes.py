@@ -289,6 +289,13 @@ class AxesContext:
     notes: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     # inputs shared by every row, [L, ...] or [1, L, ...]: placeholder -> its position dim (no tree key)
     position_inputs: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
+    # placeholder -> example value (for probes); a graph over packed sequences (passes/repack.py)
+    values: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    sequences: bool = False
+    # dense values packed again (passes/repack.py): dense node -> its repack node; refusals; reports
+    repacked_nodes: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
+    repack_refused: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
+    repacked: list = dataclasses.field(default_factory=list)
 
     def axes(self, arg: Any) -> TokenAxes:
         return get_axes(arg)
@@ -301,7 +308,11 @@ class AxesContext:
 
     def first_materialisation(self) -> Optional[str]:
         m = next(iter(self.materialised.values()), None)
-        return None if m is None else f"{m.node.name} was made dense by {m.user.name} ({m.reason})"
+        if m is None:
+            return None
+        refused = next(iter(self.repack_refused.items()), None)  # passes/repack.py
+        again = "" if refused is None else f"; {refused[0].name} is not packed again: {refused[1]}"
+        return f"{m.node.name} was made dense by {m.user.name} ({m.reason}){again}"
 
     def fail(self, node: fx.Node, reason: str):
         raise CannotReplay(reason, node)
@@ -386,6 +397,7 @@ def propagate(ctx: AxesContext) -> None:
     """Give every node of ``ctx.gm`` its fact (topological order), raising CannotReplay where a
     TOKEN value would be handled in a way no rule proves exact."""
     from brcompile.passes import fuse_logprob as _fusion, rules as _rules  # noqa: F401  (fill RULES)
+    from brcompile.passes import repack
 
     tainted: set[fx.Node] = set()  # nodes with a TOKEN ancestor (mutating them is refused)
     for node in ctx.gm.graph.nodes:
@@ -405,6 +417,8 @@ def propagate(ctx: AxesContext) -> None:
         if node.op == "get_attr":
             set_axes(node, CONST)
             continue
+        if repack.repack_operands(ctx, node):  # dense causal operands packed again
+            args = node_args(node)
         facts = [get_axes(a) for a in args]
         rule = rule_for(node)
         local = [f for f in facts if f.is_token and f.local]

@@ -133,6 +133,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     constants: :mod:`.rules.eager_attention`); ``gm`` itself is not modified."""
     if len([n for n in gm.graph.nodes if n.op == "placeholder"]) != len(example_inputs):
         raise CannotReplay("example inputs do not match the graph's placeholders")
+    gm = _analysis_copy(gm)  # the analysis may insert nodes (passes/repack.py); the user's graph stays as is
     gm = checkpoints.inline_checkpoints(gm)  # checkpoint bodies inlined, tagged; the rewrite re-outlines them
     gm = functionalize(gm)
     canon = eager_attention.canonicalize(gm, example_inputs)
@@ -178,7 +179,8 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         raise CannotReplay("attentions use different key-padding inputs")
     keypad = next(iter(keypads), None)
     sequences = _sequences_input(attentions, classified)
-    ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs)
+    ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs,
+                      values=values, sequences=sequences is not None)
     ctx.notes.update(classified)
     propagate(ctx)
     if sequences is not None:
@@ -187,6 +189,13 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
                                          mask_keys, placeholders, example_inputs)
     return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
                     guards, canon.notes, sequences, input_mask)
+
+
+def _analysis_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` (graph and node meta; the same submodules and attributes)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 def _attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:

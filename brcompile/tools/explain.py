@@ -290,6 +290,8 @@ class ExplainReport:
             "materialisations": [dict(zip(("node", "user", "numel", "reason"), (n, u, int(k), r)))
                                  for n, u, k, r in g.materialisations],
             "lazy_gathers": list(g.lazy_gathers), "fused": [str(f) for f in getattr(g, "fused", ())],
+            "repacked": [str(r) for r in getattr(g, "repacked", ())],
+            "not_repacked": [dict(node=n, reason=r) for n, r in getattr(g, "not_repacked", ())],
             "brcompile_nodes": brcompile_nodes(packed_module(g)),
             "original_code": g.original_code, "packed_code": g.packed_code,
             "replay": getattr(g, "replay", None), "replay_reason": getattr(g, "replay_reason", None),
@@ -342,6 +344,13 @@ class ExplainReport:
                 for g in self.rewritten for node, user, numel, reason in g.materialisations]
         return Table("materialisations (a packed value gathered to dense [B, L, ...]; elements at capture)",
                      ["graph", "value", "used by", "elements", "why"], rows)
+
+    def repack_table(self) -> Table:
+        rows = [[str(g.graph_id), "packed again", str(r)] for g in self.rewritten for r in getattr(g, "repacked", ())]
+        rows += [[str(g.graph_id), f"{node}: stays dense", _wrap(why, 70)]
+                 for g in self.graphs for node, why in getattr(g, "not_repacked", ())]
+        return Table("dense regions (an op without a token-axis rule computed densely; packed again when the "
+                     "probes prove it causal and row-independent)", ["graph", "value", "region"], rows)
 
     def streaming_tables(self, max_calls: int = MAX_CALL_ROWS) -> list[Table]:
         """The streaming split of each graph (mode replay/auto) and the chunk schedule of each streamed call."""
@@ -424,6 +433,8 @@ class ExplainReport:
             out.append(self.fallback_table())
         if any(g.materialisations for g in self.rewritten):
             out.append(self.materialisation_table())
+        if any(getattr(g, "repacked", ()) or getattr(g, "not_repacked", ()) for g in self.graphs):
+            out.append(self.repack_table())
         out += self.call_tables(max_calls)
         out += self.streaming_tables(max_calls)
         if code:

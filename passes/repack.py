@@ -1,0 +1,320 @@
+"""Dense causal regions, packed again (docs/ARCHITECTURE.md §3.4, "re-packing").
+
+An op with no token-axis rule hands its TOKEN operands to the dense side (:func:`axes.dense_fallback`),
+and everything computed from there on is DENSE. Before this pass, one such op (a RoBERTa ``cumsum`` of
+the mask, a Mamba mixer's chunked scan, GPT-2's ``addmm`` over flattened tokens) made every later
+attention refuse, and the whole graph ran unchanged.
+
+**The rule.** Let ``v`` be a DENSE value computed from the tree inputs, materialised TOKEN values and
+constants only, with a row dim r of extent B and a position dim p of extent L. If ``v`` is a
+*row-independent causal* function of those inputs — ``v[b, t]`` depends only on row b's inputs at
+positions ``<= t`` — then rows that agree on their tree inputs up to column t agree on ``v[b, t]``: ``v``
+satisfies the TOKEN invariant and can be packed again::
+
+    packed[k] = v[rep_row[k], position[k]]                       (one dense copy of each packed token)
+
+(``repack_tokens``). The region itself still runs densely on the B·L positions — no sharing inside it —
+but everything after it is packed again: the attentions, the MLPs and the rest of the model.
+
+**Exactness of the gradient.** The packed graph's loss gives token k the gradient ``G_k = Σ_{(b,t)∈k}
+g_{b,t}`` (the dense gradients of its copies, summed: the later packed ops are exact). ``repack_tokens``
+places ``G_k`` on the one copy ``(rep_row[k], position[k])``. The copies of k are the same function of the
+same inputs (causality: they read identical prefixes), so their Jacobians agree, and
+``Σ_{(b,t)∈k} g_{b,t} ∂v[b,t]/∂θ = G_k ∂v[rep(k)]/∂θ`` for every parameter or input θ of the region.
+
+**The proof obligation is checked on probes** (``_Probe``), like the masks of :mod:`.masks`: the region
+is evaluated on the example batch's integer inputs (ids, masks, positions: their domains matter) and
+random floats, then again with (a) one row's inputs replaced by other values — only that row of ``v`` may
+change, which also identifies r — and (b) every row's inputs at positions ``>= q`` replaced, for several q
+— ``v`` at positions ``< q`` must not change, bitwise, which identifies p. The region is evaluated twice
+on the same values first (a random op inside it makes the comparison meaningless: refused). A region
+whose probes fail stays dense, as before, and the refusal is kept for the reason an attention reports.
+
+Not re-packed: a region reading a per-batch input that is not a tree key (labels, advantages: rows that
+share a prefix may differ there), a value without exactly one row and one position dim, packed-sequence
+graphs (a token's column is not its position in its sequence there), ``drop_padding`` (the dense region
+would read 0 where the original read the padding's values).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from brcompile.passes.axes import (
+    AxesContext, CannotReplay, example_value, get_axes, hint, node_args, register_rule, set_axes, token,
+)
+
+log = logging.getLogger(__name__)
+
+#: Probe positions q for the causality check, as fractions of L (plus q = 1 and q = L - 1).
+_CAUSAL_SPLITS = (0.5,)
+
+
+def repack_tokens(x: torch.Tensor, rep_row: torch.Tensor, position: torch.Tensor, row: int, pos: int
+                  ) -> torch.Tensor:
+    """``x[rep_row[k], position[k]]`` along dims (row, pos), kept in place with extents (1, N).
+
+    The backward is the indexing's: each packed token's gradient lands on its one representative copy."""
+    moved = x.movedim((row, pos), (0, 1))[rep_row, position]  # [N, ...rest]
+    return moved.unsqueeze(0).movedim((0, 1), (row, pos))
+
+
+@dataclasses.dataclass(frozen=True)
+class Repacked:
+    """One re-packed dense value (for reports): the value, its token dims, the size of its dense region."""
+
+    node: str
+    row: int
+    pos: int
+    region_ops: int
+
+    def __str__(self) -> str:
+        return f"{self.node} (dense region of {self.region_ops} ops; row dim {self.row}, position dim {self.pos})"
+
+
+def _emit_repack(pk, node: fx.Node) -> fx.Node:
+    if pk.options.drop_padding:
+        raise CannotReplay(f"{node.args[0].name} is re-packed from a dense region, which needs the padding "
+                           f"positions' values; drop_padding removes them", node)
+    row, pos = node.args[1], node.args[2]
+    return pk.graph.call_function(repack_tokens, (pk.dense(node.args[0]), pk.tree("rep_row"),
+                                                  pk.tree("position"), row, pos))
+
+
+@register_rule([repack_tokens], emit=_emit_repack, always=True)
+def _repack_rule(ctx: AxesContext, node: fx.Node):
+    """The fact was proved when the node was made (:func:`repack_operands`)."""
+    return node.meta["br_repack_axes"]
+
+
+def repack_operands(ctx: AxesContext, node: fx.Node) -> bool:
+    """Re-pack the DENSE operands of ``node`` that can be (see module docstring) where it wants TOKEN
+    ones: an op mixing DENSE and TOKEN operands (else its TOKEN operands are materialised), or the query,
+    key and value of an attention. Returns whether an operand was replaced."""
+    changed = False
+    for a in _candidates(node):
+        if not get_axes(a).is_dense or not _token_shaped(ctx, a):
+            continue
+        new = _repacked(ctx, a, node)
+        if new is not None:
+            node.replace_input_with(a, new)
+            changed = True
+    return changed
+
+
+def _candidates(node: fx.Node) -> list[fx.Node]:
+    from brcompile.passes.rules.attention import SDPA, _sdpa_args
+    if node.op == "call_function" and node.target in SDPA:
+        a = _sdpa_args(node)
+        return [x for x in dict.fromkeys(a[k] for k in ("query", "key", "value")) if isinstance(x, fx.Node)]
+    args = list(dict.fromkeys(node_args(node)))
+    facts = [get_axes(a) for a in args]
+    if any(f.is_token for f in facts) and any(f.is_dense for f in facts):
+        return args
+    return []
+
+
+def _token_shaped(ctx: AxesContext, n: fx.Node) -> bool:
+    v = example_value(n)
+    if not isinstance(v, torch.Tensor):
+        return False
+    shape = hint(tuple(v.shape))
+    return ctx.B in shape and ctx.L in shape and v.dim() >= 2
+
+
+def _repacked(ctx: AxesContext, v: fx.Node, user: fx.Node) -> Optional[fx.Node]:
+    """The re-packed twin of DENSE ``v`` (made once, before its first TOKEN user), or None with the reason
+    kept in ``ctx.repack_refused``."""
+    if v in ctx.repacked_nodes:
+        return ctx.repacked_nodes[v]
+    if v in ctx.repack_refused:
+        return None
+    try:
+        row, pos, n_ops = _prove(ctx, v)
+    except _NotCausal as e:
+        ctx.repack_refused[v] = str(e)
+        log.debug("not re-packed: %s: %s", v.name, e)
+        return None
+    with ctx.gm.graph.inserting_before(user):
+        new = ctx.gm.graph.call_function(repack_tokens, (v, row, pos))
+    new.meta["example_value"] = example_value(v)
+    if "br_ckpt" in user.meta:
+        new.meta["br_ckpt"] = user.meta["br_ckpt"]
+    ax = token(example_value(v).dim(), row, pos, ctx.full_window())
+    new.meta["br_repack_axes"] = ax
+    set_axes(new, ax)
+    ctx.repacked_nodes[v] = new
+    ctx.repacked.append(Repacked(v.name, row, pos, n_ops))
+    log.debug("re-packed %s", ctx.repacked[-1])
+    return new
+
+
+class _NotCausal(Exception):
+    """Why a dense value is not re-packed (a reason for reports, not a refusal of the graph)."""
+
+
+def _region(ctx: AxesContext, v: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(DENSE nodes computing ``v``, in graph order; their non-DENSE inputs)."""
+    seen: set[fx.Node] = set()
+    inputs: dict[fx.Node, None] = {}
+    stack = [v]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            raise _NotCausal(f"it reads {n.name}, a per-batch input that is not a tree key (rows sharing a "
+                             f"prefix may differ there)")
+        if n.op not in ("call_function", "call_method"):
+            raise _NotCausal(f"its region holds a {n.op} node ({n.name})")
+        for a in n.all_input_nodes:
+            ax = get_axes(a)
+            if ax.is_dense:
+                stack.append(a)
+            else:
+                inputs[a] = None
+    order = [n for n in ctx.gm.graph.nodes if n in seen]
+    return order, list(inputs)
+
+
+def _prove(ctx: AxesContext, v: fx.Node) -> tuple[int, int, int]:
+    """(row dim, position dim, region size) of ``v`` if the probes prove it row-independent and causal."""
+    if ctx.sequences:
+        raise _NotCausal("the graph's attentions are over packed sequences (a dense value's column is not its "
+                         "position in its sequence)")
+    nodes, inputs = _region(ctx, v)
+    probe = _Probe(ctx, nodes, inputs, v)
+    return (*probe.dims(), len(nodes))
+
+
+class _Probe:
+    """Evaluates the region of ``v`` on probe values and finds its token dims (see module docstring)."""
+
+    def __init__(self, ctx: AxesContext, nodes: list[fx.Node], inputs: list[fx.Node], v: fx.Node):
+        self.ctx, self.nodes, self.v = ctx, nodes, v
+        self.gen = torch.Generator().manual_seed(0)
+        self.values: dict[fx.Node, Any] = {}
+        self.token_inputs: dict[fx.Node, Any] = {}  # input -> its TokenAxes
+        for a in inputs:
+            ax = get_axes(a)
+            if ax.is_token:
+                if ax.local or ax.window != ctx.full_window():
+                    raise _NotCausal(f"it reads {a.name} ({ax}), a flattened or windowed token value")
+                self.token_inputs[a] = ax
+            self.values[a] = self._value(a, ax)
+
+    def _value(self, a: fx.Node, ax) -> Any:
+        ev = example_value(a)
+        if not isinstance(ev, torch.Tensor):
+            return hint(ev)
+        if ax.is_token and (ev.is_floating_point() or ev.is_complex()):
+            return torch.randn(hint(tuple(ev.shape)), generator=self.gen, dtype=ev.dtype).to(ev.device)
+        return _evaluate(a, self.ctx)  # ints, bools and constants: their domains matter (ids, masks)
+
+    def run(self, values: dict[fx.Node, Any]) -> torch.Tensor:
+        env = dict(values)
+        with torch.no_grad():
+            for n in self.nodes:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+                try:
+                    env[n] = n.target(*args, **kwargs) if n.op == "call_function" else \
+                        getattr(args[0], n.target)(*args[1:], **kwargs)
+                except Exception as e:  # a probe value outside the op's domain: not proved
+                    raise _NotCausal(f"its region failed on probe values at {n.name}: {type(e).__name__}") from e
+        out = env[self.v]
+        if not isinstance(out, torch.Tensor):
+            raise _NotCausal("it is not a tensor")
+        return out
+
+    def perturbed(self, rows: Optional[int] = None, from_pos: int = 0) -> dict[fx.Node, Any]:
+        """The probe values with every token input changed at row ``rows`` (all rows if None) and
+        positions ``>= from_pos``."""
+        out = dict(self.values)
+        for a, ax in self.token_inputs.items():
+            x = self.values[a]
+            if rows is not None and ax.row is None:
+                continue  # a position-only value belongs to no row
+            where = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+            index = [slice(None)] * x.dim()
+            index[ax.pos] = slice(from_pos, None)
+            if rows is not None:
+                index[ax.row] = rows
+            where[tuple(index)] = True
+            out[a] = torch.where(where, _other_values(x, self.gen), x)
+        return out
+
+    def dims(self) -> tuple[int, int]:
+        ctx = self.ctx
+        base = self.run(self.values)
+        if not _same(base, self.run(self.values)).all():
+            raise _NotCausal("its region is not deterministic (a random op)")
+        shape = tuple(base.shape)
+        rows = [d for d, s in enumerate(shape) if s == ctx.B]
+        poss = [d for d, s in enumerate(shape) if s == ctx.L]
+        moved = False
+        for b in sorted({0, ctx.B - 1}):
+            changed = ~_same(self.run(self.perturbed(rows=b)), base)
+            moved |= bool(changed.any())
+            rows = [d for d in rows if _only_at(changed, d, lambda i: i == b)]
+        if not moved:
+            raise _NotCausal("it does not depend on the rows' token values")
+        for q in sorted({1, ctx.L - 1, *(int(f * ctx.L) for f in _CAUSAL_SPLITS)} - {0, ctx.L}):
+            changed = ~_same(self.run(self.perturbed(from_pos=q)), base)
+            poss = [d for d in poss if _only_at(changed, d, lambda i: i >= q)]
+        pairs = [(r, p) for r in rows for p in poss if r != p]
+        if len(pairs) != 1:
+            raise _NotCausal("no row dim and position dim that it is row-independent and causal along"
+                             if not pairs else f"its token dims are ambiguous ({pairs})")
+        return pairs[0]
+
+
+def _evaluate(a: fx.Node, ctx: AxesContext) -> Any:
+    from brcompile.passes.masks import evaluate
+    try:
+        return evaluate(a, ctx.values)
+    except Exception as e:
+        raise _NotCausal(f"its input {a.name} could not be evaluated ({type(e).__name__})") from e
+
+
+def _other_values(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A tensor like ``x`` whose every entry differs from ``x``'s, staying in ``x``'s domain where it can:
+    bools flipped, 0/1 integers flipped, other integers drawn from the values ``x`` holds (the next one
+    where the draw repeats), floats fresh normals."""
+    if x.dtype == torch.bool:
+        return ~x
+    if x.is_floating_point() or x.is_complex():
+        return torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device) + 0.5
+    vals = torch.unique(x)
+    if len(vals) <= 2 and bool(((vals == 0) | (vals == 1)).all()):
+        return 1 - x
+    if len(vals) == 1:
+        return x + 1
+    pick = torch.randint(0, len(vals), x.shape, generator=gen).to(x.device)
+    nxt = (torch.searchsorted(vals, x) + 1) % len(vals)
+    other = vals[pick]
+    return torch.where(other == x, vals[nxt], other)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bitwise-equal (NaN equals NaN)."""
+    if a.shape != b.shape:
+        raise _NotCausal("its shape depends on the values")
+    eq = a == b
+    if a.is_floating_point() or a.is_complex():
+        eq = eq | (torch.isnan(a) & torch.isnan(b))
+    return eq
+
+
+def _only_at(changed: torch.Tensor, dim: int, allowed) -> bool:
+    """Whether every changed entry's index along ``dim`` is allowed."""
+    along = changed.movedim(dim, 0).reshape(changed.shape[dim], -1).any(dim=1)
+    return all(allowed(i) for i in torch.nonzero(along).flatten().tolist())
+
+
+__all__ = ["repack_tokens", "repack_operands", "Repacked"]
