@@ -117,9 +117,41 @@ def _tiny_config_kwargs(cls, default) -> dict:
         if not _settable(cls, key):
             continue
         if layers and isinstance(cur, (list, tuple)) and len(cur) > layers:
-            kw[key] = list(cur[:layers])
+            kw[key] = _hybrid_cut(list(cur), layers)
         elif layers and isinstance(cur, str) and len(cur) > layers and key == "hybrid_override_pattern":
-            kw[key] = cur[:layers]
+            kw[key] = "".join(_hybrid_cut(list(cur), layers))
+    kw.update(_hybrid_periods(cls, default, layers))
+    if not _settable(cls, "layers_block_type"):
+        kw.pop("layer_types", None)  # derived (Bamba, Falcon-H1): set through attn_layer_indices
+    return kw
+
+
+#: layer kinds that hold an attention (a hybrid's tiny depth keeps one of them)
+ATTENTION_KINDS = ("full_attention", "attention", "hybrid", "sliding_attention", "*")
+
+
+def _hybrid_cut(kinds: list, layers: int) -> list:
+    """The first ``layers`` layer kinds, but a hybrid keeps one layer of each kind (its first kinds that hold
+    an attention and that do not) when the plain cut would drop all its attention or all its other layers."""
+    cut = kinds[:layers]
+    attn = [k for k in kinds if k in ATTENTION_KINDS]
+    other = [k for k in kinds if k not in ATTENTION_KINDS]
+    if attn and other and layers >= 2 and (not any(k in ATTENTION_KINDS for k in cut)
+                                          or all(k in ATTENTION_KINDS for k in cut)):
+        cut = [other[0], attn[0]] + cut[2:]
+    return cut
+
+
+def _hybrid_periods(cls, default, layers) -> dict:
+    """Hybrids that place attention by period/offset or index (Jamba, Zamba, Bamba): one attention layer at
+    the tiny depth's last index."""
+    if not layers:
+        return {}
+    kw = {}
+    if _settable(cls, "attn_layer_period") and getattr(default, "attn_layer_period", None):
+        kw.update(attn_layer_period=layers, attn_layer_offset=layers - 1)
+    if _settable(cls, "attn_layer_indices") and hasattr(default, "attn_layer_indices"):
+        kw["attn_layer_indices"] = [layers - 1]
     return kw
 
 

@@ -360,6 +360,22 @@ INPLACE_OPERATORS = frozenset({
     operator.irshift, operator.setitem})
 
 
+def _register_state_changes() -> None:
+    """functorch's level changes (``torch.vmap`` / ``jvp`` traced inline, as Dynamo records
+    ``associative_scan``'s reference implementation) have no users but change how the ops between them
+    run: dead-code elimination (FX's and :mod:`.canonicalize`'s) must keep them."""
+    from torch._functorch import predispatch
+
+    for name in ("_vmap_increment_nesting", "_vmap_decrement_nesting", "_jvp_increment_nesting",
+                 "_jvp_decrement_nesting", "_enter_dual_level", "_exit_dual_level", "lazy_load_decompositions"):
+        fn = getattr(predispatch, name, None)
+        if fn is not None:
+            torch.fx.node.has_side_effect(fn)
+
+
+_register_state_changes()
+
+
 def _inplace_argument(node: fx.Node) -> bool:
     """An ``inplace`` parameter set to True, by keyword or by position (``F.relu(x, True)``,
     ``F.dropout(x, p, training, True)``): Dynamo keeps such calls as calls of the functional op."""

@@ -55,11 +55,17 @@ log = logging.getLogger(__name__)
 _CAUSAL_SPLITS = (0.5,)
 
 
-def repack_tokens(x: torch.Tensor, rep_row: torch.Tensor, position: torch.Tensor, row: int, pos: int
-                  ) -> torch.Tensor:
+def repack_tokens(x: torch.Tensor, index: torch.Tensor, rep_row: torch.Tensor, position: torch.Tensor, row: int,
+                  pos: int) -> torch.Tensor:
     """``x[rep_row[k], position[k]]`` along dims (row, pos), kept in place with extents (1, N).
 
-    The backward is the indexing's: each packed token's gradient lands on its one representative copy."""
+    The backward is the indexing's: each packed token's gradient lands on its one representative copy.
+    ``x`` must span the batch's [B, L] (``index``'s shape): a region that read a window of a token value
+    that is not the whole batch on this call is an error, which the runtime answers by running the
+    original graph."""
+    if (x.shape[row], x.shape[pos]) != tuple(index.shape):
+        raise RuntimeError(f"re-packed dense value has token extents ({x.shape[row]}, {x.shape[pos]}), the batch "
+                           f"is {tuple(index.shape)}")
     moved = x.movedim((row, pos), (0, 1))[rep_row, position]  # [N, ...rest]
     return moved.unsqueeze(0).movedim((0, 1), (row, pos))
 
@@ -82,7 +88,7 @@ def _emit_repack(pk, node: fx.Node) -> fx.Node:
         raise CannotReplay(f"{node.args[0].name} is re-packed from a dense region, which needs the padding "
                            f"positions' values; drop_padding removes them", node)
     row, pos = node.args[1], node.args[2]
-    return pk.graph.call_function(repack_tokens, (pk.dense(node.args[0]), pk.tree("rep_row"),
+    return pk.graph.call_function(repack_tokens, (pk.dense(node.args[0]), pk.tree("index"), pk.tree("rep_row"),
                                                   pk.tree("position"), row, pos))
 
 
@@ -180,7 +186,21 @@ def _region(ctx: AxesContext, v: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]
             else:
                 inputs[a] = None
     order = [n for n in ctx.gm.graph.nodes if n in seen]
-    return order, list(inputs)
+    return _with_side_effects(order, seen, inputs), list(inputs)
+
+
+def _with_side_effects(order: list[fx.Node], seen: set, inputs: dict) -> list[fx.Node]:
+    """``order`` plus the calls without users inside its span that read nothing else (state changes such as
+    ``torch.vmap``'s nesting levels, which the region's ops need to run as traced)."""
+    if not order:
+        return order
+    span, node, keep = [], order[0], set(seen)
+    while node is not order[-1]:
+        node = node.next
+        if node.op == "call_function" and not node.users and all(a in keep or a in inputs
+                                                                    for a in node.all_input_nodes):
+            keep.add(node)
+    return [n for n in order[0].graph.nodes if n in keep]
 
 
 def _prove(ctx: AxesContext, v: fx.Node) -> tuple[int, int, int]:
@@ -204,8 +224,8 @@ class _Probe:
         for a in inputs:
             ax = get_axes(a)
             if ax.is_token:
-                if ax.local or ax.window != ctx.full_window():
-                    raise _NotCausal(f"it reads {a.name} ({ax}), a flattened or windowed token value")
+                if ax.local or not _whole_at_example(ctx, a, ax):
+                    raise _NotCausal(f"it reads {a.name} ({ax}), a flattened token value or a window of one")
                 self.token_inputs[a] = ax
             self.values[a] = self._value(a, ax)
 
@@ -226,7 +246,7 @@ class _Probe:
                     env[n] = n.target(*args, **kwargs) if n.op == "call_function" else \
                         getattr(args[0], n.target)(*args[1:], **kwargs)
                 except Exception as e:  # a probe value outside the op's domain: not proved
-                    raise _NotCausal(f"its region failed on probe values at {n.name}: {type(e).__name__}") from e
+                    raise _NotCausal(f"its region failed on probe values at {n.name}: {type(e).__name__}: {str(e)[:200]}") from e
         out = env[self.v]
         if not isinstance(out, torch.Tensor):
             raise _NotCausal("it is not a tensor")
@@ -272,6 +292,15 @@ class _Probe:
             raise _NotCausal("no row dim and position dim that it is row-independent and causal along"
                              if not pairs else f"its token dims are ambiguous ({pairs})")
         return pairs[0]
+
+
+def _whole_at_example(ctx: AxesContext, a: fx.Node, ax) -> bool:
+    """Whether TOKEN ``a``'s window keeps every row and position at the example's sizes (``mask[:, :L]``).
+    ``repack_tokens`` checks the extents again on every call."""
+    if ax.window.is_whole:
+        return True
+    shape = hint(tuple(example_value(a).shape))
+    return (ax.row is None or shape[ax.row] == ctx.B) and shape[ax.pos] == ctx.L
 
 
 def _evaluate(a: fx.Node, ctx: AxesContext) -> Any:
