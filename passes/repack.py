@@ -70,6 +70,12 @@ def repack_tokens(x: torch.Tensor, index: torch.Tensor, rep_row: torch.Tensor, p
     return moved.unsqueeze(0).movedim((0, 1), (row, pos))
 
 
+def packed_again(x: torch.Tensor, row: int, pos: int) -> torch.Tensor:
+    """The analysis graph's marker of a re-packed value: ``x`` itself on dense values (so the analysis graph
+    still evaluates, for probes); the packed graph emits :func:`repack_tokens` in its place."""
+    return x
+
+
 @dataclasses.dataclass(frozen=True)
 class Repacked:
     """One re-packed dense value (for reports): the value, its token dims, the size of its dense region."""
@@ -92,7 +98,7 @@ def _emit_repack(pk, node: fx.Node) -> fx.Node:
                                                   pk.tree("position"), row, pos))
 
 
-@register_rule([repack_tokens], emit=_emit_repack, always=True)
+@register_rule([packed_again], emit=_emit_repack, always=True)
 def _repack_rule(ctx: AxesContext, node: fx.Node):
     """The fact was proved when the node was made (:func:`repack_operands`)."""
     return node.meta["br_repack_axes"]
@@ -147,7 +153,7 @@ def _repacked(ctx: AxesContext, v: fx.Node, user: fx.Node) -> Optional[fx.Node]:
         log.debug("not re-packed: %s: %s", v.name, e)
         return None
     with ctx.gm.graph.inserting_before(user):
-        new = ctx.gm.graph.call_function(repack_tokens, (v, row, pos))
+        new = ctx.gm.graph.call_function(packed_again, (v, row, pos))
     new.meta["example_value"] = example_value(v)
     if "br_ckpt" in user.meta:
         new.meta["br_ckpt"] = user.meta["br_ckpt"]
@@ -308,7 +314,7 @@ def _evaluate(a: fx.Node, ctx: AxesContext) -> Any:
     try:
         return evaluate(a, ctx.values)
     except Exception as e:
-        raise _NotCausal(f"its input {a.name} could not be evaluated ({type(e).__name__})") from e
+        raise _NotCausal(f"its input {a.name} could not be evaluated ({type(e).__name__}: {str(e)[:150]})") from e
 
 
 def _other_values(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -346,4 +352,4 @@ def _only_at(changed: torch.Tensor, dim: int, allowed) -> bool:
     return all(allowed(i) for i in torch.nonzero(along).flatten().tolist())
 
 
-__all__ = ["repack_tokens", "repack_operands", "Repacked"]
+__all__ = ["packed_again", "repack_tokens", "repack_operands", "Repacked"]
