@@ -76,6 +76,7 @@ __all__ = [
     "attention_backward",
     "attention_extras",
     "attention_forward",
+    "attention_scores_extras",
     "check_alibi",
     "check_impl_supports",
     "check_sinks",
@@ -317,9 +318,14 @@ def attention_backward(fn: Callable) -> Callable:
 
 
 def attention_extras(args: Sequence) -> tuple:
-    """(window, position, softcap, alibi, sinks) of a ``tree_attention_forward`` call's arguments, defaults
-    filled in."""
-    return (tuple(args[8:]) + (0, None, 0.0, None, None)[len(args[8:]):])[:5]
+    """(window, position, softcap) of a ``tree_attention_forward`` call's arguments, defaults filled in
+    (:func:`attention_scores_extras` has the rest of the tail)."""
+    return (tuple(args[8:]) + (0, None, 0.0)[len(args[8:]):])[:3]
+
+
+def attention_scores_extras(args: Sequence) -> tuple:
+    """(alibi, sinks) of a ``tree_attention_forward`` call's arguments (after softcap), defaults filled in."""
+    return (tuple(args[11:]) + (None, None)[len(args[11:]):])[:2]
 
 
 # ------------------------------------------------------------------------------------------ registry
