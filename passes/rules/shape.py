@@ -408,7 +408,7 @@ def getitem(ctx: AxesContext, node):
             continue
         if d_out is None:
             return dense_fallback(ctx, node, "integer index on a token dim")
-        if e != slice(None):
+        if e != slice(None) and not (e.start in (None, 0) and e.stop is None and e.step in (None, 1)):  # [0:] is whole
             if ax.row is None:
                 return dense_fallback(ctx, node, "slicing a position-only value")
             window = window.sliced("row" if d_in == ax.row else "pos", e)
