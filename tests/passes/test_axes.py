@@ -45,6 +45,8 @@ POS_TABLE = torch.nn.Parameter(torch.randn(L, D, dtype=torch.float64))  # absolu
 ROW_TABLE = torch.nn.Parameter(torch.randn(B, 1, D, dtype=torch.float64))  # a constant indexed by row
 BIAS = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
 FLAT_TABLE = torch.nn.Parameter(torch.randn(B * L, 5, dtype=torch.float64))  # a constant per flattened token
+CONV = torch.nn.Conv1d(D, D, 3, groups=D, padding=2).double()  # a causal short conv: [..., :L] of it
+CONV0 = torch.nn.Conv1d(D, D, 3, groups=D).double()  # after F.pad(x, (2, 0))
 
 def _buffer(t):  # a constant the way Dynamo sees a module buffer (a static input)
     return torch.nn.Parameter(t, requires_grad=False)
@@ -108,7 +110,12 @@ TABLE = [
     ("cat_positions", lambda ids: torch.cat([EMB(ids), EMB(ids)], 1), "dense"),
     ("scores", lambda ids: EMB(ids) @ EMB(ids).transpose(-1, -2), "dense"),
     ("chunk_features", lambda ids: EMB(ids).chunk(2, -1)[1], "token(row=0, pos=1)"),
-    ("cumsum_positions", lambda ids: EMB(ids).cumsum(1), "dense"),
+    # scans along the positions run along the tree paths (rules/scan.py)
+    ("cumsum_positions", lambda ids: EMB(ids).cumsum(1), "token(row=0, pos=1)"),
+    ("cumsum_rows", lambda ids: EMB(ids).cumsum(0), "dense"),
+    ("causal_conv", lambda ids: CONV(EMB(ids).transpose(1, 2))[..., :L], "token(row=0, pos=2)"),
+    ("left_pad_conv", lambda ids: CONV0(F.pad(EMB(ids).transpose(1, 2), (2, 0))), "token(row=0, pos=2)"),
+    ("conv_reads_later_tokens", lambda ids: CONV(EMB(ids).transpose(1, 2))[..., 2:], "dense"),
 ]
 
 
