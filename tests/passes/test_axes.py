@@ -81,6 +81,18 @@ TABLE = [
     ("addmm_per_token_constant", lambda ids: torch.addmm(FLAT_TABLE, EMB(ids).view(-1, D), W.t()), "dense"),
     ("mm_token_columns", lambda ids: torch.mm(W, EMB(ids).view(-1, D).t()), "token(row=None, pos=1, flat=1)"),
     ("mm_contracts_tokens", lambda ids: torch.mm(EMB(ids).view(-1, D).t(), FLAT_TABLE), "dense"),
+    ("polar_positions", lambda ids: EMB(ids) * torch.view_as_real(torch.polar(
+        torch.ones(L, D // 2, dtype=torch.float64), torch.arange(L)[:, None] * INV_FREQ)).flatten(1),
+     "token(row=0, pos=1)"),
+    # one constant array on a feature dim selects in place (Falcon's fused qkv[..., [-2], :])
+    ("array_index_features", lambda ids: EMB(ids).view(B, L, 4, 2)[..., [1, 3], :], "token(row=0, pos=1)"),
+    ("array_index_positions", lambda ids: EMB(ids)[:, [0, 2]], "dense"),
+    ("array_index_beside_int", lambda ids: EMB(ids).view(B, L, 4, 2)[:, :, [1, 3], 0], "dense"),
+    # scatter along a feature dim is per token (a router's top-k mask); along the positions it is not
+    ("scatter_features", lambda ids: torch.zeros_like(EMB(ids)).scatter(-1, EMB(ids).topk(2, -1)[1], 1.0),
+     "token(row=0, pos=1)"),
+    ("scatter_positions", lambda ids: torch.zeros_like(EMB(ids)).scatter(1, (ids % 2)[..., None].expand(B, L, D), 1.0),
+     "dense"),
     ("merge_inner_first", lambda ids: EMB(ids).transpose(0, 1).reshape(B * L, D), "dense"),
     ("flat_topk_router", lambda ids: torch.topk(torch.softmax(EMB(ids).view(-1, D), -1), 2, dim=-1)[0],
      "token(row=None, pos=0, flat=1)"),
