@@ -413,6 +413,16 @@ def emit_getitem(pk, node):
     return pk.graph.call_function(operator.getitem, (pk.packed(x), tuple(new)))
 
 
+def _keeps_all(s: slice, n: int) -> bool:
+    """Whether slice ``s`` of a dim of extent ``n`` is the identity (``[:]``, ``[0:]``, ``[-n:]``, ``[:n]``):
+    OPT's ``position_ids[:, past_key_values_length:]``, HF's ``attention_mask[:, -seq_len:]``. Int bounds only."""
+    if s == slice(None):
+        return True
+    start_ok = s.start is None or (isinstance(s.start, int) and (s.start == 0 or s.start <= -n))
+    stop_ok = s.stop is None or (isinstance(s.stop, int) and s.stop >= n)
+    return start_ok and stop_ok and s.step in (None, 1)
+
+
 @register_rule([operator.getitem], emit=emit_getitem, local="own")
 def getitem(ctx: AxesContext, node):
     """Basic indexing. Non-token dims: as is. A token dim: a whole slice keeps it; a partial slice on the
@@ -447,7 +457,7 @@ def getitem(ctx: AxesContext, node):
             return dense_fallback(ctx, node, "indexing a token dim by an array")
         if d_out is None:
             return dense_fallback(ctx, node, "integer index on a token dim")
-        if e != slice(None) and not (e.start in (None, 0) and e.stop is None and e.step in (None, 1)):  # [0:] is whole
+        if not _keeps_all(e, shape_of(x)[d_in]):
             if ax.row is None:
                 return dense_fallback(ctx, node, "slicing a position-only value")
             window = window.sliced("row" if d_in == ax.row else "pos", e)
