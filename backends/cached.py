@@ -23,6 +23,10 @@ runtime sums them over chunks before the prefix backward). The cached K/V is nev
 
 Cross pairs run through ``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU and by explicit
 float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
+
+Attention sinks (``sinks`` [Hq]) are merged once, after both parts (``ops.sink_merge``), and their gradient
+is ``ops.sink_grad`` of the merged out and lse, as for the uncached op. ALiBi is not supported against a
+cached prefix (``TreeAttentionError``; the streaming split refuses such graphs, packed mode runs them).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from brcompile.backends.ops import (
     ATTENTION_IMPLS, TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, count_visible_pairs, impl_for,
-    register_lower_precision_autocast,
+    register_lower_precision_autocast, sink_grad, sink_merge,
 )
 
 log = logging.getLogger(__name__)
@@ -105,6 +109,9 @@ class CachedPrefix:
             raise TreeAttentionError(f"tree_attention_cached: cross must be int64 [C, 4], got {self.cross.dtype} "
                                      f"{tuple(self.cross.shape)}")
         check_window(a.window, self.cache_position, k_cache.shape[1])
+        if a.alibi:
+            raise TreeAttentionError("tree_attention_cached: ALiBi position biases are not supported against a cached "
+                                     "prefix")
         return self
 
     def pieces(self, a: TreeAttentionArgs) -> list:
@@ -182,9 +189,9 @@ def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out
 
 
 def _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
-               cache_position, softcap) -> tuple[TreeAttentionArgs, CachedPrefix]:
+               cache_position, softcap, alibi=None, sinks=None) -> tuple[TreeAttentionArgs, CachedPrefix]:
     """The op's arguments (but ``impl``) as (chunk args, cached prefix), checked."""
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
     return a, CachedPrefix(k_cache, v_cache, cache_valid, cross, cache_position).check(a)
 
 
@@ -192,21 +199,25 @@ def _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cro
 def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor,
                        k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor, scale: float,
                        impl: str, window: int = 0, position: Optional[Tensor] = None,
-                       cache_position: Optional[Tensor] = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(out [Hq, n, D], lse [Hq, n]) over the chunk's own tree keys and its cached prefix keys."""
+                       cache_position: Optional[Tensor] = None, softcap: float = 0.0,
+                       alibi: Optional[list[float]] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out [Hq, n, D], lse [Hq, n]) over the chunk's own tree keys and its cached prefix keys (and the sinks)."""
     a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
-                      cache_position, softcap)
+                      cache_position, softcap, alibi, sinks)
+    a = a.without_sinks()
     out_t, lse_t = impl_for(impl, a).forward(a)
     out, lse = out_t.to(a.lse_dtype).contiguous(), lse_t.to(a.lse_dtype).contiguous()
     _cross_forward(a, c, out, lse)
+    if sinks is not None:
+        out, lse = sink_merge(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
 @_cached_forward_op.register_fake
 def _cached_forward_fake(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
-                         window=0, position=None, cache_position=None, softcap=0.0):
+                         window=0, position=None, cache_position=None, softcap=0.0, alibi=None, sinks=None):
     a, _ = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
-                      cache_position, softcap)
+                      cache_position, softcap, alibi, sinks)
     ATTENTION_IMPLS.check_name(impl)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=a.lse_dtype)
 
@@ -217,10 +228,12 @@ def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                         cache_valid: Tensor, cross: Tensor, scale: float,
                         impl: str, window: int = 0, position: Optional[Tensor] = None,
                         cache_position: Optional[Tensor] = None,
-                        softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dk_cache, dv_cache): each part's backward with the merged out and lse."""
+                        softcap: float = 0.0, alibi: Optional[list[float]] = None,
+                        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dk_cache, dv_cache): each part's backward with the merged out and lse (sinks merged in)."""
     a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
-                      cache_position, softcap)
+                      cache_position, softcap, alibi, sinks)
+    a = a.without_sinks()
     dq, dk, dv = impl_for(impl, a).backward(a, grad_out, out, lse)
     acc = a.lse_dtype
     dq = dq.to(acc).contiguous()
@@ -232,15 +245,16 @@ def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
 
 @_cached_backward_op.register_fake
 def _cached_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
-                          cross, scale, impl, window=0, position=None, cache_position=None, softcap=0.0):
+                          cross, scale, impl, window=0, position=None, cache_position=None, softcap=0.0,
+                          alibi=None, sinks=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), k_cache.new_empty(k_cache.shape),
             v_cache.new_empty(v_cache.shape))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl, window, position,
-     cache_position, softcap) = inputs
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap)
+     cache_position, softcap, alibi, sinks) = inputs
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks)
     a.save_for_backward(ctx, *output, k_cache, v_cache, cache_valid, cross, cache_position)
     ctx.impl = impl
     ctx.mark_non_differentiable(output[1])
@@ -250,8 +264,9 @@ def _backward(ctx, grad_out, grad_lse):
     a, (out, lse, k_cache, v_cache, cache_valid, cross, cache_position) = TreeAttentionArgs.saved(ctx)
     dq, dk, dv, dkc, dvc = torch.ops.brcompile.tree_attention_cached_backward(
         grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, k_cache, v_cache, cache_valid, cross, a.scale,
-        ctx.impl, a.window, a.position, cache_position, a.softcap)
-    return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None, None
+        ctx.impl, a.window, a.position, cache_position, a.softcap, a.alibi, a.sinks)
+    dsinks = sink_grad(grad_out, out, lse, a.sinks) if a.sinks is not None and ctx.needs_input_grad[17] else None
+    return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None, None, None, dsinks
 
 
 torch.library.register_autograd("brcompile::tree_attention_cached_forward", _backward,
@@ -263,14 +278,15 @@ register_lower_precision_autocast("brcompile::tree_attention_cached_forward")
 def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor, v_cache: Tensor,
                           cache_valid: Tensor, cross: Tensor, scale: float, impl: str = "auto", window: int = 0,
                           position: Optional[Tensor] = None, cache_position: Optional[Tensor] = None,
-                          softcap: float = 0.0) -> Tensor:
+                          softcap: float = 0.0, sinks: Optional[Tensor] = None) -> Tensor:
     """Out [Hq, n, D] of a chunk's queries over its own tree (``tree``: (end, valid, segments)) and the
     cached prefix K/V through ``cross`` (see the module docstring); ``window`` > 0 with the chunk's and the
-    cache's positions: HF's sliding window. Differentiable in q, k, v and the cache."""
+    cache's positions: HF's sliding window; ``sinks``: [Hq] sink logits. Differentiable in q, k, v, the cache
+    and the sinks."""
     end, valid, segments = tree
     return torch.ops.brcompile.tree_attention_cached_forward(
         q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, float(scale), impl, window, position,
-        cache_position, float(softcap))[0]
+        cache_position, float(softcap), None, sinks)[0]
 
 
 def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
@@ -287,7 +303,8 @@ def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_cached_forward, get_raw=True)
 def _cached_forward_flop(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
-                         window=0, position=None, cache_position=None, softcap=0.0, *args, out_val=None,
+                         window=0, position=None, cache_position=None, softcap=0.0, alibi=None, sinks=None, *args,
+                         out_val=None,
                          **kwargs) -> int:
     """As tree_attention_forward's, over the chunk's own visible pairs plus its cross pairs (with a window,
     the cross pairs are counted without it: an upper bound)."""
@@ -297,7 +314,7 @@ def _cached_forward_flop(q, k, v, end, valid, segments, k_cache, v_cache, cache_
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_cached_backward, get_raw=True)
 def _cached_backward_flop(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
-                          cross, scale, impl, window=0, position=None, cache_position=None, softcap=0.0, *args,
-                          out_val=None, **kwargs) -> int:
+                          cross, scale, impl, window=0, position=None, cache_position=None, softcap=0.0, alibi=None,
+                          sinks=None, *args, out_val=None, **kwargs) -> int:
     pairs = count_visible_pairs(end, valid, window, position) + _cross_pairs(cross, cache_valid)
     return pairs * q.shape[0] * (6 * q.shape[-1] + 4 * v.shape[-1])

@@ -34,9 +34,10 @@ rest of the window is an explicit additive [nq, nk] mask (holes included). A blo
 the call gets out = 0, lse = -inf before the merge; in backward a row that sees nothing at all is given
 lse = +inf so that every p = exp(s - lse) of it is 0.
 
-Logit soft-capping c (Gemma2: scores ``c * tanh(scale * q.k / c)``): the CPU flash kernel has none, so
-each call runs in query blocks by explicit matmuls in the accumulation dtype (``math_forward`` /
-``math_backward``: ``ds = p (dp - delta) (1 - t^2)``), merged and differentiated like the rest.
+Logit soft-capping c (Gemma2: scores ``c * tanh(scale * q.k / c)``) and ALiBi (scores ``+ m[h] * (pos[k] -
+pos[q])``): the CPU flash kernel has neither, so each call runs in query blocks by explicit matmuls in the
+accumulation dtype (``math_forward`` / ``math_backward``: ``ds = p (dp - delta) (1 - t^2)``; the ALiBi bias is
+a constant per pair, so ds is unchanged), merged and differentiated like the rest.
 """
 from __future__ import annotations
 
@@ -225,31 +226,46 @@ def additive_mask(seen: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor
     return None if seen is None else torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
 
 
-def piece_scores(qb: Tensor, kb: Tensor, seen: Optional[Tensor], scale: float, softcap: float = 0.0):
+def piece_bias(slopes: Optional[Tensor], qpos: Optional[Tensor], kpos: Optional[Tensor], hkv: int,
+               dtype: torch.dtype) -> Optional[Tensor]:
+    """The ALiBi bias of one piece, [Hkv, g, nq, nk] = ``slopes[h] * (kpos[k] - qpos[q])`` (query head h =
+    kv head * g + group index), in ``dtype``; None without slopes."""
+    if slopes is None:
+        return None
+    rel = kpos.to(dtype)[None, :] - qpos.to(dtype)[:, None]
+    return slopes.to(dtype).unflatten(0, (hkv, -1))[:, :, None, None] * rel.to(slopes.device)
+
+
+def piece_scores(qb: Tensor, kb: Tensor, seen: Optional[Tensor], scale: float, softcap: float = 0.0,
+                 bias: Optional[Tensor] = None):
     """(s, t) over [Hkv, g, nq, nk]: s = scale q.k^T, soft-capped to softcap * t with t = tanh(scale q.k^T /
-    softcap) (t None without a cap); -inf where not seen (None: every key)."""
+    softcap) (t None without a cap), plus ``bias`` (ALiBi, :func:`piece_bias`); -inf where not seen (None:
+    every key)."""
     s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
     t = None
     if softcap:
         t = torch.tanh(s / softcap)
         s = t * softcap
+    if bias is not None:
+        s = s + bias
     return (s if seen is None else s.masked_fill(~seen.to(s.device), float("-inf"))), t
 
 
-def math_forward(qb: Tensor, kb: Tensor, vb: Tensor, seen: Optional[Tensor], scale: float, softcap: float = 0.0):
-    """(out, lse) of one piece by explicit math (soft-capping: the CPU flash kernel has none; off the CPU:
-    no flash kernel). A row that sees nothing gets lse = -inf and out = 0."""
-    s, _ = piece_scores(qb, kb, seen, scale, softcap)
+def math_forward(qb: Tensor, kb: Tensor, vb: Tensor, seen: Optional[Tensor], scale: float, softcap: float = 0.0,
+                 bias: Optional[Tensor] = None):
+    """(out, lse) of one piece by explicit math (soft-capping, ALiBi ``bias``: the CPU flash kernel has
+    neither; off the CPU: no flash kernel). A row that sees nothing gets lse = -inf and out = 0."""
+    s, _ = piece_scores(qb, kb, seen, scale, softcap, bias)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
     return torch.matmul(p, vb), lse
 
 
 def math_backward(do: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Tensor, lse: Tensor, seen: Optional[Tensor],
-                  scale: float, softcap: float = 0.0):
+                  scale: float, softcap: float = 0.0, bias: Optional[Tensor] = None):
     """(dq, dk, dv) of one piece with the merged out and lse (lse = +inf: a row that sees nothing):
-    ds = p (dp - delta), times 1 - t^2 under a soft-cap."""
-    s, t = piece_scores(qb, kb, seen, scale, softcap)
+    ds = p (dp - delta), times 1 - t^2 under a soft-cap (an ALiBi ``bias`` only enters p)."""
+    s, t = piece_scores(qb, kb, seen, scale, softcap, bias)
     p = torch.exp(s - lse.unsqueeze(-1))
     dp = torch.matmul(do, vb.transpose(-1, -2))
     delta = (do * ob).sum(-1, keepdim=True)
@@ -299,10 +315,12 @@ def cpu_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
     lse = torch.full((hq, n), float("-inf"), dtype=acc_dtype)
     qg = q.unflatten(0, (hkv, g))
     touched = torch.zeros(n, dtype=torch.bool)  # rows that already hold a partial result
+    slopes = a.alibi_slopes()
     for pc in _schedule_pieces(a):
-        if a.softcap:
+        if _explicit_math(a):
             o, l = math_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
-                                _group_kv(v, pc, g).to(acc_dtype), pc.seen, a.scale, a.softcap)
+                                _group_kv(v, pc, g).to(acc_dtype), pc.seen, a.scale, a.softcap,
+                                _bias(a, slopes, pc, hkv))
         else:
             o, l = _flash_fwd(qg[:, :, pc.q0 : pc.q1], _group_kv(k, pc, g), _group_kv(v, pc, g), 0.0, pc.causal,
                               attn_mask=pc.mask, scale=a.scale)
@@ -321,13 +339,26 @@ def cpu_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
     return out.to(q.dtype), lse
 
 
+def _explicit_math(a: TreeAttentionArgs) -> bool:
+    """Whether the pieces of ``a`` run as explicit matmuls (soft-cap or ALiBi: the flash kernel has neither)."""
+    return bool(a.softcap or a.alibi)
+
+
+def _bias(a: TreeAttentionArgs, slopes: Optional[Tensor], pc: "_Piece", hkv: int) -> Optional[Tensor]:
+    """The ALiBi bias of piece ``pc`` (queries and keys both of ``a``'s tree), or None."""
+    if slopes is None:
+        return None
+    pos = a.position.cpu()
+    return piece_bias(slopes, pos[pc.q0:pc.q1], pos[pc.k0:pc.k1], hkv, a.lse_dtype)
+
+
 def _schedule_pieces(a: TreeAttentionArgs):
-    """The kernel calls of the segment-pair schedule of ``a``'s tree: query blocks with a window or a
-    soft-cap (the explicit-math path needs each block's visibility)."""
+    """The kernel calls of the segment-pair schedule of ``a``'s tree: query blocks with a window, a
+    soft-cap or ALiBi (the explicit-math path needs each block's visibility)."""
     valid = a.valid.cpu()
     position = None if a.position is None else a.position.cpu()
     for call in segment_schedule(*a.tree):
-        yield from _pieces(call, valid, a.q.dtype, a.window, position, blocked=bool(a.softcap))
+        yield from _pieces(call, valid, a.q.dtype, a.window, position, blocked=_explicit_math(a))
 
 
 def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
@@ -356,17 +387,18 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
     gog = grad_out.to(q.dtype).unflatten(0, (hkv, g))
     outg = out.unflatten(0, (hkv, g))
     lse_k = lse.to(acc_dtype)
-    if a.window or a.softcap:  # a row that sees nothing anywhere: lse = +inf makes each of its p = exp(s - lse) 0
+    if a.window or _explicit_math(a):  # a row that sees nothing anywhere: lse = +inf makes each p = exp(s - lse) 0
         lse_k = lse_k.masked_fill(torch.isneginf(lse_k), float("inf"))
     lseg = lse_k.unflatten(0, (hkv, g))
+    slopes = a.alibi_slopes()
     for pc in _schedule_pieces(a):
         qs = slice(pc.q0, pc.q1)
         ks = slice(pc.k0, pc.k1)
         kg, vg = _group_kv(k, pc, g), _group_kv(v, pc, g)
-        if a.softcap:
+        if _explicit_math(a):
             gq, gk, gv = math_backward(gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype), kg.to(acc_dtype),
                                        vg.to(acc_dtype), outg[:, :, qs].to(acc_dtype), lseg[:, :, qs], pc.seen,
-                                       a.scale, a.softcap)
+                                       a.scale, a.softcap, _bias(a, slopes, pc, hkv))
         else:
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     pc.causal, attn_mask=pc.mask, scale=a.scale)
@@ -378,5 +410,5 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
 
 register_attention_impl(
     AttentionImpl(name="cpu", forward=cpu_forward, backward=cpu_backward, device_types=frozenset({"cpu"}),
-                  supports_window=True, supports_softcap=True)
+                  supports_window=True, supports_softcap=True, supports_alibi=True)
 )

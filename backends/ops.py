@@ -6,12 +6,12 @@ Three ops, mirroring how ``scaled_dot_product_attention`` is built from ``_scale
     What the graph rewrite emits. CompositeImplicitAutograd: it is ``tree_attention_forward(...)[0]``,
     so AOTAutograd traces through it to the two ops below.
 ``brcompile::tree_attention_forward(q, k, v, end, valid, segments, scale, impl, window=0, position=None,
-  softcap=0.0) -> (Tensor out, Tensor lse)``
+  softcap=0.0, alibi=None, sinks=None) -> (Tensor out, Tensor lse)``
     Opaque custom op with a fake impl, a flop formula and an autograd formula. ``lse`` (natural-log
     logsumexp of the scaled scores of each query row, ``-inf`` for a query that sees no key) is saved
     for backward and is not differentiable (as for SDPA's logsumexp).
 ``brcompile::tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl,
-  window=0, position=None, softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)``
+  window=0, position=None, softcap=0.0, alibi=None, sinks=None) -> (Tensor dq, Tensor dk, Tensor dv)``
     Opaque custom op with a fake impl and a flop formula, so AOTAutograd can trace the backward.
 
 Shapes (N packed tokens in DFS preorder, see brcompile.runtime.tree.PackedTree)::
@@ -24,6 +24,25 @@ Mask: query q sees key k  <=>  k <= q < end[k] and valid[k] (and, with ``window`
 position[q] - position[k] < W: HF's sliding window, over the tree positions = the batch columns). With
 ``softcap`` c > 0 the scores are ``c * tanh(scale * q.k / c)``. A query that sees no key outputs 0 and gets
 zero gradient. ``out[:, q] = sum_k softmax_k(scale * q.k) v[:, k]`` over the visible keys.
+
+ALiBi (``alibi``: per-query-head slopes m[Hq], numbers, with ``position``): the score of (q, k) in head h
+gets ``+ m[h] * (position[k] - position[q])`` (after the soft-cap, if any). Softmax is invariant to a
+per-query shift, so this is also BLOOM's ``m[h] * position[k]``. The slopes are constants (no gradient).
+
+Attention sinks (``sinks``: a [Hq] tensor of logits s, differentiable): each query row's softmax has one
+more logit ``s[h]`` that carries no value::
+
+    lse'[h, q] = logaddexp(lse[h, q], s[h]),   out'[h, q] = out[h, q] * exp(lse[h, q] - lse'[h, q])
+
+where (out, lse) are the attention without the sink (a query that sees no key: out' = 0, lse' = s[h]).
+This is applied here, around every impl (impls never see a sink), and the backward of the keys is the
+impl's with the merged (out', lse'): ``ds = p (dp - delta)`` with ``p = exp(score - lse')`` and ``delta =
+rowsum(dout * out')`` is exactly the gradient of the softmax with the sink, restricted to the keys. The
+sink's own gradient: with ``p_s = exp(s[h] - lse'[h, q])``, ``d out'[q] / d s[h] = -p_s out'[q]``, so
+
+    d sinks[h] = - sum_q p_s[h, q] * delta[h, q],   delta[h, q] = sum_d dout[h, q, d] out'[h, q, d]
+
+(:func:`sink_merge`, :func:`sink_grad`).
 
 The op bodies gather their arguments (all but ``impl``) into one :class:`TreeAttentionArgs`, check it once
 (:meth:`TreeAttentionArgs.check`) and hand it to the implementation named ``impl``, looked up in a registry
@@ -57,12 +76,17 @@ __all__ = [
     "attention_backward",
     "attention_extras",
     "attention_forward",
+    "attention_scores_extras",
+    "check_alibi",
     "check_impl_supports",
+    "check_sinks",
     "count_visible_pairs",
     "get_attention_impl",
     "lse_dtype_for",
     "register_attention_impl",
     "registered_attention_impls",
+    "sink_grad",
+    "sink_merge",
     "tree_attention",
 ]
 
@@ -89,10 +113,12 @@ class TreeAttentionArgs:
 
     ``q [Hq, N, D]``, ``k``/``v [Hkv, N, D]``, the tree arrays ``end``/``valid``/``segments``, ``scale``;
     ``window`` W > 0 with ``position [N]``: the sliding window ``position[q] - position[k] < W``;
-    ``softcap`` c > 0: scores ``c * tanh(scale * q.k / c)``. Neutral defaults (0, None, 0.0) mean off; a
-    new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3). The field
+    ``softcap`` c > 0: scores ``c * tanh(scale * q.k / c)``; ``alibi`` (a tuple of Hq floats m, with
+    ``position``): scores ``+ m[h] * (position[k] - position[q])``; ``sinks`` ([Hq] tensor): one more logit
+    per query row without a value (applied by the op around the impl: impls ignore it, see the module
+    docstring). Neutral defaults (0, None, 0.0, None, None) mean off; a new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3). The field
     order is the op's argument order (without ``impl``), so ``TreeAttentionArgs(q, k, v, end, valid,
-    segments, scale, window, position, softcap)`` reads like the op call.
+    segments, scale, window, position, softcap, alibi, sinks)`` reads like the op call.
     """
 
     q: Tensor
@@ -105,6 +131,8 @@ class TreeAttentionArgs:
     window: int = 0
     position: Optional[Tensor] = None
     softcap: float = 0.0
+    alibi: Optional[Sequence[float]] = None
+    sinks: Optional[Tensor] = None
 
     @property
     def tree(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -149,19 +177,32 @@ class TreeAttentionArgs:
         if not (math.isfinite(self.softcap) and self.softcap >= 0):
             raise TreeAttentionError(f"tree_attention: softcap must be a finite float >= 0 (0: no soft-cap), "
                                      f"got {self.softcap}")
+        check_alibi(self.alibi, self.position, self.q.shape[0], n)
+        check_sinks(self.sinks, self.q.shape[0])
         return self
+
+    def alibi_slopes(self) -> Optional[Tensor]:
+        """The ALiBi slopes as a [Hq] tensor of the accumulation dtype on q's device (None without ALiBi)."""
+        if not self.alibi:
+            return None
+        return torch.tensor([float(m) for m in self.alibi], dtype=self.lse_dtype, device=self.q.device)
+
+    def without_sinks(self) -> "TreeAttentionArgs":
+        """These arguments without the sinks: what an impl computes (the op merges the sinks in)."""
+        return self if self.sinks is None else self.replace(sinks=None)
 
     def save_for_backward(self, ctx, *tensors: Optional[Tensor]) -> None:
         """Save the arguments (and ``tensors``, e.g. out and lse) on an autograd ``ctx``; see :meth:`saved`."""
-        ctx.save_for_backward(self.q, self.k, self.v, self.end, self.valid, self.segments, self.position, *tensors)
-        ctx.tree_attention = (self.scale, self.window, self.softcap)
+        ctx.save_for_backward(self.q, self.k, self.v, self.end, self.valid, self.segments, self.position, self.sinks,
+                              *tensors)
+        ctx.tree_attention = (self.scale, self.window, self.softcap, self.alibi)
 
     @classmethod
     def saved(cls, ctx) -> tuple["TreeAttentionArgs", list]:
         """(args, [tensors]) as :meth:`save_for_backward` saved them."""
-        q, k, v, end, valid, segments, position, *tensors = ctx.saved_tensors
-        scale, window, softcap = ctx.tree_attention
-        return cls(q, k, v, end, valid, segments, scale, window, position, softcap), tensors
+        q, k, v, end, valid, segments, position, sinks, *tensors = ctx.saved_tensors
+        scale, window, softcap, alibi = ctx.tree_attention
+        return cls(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks), tensors
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TreeAttentionArgs))
@@ -197,10 +238,58 @@ def check_window(window: int, position: Optional[Tensor], n) -> None:
                                  f"[N={n}], got {got}")
 
 
+def _integer_positions(position: Optional[Tensor], n) -> bool:
+    """Whether ``position`` is an [N] integer tensor."""
+    return not (position is None or position.dtype == torch.bool or position.is_floating_point()
+                or position.is_complex() or position.dim() != 1 or position.shape[0] != n)
+
+
+def check_alibi(alibi: Optional[Sequence[float]], position: Optional[Tensor], hq: int, n) -> None:
+    """ALiBi slopes are None (off) or a sequence of Hq finite numbers, and need the [N] integer positions."""
+    if alibi is None:
+        return
+    if isinstance(alibi, Tensor) or not isinstance(alibi, (list, tuple)) or len(alibi) != hq \
+            or not all(isinstance(m, numbers.Real) and not isinstance(m, bool) and math.isfinite(m) for m in alibi):
+        raise TreeAttentionError(f"tree_attention: alibi must be a list of {hq} finite slopes (one per query head), "
+                                 f"got {alibi!r}")
+    if not _integer_positions(position, n):
+        got = None if position is None else (position.dtype, tuple(position.shape))
+        raise TreeAttentionError(f"tree_attention: alibi needs position, the tokens' integer positions [N={n}], "
+                                 f"got {got}")
+
+
+def check_sinks(sinks: Optional[Tensor], hq: int) -> None:
+    """Sinks are None (off) or a floating [Hq] tensor of logits."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (hq,):
+        got = (sinks.dtype, tuple(sinks.shape)) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise TreeAttentionError(f"tree_attention: sinks must be a floating [Hq={hq}] tensor, got {got}")
+
+
+def sink_merge(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """(out', lse') with one value-less logit ``sinks[h]`` per query row joined to the softmax:
+    ``lse' = logaddexp(lse, s)``, ``out' = out * exp(lse - lse')`` (0 where lse = -inf: a query that sees
+    no key keeps out' = 0 and gets lse' = s). Computed in lse's dtype."""
+    s = sinks.to(device=lse.device, dtype=lse.dtype)[:, None].expand_as(lse)
+    merged = torch.logaddexp(lse, s)
+    weight = torch.exp(lse - merged)  # exp(-inf - finite) = 0
+    return (out.to(lse.dtype) * weight[..., None]).to(out.dtype), merged
+
+
+def sink_grad(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sinks[h] = - sum_q exp(s[h] - lse'[h, q]) * sum_d dout[h, q, d] out'[h, q, d], from the merged
+    (out', lse') (module docstring); in sinks' dtype."""
+    acc = lse.dtype
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
+    p_sink = torch.exp(sinks.to(device=lse.device, dtype=acc)[:, None] - lse)
+    return -(p_sink * delta).sum(-1).to(sinks.dtype)
+
+
 def attention_forward(fn: Callable) -> Callable:
     """Decorator of an impl's ``forward(args: TreeAttentionArgs, **options) -> (out, lse)``: the result may
     also be called the op's way, ``forward(q, k, v, end, valid, segments, scale, window=0, position=None,
-    softcap=0.0, **options)`` (standalone use: tests, benchmarks), which builds and checks the args."""
+    softcap=0.0, alibi=None, **options)`` (standalone use: tests, benchmarks), which builds and checks the args."""
 
     @functools.wraps(fn)
     def forward(*args, **kwargs):
@@ -215,7 +304,7 @@ def attention_forward(fn: Callable) -> Callable:
 def attention_backward(fn: Callable) -> Callable:
     """Decorator of an impl's ``backward(args, grad_out, out, lse, **options) -> (dq, dk, dv)``; the result
     may also be called the op's way, ``backward(grad_out, q, k, v, out, lse, end, valid, segments, scale,
-    window=0, position=None, softcap=0.0, **options)``, which builds and checks the args."""
+    window=0, position=None, softcap=0.0, alibi=None, **options)``, which builds and checks the args."""
 
     @functools.wraps(fn)
     def backward(*args, **kwargs):
@@ -229,8 +318,14 @@ def attention_backward(fn: Callable) -> Callable:
 
 
 def attention_extras(args: Sequence) -> tuple:
-    """(window, position, softcap) of a ``tree_attention_forward`` call's arguments, defaults filled in."""
-    return (tuple(args[8:]) + (0, None, 0.0))[:3]
+    """(window, position, softcap) of a ``tree_attention_forward`` call's arguments, defaults filled in
+    (:func:`attention_scores_extras` has the rest of the tail)."""
+    return (tuple(args[8:]) + (0, None, 0.0)[len(args[8:]):])[:3]
+
+
+def attention_scores_extras(args: Sequence) -> tuple:
+    """(alibi, sinks) of a ``tree_attention_forward`` call's arguments (after softcap), defaults filled in."""
+    return (tuple(args[11:]) + (None, None)[len(args[11:]):])[:2]
 
 
 # ------------------------------------------------------------------------------------------ registry
@@ -246,7 +341,9 @@ class AttentionImpl(Impl):
     ``args`` has been checked (:meth:`TreeAttentionArgs.check`). With ``supports_window`` the impl honours
     ``args.window``/``args.position`` (query q sees key k only if also ``pos[q] - pos[k] < W``), with
     ``supports_softcap`` ``args.softcap`` (scores ``c * tanh(scale * q.k / c)``, Gemma2's logit
-    soft-capping); an impl without the flag is never handed a window / soft-cap (:func:`check_impl_supports`).
+    soft-capping), with ``supports_alibi`` ``args.alibi`` (scores ``+ m[h] * (position[k] - position[q])``);
+    an impl without the flag is never handed a window / soft-cap / ALiBi (:func:`check_impl_supports`).
+    Sinks need no flag: the op applies them around every impl (module docstring).
     ``out``/``lse`` passed to backward are the ones forward returned (merged over the whole tree).
     ``device_types`` (keyword): the ``torch.device.type`` values the impl runs on; ``None`` means any.
     Decorating forward/backward with :func:`attention_forward` / :func:`attention_backward` lets them be
@@ -260,6 +357,7 @@ class AttentionImpl(Impl):
     backward: Callable
     supports_window: bool = False
     supports_softcap: bool = False
+    supports_alibi: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -291,18 +389,20 @@ def get_attention_impl(name: str, device) -> AttentionImpl:
     return ATTENTION_IMPLS.get(name, device)
 
 
-def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0.0) -> None:
-    """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped attention."""
+def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0.0, alibi=None) -> None:
+    """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped / ALiBi attention."""
     if window and not impl.supports_window:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
     if softcap and not impl.supports_softcap:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support logit soft-capping")
+    if alibi and not impl.supports_alibi:
+        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support ALiBi position biases")
 
 
 def impl_for(name: str, args: TreeAttentionArgs) -> AttentionImpl:
-    """The impl ``name`` for ``args`` (its device; its window and soft-cap supported)."""
+    """The impl ``name`` for ``args`` (its device; its window, soft-cap and ALiBi supported)."""
     impl = get_attention_impl(name, args.q.device)
-    check_impl_supports(impl, args.window, args.softcap)
+    check_impl_supports(impl, args.window, args.softcap, args.alibi)
     return impl
 
 
@@ -321,21 +421,26 @@ def _check_result(name: str, what: str, got: Tensor, like_shape, like_dtype) -> 
 @torch.library.custom_op("brcompile::tree_attention_forward", mutates_args=())
 def _tree_attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float, impl: str,
-    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
+    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0, alibi: Optional[list[float]] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [Hq, N, D], lse [Hq, N]) of tree attention, computed by the impl named ``impl``."""
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    """(out [Hq, N, D], lse [Hq, N]) of tree attention, computed by the impl named ``impl`` (the sinks merged
+    in afterwards: :func:`sink_merge`)."""
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
     chosen = impl_for(impl, a)
-    out, lse = chosen.forward(a)
+    out, lse = chosen.forward(a.without_sinks())
     _check_result(chosen.name, "out", out, q.shape, q.dtype)
     _check_result(chosen.name, "lse", lse, q.shape[:2], a.lse_dtype)
+    if sinks is not None:
+        out, lse = sink_merge(out, lse, sinks)
     return out, lse
 
 
 @_tree_attention_forward_op.register_fake
-def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0):
+def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0,
+                                 alibi=None, sinks=None):
     """Shapes only: out like q (contiguous), lse [Hq, N]."""
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
     ATTENTION_IMPLS.check_name(impl)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=a.lse_dtype)
 
@@ -344,12 +449,14 @@ def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, win
 def _tree_attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, end: Tensor, valid: Tensor,
     segments: Tensor, scale: float, impl: str, window: int = 0, position: Optional[Tensor] = None,
-    softcap: float = 0.0,
+    softcap: float = 0.0, alibi: Optional[list[float]] = None, sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of tree attention for the upstream gradient ``grad_out`` (any strides)."""
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    """(dq, dk, dv) of tree attention for the upstream gradient ``grad_out`` (any strides); ``out``/``lse`` are
+    the forward's, sinks merged in, so the impl's key gradients are those of the softmax with the sinks (the
+    sinks' own gradient is :func:`sink_grad`, taken by the autograd formula)."""
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
     chosen = impl_for(impl, a)
-    dq, dk, dv = chosen.backward(a, grad_out, out, lse)
+    dq, dk, dv = chosen.backward(a.without_sinks(), grad_out, out, lse)
     _check_result(chosen.name, "dq", dq, q.shape, q.dtype)
     _check_result(chosen.name, "dk", dk, k.shape, k.dtype)
     _check_result(chosen.name, "dv", dv, v.shape, v.dtype)
@@ -358,28 +465,30 @@ def _tree_attention_backward_op(
 
 @_tree_attention_backward_op.register_fake
 def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0,
-                                  position=None, softcap=0.0):
+                                  position=None, softcap=0.0, alibi=None, sinks=None):
     """Shapes only: dq like q, dk like k, dv like v (contiguous)."""
-    TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
     ATTENTION_IMPLS.check_name(impl)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _forward_setup_context(ctx, inputs, output):
     """Save what backward needs; lse is an auxiliary output without gradient."""
-    *fields, impl, window, position, softcap = inputs
-    TreeAttentionArgs(*fields, window, position, softcap).save_for_backward(ctx, *output)
+    *fields, impl, window, position, softcap, alibi, sinks = inputs
+    TreeAttentionArgs(*fields, window, position, softcap, alibi, sinks).save_for_backward(ctx, *output)
     ctx.impl = impl
     ctx.mark_non_differentiable(output[1])
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
-    """d(out)/d(q, k, v) via the tree_attention_backward op; the tree arrays get no gradient."""
+    """d(out)/d(q, k, v) via the tree_attention_backward op, d(out)/d(sinks) by :func:`sink_grad`; the tree
+    arrays and the ALiBi slopes (constants) get no gradient."""
     a, (out, lse) = TreeAttentionArgs.saved(ctx)
     dq, dk, dv = torch.ops.brcompile.tree_attention_backward(
         grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, a.scale, ctx.impl, a.window, a.position,
-        a.softcap)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+        a.softcap, a.alibi, a.sinks)
+    dsinks = sink_grad(grad_out, out, lse, a.sinks) if a.sinks is not None and ctx.needs_input_grad[12] else None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
 
 
 torch.library.register_autograd(
@@ -491,7 +600,7 @@ def count_visible_pairs(end: Tensor, valid: Tensor, window: int = 0, position: O
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_forward, get_raw=True)
 def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0,
-                                 *args, out_val=None, **kwargs) -> int:
+                                 alibi=None, sinks=None, *args, out_val=None, **kwargs) -> int:
     """Forward: 2 matmuls (q.k and p.v) per visible pair and query head: 2*D + 2*Dv flops."""
     hq, _, d = q.shape
     dv = v.shape[-1]
@@ -500,7 +609,8 @@ def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, win
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_backward, get_raw=True)
 def _tree_attention_backward_flop(
-    grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0, *args,
+    grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0, alibi=None,
+    sinks=None, *args,
     out_val=None, **kwargs
 ) -> int:
     """Backward, as SDPA's formula: recompute q.k, then dv, dp, dq, dk; 6*D + 4*Dv per pair and head
@@ -531,22 +641,25 @@ def _tree_arrays(tree: TreeLike) -> tuple[Tensor, Tensor, Tensor]:
 
 def tree_attention(
     q: Tensor, k: Tensor, v: Tensor, tree: TreeLike, scale: Optional[float] = None, impl: str = "auto",
-    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0,
+    window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0, alibi: Optional[Sequence[float]] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Tree attention over packed tokens: out [Hq, N, D] for q [Hq, N, D], k/v [Hkv, N, D].
 
     ``tree``: a PackedTree or an (end, valid, segments) tuple. ``scale`` defaults to D**-0.5.
     ``impl``: "auto" (triton on CUDA when available, else cpu), "cpu", "reference", "triton" or any
     registered name. ``window`` > 0: a sliding window over ``position`` (default: the tree's positions when
-    ``tree`` is a PackedTree). ``softcap`` > 0: scores ``softcap * tanh(s / softcap)``. Differentiable in
-    q, k, v.
+    ``tree`` is a PackedTree). ``softcap`` > 0: scores ``softcap * tanh(s / softcap)``. ``alibi``: Hq slopes m,
+    scores ``+ m[h] * (position[k] - position[q])`` (positions as for a window). ``sinks``: [Hq] sink logits.
+    Differentiable in q, k, v and the sinks.
     """
     end, valid, segments = _tree_arrays(tree)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if window and position is None:
+    if (window or alibi) and position is None:
         position = getattr(tree, "position", None)
-    if window or softcap:
+    if window or softcap or alibi or sinks is not None:
+        slopes = None if alibi is None else [float(m) for m in alibi]
         return torch.ops.brcompile.tree_attention_forward(q, k, v, end, valid, segments, float(scale), impl, window,
-                                                          position, float(softcap))[0]
+                                                          position, float(softcap), slopes, sinks)[0]
     return torch.ops.brcompile.tree_attention(q, k, v, end, valid, segments, float(scale), impl)

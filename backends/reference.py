@@ -11,7 +11,8 @@ With s[h, q, k] = scale * q[h, q] . k[h // g, k] (g = Hq // Hkv) and M the tree 
     out[h, q] = sum_k p[h, q, k] v[h // g, k]
 
 (with a sliding window, M also requires ``position[q] - position[k] < window``; with a soft-cap c the
-scores are ``c * tanh(s / c)``) and the backward (explicit formulas, from the saved out and lse):
+scores are ``c * tanh(s / c)``; with ALiBi slopes m the scores then get ``+ m[h] * (position[k] -
+position[q])``, a constant per pair, so the backward below is unchanged) and the backward (explicit formulas, from the saved out and lse):
 
     dp = dout . v^T,  delta[h, q] = sum_d dout[h, q, d] out[h, q, d],  ds = p * (dp - delta)
     dq = scale * ds . k,  dk = scale * sum_{heads of the group} ds^T . q,  dv = sum_{group} p^T . dout
@@ -30,7 +31,7 @@ from brcompile.backends.ops import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["dense_tree_mask", "reference_backward", "reference_forward"]
+__all__ = ["alibi_bias", "dense_tree_mask", "reference_backward", "reference_forward"]
 
 
 def dense_tree_mask(end: Tensor, valid: Tensor, window: int = 0, position: Optional[Tensor] = None) -> Tensor:
@@ -57,15 +58,31 @@ def _reduce_kv(t: Tensor, hkv: int) -> Tensor:
     return t.view(hkv, hq // hkv, n, d).sum(1)
 
 
-def _masked_scores(q64: Tensor, k64: Tensor, mask: Tensor, scale: float, softcap: float = 0.0):
-    """(s, t): s = scale * q.k^T (soft-capped: softcap * t with t = tanh(scale * q.k^T / softcap)) on
-    visible pairs, -inf elsewhere: [Hq, N, N]; t is None without a soft-cap."""
+def alibi_bias(slopes: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
+    """[H, nq, nk] ALiBi bias ``slopes[h] * (kpos[k] - qpos[q])`` in the slopes' dtype."""
+    rel = kpos.to(slopes.dtype)[None, :] - qpos.to(slopes.dtype)[:, None]
+    return slopes[:, None, None] * rel[None]
+
+
+def _masked_scores(q64: Tensor, k64: Tensor, mask: Tensor, scale: float, softcap: float = 0.0,
+                   alibi: Optional[Tensor] = None, position: Optional[Tensor] = None):
+    """(s, t): s = scale * q.k^T (soft-capped: softcap * t with t = tanh(scale * q.k^T / softcap); plus the
+    ALiBi bias of the [Hq] float64 slopes ``alibi`` over ``position``) on visible pairs, -inf elsewhere:
+    [Hq, N, N]; t is None without a soft-cap."""
     s = torch.matmul(q64, _expand_kv(k64, q64.shape[0]).transpose(-1, -2)) * scale
     t = None
     if softcap:
         t = torch.tanh(s / softcap)
         s = t * softcap
+    if alibi is not None:
+        s = s + alibi_bias(alibi, position, position)
     return s.masked_fill(~mask, float("-inf")), t
+
+
+def _slopes64(a: TreeAttentionArgs) -> Optional[Tensor]:
+    """The ALiBi slopes of ``a`` as a float64 [Hq] tensor, or None."""
+    return None if not a.alibi else torch.tensor([float(m) for m in a.alibi], dtype=torch.float64,
+                                                 device=a.q.device)
 
 
 def _probabilities(s: Tensor, lse64: Tensor) -> Tensor:
@@ -79,7 +96,7 @@ def reference_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by dense masked attention computed in float64."""
     mask = dense_tree_mask(a.end, a.valid, a.window, a.position)
     q64, k64, v64 = a.q.double(), a.k.double(), a.v.double()
-    s, _ = _masked_scores(q64, k64, mask, a.scale, a.softcap)
+    s, _ = _masked_scores(q64, k64, mask, a.scale, a.softcap, _slopes64(a), a.position)
     lse64 = torch.logsumexp(s, dim=-1)
     p = _probabilities(s, lse64)
     out64 = torch.matmul(p, _expand_kv(v64, a.q.shape[0]))
@@ -95,7 +112,7 @@ def reference_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor,
     mask = dense_tree_mask(a.end, a.valid, a.window, a.position)
     q64, k64, v64 = a.q.double(), a.k.double(), a.v.double()
     dout = grad_out.double()
-    sc, t = _masked_scores(q64, k64, mask, a.scale, a.softcap)
+    sc, t = _masked_scores(q64, k64, mask, a.scale, a.softcap, _slopes64(a), a.position)
     p = _probabilities(sc, lse.double())
     dp = torch.matmul(dout, _expand_kv(v64, hq).transpose(-1, -2))
     delta = (dout * out.double()).sum(-1, keepdim=True)
@@ -109,4 +126,4 @@ def reference_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor,
 
 
 register_attention_impl(AttentionImpl(name="reference", forward=reference_forward, backward=reference_backward,
-                                      supports_window=True, supports_softcap=True))
+                                      supports_window=True, supports_softcap=True, supports_alibi=True))

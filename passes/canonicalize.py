@@ -40,8 +40,20 @@ of its row lie within the exp underflow range above ``v`` (745 in float64, 104 i
 that size are not seen in practice). The steps become one canonical float mask (:func:`_canonical_mask`:
 0 where every step lets a key through, ``-inf`` where one blocks it; additive values <= ``BLOCKING``
 become ``-inf``, other values stay and the classification refuses them as a bias), classified by the
-probes of :mod:`..masks` like any mask. ALiBi (a per-head additive bias) and attention sinks (logits
-concatenated to the scores) are refused naming them: they need tree-attention features.
+probes of :mod:`..masks` like any mask. A cast of the scores to their own dtype (MPT's ``.float()`` of
+float32 scores) is the identity.
+
+**ALiBi.** An additive operand with a head dim (``[H, Lq, Lk]``, ``[H, 1, Lk]``, ``[B, H, Lq, Lk]``, any
+broadcastable per-head bias) is a *bias step*: it joins the canonical mask unthresholded (times the scales
+after it), so the mask's finite values carry it. :mod:`..masks` then splits the mask into visibility and
+bias on its probes and accepts the bias only where it is exactly ALiBi, ``m[h] * (pos[k] - pos[q])`` up to a
+per-query shift (the tree attention ``alibi`` feature); anything else is refused there as a bias.
+
+**Attention sinks** (GPT-OSS): ``combined = cat([s, S.reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)], -1)``,
+optionally ``combined - combined.max(-1, keepdim=True).values`` (a per-row shift: the softmax is the same),
+``softmax(combined)[..., :-1]`` — one value-less logit ``S[h]`` per query row (:func:`_match_sinks`). The
+[H] node ``S`` becomes the SDPA node's ``br_sinks`` keyword (a dependency edge of the canonical copy, which
+is only analysed, never run) and the ``sinks`` argument of tree attention (it gets its gradient there).
 
 A fully masked query row differs: the original's additive mask makes it uniform over all keys (or NaN
 when the lowest value overflows), tree attention makes it 0. Where the mask has key padding, the rewrite
@@ -126,6 +138,7 @@ class EagerChain:
     dead: list[fx.Node]  # chain nodes replaced by the SDPA node, output-side first
     softcap: Any = 0.0  # > 0: the scores were soft-capped, tanh(s / softcap) * softcap; or the two scalar
     #                     nodes (divisor, factor) read from inputs under dynamic=True, resolved by canonicalize
+    sinks: Optional[fx.Node] = None  # the [H] sink logits joined to the softmax (attention sinks)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,11 +335,13 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     x, dim, dtype = _softmax_args(sm)
     if not isinstance(x, fx.Node) or _tensor(x) is None:
         return None
-    attention_like = _looks_like_attention(x)
-    if not attention_like:
+    if not _looks_like_attention(x):
+        return None
+    sinks, x = _match_sinks(sm, x, dim)
+    if not _looks_like_attention(x):
         return None
     scores_t = _tensor(x)
-    if scores_t.dim() != 4 or dim is None or normalize_dim(dim, 4) != 3:
+    if scores_t.dim() != 4 or dim is None or normalize_dim(dim, scores_t.dim()) != 3:
         _refuse(sm, sm, f"softmax over dim {dim} of a {scores_t.dim()}-D value, not the key dim")
     dead = [sm]
     # backward: mask steps (additive masks, masked_fill / where with a large negative value) and numeric
@@ -369,7 +384,8 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
         capped = " (logit soft-capping)" if "tanh" in path else ""
         if any(p in ("cat", "concat", "concatenate") for p in path):
             _refuse(sm, cur, f"`{' <- '.join(path)}`: logits concatenated to the scores before the softmax "
-                    "(an attention sink) need a tree-attention sink feature, which does not exist")
+                    "in a form that is not an attention sink (one [H] logit per head joined on the key dim, "
+                    "dropped after the softmax)")
         _refuse(sm, cur, f"`{' <- '.join(path)}` between the scores matmul and the softmax{capped} "
                 "is not supported")
     q, k = qk
@@ -386,9 +402,6 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
                 _refuse(sm, x, "the value added to the scores is not a float tensor (a bool mask added is a bias)")
             if tm.dtype != ts.dtype:
                 _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}")
-            if (tm.dim() == 4 and tm.shape[1] != 1) or (tm.dim() == 3 and tm.shape[0] != 1):
-                _refuse(sm, x, "a per-head additive bias on the scores (an ALiBi position bias?) needs a "
-                        "tree-attention bias feature, which does not exist")
     if tq.shape[:2] != tk.shape[:2]:
         _refuse(sm, cur, "query and key heads differ (no repeat_kv before the scores)")
     sd = ts.dtype
@@ -397,20 +410,30 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
         _refuse(sm, sm, f"the softmax of {sd} scores is computed in {sm_dtype}: the original rounds the "
                 f"probabilities to {sm_dtype} (and overflows a lowest-{sd} mask value to -inf), which tree "
                 f"attention in {sd} does not reproduce; use {sd} throughout or attn_implementation='sdpa'")
-    # forward: [cast] -> [dropout] -> matmul(probs, v)
+    # forward: [drop the sink column] -> [cast] and [dropout] in either order -> matmul(probs, v)
     cur = sm
     nxt = _only_user(cur)
-    if nxt is not None and nxt.op == "call_method" and nxt.target in CAST and nxt.args[0] is cur:
-        if _tensor(nxt) is None or _tensor(nxt).dtype != tq.dtype:
-            _refuse(sm, nxt, "the probabilities are not cast back to the query's dtype")
+    if sinks is not None:
+        if not _drops_last_column(nxt, cur):
+            _refuse(sm, nxt or sm, "the softmax over the scores and the sink logits is not followed by dropping the "
+                    "sink column (`probs[..., :-1]`)")
         dead.insert(0, nxt)
         cur, nxt = nxt, _only_user(nxt)
     p, training = 0.0, False
-    if nxt is not None and nxt.target in DROPOUT and nxt.args[0] is cur:
-        p = nxt.kwargs.get("p", nxt.args[1] if len(nxt.args) > 1 else 0.5)
-        training = nxt.kwargs.get("training", nxt.args[2] if len(nxt.args) > 2 else True)
-        if nxt.kwargs.get("inplace", nxt.args[3] if len(nxt.args) > 3 else False):
-            _refuse(sm, nxt, "in-place dropout of the probabilities")
+    seen_cast = seen_dropout = False
+    while nxt is not None:
+        if not seen_cast and nxt.op == "call_method" and nxt.target in CAST and nxt.args[0] is cur:
+            if _tensor(nxt) is None or _tensor(nxt).dtype != tq.dtype:
+                _refuse(sm, nxt, "the probabilities are not cast back to the query's dtype")
+            seen_cast = True
+        elif not seen_dropout and nxt.target in DROPOUT and nxt.args[0] is cur:
+            p = nxt.kwargs.get("p", nxt.args[1] if len(nxt.args) > 1 else 0.5)
+            training = nxt.kwargs.get("training", nxt.args[2] if len(nxt.args) > 2 else True)
+            if nxt.kwargs.get("inplace", nxt.args[3] if len(nxt.args) > 3 else False):
+                _refuse(sm, nxt, "in-place dropout of the probabilities")
+            seen_dropout = True
+        else:
+            break
         dead.insert(0, nxt)
         cur, nxt = nxt, _only_user(nxt)
     if nxt is None:
@@ -430,7 +453,95 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     if _tensor(cur).dtype != tq.dtype:
         _refuse(sm, cur, f"the probabilities are {_tensor(cur).dtype}, the query is {tq.dtype}")
     dead.insert(0, nxt)
-    return EagerChain(q, k, v, scale, masks, p, training, nxt, dead, softcap)
+    return EagerChain(q, k, v, scale, masks, p, training, nxt, dead, softcap, sinks)
+
+
+MAX = (torch.max, "max", torch.amax, "amax")
+VIEWS = spellings("reshape") + ("expand", "unsqueeze", torch.unsqueeze)
+
+
+def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], fx.Node]:
+    """(S, scores) when the softmax input ``x`` is ``cat([scores, sinks], -1)``, optionally minus its row
+    maximum (``c - c.max(-1, keepdim=True).values`` / ``amax``: a per-row shift, the softmax is unchanged;
+    stripped also without a concatenation: (None, c)),
+    with ``sinks`` a view/expand of a 1-D node S of the H heads' logits to ``[B, H, Lq, 1]`` (head h reads
+    S[h]: only reshape/view/unsqueeze/expand, which keep the element order); (None, x) when ``x`` is no
+    concatenation; raises CannotReplay for a concatenation onto attention scores that is not that."""
+    c = x
+    if _call_in(x, spellings("sub")) and len(x.args) == 2 and not x.kwargs:
+        c0, m = x.args
+        if isinstance(c0, fx.Node) and _is_row_max(m, c0):
+            c = c0
+            if set(c.users) != {x, _max_source(m)}:
+                _refuse(sm, c, "the scores shifted by their row maximum have other users")
+    if not (_call_in(c, spellings("cat")) and _tensor(c) is not None and _tensor(c).dim() == 4):
+        return None, c
+    ops = c.args[0] if c.args else c.kwargs.get("tensors")
+    cdim = c.kwargs.get("dim", c.args[1] if len(c.args) > 1 else 0)
+    if not (isinstance(ops, (list, tuple)) and len(ops) == 2 and all(isinstance(o, fx.Node) for o in ops)):
+        return None, c
+    scores, sink = ops
+    if not _looks_like_attention(scores):
+        return None, c
+    ts, te = _tensor(scores), _tensor(sink)
+    if normalize_dim(cdim, 4) != 3 or dim is None or normalize_dim(dim, 4) != 3 or te is None or ts is None:
+        _refuse(sm, c, "logits concatenated to the scores on a dim other than the key dim")
+    H = ts.shape[1]
+    source = _sink_source(sink)
+    if te.dim() != 4 or tuple(te.shape) != (ts.shape[0], H, ts.shape[2], 1) or source is None \
+            or _tensor(source).numel() != H or sum(int(d) != 1 for d in _tensor(source).shape) > 1:
+        _refuse(sm, c, "logits concatenated to the scores that are not one sink logit per head "
+                "(an [H] tensor viewed as [1, H, 1, 1] and expanded over the batch and the queries)")
+    if len(c.users) != 1 and c is x:
+        _refuse(sm, c, "the scores concatenated with the sink logits have other users")
+    return source, scores
+
+
+def _max_source(m: fx.Node) -> Optional[fx.Node]:
+    """The ``max``/``amax`` node whose values ``m`` reads (``m`` itself for ``amax``)."""
+    if _call_in(m, MAX) and m.target in (torch.amax, "amax"):
+        return m
+    if isinstance(m, fx.Node) and m.op == "call_function" and m.target in (operator.getitem, getattr) \
+            and m.args[1] in (0, "values") and _call_in(m.args[0], MAX):
+        return m.args[0]
+    return None
+
+
+def _is_row_max(m: Any, c: fx.Node) -> bool:
+    """``m`` is ``c.max(dim=-1, keepdim=True).values`` (or ``[0]``, or ``amax(c, -1, keepdim=True)``)."""
+    src = _max_source(m) if isinstance(m, fx.Node) else None
+    if src is None or src.args[0] is not c:
+        return False
+    d = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else None)
+    keep = src.kwargs.get("keepdim", src.args[2] if len(src.args) > 2 else False)
+    if isinstance(d, (list, tuple)) and len(d) == 1:
+        d = d[0]
+    return isinstance(d, int) and normalize_dim(d, 4) == 3 and keep is True
+
+
+def _sink_source(n: fx.Node) -> Optional[fx.Node]:
+    """The 1-D (or one-non-singleton-dim) node that ``n`` is a chain of reshape/view/unsqueeze/expand of, or
+    None when another op is on the way."""
+    while _call_in(n, VIEWS):
+        n = n.args[0]
+        t = _tensor(n)
+        if t is not None and sum(int(d) != 1 for d in t.shape) <= 1 and not _call_in(n, VIEWS):
+            return n
+    return None
+
+
+def _drops_last_column(n: Optional[fx.Node], probs: fx.Node) -> bool:
+    """``n`` is ``probs[..., :-1]`` (the sink column dropped)."""
+    if n is None or n.op != "call_function" or n.target is not operator.getitem or n.args[0] is not probs:
+        return False
+    idx = n.args[1]
+    if not isinstance(idx, tuple):
+        return False
+    if idx and idx[0] is Ellipsis:
+        idx = idx[1:]
+    else:
+        idx = tuple(i for i in idx[3:]) if all(i == slice(None) for i in idx[:3]) and len(idx) == 4 else None
+    return idx == (slice(None, -1, None),)
 
 
 TANH = spellings("tanh")
@@ -445,6 +556,10 @@ def _mask_or_scale_step(sm: fx.Node, cur: Any):
     if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
         return None
     a = list(cur.args)
+    if cur.op == "call_method" and cur.target in CAST and a and isinstance(a[0], fx.Node) \
+            and _tensor(cur) is not None and _tensor(a[0]) is not None and _tensor(cur).dtype == _tensor(a[0]).dtype \
+            and _looks_like_attention(a[0]):
+        return "scale", 1.0, a[0]  # a cast to the scores' own dtype (MPT's .float() of float32 scores)
     if _call_in(cur, ADD) and len(a) == 2 and not cur.kwargs:
         side = [o for o in a if isinstance(o, fx.Node) and _looks_like_attention(o)]
         if len(side) == 2:
@@ -588,10 +703,11 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> lis
     p = ch.dropout_p if ch.dropout_training is not False else 0.0
     with graph.inserting_before(ch.out):
         mask = _canonical_mask(graph, ch)
+    kwargs = {"attn_mask": mask, "dropout_p": p, "is_causal": False, "scale": scale}
+    if ch.sinks is not None:  # read by attention.emit_sdpa; the canonical copy is analysed, never run
+        kwargs["br_sinks"] = ch.sinks
     with graph.inserting_after(ch.out):
-        node = graph.call_function(
-            F.scaled_dot_product_attention, (ch.q, ch.k, ch.v),
-            {"attn_mask": mask, "dropout_p": p, "is_causal": False, "scale": scale})
+        node = graph.call_function(F.scaled_dot_product_attention, (ch.q, ch.k, ch.v), kwargs)
     node.meta.update(ch.out.meta)
     node.meta["br_canonical"] = "eager attention"
     if ch.softcap:
@@ -622,7 +738,8 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
         if kind == "add":
             M, post = rest
             m = M if post == 1.0 else _call(graph, operator.mul, (M, post))
-            m = _call(graph, "masked_fill", (m, _call(graph, operator.le, (m, BLOCKING)), float("-inf")))
+            if not _per_head(M):  # a per-head operand is a bias (ALiBi): kept as is for the classification
+                m = _call(graph, "masked_fill", (m, _call(graph, operator.le, (m, BLOCKING)), float("-inf")))
         else:
             C, _, _ = rest
             inf = float("-inf")
@@ -633,6 +750,13 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
     for m in parts[1:]:
         total = _call(graph, operator.add, (total, m))
     return total
+
+
+def _per_head(M: Any) -> bool:
+    """Whether the additive operand ``M`` varies over the heads: a head dim of extent > 1 (dim 1 of a 4-D
+    operand, dim 0 of a 3-D one): a bias such as ALiBi, not a mask."""
+    t = _tensor(M)
+    return t is not None and ((t.dim() == 4 and t.shape[1] != 1) or (t.dim() == 3 and t.shape[0] != 1))
 
 
 def _call(graph: fx.Graph, target, args) -> fx.Node:

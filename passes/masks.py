@@ -19,6 +19,16 @@ Float masks must be exactly 0 where visible and ``-inf`` (or the dtype's lowest 
 other value is a bias, not a mask. Anything else (bidirectional prefixes, biases, other windows) stops the
 rewrite with the reason.
 
+**ALiBi.** One bias is accepted (:func:`alibi_meaning`): a float mask whose finite values, on every trial
+and at every visible pair, are ``m[h] * pos[b, k] + c[b, h, q]`` — a per-head slope times the key position
+plus anything constant along the query row (softmax is invariant to it: this covers both
+``m[h] * (k - q)`` and BLOOM's ``m[h] * k``). The positions are the columns (``pos[b, k] = k``) or the
+count of attention-mask tokens up to k (BLOOM's ``cumsum(attention_mask) - 1``, ``count(X)`` for a [B, L]
+0/1 tree input X). The slopes are read off a trial without padding and the form is then checked on every
+trial (up to the rounding of the mask's dtype); the result is ``MaskInfo.alibi`` (the slopes) and
+``MaskInfo.alibi_count`` (X, or None for the columns), tree attention's ``alibi`` feature. A bias that
+depends on a trainable tensor (its gradient would be lost), or on the packed-sequence layout, is refused.
+
 **Probe sizes.** A mask is [B, 1, L, L]: evaluating it on the example batch costs B·L² (73 GB at
 B = 16, L = 16,896). So the subgraph is evaluated at small synthetic sizes (B', L') instead, with every
 size it reads scaled (:class:`Scaling`): a dynamic size (a SymInt placeholder whose example value is the
@@ -75,11 +85,18 @@ class MaskInfo:
     max_length: Optional[int] = None
     #: The position-id input whose 0s start the sequences packed into each row ("causal+sequences").
     sequences: Optional[fx.Node] = None
+    #: ALiBi slopes, one per query head (None: no bias); see :func:`alibi_meaning`.
+    alibi: Optional[tuple[float, ...]] = None
+    #: The 0/1 input X whose running count gives the ALiBi positions (None: the columns).
+    alibi_count: Optional[fx.Node] = None
 
     def __str__(self) -> str:
         arg = self.keypad if self.keypad is not None else self.sequences
         s = self.kind if arg is None else f"{self.kind}({arg.name})"
         s += f"+window({self.window})" if self.window else ""
+        if self.alibi is not None:
+            over = "" if self.alibi_count is None else f" over count({self.alibi_count.name})"
+            s += f"+alibi({', '.join(f'{m:.4g}' for m in self.alibi)}{over})"
         return s + (f" for L <= {self.max_length}" if self.max_length is not None else "")
 
 
@@ -179,6 +196,21 @@ def visible(mask: torch.Tensor, node: fx.Node) -> torch.Tensor:
     if not bool((vis | blocked).all()):
         raise CannotReplay("float attention mask holds values other than 0 and -inf (a bias)", node)
     return vis
+
+
+def split_bias(mask: torch.Tensor, node: fx.Node) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(visibility, bias) of a bool or additive float mask: visible where the value is above the dtype's
+    lowest and not ``-inf``; the bias is the mask's value there (0 elsewhere), None when it is 0 everywhere.
+    NaN or ``+inf`` values are refused."""
+    if mask.dtype == torch.bool:
+        return mask, None
+    lowest = torch.finfo(mask.dtype).min
+    blocked = (mask == float("-inf")) | (mask <= lowest)
+    vis = ~blocked
+    if not bool(torch.isfinite(mask.masked_fill(blocked, 0.0)).all()):
+        raise CannotReplay("float attention mask holds NaN or +inf", node)
+    bias = mask.masked_fill(blocked, 0.0)
+    return vis, (bias if bool((bias != 0).any()) else None)
 
 
 def sliding_window(mask: torch.Tensor, attn: fx.Node) -> Optional[int]:
@@ -321,12 +353,18 @@ class _Trial:
     size: tuple[int, int]
     unpadded: bool  # every 0/1 tree input is all ones: the trial a sliding window is read from
     _visible: Optional[torch.Tensor] = None
+    _bias: Optional[torch.Tensor] = None
 
     def visible(self, mask: fx.Node, attn: fx.Node) -> torch.Tensor:
-        """The mask's boolean visibility on this trial (:func:`visible`), evaluated once."""
+        """The mask's boolean visibility on this trial (:func:`split_bias`), evaluated once."""
         if self._visible is None:
-            self._visible = visible(evaluate(mask, self.values, self.literal), attn)
+            self._visible, self._bias = split_bias(evaluate(mask, self.values, self.literal), attn)
         return self._visible
+
+    def bias(self, mask: fx.Node, attn: fx.Node) -> Optional[torch.Tensor]:
+        """The mask's bias on this trial (None: none), :func:`split_bias`."""
+        self.visible(mask, attn)
+        return self._bias
 
 
 def _binary(x: torch.Tensor) -> bool:
@@ -446,6 +484,8 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
     if not trials:
         raise CannotReplay("attention mask could not be evaluated at any probe size", attn)
     info = _meaning(attn, mask, inputs, trials)
+    if any(t.bias(mask, attn) is not None for t in trials):
+        info = alibi_meaning(attn, mask, info, inputs, trials, values)
     if dynamic and limit is not None:
         info = dataclasses.replace(info, max_length=limit[0])
     log.debug("mask of %s: %s (%d trials up to L'=%d)", attn.name, info, len(trials),
@@ -518,6 +558,116 @@ def _row_meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials
                 return MaskInfo("causal" if cand is None else "causal+keypad", cand, window)
     raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input, "
                        "optionally with a sliding window (prefix-LM and bias masks are not supported)", attn)
+
+
+def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence[fx.Node],
+                  trials: Sequence[_Trial], values: dict) -> MaskInfo:
+    """``info`` with the ALiBi slopes of the mask's bias (module docstring), else CannotReplay naming the bias."""
+    what = "attention bias"
+    if info.kind == "causal+sequences":
+        raise CannotReplay(f"{what} on packed sequences (ALiBi positions restart per sequence)", attn)
+    for n in ancestors(mask):
+        v = values.get(n) if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            raise CannotReplay(f"{what} computed from the trainable tensor {n.name} (ALiBi slopes that are learned: "
+                               "their gradient is not supported)", attn)
+    hq = _query_heads(attn)
+    slopes = _alibi_slopes(attn, mask, trials, hq)
+    if slopes is None:
+        raise CannotReplay(f"{what} that is not ALiBi: no per-head slope can be read off a probe without padding",
+                           attn)
+    counts = [info.keypad] if info.keypad is not None else []
+    counts += [x for x in inputs if x not in counts and _is_binary(trials[0].values.get(x))]
+    for count in [None] + counts:
+        if all(_fits_alibi(t.visible(mask, attn), t.bias(mask, attn), slopes, _alibi_positions(t, count))
+               for t in trials):
+            if not any(slopes):
+                return info  # a bias constant along every query row: the softmax ignores it
+            if count is not None and info.window:
+                raise CannotReplay(f"{what}: ALiBi over attention-mask counts with a sliding window", attn)
+            return dataclasses.replace(info, alibi=tuple(slopes), alibi_count=count)
+    raise CannotReplay(f"{what} that is not ALiBi (a per-head slope times the key position minus the query "
+                       "position, over the columns or the count of attention-mask tokens)", attn)
+
+
+def _query_heads(attn: fx.Node) -> Optional[int]:
+    """Hq of an attention node's query [B, Hq, L, D] (None when unknown)."""
+    q = attn.args[0] if attn.args else attn.kwargs.get("query")
+    v = example_value(q) if isinstance(q, fx.Node) else None
+    return int(v.shape[1]) if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+
+
+def _is_binary(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and _binary(x)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """A mask or bias as [B | 1, H | 1, Lq, Lk]."""
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def _alibi_positions(t: _Trial, count: Optional[fx.Node]) -> torch.Tensor:
+    """[B' | 1, Lk] ALiBi key positions on trial ``t``: the columns, or the running count of X != 0."""
+    Lp = t.size[1]
+    if count is None:
+        return torch.arange(Lp, dtype=torch.float64)[None, :]
+    return (t.values[count] != 0).cumsum(-1).to(torch.float64).cpu()
+
+
+def _alibi_slopes(attn: fx.Node, mask: fx.Node, trials: Sequence[_Trial], hq: Optional[int]) -> Optional[list]:
+    """Per-query-head slopes read off the longest trial without padding: (bias at the last query's last key
+    minus at its first visible key) / (their column distance), in float64; None when there is no such trial,
+    the bias has a head extent other than 1 and Hq, or the row shows fewer than two keys."""
+    unpadded = [t for t in trials if t.unpadded]
+    if not unpadded or hq is None:
+        return None
+    t = max(unpadded, key=lambda t: t.size[1])
+    vis, bias = _as_4d(t.visible(mask, attn)), t.bias(mask, attn)
+    if bias is None:
+        return [0.0] * hq
+    bias = _as_4d(bias).to(torch.float64).cpu()
+    if bias.shape[1] not in (1, hq):
+        return None
+    vis = vis.expand(*vis.shape[:1], bias.shape[1], *vis.shape[2:]).cpu()
+    row = vis[0, :, -1]  # [H', Lk]: the last query row of the first batch row
+    if not bool(row[:, -1].all()):
+        return None
+    first = row.to(torch.uint8).argmax(-1)  # [H']
+    if bool((first == row.shape[-1] - 1).any()):
+        return None
+    last = bias[0, :, -1, -1]
+    at_first = bias[0, :, -1].gather(-1, first[:, None])[:, 0]
+    slopes = ((last - at_first) / (row.shape[-1] - 1 - first).to(torch.float64)).tolist()
+    return slopes * hq if len(slopes) == 1 else slopes
+
+
+def _fits_alibi(vis: torch.Tensor, bias: Optional[torch.Tensor], slopes: Sequence[float],
+                pos: torch.Tensor) -> bool:
+    """Whether ``bias - m[h] * pos[b, k]`` is constant along every query row over its visible keys, up to
+    the rounding of the bias's dtype."""
+    vis = _as_4d(vis).cpu()
+    hq = len(slopes)
+    if bias is None:
+        if not any(slopes):
+            return True
+        bias = torch.zeros(vis.shape, dtype=torch.float64)
+    eps = torch.finfo(bias.dtype).eps
+    b = _as_4d(bias).to(torch.float64).cpu()
+    if b.shape[1] not in (1, hq) or vis.shape[1] not in (1, hq):
+        return False
+    m = torch.tensor(list(slopes), dtype=torch.float64)[None, :, None, None]
+    expected = m * pos[:, None, None, :]  # [B' | 1, Hq, 1, Lk]
+    try:
+        r, v = torch.broadcast_tensors(b - expected, vis)
+    except RuntimeError:
+        return False
+    hi = r.masked_fill(~v, float("-inf")).amax(-1)
+    lo = r.masked_fill(~v, float("inf")).amin(-1)
+    seen = v.any(-1)
+    tol = 64 * eps * (float(b.abs().max()) + float(expected.abs().max()) + 1.0)
+    return bool(((hi - lo)[seen] <= tol).all())
 
 
 #: Start probabilities of the well-formed position-id patterns of :func:`_sequence_meaning` (0: one sequence
@@ -644,5 +794,5 @@ def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, window: int = 
     return bool((a == b).all())
 
 
-__all__ = ["MaskInfo", "classify", "mask_only_nodes", "ancestors", "evaluate", "visible", "sliding_window",
+__all__ = ["MaskInfo", "alibi_meaning", "classify", "split_bias", "mask_only_nodes", "ancestors", "evaluate", "visible", "sliding_window",
            "meaning_guard", "sequences_guard", "sequence_positions", "Scaling", "MAX_PROBE_ELEMENTS"]

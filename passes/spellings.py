@@ -75,6 +75,8 @@ FAMILIES: dict[str, tuple] = {
     "sum": (*_fn("sum"), "sum"),
     "softmax": (F.softmax, *_fn("softmax", "special.softmax"), "softmax"),
     "log_softmax": (F.log_softmax, *_fn("log_softmax", "special.log_softmax"), "log_softmax"),
+    "cumsum": (*_fn("cumsum"), "cumsum"),
+    "cumprod": (*_fn("cumprod"), "cumprod"),
     "layer_norm": (F.layer_norm, *_fn("layer_norm"), "layer_norm"),
     "rms_norm": (*({getattr(F, "rms_norm", None)} - {None}), *_fn("rms_norm"), "rms_norm"),
     # layout
@@ -87,6 +89,8 @@ FAMILIES: dict[str, tuple] = {
     "cat": (*_fn("cat", "concat", "concatenate"),),
     "view_as_complex": (*_fn("view_as_complex"),),
     "view_as_real": (*_fn("view_as_real"),),
+    "pad": (F.pad, _nn.pad),
+    "conv1d": (F.conv1d,),
     # attention
     "sdpa": (F.scaled_dot_product_attention, _nn.scaled_dot_product_attention),
 }

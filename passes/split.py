@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.backends.ops import attention_extras
+from brcompile.backends.ops import attention_extras, attention_scores_extras
+from brcompile.backends.scan import TREE_PATH_OPS
 from brcompile.passes.axes import CannotReplay
 from brcompile.passes.check import symbolic_run, token_positions
 from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
@@ -98,6 +99,10 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     token_side = _descendants(tok_nodes)
     trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
+    scan = next((n for n in trunk if n.target in TREE_PATH_OPS), None)
+    if scan is not None:  # a chunk's tree arrays hold its own tokens only, not their ancestors in the prefix
+        raise CannotReplay("streaming replay: a scan along the tree paths (cumsum, causal conv1d) reads each "
+                           "tail token's ancestors in the prefix (the packed mode runs)", scan)
     if not any(n.target is _ATTENTION for n in trunk):
         raise CannotReplay("streaming replay: no tree attention in the token-local part of the graph")
     bytes_per_token = 0
@@ -157,8 +162,14 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached:
                     scale, impl)
             if window and position is not tok_nodes.position:
                 raise CannotReplay("streaming replay: a windowed attention's positions are not the tree's", n)
-            if window or softcap:
+            alibi, sinks = attention_scores_extras(n.args)
+            if alibi:
+                raise CannotReplay("streaming replay: ALiBi position biases are not supported against a cached prefix "
+                                   "(the packed mode runs)", n)
+            if window or softcap or sinks is not None:
                 args += (window, env[position] if window else None, cache_position if window else None, softcap)
+            if sinks is not None:
+                args += (None, env[sinks])
             new = g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default, args)
         else:
             new = g.node_copy(n, lambda a: env[a])

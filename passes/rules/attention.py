@@ -6,6 +6,10 @@ query (b, i) sees keys (b, j <= i) — exactly the ancestors-or-self of its tree
 contain a node agree on every earlier token — so ``k <= q < end[k]`` (and ``valid[k]`` under key
 padding) selects the same keys with the same values, and the softmax over them is the same. A sliding window W
 (query column i sees key columns j > i - W) is ``position[q] - position[k] < W`` on the tree positions.
+An ALiBi bias ``m[h] * (pos[k] - pos[q])`` (classified by :mod:`..masks`) is tree attention's ``alibi`` over
+the tree positions (the columns), or over ``count(X)[rep_row, position]`` — the running count of a 0/1
+input X at the token's column, which depends only on the token's ancestors, like every tree value. Attention
+sinks (``br_sinks``, from the eager canonicalisation) are its ``sinks`` argument.
 
 ``gather(x, -1, idx)`` of a TOKEN ``x`` (log-probs) with a dense index (the targets) reads
 ``x.packed[index[b, t], idx[b, t, j]]`` — B·L·J scalars, never the dense [B, L, V] value.
@@ -79,13 +83,29 @@ def emit_sdpa(pk, node):
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
     args = (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale), pk.options.attention)
     softcap = float(node.meta.get("br_softcap", 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
-    if info.window or softcap:  # sliding window over the tree positions (= the batch columns)
-        args += (info.window, pk.tree("position") if info.window else None)
-    if softcap:
+    alibi = getattr(info, "alibi", None)
+    sinks = a.get("br_sinks")  # attention sinks (eager canonicalisation)
+    if info.window or softcap or alibi or sinks is not None:  # sliding window over the tree positions
+        args += (info.window, _positions(pk, info) if (info.window or alibi) else None)
+    if softcap or alibi or sinks is not None:
         args += (softcap,)
+    if alibi or sinks is not None:
+        args += (list(alibi) if alibi else None, None if sinks is None else pk.dense(sinks))
     out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     return pk.graph.call_method("unsqueeze", (out, 0))
+
+
+def _positions(pk, info):
+    """The [N] positions of a window or ALiBi: the tree's, or for ALiBi over ``count(X)`` the running count
+    of ``X != 0`` along the row read at each token's (rep_row, position)."""
+    X = getattr(info, "alibi_count", None)
+    if X is None:
+        return pk.tree("position")
+    g = pk.graph
+    dense = pk.dense(X)
+    count = g.call_function(torch.cumsum, (g.call_function(operator.ne, (dense, 0)), -1))
+    return g.call_function(operator.getitem, (count, (pk.tree("rep_row"), pk.tree("position"))))
 
 
 @register_rule(SDPA, emit=emit_sdpa, always=True)

@@ -79,6 +79,34 @@ def one_hot(ctx: AxesContext, node):
     return token(ax.ndim + 1, ax.row, ax.pos, ax.window)
 
 
+@register_rule([torch.scatter, "scatter", torch.scatter_add, "scatter_add"], local="carry")
+def scatter(ctx: AxesContext, node):
+    """``x.scatter(dim, idx, src)`` along a non-token dim (group-limited routing: ``zeros_like(group_scores)
+    .scatter(1, group_idx, 1)``): ``out`` is x with ``out[p with p[dim] := idx[p]] = src[p]`` (``+=`` for
+    scatter_add) for every coordinate p of idx. Every other coordinate of p, the token dims among them, is
+    kept, so each token's slice of ``out`` is written only from the same token's slices of x, idx and src:
+    a per-token op when x, idx and a tensor src are TOKEN values with the same token dims (and the same
+    extents there, so no token's slice of x is left out of the writes in one layout and not in the other).
+    Along a token dim it would move values between tokens: materialised."""
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    dim = _dim(node, 1)
+    idx = node.kwargs.get("index", node.args[2] if len(node.args) > 2 else None)
+    src = node.kwargs.get("src", node.kwargs.get("value", node.args[3] if len(node.args) > 3 else None))
+    ax, shp = get_axes(x), shape_of(x)
+    if not isinstance(dim, int) or not ax.is_token or shp is None:
+        return dense_fallback(ctx, node, "scatter into a value that is not a token value")
+    if normalize_dim(dim, ax.ndim) in ax.token_dims():
+        return dense_fallback(ctx, node, "scatter along a token dim")
+    for o in (idx, src):
+        fo, so = get_axes(o), shape_of(o)
+        if so is None and not isinstance(o, fx.Node):
+            continue  # a Python scalar src
+        if not fo.is_token or so is None or (fo.ndim, fo.row, fo.pos, fo.window) != (ax.ndim, ax.row, ax.pos, ax.window) \
+                or any(so[d] != shp[d] for d in ax.token_dims()):
+            return dense_fallback(ctx, node, "scatter of an index or source not aligned with its target's tokens")
+    return ax
+
+
 @register_rule([torch.argmax, torch.argmin, "argmax", "argmin"], local="carry")
 def argmax(ctx: AxesContext, node):
     """argmax/argmin over a non-token dim (a top-1 router): a reduction over that dim."""

@@ -45,7 +45,7 @@ BINARY = [
 UNARY = [
     *spellings("neg", "exp", "tanh", "sigmoid", "silu", "gelu", "cast"),
     operator.pos, operator.invert, operator.abs,
-    torch.real, torch.imag, torch.conj, torch.polar, torch.exp2, torch.expm1, torch.log, torch.log1p, torch.log2, torch.sqrt,
+    torch.real, torch.imag, torch.conj, torch.exp2, torch.expm1, torch.log, torch.log1p, torch.log2, torch.sqrt,
     torch.rsqrt, torch.sin, torch.cos, torch.tan, torch.abs, torch.sign,
     torch.square, torch.reciprocal, torch.erf, torch.floor, torch.ceil, torch.round, torch.trunc,
     torch.logical_not, torch.isnan, torch.isinf, torch.isfinite, torch.nan_to_num, torch.relu,
@@ -109,21 +109,43 @@ def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None =
     return token(R, row if has_row else None, pos, window)
 
 
-def emit_pointwise(pk, node):
-    """The same op on packed operands; a position table (module docstring) is read at the packed tokens'
-    positions, ``table.index_select(d, position)``."""
+def _packed_operands(pk, node):
+    """``node``'s arguments as the packed graph sees them; a position table (module docstring) is read at the
+    packed tokens' positions, ``table.index_select(d, position)``."""
     tables = pk.notes.get(node)
-    if not isinstance(tables, dict):
-        return pk.copy(node)
+    tables = tables if isinstance(tables, dict) else {}
 
     def arg(a):
         if a in tables:
             return pk.graph.call_method("index_select", (pk.packed(a), tables[a], pk.tree("position")))
         return pk.packed(a)
 
-    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
-                                         lambda a: arg(a) if isinstance(a, fx.Node) else a)
+    return fx.node.map_aggregate((node.args, node.kwargs), lambda a: arg(a) if isinstance(a, fx.Node) else a)
+
+
+def emit_pointwise(pk, node):
+    """The same op on packed operands (position tables read at the tokens' positions)."""
+    if not isinstance(pk.notes.get(node), dict):
+        return pk.copy(node)
+    args, kwargs = _packed_operands(pk, node)
     return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
+
+
+def emit_complex(pk, node):
+    """``torch.complex(re, im)`` / ``torch.polar(r, θ)`` on packed operands, built as
+    ``view_as_complex(stack(broadcast_tensors(re, im), -1))`` with ``re = r·cos θ``, ``im = r·sin θ`` for
+    polar: the same elements (polar's kernel forms exactly these products; a complex number is stored as its
+    (real, imaginary) pair), but torch's fake kernels of ``complex``/``polar`` fix every symbolic size to
+    the example's, which would tie the packed graph to the example batch's N (passes/check.py)."""
+    args, kwargs = _packed_operands(pk, node)
+    names = ("abs", "angle") if node.target is torch.polar else ("real", "imag")
+    a, b = [kwargs.get(k, args[i] if len(args) > i else None) for i, k in enumerate(names)]
+    g = pk.graph
+    if node.target is torch.polar:
+        a, b = (g.call_function(operator.mul, (a, g.call_function(torch.cos, (b,)))),
+                g.call_function(operator.mul, (a, g.call_function(torch.sin, (b,)))))
+    pair = g.call_function(torch.stack, (g.call_function(torch.broadcast_tensors, (a, b)), -1))
+    return g.call_function(torch.view_as_complex, (pair,))
 
 
 @register_rule(BINARY + UNARY, emit=emit_pointwise, local="carry")
@@ -146,6 +168,13 @@ def pointwise(ctx: AxesContext, node):
     if tables:
         ctx.notes[node] = tables
     return ax
+
+
+@register_rule([torch.polar, torch.complex], emit=emit_complex, local="carry")
+def complex_pair(ctx: AxesContext, node):
+    """``complex(re, im)`` and ``polar(r, θ) = r·cos θ + i·r·sin θ`` (a complex rotary table of positions):
+    elementwise, as any pointwise op (its proof); emitted as a stacked (real, imaginary) pair (emit_complex)."""
+    return pointwise(ctx, node)
 
 
 def _is_dtype_cast(node) -> bool:

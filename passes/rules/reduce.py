@@ -49,9 +49,10 @@ def reduction(ctx: AxesContext, node):
     return token(out_ndim, sh(ax.row), sh(ax.pos), ax.window)
 
 
-@register_rule([*spellings("softmax", "log_softmax"), torch.cumsum, "cumsum"], local="carry")
+@register_rule([*spellings("softmax", "log_softmax")], local="carry")
 def softmax(ctx: AxesContext, node):
-    """softmax/log_softmax/cumsum along ``dim``: shape-preserving, allowed along a non-token dim."""
+    """softmax/log_softmax/cumsum along ``dim``: shape-preserving, allowed along a non-token dim (a cumsum
+    along the positions runs along the tree paths: ``passes/rules/scan.py``, which calls this otherwise)."""
     ax = get_axes(node.args[0])
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
     if ax.flat and dim is not None and normalize_dim(dim, ax.ndim) == ax.pos:

@@ -366,6 +366,32 @@ def _walk_index(entries):
             d_in += 1
 
 
+def _constant_array_index(idx, ndim: int):
+    """``(entries, marker, array)`` when ``idx`` holds exactly one *constant 1-D integer array* (a list of ints,
+    or a CONST integer tensor of rank 1: Falcon's fused ``qkv[..., [-2], :]``) and otherwise only slices, None
+    and Ellipsis: ``entries`` is the normalised index with the array replaced by ``marker`` (a slice object
+    compared by identity). With a single array index and no integer index, torch keeps the dims in place:
+    the array's dim becomes one output dim of extent ``len(array)`` at the same place, every other dim moves
+    as under basic indexing. None otherwise (several arrays, an array beside an int, a bool mask, ...)."""
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    arrays = [i for i, e in enumerate(items) if not (e is None or e is Ellipsis or isinstance(e, slice))]
+    if len(arrays) != 1:
+        return None
+    arr = items[arrays[0]]
+    if isinstance(arr, list):
+        if not arr or any(type(v) is not int for v in arr):
+            return None
+    else:
+        v = example_value(arr)
+        if not (hasattr(arr, "meta") and get_axes(arr).is_const and isinstance(v, torch.Tensor) and v.dim() == 1
+                and v.dtype in (torch.int64, torch.int32)):
+            return None
+    marker = slice(None, None, None)
+    items[arrays[0]] = marker
+    entries = _normalize_index(tuple(items), ndim)
+    return None if entries is None else (entries, marker, arr)
+
+
 def emit_getitem(pk, node):
     """The same index on the packed data, with token dims left whole (their slicing went to the index)."""
     x = node.args[0]
@@ -373,19 +399,37 @@ def emit_getitem(pk, node):
     if isinstance(example_value(x), (tuple, list)) or not ax.is_token:
         return pk.copy(node)  # an element of a split/chunk result, or a constant looked up by token values
     entries = _normalize_index(node.args[1], ax.ndim)
-    if entries is None or ax.local:  # a gather inside a token-local region (rules/moe.py): the same index
+    array = None if entries is not None or ax.local else _constant_array_index(node.args[1], ax.ndim)
+    if array is not None:
+        entries = array[0]
+    elif entries is None or ax.local:  # a gather inside a token-local region (rules/moe.py): the same index
         return pk.copy(node)
     new = []
     for d_in, _, e in _walk_index(entries):
-        new.append(slice(None) if d_in is not None and d_in in ax.token_dims() else e)
+        if array is not None and e is array[1]:
+            new.append(pk.packed(array[2]))
+        else:
+            new.append(slice(None) if d_in is not None and d_in in ax.token_dims() else e)
     return pk.graph.call_function(operator.getitem, (pk.packed(x), tuple(new)))
+
+
+def _keeps_all(s: slice, n: int) -> bool:
+    """Whether slice ``s`` of a dim of extent ``n`` is the identity (``[:]``, ``[0:]``, ``[-n:]``, ``[:n]``):
+    OPT's ``position_ids[:, past_key_values_length:]``, HF's ``attention_mask[:, -seq_len:]``. Int bounds only."""
+    if s == slice(None):
+        return True
+    start_ok = s.start is None or (isinstance(s.start, int) and (s.start == 0 or s.start <= -n))
+    stop_ok = s.stop is None or (isinstance(s.stop, int) and s.stop >= n)
+    return start_ok and stop_ok and s.step in (None, 1)
 
 
 @register_rule([operator.getitem], emit=emit_getitem, local="own")
 def getitem(ctx: AxesContext, node):
     """Basic indexing. Non-token dims: as is. A token dim: a whole slice keeps it; a partial slice on the
     position dim (``logits[:, :-1]``) or on the row dim goes to the lazy window — the packed data stays
-    whole and the ``[B, L]`` index is sliced; an int or a tensor index on a token dim materialises."""
+    whole and the ``[B, L]`` index is sliced; an int or a tensor index on a token dim materialises. One
+    constant integer array on a non-token dim (``qkv[..., [-2], :]``) selects along that dim only: each
+    output element is one element of the same token, so the token dims stay (``_constant_array_index``)."""
     x = node.args[0]
     ax = get_axes(x)
     if isinstance(example_value(x), (tuple, list)):
@@ -396,7 +440,10 @@ def getitem(ctx: AxesContext, node):
     if not ax.is_token:
         return _lookup(ctx, node)
     entries = _normalize_index(node.args[1], ax.ndim)
-    if entries is None or ax.local:
+    array = None if entries is not None or ax.local else _constant_array_index(node.args[1], ax.ndim)
+    if array is not None:
+        entries = array[0]  # one constant array on a dim: that dim is selected in place (_constant_array_index)
+    elif entries is None or ax.local:
         if ax.local:
             from brcompile.passes.rules import moe
             return moe.region_getitem(ctx, node)
@@ -406,9 +453,11 @@ def getitem(ctx: AxesContext, node):
     for d_in, d_out, e in _walk_index(entries):
         if d_in is None or d_in not in ax.token_dims():
             continue
+        if array is not None and e is array[1]:
+            return dense_fallback(ctx, node, "indexing a token dim by an array")
         if d_out is None:
             return dense_fallback(ctx, node, "integer index on a token dim")
-        if e != slice(None):
+        if not _keeps_all(e, shape_of(x)[d_in]):
             if ax.row is None:
                 return dense_fallback(ctx, node, "slicing a position-only value")
             window = window.sliced("row" if d_in == ax.row else "pos", e)

@@ -19,14 +19,14 @@ transformers = pytest.importorskip("transformers", minversion="5.0")  # every te
 hf_sweep = pytest.importorskip("benchmarks.hf_sweep")
 
 
-def replay_arch(arch: str, grad_dtype=torch.float64):
-    """Build ``arch`` tiny (the sweep's config recipe), run the loss eagerly and under the backend (the packed
-    FX graph run as is), compare the loss (float64 bound) and every gradient (``grad_dtype``'s bound), and
-    assert the call replayed. Returns the backend (its records)."""
+def replay_arch(arch: str, dtype=torch.float64, grad_dtype=None):
+    """Build ``arch`` tiny (the sweep's config recipe) in ``dtype``, run the loss eagerly and under the backend
+    (the packed FX graph run as is), compare the loss (``dtype``'s bound) and every gradient (``grad_dtype``'s
+    bound, default ``dtype``'s), and assert the call replayed. Returns the backend (its records)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model, _, _ = hf_sweep.build_model(arch, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
-    model = model.to(torch.float64).train()
+    model = model.to(dtype).train()
     batch = hf_sweep.grpo_batch()
     args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
     fn = functools.partial(hf_sweep.next_token_loss, model)
@@ -37,12 +37,12 @@ def replay_arch(arch: str, grad_dtype=torch.float64):
     got = torch.compile(fn, backend=backend)(*args)
     gg = torch.autograd.grad(got, [p for _, p in params], allow_unused=True)
     assert_replayed()
-    assert_exact(got, want, torch.float64, "loss")
+    assert_exact(got, want, dtype, "loss")
     for (name, _), a, b in zip(params, gg, gw):
         if b is None:
             assert a is None or not a.abs().max().item(), f"grad of {name}: eager has none"
             continue
-        assert_exact(a, b, grad_dtype, f"grad of {name}")
+        assert_exact(a, b, grad_dtype or dtype, f"grad of {name}")
     return backend
 
 
@@ -53,3 +53,12 @@ def test_addmm_of_flattened_tokens(arch):
     backend = replay_arch(arch)
     reasons = [reason for *_, reason in backend.records[0].materialisations]
     assert not any("addmm" in r or "flattened" in r for r in reasons), reasons
+
+
+def test_polar_rotary_of_positions():
+    """DeepSeek-V2's complex rotary: ``freqs_cis = polar(ones_like(freqs), freqs)`` of position-only
+    frequencies. torch's fake kernel of ``polar`` fixes the packed token count N to the example's, so the
+    packed graph builds it as a stacked (real, imaginary) pair (rules/pointwise.py: emit_complex) and holds
+    for every N (passes/check.py). The model's grouped-mm experts run in float32 only: float32 bound."""
+    backend = replay_arch("deepseek_v2", torch.float32)
+    assert "polar" not in backend.records[0].packed_code and "view_as_complex" in backend.records[0].packed_code

@@ -45,6 +45,8 @@ POS_TABLE = torch.nn.Parameter(torch.randn(L, D, dtype=torch.float64))  # absolu
 ROW_TABLE = torch.nn.Parameter(torch.randn(B, 1, D, dtype=torch.float64))  # a constant indexed by row
 BIAS = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
 FLAT_TABLE = torch.nn.Parameter(torch.randn(B * L, 5, dtype=torch.float64))  # a constant per flattened token
+CONV = torch.nn.Conv1d(D, D, 3, groups=D, padding=2).double()  # a causal short conv: [..., :L] of it
+CONV0 = torch.nn.Conv1d(D, D, 3, groups=D).double()  # after F.pad(x, (2, 0))
 
 def _buffer(t):  # a constant the way Dynamo sees a module buffer (a static input)
     return torch.nn.Parameter(t, requires_grad=False)
@@ -79,6 +81,18 @@ TABLE = [
     ("addmm_per_token_constant", lambda ids: torch.addmm(FLAT_TABLE, EMB(ids).view(-1, D), W.t()), "dense"),
     ("mm_token_columns", lambda ids: torch.mm(W, EMB(ids).view(-1, D).t()), "token(row=None, pos=1, flat=1)"),
     ("mm_contracts_tokens", lambda ids: torch.mm(EMB(ids).view(-1, D).t(), FLAT_TABLE), "dense"),
+    ("polar_positions", lambda ids: EMB(ids) * torch.view_as_real(torch.polar(
+        torch.ones(L, D // 2, dtype=torch.float64), torch.arange(L)[:, None] * INV_FREQ)).flatten(1),
+     "token(row=0, pos=1)"),
+    # one constant array on a feature dim selects in place (Falcon's fused qkv[..., [-2], :])
+    ("array_index_features", lambda ids: EMB(ids).view(B, L, 4, 2)[..., [1, 3], :], "token(row=0, pos=1)"),
+    ("array_index_positions", lambda ids: EMB(ids)[:, [0, 2]], "dense"),
+    ("array_index_beside_int", lambda ids: EMB(ids).view(B, L, 4, 2)[:, :, [1, 3], 0], "dense"),
+    # scatter along a feature dim is per token (a router's top-k mask); along the positions it is not
+    ("scatter_features", lambda ids: torch.zeros_like(EMB(ids)).scatter(-1, EMB(ids).topk(2, -1)[1], 1.0),
+     "token(row=0, pos=1)"),
+    ("scatter_positions", lambda ids: torch.zeros_like(EMB(ids)).scatter(1, (ids % 2)[..., None].expand(B, L, D), 1.0),
+     "dense"),
     ("merge_inner_first", lambda ids: EMB(ids).transpose(0, 1).reshape(B * L, D), "dense"),
     ("flat_topk_router", lambda ids: torch.topk(torch.softmax(EMB(ids).view(-1, D), -1), 2, dim=-1)[0],
      "token(row=None, pos=0, flat=1)"),
@@ -108,7 +122,12 @@ TABLE = [
     ("cat_positions", lambda ids: torch.cat([EMB(ids), EMB(ids)], 1), "dense"),
     ("scores", lambda ids: EMB(ids) @ EMB(ids).transpose(-1, -2), "dense"),
     ("chunk_features", lambda ids: EMB(ids).chunk(2, -1)[1], "token(row=0, pos=1)"),
-    ("cumsum_positions", lambda ids: EMB(ids).cumsum(1), "dense"),
+    # scans along the positions run along the tree paths (rules/scan.py)
+    ("cumsum_positions", lambda ids: EMB(ids).cumsum(1), "token(row=0, pos=1)"),
+    ("cumsum_rows", lambda ids: EMB(ids).cumsum(0), "dense"),
+    ("causal_conv", lambda ids: CONV(EMB(ids).transpose(1, 2))[..., :L], "token(row=0, pos=2)"),
+    ("left_pad_conv", lambda ids: CONV0(F.pad(EMB(ids).transpose(1, 2), (2, 0))), "token(row=0, pos=2)"),
+    ("conv_reads_later_tokens", lambda ids: CONV(EMB(ids).transpose(1, 2))[..., 2:], "dense"),
 ]
 
 

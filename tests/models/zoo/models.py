@@ -6,8 +6,9 @@ check that ``branch_replay`` accepts the model as written. ``forward(input_ids, 
 returns logits ``[B, L, V]``; models that only know a causal mask ignore ``attention_mask`` (the test
 batches are right-padded, which a causal mask makes harmless).
 
-ALiBi and attention sinks need tree-attention features that do not exist: they are here to check that
-they fall back with a reason naming them.
+ALiBi and attention sinks replay through tree attention's ``alibi`` / ``sinks`` features; a per-head bias
+that is not ALiBi, and ALiBi slopes that are trained, are here to check that they fall back with a reason
+naming them.
 """
 from __future__ import annotations
 
@@ -899,7 +900,7 @@ class TorchRMSNorm(Decoder):
 
 
 # --------------------------------------------------------------------------------------------------
-# expected fallbacks: ALiBi (a per-head linear position bias on the scores) and attention sinks
+# ALiBi (a per-head linear position bias on the scores) and attention sinks; biases that must fall back
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -915,11 +916,14 @@ class AlibiAttention(nn.Module):
         self.register_buffer("slopes", alibi_slopes(HEADS), persistent=False)
         self.register_buffer("bias", torch.tril(torch.ones(MAX_SEQ, MAX_SEQ)).view(1, 1, MAX_SEQ, MAX_SEQ))
 
+    def position_bias(self, T):
+        pos = torch.arange(T)
+        return self.slopes[:, None, None] * (pos[None, :] - pos[:, None])[None]  # [H, T, T]
+
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, HEADS, HS).permute(2, 0, 3, 1, 4)
-        pos = torch.arange(T)
-        alibi = self.slopes[:, None, None] * (pos[None, :] - pos[:, None])[None]  # [H, T, T]
+        alibi = self.position_bias(T)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(HS)) + alibi.to(q.dtype)
         att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
         att = F.softmax(att, dim=-1)
@@ -942,6 +946,45 @@ class AlibiBlock(nn.Module):
 class Alibi(Decoder):
     def __init__(self):
         super().__init__(AlibiBlock)
+
+
+class QuadraticBiasAttention(AlibiAttention):
+    """A per-head bias that is not ALiBi: quadratic in the distance."""
+
+    def position_bias(self, T):
+        pos = torch.arange(T)
+        return self.slopes[:, None, None] * ((pos[None, :] - pos[:, None]) ** 2)[None]
+
+
+class QuadraticBiasBlock(AlibiBlock):
+    def __init__(self):
+        super().__init__()
+        self.attn = QuadraticBiasAttention()
+
+
+class QuadraticBias(Decoder):
+    def __init__(self):
+        super().__init__(QuadraticBiasBlock)
+
+
+class LearnedSlopeAttention(AlibiAttention):
+    """ALiBi whose slopes are trained parameters (their gradient would be lost: refused)."""
+
+    def __init__(self):
+        super().__init__()
+        del self.slopes
+        self.slopes = nn.Parameter(alibi_slopes(HEADS).to(torch.get_default_dtype()))
+
+
+class LearnedSlopeBlock(AlibiBlock):
+    def __init__(self):
+        super().__init__()
+        self.attn = LearnedSlopeAttention()
+
+
+class LearnedSlopes(Decoder):
+    def __init__(self):
+        super().__init__(LearnedSlopeBlock)
 
 
 class SinkAttention(nn.Module):
@@ -1002,12 +1045,14 @@ REPLAY = {
     "einsum_minus_1e9": EinsumMinus1e9,
     "lora_llama": LoraLlama,
     "torch_rms_norm": TorchRMSNorm,
+    "alibi": Alibi,
+    "attention_sinks": AttentionSinks,
 }
 
 #: style name -> (model class, a phrase the fallback reason must contain)
 FALLBACK = {
-    "alibi": (Alibi, "ALiBi"),
-    "attention_sinks": (AttentionSinks, "attention sink"),
+    "quadratic_bias": (QuadraticBias, "not ALiBi"),
+    "learned_alibi_slopes": (LearnedSlopes, "trainable"),
 }
 
 

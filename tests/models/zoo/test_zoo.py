@@ -3,8 +3,9 @@ compiled unchanged with ``branch_replay``.
 
 Each replaying style must give the eager loss and every parameter gradient to 1e-10 relative error in
 float64 on a GRPO batch with shared prompts, with ``brcompile.stats()`` showing that the rewrite ran and
-shared tokens (executed < logical). Styles that need tree-attention features that do not exist (ALiBi,
-attention sinks) must fall back with a reason that names the construct.
+shared tokens (executed < logical); ALiBi and attention-sink styles among them, whose packed graph must hold
+tree attention with the ``alibi`` / ``sinks`` feature. Styles that need what tree attention does not have (a
+per-head bias that is not ALiBi, trained ALiBi slopes) must fall back with a reason that names the construct.
 """
 import pytest
 import torch
@@ -15,6 +16,9 @@ from examples.grpo import grpo_loss, make_grpo_batch
 from tests.models.zoo import models
 
 BACKEND = brcompile.backend(compiler="eager")
+#: style -> what its packed code must show (the feature the rewrite used)
+FEATURES = {"alibi": "0.0, [0.25, 0.0625, 0.015625, 0.00390625], None)",  # the slopes, no sinks
+            "attention_sinks": "0.0, None, l_model_modules_blocks_modules_0_modules_attn_parameters_sinks_)"}
 BATCH = dict(num_prompts=2, group_size=3, prompt_len=(6, 9), response_len=(2, 5), vocab_size=models.VOCAB,
              seed=1, dtype=torch.float64)
 
@@ -42,6 +46,8 @@ def test_zoo_replays_exactly(style):
     s = brcompile.stats()
     assert s.replayed_calls >= 1 and s.fallback_calls == 0, f"{style}: {s}"
     assert s.executed_tokens < s.logical_tokens, str(s)
+    if style in FEATURES:
+        assert FEATURES[style] in BACKEND.records[-1].packed_code, f"{style}: no tree attention with {FEATURES[style]}"
     assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for name, a, b in zip(names, gout, gref):

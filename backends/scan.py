@@ -1,0 +1,358 @@
+"""Causal scans along the tree paths: ``brcompile::tree_parent``, ``tree_cumsum``, ``tree_causal_conv1d``
+(docs/ARCHITECTURE.md §6).
+
+A causal scan over positions computes each position's value from the state at the previous position and the
+token there. In the prefix tree (§4) every node's dense positions share their row's earlier tokens, which are
+the node's ancestors, so the scan of a dense row at ``(b, t)`` equals the scan along the tree path from the
+root to ``index[b, t]``:
+
+- ``tree_cumsum(x, parent, dim)``: ``out[k] = sum of x[j] over the ancestors-or-self j of k`` — the dense
+  ``cumsum`` along the row. Backward: ``dx[j] = sum of dout[k] over k in j's subtree`` (``j <= k < end[j]``).
+- ``tree_causal_conv1d(x, weight, bias, parent)``: ``out[:, c, k] = bias[c] + sum_{i<W} weight[c, 0, W-1-i] *
+  x[:, c, anc_i(k)]`` with ``anc_0(k) = k``, ``anc_{i+1}(k) = parent[anc_i(k)]`` and zero past a root — the
+  dense depthwise ``conv1d(x, w, b, padding=W-1, groups=C)[..., :L]``, which reads the previous W-1 positions
+  of the row (zeros before its start). The ancestors along the path, not the previous packed positions.
+
+Both are exact up to reassociation of the sums (the dense op adds the same terms in another order). Nothing
+loops over tokens: the path sums use pointer jumping (Hillis–Steele along the paths: after round r each
+token holds the sum over its 2^r nearest ancestors-or-self; ``ceil(log2(depth))`` rounds of O(N) gathers),
+the subtree sums the transposed rounds (scatter-adds), the conv W-1 gathers of ``parent``.
+
+``parent`` is not a tree array of the packed graph; ``tree_parent(end)`` derives it from the subtree ends
+(the preorder property ``j is an ancestor-or-self of k  <=>  j <= k < end[j]``), once per emitted scan.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ScanError", "tree_parent", "tree_cumsum", "tree_causal_conv1d", "path_ancestors", "TREE_PATH_OPS",
+           "reference_cumsum", "reference_causal_conv1d"]
+
+
+class ScanError(ValueError):
+    """Bad arguments to a tree scan op (shapes, dtypes, dims)."""
+
+
+# ----------------------------------------------------------------------------------------- tree arrays
+
+
+def tree_depth(end: Tensor) -> Tensor:
+    """``depth[k]`` = number of ancestors-or-self of k = ``#{j <= k : end[j] > k}``, in O(N): a +1 at every
+    j and a -1 at ``end[j]``, prefix-summed (every j with ``end[j] <= k`` is some j < k, as ``end[j] > j``)."""
+    n = end.shape[0]
+    diff = torch.zeros(n + 1, dtype=torch.int64, device=end.device)
+    diff[:n] += 1
+    diff.index_add_(0, end.to(torch.int64), torch.full_like(end, -1, dtype=torch.int64))
+    return torch.cumsum(diff, 0)[:n]
+
+
+def parent_from_end(end: Tensor) -> Tensor:
+    """``parent[k]`` (-1 for a root) from the subtree ends of a preorder forest.
+
+    The parent of k is its deepest proper ancestor: the largest j < k with ``depth[j] = depth[k] - 1`` (every
+    node strictly between the parent and k lies in the subtree of an earlier sibling of k, deeper than the
+    parent). Keys ``depth * (N + 1) + j`` sorted once; for each k the largest key below
+    ``(depth[k] - 1) * (N + 1) + k`` is that j when its depth is ``depth[k] - 1`` (none for a root). O(N log N)."""
+    n = end.shape[0]
+    if n == 0:
+        return end.new_empty(0, dtype=torch.int64)
+    ids = torch.arange(n, device=end.device)
+    depth = tree_depth(end)
+    keys, order = torch.sort(depth * (n + 1) + ids)
+    at = torch.searchsorted(keys, (depth - 1) * (n + 1) + ids) - 1
+    cand = order[at.clamp(min=0)]
+    found = (at >= 0) & (depth[cand] == depth - 1)
+    return torch.where(found, cand, -1)
+
+
+@torch.library.custom_op("brcompile::tree_parent", mutates_args=())
+def _tree_parent_op(end: Tensor) -> Tensor:
+    """See :func:`tree_parent`."""
+    _check_tree_array(end, "end")
+    return parent_from_end(end)
+
+
+@_tree_parent_op.register_fake
+def _tree_parent_fake(end):
+    _check_tree_array(end, "end")
+    return end.new_empty(end.shape, dtype=torch.int64)
+
+
+def tree_parent(end: Tensor) -> Tensor:
+    """``brcompile::tree_parent(end) -> parent [N]`` (int64, -1 at roots); see :func:`parent_from_end`."""
+    return torch.ops.brcompile.tree_parent(end)
+
+
+def _check_tree_array(a: Tensor, name: str) -> None:
+    if a.dim() != 1 or a.dtype != torch.int64:
+        raise ScanError(f"{name} must be a 1-D int64 tensor, got {tuple(a.shape)} {a.dtype}")
+
+
+def _jump(anc: Tensor, parent_like: Tensor) -> Tensor:
+    """``parent_like[anc]`` where ``anc >= 0``, -1 elsewhere (stepping up from a root leaves the tree)."""
+    return torch.where(anc >= 0, parent_like[anc.clamp(min=0)], -1)
+
+
+def path_ancestors(parent: Tensor, width: int) -> Tensor:
+    """``[width, N]``: row i holds ``anc_i(k)``, the i-th ancestor of k along its path (row 0 is k itself),
+    -1 past the root."""
+    anc = [torch.arange(parent.shape[0], device=parent.device)]
+    for _ in range(width - 1):
+        anc.append(_jump(anc[-1], parent))
+    return torch.stack(anc) if anc else parent.new_empty(0, parent.shape[0])
+
+
+# ----------------------------------------------------------------------------------------- cumsum
+
+
+def _bcast(mask: Tensor, like: Tensor) -> Tensor:
+    """A ``[N]`` mask shaped to broadcast against ``like`` ``[N, ...]``."""
+    return mask.reshape(mask.shape + (1,) * (like.dim() - 1))
+
+
+def path_sum(x: Tensor, parent: Tensor) -> Tensor:
+    """``out[k] = sum over the ancestors-or-self j of k of x[j]`` along dim 0 (pointer jumping).
+
+    Invariant after round r: ``out[k]`` sums the 2^r nearest ancestors-or-self of k (fewer near a root)
+    and ``anc[k]`` is k's 2^r-th ancestor; ``out[k] += out[anc[k]]`` and ``anc[k] = anc[anc[k]]`` double
+    both. Each term is added once: the result is the dense prefix sum up to reassociation."""
+    out = x.clone()
+    anc = parent
+    while bool((anc >= 0).any()):
+        has = anc >= 0
+        out = out + torch.where(_bcast(has, out), out[anc.clamp(min=0)], torch.zeros((), dtype=out.dtype,
+                                                                                      device=out.device))
+        anc = _jump(anc, anc)
+    return out
+
+
+def subtree_sum(g: Tensor, parent: Tensor) -> Tensor:
+    """``out[j] = sum over the descendants-or-self k of j of g[k]`` along dim 0: the transpose of
+    :func:`path_sum`. Invariant after round r: ``out[j]`` sums the descendants of j at distance < 2^r;
+    each node d pushes its sum to its 2^r-th ancestor, which adds the descendants at distance
+    [2^r, 2^(r+1)) exactly once (they lie below exactly one node at distance 2^r)."""
+    out = g.clone()
+    anc = parent
+    while bool((anc >= 0).any()):
+        has = anc >= 0
+        src = has.nonzero().squeeze(1)
+        out = out.index_add(0, anc[src], out[src])
+        anc = _jump(anc, anc)
+    return out
+
+
+def _check_cumsum(x: Tensor, parent: Tensor, dim: int) -> int:
+    _check_tree_array(parent, "parent")
+    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+        raise ScanError(f"tree_cumsum: dim {dim} out of range for x of shape {tuple(x.shape)}")
+    d = dim % x.dim()
+    if x.shape[d] != parent.shape[0]:
+        raise ScanError(f"tree_cumsum: x has {x.shape[d]} entries along dim {dim}, parent has {parent.shape[0]}")
+    return d
+
+
+@torch.library.custom_op("brcompile::tree_cumsum", mutates_args=())
+def _tree_cumsum_op(x: Tensor, parent: Tensor, dim: int) -> Tensor:
+    """See :func:`tree_cumsum`."""
+    d = _check_cumsum(x, parent, dim)
+    return path_sum(x.movedim(d, 0), parent).movedim(0, d).contiguous()
+
+
+@_tree_cumsum_op.register_fake
+def _tree_cumsum_fake(x, parent, dim):
+    _check_cumsum(x, parent, dim)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("brcompile::tree_cumsum_backward", mutates_args=())
+def _tree_cumsum_backward_op(grad: Tensor, parent: Tensor, dim: int) -> Tensor:
+    """d(tree_cumsum)/dx for ``grad``: the subtree sums of ``grad`` along ``dim``."""
+    d = _check_cumsum(grad, parent, dim)
+    return subtree_sum(grad.movedim(d, 0), parent).movedim(0, d).contiguous()
+
+
+@_tree_cumsum_backward_op.register_fake
+def _tree_cumsum_backward_fake(grad, parent, dim):
+    _check_cumsum(grad, parent, dim)
+    return torch.empty_like(grad)
+
+
+def _cumsum_setup(ctx, inputs, output):
+    _, parent, dim = inputs
+    ctx.save_for_backward(parent)
+    ctx.dim = dim
+
+
+def _cumsum_grad(ctx, grad):
+    (parent,) = ctx.saved_tensors
+    return torch.ops.brcompile.tree_cumsum_backward(grad, parent, ctx.dim), None, None
+
+
+def _cumsum_backward_grad(ctx, grad):
+    """The subtree sum is linear; its transpose is the path sum (double backward)."""
+    (parent,) = ctx.saved_tensors
+    return torch.ops.brcompile.tree_cumsum(grad, parent, ctx.dim), None, None
+
+
+torch.library.register_autograd("brcompile::tree_cumsum", _cumsum_grad, setup_context=_cumsum_setup)
+torch.library.register_autograd("brcompile::tree_cumsum_backward", _cumsum_backward_grad,
+                                setup_context=_cumsum_setup)
+
+
+def tree_cumsum(x: Tensor, parent: Tensor, dim: int) -> Tensor:
+    """``brcompile::tree_cumsum``: the dense ``cumsum`` along the token dim ``dim`` of a packed value,
+    computed along the tree paths (module docstring). ``x``'s dtype is kept (cast before, as
+    ``torch.cumsum`` promotes integers to int64)."""
+    return torch.ops.brcompile.tree_cumsum(x, parent, dim)
+
+
+# ----------------------------------------------------------------------------------------- causal conv1d
+
+
+def _check_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor) -> None:
+    _check_tree_array(parent, "parent")
+    if x.dim() != 3 or weight.dim() != 3 or weight.shape[1] != 1 or weight.shape[0] != x.shape[1]:
+        raise ScanError(f"tree_causal_conv1d: x must be [B, C, N] and weight [C, 1, W] (depthwise); got x "
+                        f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if x.shape[2] != parent.shape[0]:
+        raise ScanError(f"tree_causal_conv1d: x has {x.shape[2]} tokens, parent {parent.shape[0]}")
+    if bias is not None and tuple(bias.shape) != (x.shape[1],):
+        raise ScanError(f"tree_causal_conv1d: bias must be [C]={x.shape[1]}, got {tuple(bias.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ScanError(f"tree_causal_conv1d: dtypes differ (x {x.dtype}, weight {weight.dtype}"
+                        f"{'' if bias is None else f', bias {bias.dtype}'})")
+
+
+def _taps(x: Tensor, anc: Tensor) -> Tensor:
+    """``x[:, :, anc]`` with zeros where ``anc == -1``: ``[B, C, N]`` for ``anc [N]``."""
+    got = x[:, :, anc.clamp(min=0)]
+    return got.masked_fill(anc.lt(0).view(1, 1, -1), 0)
+
+
+def causal_conv1d_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor) -> Tensor:
+    """``out[:, c, k] = bias[c] + sum_i weight[c, 0, W-1-i] * x[:, c, anc_i(k)]`` (module docstring)."""
+    W = weight.shape[2]
+    anc = path_ancestors(parent, W)
+    out = torch.zeros_like(x) if bias is None else bias.view(1, -1, 1).expand_as(x).clone()
+    for i in range(W):  # W taps (a handful), not tokens
+        out = out + weight[:, 0, W - 1 - i].view(1, -1, 1) * _taps(x, anc[i])
+    return out
+
+
+def causal_conv1d_backward(grad: Tensor, x: Tensor, weight: Tensor, parent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias)``: tap i sends ``weight[c, W-1-i] * grad[:, c, k]`` to ``anc_i(k)``
+    (a scatter-add: a shared token sums every descendant that reads it), ``dweight[c, 0, W-1-i] =
+    sum_{b, k} grad[b, c, k] * x[b, c, anc_i(k)]``, ``dbias[c] = sum_{b, k} grad[b, c, k]``."""
+    W = weight.shape[2]
+    anc = path_ancestors(parent, W)
+    dx = torch.zeros_like(x)
+    dw = torch.zeros_like(weight)
+    for i in range(W):
+        keep = (anc[i] >= 0).nonzero().squeeze(1)
+        contrib = grad[:, :, keep] * weight[:, 0, W - 1 - i].view(1, -1, 1)
+        dx = dx.index_add(2, anc[i][keep], contrib)
+        dw[:, 0, W - 1 - i] = (grad * _taps(x, anc[i])).sum((0, 2))
+    return dx, dw, grad.sum((0, 2))
+
+
+@torch.library.custom_op("brcompile::tree_causal_conv1d", mutates_args=())
+def _tree_causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor) -> Tensor:
+    """See :func:`tree_causal_conv1d`."""
+    _check_conv(x, weight, bias, parent)
+    return causal_conv1d_forward(x, weight, bias, parent)
+
+
+@_tree_causal_conv1d_op.register_fake
+def _tree_causal_conv1d_fake(x, weight, bias, parent):
+    _check_conv(x, weight, bias, parent)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("brcompile::tree_causal_conv1d_backward", mutates_args=())
+def _tree_causal_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor,
+                                    parent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """d(tree_causal_conv1d)/d(x, weight, bias); see :func:`causal_conv1d_backward`."""
+    _check_conv(x, weight, None, parent)
+    return causal_conv1d_backward(grad, x, weight, parent)
+
+
+@_tree_causal_conv1d_backward_op.register_fake
+def _tree_causal_conv1d_backward_fake(grad, x, weight, parent):
+    _check_conv(x, weight, None, parent)
+    return torch.empty_like(x), torch.empty_like(weight), x.new_empty(x.shape[1])
+
+
+def _conv_setup(ctx, inputs, output):
+    x, weight, bias, parent = inputs
+    ctx.save_for_backward(x, weight, parent)
+    ctx.has_bias = bias is not None
+
+
+def _conv_grad(ctx, grad):
+    x, weight, parent = ctx.saved_tensors
+    dx, dw, db = torch.ops.brcompile.tree_causal_conv1d_backward(grad, x, weight, parent)
+    return dx, dw, (db if ctx.has_bias else None), None
+
+
+torch.library.register_autograd("brcompile::tree_causal_conv1d", _conv_grad, setup_context=_conv_setup)
+
+
+def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor) -> Tensor:
+    """``brcompile::tree_causal_conv1d``: the dense causal depthwise conv (``nn.Conv1d(C, C, W, groups=C,
+    padding=W-1)`` then ``[..., :L]``) of a packed ``[B', C, N]`` value along the tree paths."""
+    return torch.ops.brcompile.tree_causal_conv1d(x, weight, bias, parent)
+
+
+# ------------------------------------------------------------------------------------------- flops
+
+
+@register_flop_formula(torch.ops.brcompile.tree_causal_conv1d, get_raw=True)
+def _conv_flop(x, weight, bias, parent, *args, out_val=None, **kwargs) -> int:
+    """A multiply and an add per tap and output element, as the dense conv: 2 * B * C * N * W."""
+    return 2 * x.numel() * weight.shape[2]
+
+
+@register_flop_formula(torch.ops.brcompile.tree_causal_conv1d_backward, get_raw=True)
+def _conv_backward_flop(grad, x, weight, parent, *args, out_val=None, **kwargs) -> int:
+    """dx and dweight: twice the forward."""
+    return 4 * x.numel() * weight.shape[2]
+
+
+#: Ops whose output at a token reads its ancestors along the tree path (not token-local): the streaming
+#: split must not run them on a chunk of tails cut from its prefix (passes/split.py).
+TREE_PATH_OPS = (torch.ops.brcompile.tree_cumsum.default, torch.ops.brcompile.tree_causal_conv1d.default)
+
+
+# ------------------------------------------------------------------------------------------- oracles
+
+
+def reference_cumsum(x: Tensor, end: Tensor, dim: int) -> Tensor:
+    """Oracle, O(N²): ``out[k] = sum_j [j <= k < end[j]] x[j]`` along ``dim`` as one masked matmul."""
+    n = end.shape[0]
+    ids = torch.arange(n, device=end.device)
+    anc = (ids[None, :] <= ids[:, None]) & (ids[:, None] < end[None, :])  # [k, j]
+    xm = x.movedim(dim, -1)
+    return (xm.to(torch.float64) @ anc.to(torch.float64).T).to(x.dtype).movedim(-1, dim)
+
+
+def reference_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], end: Tensor) -> Tensor:
+    """Oracle: the ancestors of k ordered by depth (``j <= k < end[j]``), read the last W of them and apply
+    the dense conv's taps token by token."""
+    n = end.shape[0]
+    W = weight.shape[2]
+    out = torch.zeros_like(x)
+    for k in range(n):
+        path = [j for j in range(k + 1) if int(end[j]) > k]  # ancestors-or-self, root first
+        for i in range(W):
+            if i < len(path):
+                out[:, :, k] += weight[:, 0, W - 1 - i] * x[:, :, path[-1 - i]]
+        if bias is not None:
+            out[:, :, k] += bias
+    return out

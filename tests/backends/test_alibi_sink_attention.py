@@ -1,0 +1,214 @@
+"""ALiBi position biases and attention sinks in tree attention (reference, CPU, cached, Triton).
+
+Oracle: the reference impl, itself checked against dense per-row math: scores ``scale q.k + m[h] (j - i)``
+(ALiBi over the batch columns = the tree positions), one extra value-less logit ``sinks[h]`` per query
+row in the softmax (GPT-OSS: ``cat([scores, sinks]) -> softmax -> drop the sink column``). The sinks'
+gradient is checked by gradcheck in float64.
+"""
+import pytest
+import torch
+
+import brcompile.backends.cpu as cpu
+from brcompile.backends.ops import AttentionImplError, TreeAttentionError, tree_attention
+from brcompile.runtime.tree import build_tree
+
+SLOPES = [0.5, 0.25, 0.125, 0.0625]
+
+
+def batch(seed: int, pad: bool):
+    """3 groups with shared prompts and a shared response prefix; optional left padding and holes."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for plen, n in ((7, 3), (5, 2)):
+        prompt = torch.randint(1, 40, (plen,), generator=g)
+        for i in range(n):
+            resp = torch.randint(1, 40, (4,), generator=g)
+            if i < 2:
+                resp[:2] = torch.tensor([3, 4])
+            rows.append(torch.cat([prompt, resp]))
+    L = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        off = L - len(r) if pad else 0
+        ids[b, off:off + len(r)] = r
+        mask[b, off:off + len(r)] = 1
+    if pad:
+        mask[0, -2:] = 0
+        mask[3, 4] = 0
+    return ids, mask
+
+
+def qkv(n, dtype=torch.float64, hq=4, hkv=2, d=8):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(h, n, d, generator=g, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]
+
+
+def sinks_param(dtype=torch.float64):
+    return torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=dtype, requires_grad=True)
+
+
+def dense_rows(q, k, v, tree, ids, am, scale, alibi=None, sinks=None, softcap=0.0):
+    """Per row b: softmax over the visible keys (and the sink) of ``scale q.k [capped] + m (j - i)``."""
+    L = ids.shape[1]
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    outs = []
+    for b in range(ids.shape[0]):
+        idx = tree.index[b]
+        kb, vb = k[:, idx].repeat_interleave(2, 0), v[:, idx].repeat_interleave(2, 0)
+        s = q[:, idx] @ kb.transpose(-1, -2) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if alibi is not None:
+            s = s + torch.tensor(alibi, dtype=s.dtype)[:, None, None] * (j - i).to(s.dtype)
+        s = s.masked_fill(~((j <= i) & am[b].bool()[None, :]), float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks[:, None, None].expand(-1, L, 1)], -1)
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        if sinks is not None:
+            p = p[..., :-1]
+        outs.append(p @ vb)
+    return outs
+
+
+@pytest.mark.parametrize("features", ["alibi", "sinks", "both"])
+@pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
+def test_reference_equals_dense_rows(features, pad):
+    ids, am = batch(1, pad)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    alibi = SLOPES if features in ("alibi", "both") else None
+    sinks = sinks_param() if features in ("sinks", "both") else None
+    out = tree_attention(q, k, v, tree, scale=0.4, impl="reference", alibi=alibi, sinks=sinks)
+    dense = dense_rows(q, k, v, tree, ids, am, 0.4, alibi, sinks)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    wrt = [x for x in (q, k, v, sinks) if x is not None]
+    g_tree = torch.autograd.grad((out * w).sum(), wrt)
+    # each packed token once: at the row it is read from (rep_row)
+    loss = sum((d * w[:, tree.index[b]] * (tree.rep_row[tree.index[b]] == b)[None, :, None]).sum()
+               for b, d in enumerate(dense))
+    g_dense = torch.autograd.grad(loss, wrt)
+    for b, d in enumerate(dense):
+        torch.testing.assert_close(out[:, tree.index[b]], d, atol=1e-12, rtol=1e-12)
+    for a, e in zip(g_tree, g_dense):
+        torch.testing.assert_close(a, e, atol=1e-11, rtol=1e-11)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (0, 0.9)])
+@pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
+def test_cpu_matches_reference(window, softcap, pad, monkeypatch):
+    monkeypatch.setattr(cpu, "WINDOW_QUERY_BLOCK", 4)
+    ids, am = batch(3, pad)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    sinks = sinks_param()
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=q.dtype)
+    kw = dict(scale=0.4, window=window, softcap=softcap, alibi=SLOPES, sinks=sinks)
+    want = tree_attention(q, k, v, tree, impl="reference", **kw)
+    gwant = torch.autograd.grad((want * w).sum(), (q, k, v, sinks))
+    got = tree_attention(q, k, v, tree, impl="cpu", **kw)
+    ggot = torch.autograd.grad((got * w).sum(), (q, k, v, sinks))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip(["q", "k", "v", "sinks"], ggot, gwant):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+    # the features change the result (a test that could not fail otherwise)
+    plain = tree_attention(q, k, v, tree, impl="cpu", scale=0.4, window=window, softcap=softcap)
+    assert (got - plain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_gradcheck_sinks_and_qkv(impl):
+    """d sinks[h] = -sum_q p_sink(h, q) * (dO . O)(h, q), and the q/k/v gradients with the sink, by finite
+    differences in float64."""
+    ids, am = batch(4, True)
+    tree = build_tree(ids[:3, :8], attention_mask=am[:3, :8])
+    q, k, v = qkv(tree.stats.executed_tokens, d=4)
+    sinks = sinks_param()
+
+    def f(q, k, v, sinks):
+        return tree_attention(q, k, v, tree, scale=0.4, impl=impl, alibi=SLOPES, sinks=sinks)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks), atol=1e-8, rtol=1e-6)
+
+
+def test_query_that_sees_nothing_with_a_sink():
+    """A query without visible keys: 0 output (the sink carries no value), no gradient to q or the sink."""
+    ids, am = batch(5, True)
+    tree = build_tree(ids, attention_mask=am)
+    n = tree.stats.executed_tokens
+    q, k, v = qkv(n)
+    sinks = sinks_param()
+    valid = torch.zeros(n, dtype=torch.bool)
+    out = tree_attention(q, k, v, (tree.end, valid, tree.segments), scale=0.4, impl="cpu", sinks=sinks)
+    assert bool((out == 0).all())
+    gq, gs = torch.autograd.grad(out.sum(), (q, sinks))
+    assert bool((gq == 0).all()) and bool((gs == 0).all())
+
+
+def test_opcheck_alibi_and_sinks():
+    ids, am = batch(6, True)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    args = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(), tree.end,
+            tree.valid, tree.segments, 0.4, "cpu", 0, tree.position, 0.0, SLOPES, sinks_param())
+    torch.library.opcheck(torch.ops.brcompile.tree_attention_forward.default, args)
+
+
+def test_errors_are_typed():
+    ids, am = batch(7, False)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    op = torch.ops.brcompile.tree_attention_forward
+    with pytest.raises(TreeAttentionError, match="alibi needs position"):
+        op(q, k, v, tree.end, tree.valid, tree.segments, 0.4, "cpu", 0, None, 0.0, SLOPES)
+    with pytest.raises(TreeAttentionError, match="4 finite slopes"):
+        op(q, k, v, tree.end, tree.valid, tree.segments, 0.4, "cpu", 0, tree.position, 0.0, SLOPES[:2])
+    with pytest.raises(TreeAttentionError, match="sinks must be"):
+        op(q, k, v, tree.end, tree.valid, tree.segments, 0.4, "cpu", 0, None, 0.0, None, torch.zeros(3))
+
+
+def test_cached_with_sinks_matches_uncached():
+    """A chunk against a cached prefix, sinks merged once after both parts: equals the whole tree's rows."""
+    from brcompile.backends.cached import tree_attention_cached
+    from brcompile.runtime.streaming import plan_replay
+
+    ids, am = batch(8, False)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    sinks = sinks_param()
+    want = tree_attention(q, k, v, tree, scale=0.4, impl="reference", sinks=sinks)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
+    gwant = torch.autograd.grad((want * w).sum(), (q, k, v, sinks))
+    plan = plan_replay(tree.end, tree.segments, chunk_tokens=4)
+    pre = plan.prefix_ids
+    kc, vc = k[:, pre], v[:, pre]
+    got = torch.zeros_like(want)
+    loss = 0
+    assert plan.chunks and plan.prefix_tokens
+    for ch in plan.chunks:
+        t = ch.ids
+        o = tree_attention_cached(q[:, t], k[:, t], v[:, t], (ch.end, tree.valid[t], ch.segments), kc, vc,
+                                  tree.valid[pre], ch.cross, 0.4, impl="cpu", sinks=sinks)
+        got[:, t] = o.detach()
+        loss = loss + (o * w[:, t]).sum()
+    po = tree_attention(q[:, pre], kc, vc, (plan.prefix_end, tree.valid[pre], plan.prefix_segments), scale=0.4,
+                        impl="cpu", sinks=sinks)
+    got[:, pre] = po.detach()
+    loss = loss + (po * w[:, pre]).sum()
+    ggot = torch.autograd.grad(loss, (q, k, v, sinks))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip(["q", "k", "v", "sinks"], ggot, gwant):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_cached_refuses_alibi():
+    from brcompile.backends.cached import tree_attention_cached
+
+    ids, am = batch(9, False)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    cross = torch.zeros(0, 4, dtype=torch.long)
+    with pytest.raises(TreeAttentionError, match="ALiBi"):
+        torch.ops.brcompile.tree_attention_cached_forward(
+            q, k, v, tree.end, tree.valid, tree.segments, k, v, tree.valid, cross, 0.4, "cpu", 0, tree.position,
+            tree.position, 0.0, SLOPES, None)

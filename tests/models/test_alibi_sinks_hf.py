@@ -1,0 +1,90 @@
+"""HF models with ALiBi biases and attention sinks replay through tree attention's ``alibi`` / ``sinks``.
+
+Tiny models built from configs (no downloads), eager attention, a batch with shared prefixes and key padding.
+MPT adds a per-head ALiBi table to the scores and casts them with ``.float()``: float32 (in float64 its softmax
+would round to float32, which tree attention does not reproduce), held to the float32 bound. GPT-OSS joins one
+learned sink logit per head to the softmax; its mixture-of-experts MLP updates a value in place (refused by
+the analysis, not by the attention), so the test swaps it for a dense MLP to check the attention as HF writes
+it; its float32 RMSNorm keeps it at the float32 bound.
+"""
+import pytest
+import torch
+
+import brcompile
+from brcompile.testing import TOLERANCE
+
+transformers = pytest.importorskip("transformers")
+TOL = TOLERANCE[torch.float32]
+
+
+def _ids():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (4, 12), generator=g)
+    ids[1, :8] = ids[0, :8]
+    ids[2, :5] = ids[0, :5]
+    ids[3, :10] = ids[0, :10]
+    am = torch.ones_like(ids)
+    am[2, -2:] = 0
+    return ids, am
+
+
+def _loss(m, ids, am):
+    return m(input_ids=ids, attention_mask=am, use_cache=False).logits.log_softmax(-1).sum()
+
+
+def _check(m, feature):
+    """Loss and every parameter gradient vs eager (float32 bound); the call replayed and its packed attention
+    used ``feature``."""
+    ids, am = _ids()
+    want = torch.compile(_loss, backend="eager")(m, ids, am)
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    be = brcompile.backend(compiler="eager")
+    got = torch.compile(_loss, backend=be)(m, ids, am)
+    got.backward()
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
+    assert s.executed_tokens < s.logical_tokens, str(s)
+    assert feature(be.records[-1]), be.records[-1].packed_code
+    assert (got - want).abs().item() <= TOL * want.abs().item()
+    for n, p in m.named_parameters():
+        g = grads[n]
+        assert p.grad is not None, n
+        err = (p.grad - g).abs().max().item() / max(g.abs().max().item(), 1e-30)
+        assert err <= TOL, (n, err)
+
+
+def test_mpt_alibi_replays():
+    cfg = transformers.AutoConfig.for_model("mpt", vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                                            expansion_ratio=2)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    _check(m, lambda r: all("+alibi(" in x for x in r.masks) and "[0.25, 0.0625, 0.015625, 0.00390625]" in r.packed_code)
+
+
+class _DenseMLP(torch.nn.Module):
+    """A dense MLP with GPT-OSS's MLP interface (hidden states, router scores)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 48), torch.nn.Linear(48, d)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x))), None
+
+
+def test_gpt_oss_sinks_replay():
+    cfg = transformers.AutoConfig.for_model(
+        "gpt_oss", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=128)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.sinks.normal_()
+            layer.mlp = _DenseMLP(32)
+    _check(m, lambda r: "sinks_)" in r.packed_code and any("window(4)" in x for x in r.masks))

@@ -1,0 +1,274 @@
+"""Scans along the token axis end to end (passes/rules/scan.py): ``cumsum`` positions and the causal
+depthwise "short conv" run along the tree paths (``brcompile::tree_cumsum`` / ``tree_causal_conv1d``).
+
+Every replay test compares the loss and every parameter gradient with the eager model in float64
+(``brcompile.testing.TOLERANCE``) and asserts that the call replayed, that the packed graph holds the scan
+op, and that nothing was materialised before the attentions. Constructs that are not causal scans fall back
+(dense, or the original graph) with the reason.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import brcompile
+from brcompile.testing import TOLERANCE, assert_exact
+from examples.grpo import make_grpo_batch
+from tests.helpers import assert_replayed
+
+F64 = torch.float64
+EAGER = dict(compiler="eager")
+
+
+# --------------------------------------------------------------------------------------------------
+# a GPT-like model: cumsum positions, a causal short-conv mixer before attention
+
+
+class ShortConv(nn.Module):
+    """LFM2 / Mamba's gated short conv: ``B, C, x = in_proj(h).chunk(3)``, a causal depthwise conv of
+    ``B * x`` along the tokens, ``C *`` it, ``out_proj``. ``spelling``: ``"padded"`` —
+    ``nn.Conv1d(padding=W-1)`` then ``[..., :L]`` (HF's); ``"negative"`` — ``[..., :-(W-1)]``;
+    ``"left_pad"`` — ``F.pad(x, (W-1, 0))`` then a conv without padding; ``"symmetric"`` — padding
+    ``(W-1)//2`` both sides (not causal); ``"shifted"`` — ``[..., W-1:]`` (reads later tokens)."""
+
+    def __init__(self, D: int, W: int = 4, spelling: str = "padded"):
+        super().__init__()
+        self.W, self.spelling = W, spelling
+        self.in_proj = nn.Linear(D, 3 * D)
+        pad = {"left_pad": 0, "symmetric": (W - 1) // 2}.get(spelling, W - 1)
+        self.conv = nn.Conv1d(D, D, W, groups=D, padding=pad, bias=True)
+        self.out_proj = nn.Linear(D, D)
+
+    def forward(self, h):
+        L = h.shape[1]
+        b, c, x = self.in_proj(h).chunk(3, dim=-1)
+        bx = (b * x).transpose(1, 2)  # [B, D, L]
+        if self.spelling == "left_pad":
+            y = self.conv(F.pad(bx, (self.W - 1, 0)))
+        elif self.spelling == "negative":
+            y = self.conv(bx)[..., :-(self.W - 1)]
+        elif self.spelling == "shifted":
+            y = self.conv(bx)[..., self.W - 1:]
+        elif self.spelling == "symmetric":
+            y = self.conv(bx)
+        else:
+            y = self.conv(bx)[..., :L]
+        return self.out_proj(c * y.transpose(1, 2))
+
+
+class ScanGPT(nn.Module):
+    """Token embedding + learned positions from ``cumsum(mask)`` (RoBERTa's spelling, so left-padded rows
+    count from their first real token), then per block a short conv mixer and causal attention with key
+    padding, both residual."""
+
+    def __init__(self, V=23, D=8, H=2, layers=2, W=4, spelling="padded", pad_id=0):
+        super().__init__()
+        self.pad_id, self.H = pad_id, H
+        self.emb = nn.Embedding(V, D)
+        self.pos = nn.Embedding(32, D)
+        self.convs = nn.ModuleList(ShortConv(D, W, spelling) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(D, 3 * D) for _ in range(layers))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids, am):
+        B, L = ids.shape
+        mask = am.int()
+        positions = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + self.pad_id
+        h = self.emb(ids) + self.pos(positions)
+        causal = torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()
+        attn_mask = causal[None, None] & am.bool()[:, None, None, :]
+        for conv, qkv in zip(self.convs, self.qkv):
+            h = h + conv(h)
+            q, k, v = qkv(h).view(B, L, 3, self.H, -1).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            h = h + o.transpose(1, 2).reshape(B, L, -1)
+        return self.head(h)
+
+
+def grpo_like_batch(seed=1, left=True):
+    """Two prompt groups of 3 rollouts, ragged prompts (left-padded) and right-padded responses."""
+    b = make_grpo_batch(vocab_size=23, seed=seed, num_prompts=2, group_size=3, prompt_len=(4, 7),
+                        response_len=(2, 5), left_pad_prompts=left, pad_id=0)
+    return b["input_ids"], b["attention_mask"], b["completion_mask"]
+
+
+def token_loss(model, ids, am, cm):
+    """Masked next-token NLL of the completion tokens (a dense loss over the packed logits)."""
+    lp = model(ids, am)[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    m = cm[:, 1:].to(lp.dtype)
+    return -(lp * m).sum() / m.sum()
+
+
+#: a gradient below this fraction of the model's largest is rounding noise around an exact 0 (RoBERTa's key
+#: bias: a constant added to every score of a query leaves its softmax unchanged)
+ZERO_GRAD = 1e-12
+
+
+def run_exact(model, fn, args, *, dynamic=False, **options):
+    """Eager vs compiled ``fn(*args)`` in float64: the loss and every parameter gradient (relative error; a
+    gradient that is 0 up to rounding, ``ZERO_GRAD``, is held to the bound relative to the largest gradient
+    of the model instead of its own noise); returns the backend (its records say what the rewrite did)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    want = fn(*args)
+    gw = torch.autograd.grad(want, params, allow_unused=True)
+    backend = brcompile.backend(**{**EAGER, **options})
+    got = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
+    gg = torch.autograd.grad(got, params, allow_unused=True)
+    assert_exact(got, want, F64, "loss")
+    scale = max(b.abs().max().item() for b in gw if b is not None)
+    for name, a, b in zip(names, gg, gw):
+        if b is None:
+            assert a is None or not a.abs().max().item(), f"grad of {name}: eager has none"
+            continue
+        if b.abs().max().item() <= ZERO_GRAD * scale:
+            assert (a - b).abs().max().item() <= TOLERANCE[F64] * scale, f"grad of {name}: not 0"
+            continue
+        assert_exact(a, b, F64, f"grad of {name}")
+    return backend
+
+
+def packed_code(backend) -> str:
+    recs = [r for r in backend.records if r.rewritten]
+    assert recs, [r.reason for r in backend.records]
+    return "\n".join(r.packed_code for r in recs)
+
+
+def scan_model(spelling="padded", seed=0, **kw):
+    torch.manual_seed(seed)
+    return ScanGPT(spelling=spelling, **kw).to(F64)
+
+
+@pytest.mark.parametrize("spelling,dynamic", [("padded", False), ("negative", True), ("left_pad", False),
+                                              ("padded", True)])
+def test_short_conv_and_cumsum_positions_replay(spelling, dynamic):
+    """Both scans run packed along the tree paths, in each spelling of the conv's causal padding, static
+    and dynamic shapes; loss and every gradient (conv weights and biases included) equal eager's."""
+    model = scan_model(spelling)
+    backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch(), dynamic=dynamic)
+    assert_replayed()
+    code = packed_code(backend)
+    assert "brcompile.tree_causal_conv1d" in code and "brcompile.tree_cumsum" in code, code
+    assert "conv1d(" not in code.replace("tree_causal_conv1d(", ""), "a dense conv is left in the packed graph"
+    rec = next(r for r in backend.records if r.rewritten)
+    assert all("conv" not in node and "cumsum" not in node for node, *_ in rec.materialisations), \
+        rec.materialisations
+
+
+def test_short_conv_without_padding_rows():
+    """No attention mask bits at 0: every row a full path from the root (width 4 crosses the branch points)."""
+    model = scan_model("padded", W=5)
+    ids, am, cm = grpo_like_batch(seed=3, left=False)
+    run_exact(model, functools.partial(token_loss, model), (ids, torch.ones_like(am), cm))
+    assert_replayed()
+
+
+@pytest.mark.parametrize("spelling,reason", [
+    ("symmetric", "only the causal conv"),
+    ("shifted", "other than [..., :L]"),
+])
+def test_non_causal_conv_is_refused_with_the_reason(spelling, reason):
+    """A conv that reads later tokens is computed dense; the attention after it then cannot run packed,
+    and the graph falls back naming the conv's problem (the result is still eager's)."""
+    model = scan_model(spelling, W=3)  # symmetric padding 1 keeps L outputs
+    backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch())
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    assert any(reason in (r.reason or "") for r in backend.records), [r.reason for r in backend.records]
+
+
+def test_drop_padding_refuses_scans():
+    """With drop_padding the tree paths skip the left padding the dense scans read: the original runs."""
+    model = scan_model("padded")
+    backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch(), drop_padding=True)
+    assert brcompile.stats().replayed_calls == 0
+    assert any("drop_padding" in (r.reason or "") for r in backend.records), [r.reason for r in backend.records]
+
+
+def test_streaming_split_refuses_path_scans_packed_mode_runs():
+    """A chunk of tails does not hold its tokens' ancestors in the prefix: mode="replay" runs packed."""
+    model = scan_model("padded")
+    backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch(), mode="replay")
+    assert_replayed()
+    rec = next(r for r in backend.records if r.rewritten)
+    assert rec.replay is None and "scan along the tree paths" in (rec.replay_reason or ""), rec.replay_reason
+
+
+class CumsumFeatures(nn.Module):
+    """A running mean of the hidden states along the tokens (``cumsum / count``) mixed into the queries:
+    a floating-point cumsum of a row-bearing value with gradients."""
+
+    def __init__(self, V=23, D=8):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, ids, am, cm):
+        h = self.proj(self.emb(ids))
+        count = torch.arange(1, ids.shape[1] + 1, dtype=h.dtype)[None, :, None]
+        run = h.cumsum(dim=1) / count
+        q = (h + run).unsqueeze(1)
+        o = F.scaled_dot_product_attention(q, q, q, is_causal=True).squeeze(1)
+        return (o.square().sum(-1) * cm).sum()
+
+
+def test_float_cumsum_of_hidden_states_replays():
+    torch.manual_seed(0)
+    model = CumsumFeatures().to(F64)
+    ids, _, cm = grpo_like_batch(left=False)
+    backend = run_exact(model, model, (ids, None, cm))
+    assert_replayed()
+    assert "brcompile.tree_cumsum" in packed_code(backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# HuggingFace: RoBERTa-family decoders and OPT (positions from a cumsum of the mask)
+
+
+def hf_model(family: str):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    tiny = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=128, pad_token_id=0, attn_implementation="sdpa")
+    if family == "opt":
+        cfg = transformers.OPTConfig(**tiny, ffn_dim=48, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)
+    else:
+        cls = {"roberta": "RobertaConfig", "camembert": "CamembertConfig", "xlm-roberta": "XLMRobertaConfig",
+               "data2vec-text": "Data2VecTextConfig", "roberta-prelayernorm": "RobertaPreLayerNormConfig"}[family]
+        cfg = getattr(transformers, cls)(**tiny, intermediate_size=48, is_decoder=True, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(F64)
+
+
+def hf_loss(model, ids, am, cm):
+    logits = model(input_ids=ids, attention_mask=am).logits[:, :-1]
+    lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    m = cm[:, 1:].to(lp.dtype)
+    return -(lp * m).sum() / m.sum()
+
+
+def hf_batch(seed=1):
+    b = make_grpo_batch(vocab_size=61, seed=seed, num_prompts=2, group_size=3, prompt_len=(4, 7),
+                        response_len=(2, 5), left_pad_prompts=True, pad_id=0)
+    return b["input_ids"], b["attention_mask"], b["completion_mask"]
+
+
+@pytest.mark.parametrize("family,dynamic", [
+    ("roberta", False), ("opt", True),
+    pytest.param("camembert", True, marks=pytest.mark.slow),
+    pytest.param("xlm-roberta", False, marks=pytest.mark.slow),
+    pytest.param("data2vec-text", True, marks=pytest.mark.slow),
+    pytest.param("roberta-prelayernorm", False, marks=pytest.mark.slow),
+])
+def test_hf_cumsum_position_models_replay(family, dynamic):
+    """RoBERTa-family decoders (``RobertaForCausalLM`` & co. with ``is_decoder=True``: positions
+    ``cumsum(ids != pad) * mask + pad``) and OPT (``cumsum(attention_mask) * mask - 1``), left-padded
+    prompts: loss and every gradient equal eager's in float64 (no float32 norm in these models)."""
+    model = hf_model(family)
+    backend = run_exact(model, functools.partial(hf_loss, model), hf_batch(), dynamic=dynamic)
+    assert_replayed()
+    assert "brcompile.tree_cumsum" in packed_code(backend)
