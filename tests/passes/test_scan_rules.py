@@ -299,3 +299,44 @@ def test_hf_lfm2_short_conv_replays(monkeypatch):
     backend = run_exact(model, loss, hf_batch())
     assert_replayed()
     assert "brcompile.tree_causal_conv1d" in packed_code(backend)
+
+
+def test_padding_free_graph_keeps_scans_dense():
+    """In a padding-free graph the tree is over the sequences packed into each row (their attentions are
+    causal within them, ``MaskInfo.sequences``), while a cumsum or conv along the row crosses from one
+    sequence into the next: the scans stay dense, naming the sequences' input."""
+    from brcompile.passes.axes import AxesContext, get_axes, propagate
+    from brcompile.passes.masks import MaskInfo
+
+    class Scans(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(23, 4)
+            self.conv = nn.Conv1d(4, 4, 3, groups=4, padding=2)
+
+        def forward(self, ids, pos):
+            h = self.emb(ids) * (pos[..., None] >= 0)  # the position ids are a tree input
+            return h.cumsum(1), self.conv(h.transpose(1, 2))[..., :ids.shape[1]]
+
+    graphs = {}
+
+    def grab(gm, example_inputs):
+        graphs["gm"] = gm
+        return gm.forward
+
+    ids, pos = torch.randint(0, 23, (2, 6)), torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
+    torch._dynamo.reset()
+    torch.compile(Scans().to(F64), backend=grab, fullgraph=True)(ids, pos)
+    gm = graphs["gm"]
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ids_node, pos_node = (next(n for n in ph if n.name.endswith(s)) for s in ("ids_", "pos_"))
+    for sequences, want in ((None, "token"), (pos_node, "dense")):
+        ctx = AxesContext(gm, 2, 6, [ids_node, pos_node], set())
+        if sequences is not None:
+            ctx.notes["attention"] = MaskInfo("causal+sequences", sequences=sequences)
+        propagate(ctx)
+        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        assert [get_axes(o).kind.value for o in outs] == [want, want], [m.reason for m in ctx.materialised.values()]
+        if sequences is not None:
+            assert all("padding-free" in m.reason and pos_node.name in m.reason for m in ctx.materialised.values()
+                       if m.user.op != "output"), [m.reason for m in ctx.materialised.values()]
