@@ -43,6 +43,17 @@ become ``-inf``, other values stay and the classification refuses them as a bias
 probes of :mod:`..masks` like any mask. A cast of the scores to their own dtype (MPT's ``.float()`` of
 float32 scores) is the identity.
 
+**3-D attention** (HF BLOOM, Megatron): the product runs on views that merge (B, H) —
+``s3 = bias.baddbmm(q3, k3^T, beta=b, alpha=a)`` (or ``bmm(q3, k3^T)``) with ``q3 = q.reshape(B*H, Lq, D)``,
+``s = s3.view(B, H, Lq, Lk)``, the mask steps and softmax on ``s``, then ``bmm(p.view(B*H, Lq, Lk), v3)``
+(:func:`_scores_3d`, :func:`_match_output`). Each view is checked to merge (split) exactly dims 0 and 1 of a
+[B, H, L, D] value by its shapes (a row-major reshape to that shape does nothing else), q, k, v and the scores
+with one (B, H). Then ``s[b, h] = a * q[b, h] k[b, h]^T + b * bias[b*H + h]``: ``a`` joins the SDPA scale and
+the ``baddbmm`` input is a bias step (``("bias", M, H, post)``) read as [B, H, ...]
+(``M.unflatten(0, (-1, H))``, :func:`_split_heads_operand`). The output view back to [B, H, Lq, D] becomes the
+SDPA node; any other use of the [B*H, Lq, D] product reads ``sdpa.flatten(0, 1)``. A softmax of the 3-D scores
+themselves is refused by name.
+
 **ALiBi.** An additive operand with a head dim (``[H, Lq, Lk]``, ``[H, 1, Lk]``, ``[B, H, Lq, Lk]``, any
 broadcastable per-head bias) is a *bias step*: it joins the canonical mask unthresholded (times the scales
 after it), so the mask's finite values carry it. :mod:`..masks` then splits the mask into visibility and
