@@ -43,6 +43,17 @@ become ``-inf``, other values stay and the classification refuses them as a bias
 probes of :mod:`..masks` like any mask. A cast of the scores to their own dtype (MPT's ``.float()`` of
 float32 scores) is the identity.
 
+**3-D attention** (HF BLOOM, Megatron): the product runs on views that merge (B, H) —
+``s3 = bias.baddbmm(q3, k3^T, beta=b, alpha=a)`` (or ``bmm(q3, k3^T)``) with ``q3 = q.reshape(B*H, Lq, D)``,
+``s = s3.view(B, H, Lq, Lk)``, the mask steps and softmax on ``s``, then ``bmm(p.view(B*H, Lq, Lk), v3)``
+(:func:`_scores_3d`, :func:`_match_output`). Each view is checked to merge (split) exactly dims 0 and 1 of a
+[B, H, L, D] value by its shapes (a row-major reshape to that shape does nothing else), q, k, v and the scores
+with one (B, H). Then ``s[b, h] = a * q[b, h] k[b, h]^T + b * bias[b*H + h]``: ``a`` joins the SDPA scale and
+the ``baddbmm`` input is a bias step (``("bias", M, H, post)``) read as [B, H, ...]
+(``M.unflatten(0, (-1, H))``, :func:`_split_heads_operand`). The output view back to [B, H, Lq, D] becomes the
+SDPA node; any other use of the [B*H, Lq, D] product reads ``sdpa.flatten(0, 1)``. A softmax of the 3-D scores
+themselves is refused by name.
+
 **ALiBi.** An additive operand with a head dim (``[H, Lq, Lk]``, ``[H, 1, Lk]``, ``[B, H, Lq, Lk]``, any
 broadcastable per-head bias) is a *bias step*: it joins the canonical mask unthresholded (times the scales
 after it), so the mask's finite values carry it. :mod:`..masks` then splits the mask into visibility and
@@ -78,6 +89,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, normalize_dim
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
@@ -97,6 +109,9 @@ DROPOUT = spellings("dropout")
 MASKED_FILL = spellings("masked_fill")
 WHERE = spellings("where")
 EINSUM = spellings("einsum")
+RESHAPE = spellings("reshape")
+BMM = spellings("bmm")
+BADDBMM = spellings("baddbmm")
 
 #: A mask value at or below this blocks a key: ``exp(v - m)`` underflows to exactly 0 for any row maximum
 #: ``m`` of the visible scores above ``v + 745`` (float64; ``v + 104`` in float32). Large negative
@@ -132,6 +147,7 @@ class EagerChain:
     v: fx.Node
     scale: Any  # number or a scalar node (resolved later)
     masks: list  # mask steps, softmax-side first: ("add", M, post) | ("fill"/"keep", C, value, post)
+    #              | ("bias", M, H, post): a baddbmm input M of a 3-D attention, [B*H | 1, ...] read as [B, H, ...]
     dropout_p: Any
     dropout_training: Any
     out: fx.Node
@@ -139,6 +155,8 @@ class EagerChain:
     softcap: Any = 0.0  # > 0: the scores were soft-capped, tanh(s / softcap) * softcap; or the two scalar
     #                     nodes (divisor, factor) read from inputs under dynamic=True, resolved by canonicalize
     sinks: Optional[fx.Node] = None  # the [H] sink logits joined to the softmax (attention sinks)
+    heads: Optional[int] = None  # H of a 3-D attention (bmm / baddbmm on [B*H, ...] views)
+    merged_out: bool = False  # ``out`` is the [B*H, Lq, D] product: the SDPA output is flattened for its users
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,21 +259,21 @@ def _softmax_args(sm: fx.Node) -> tuple[fx.Node, Any, Any]:
     return a[0], dim, dtype
 
 
-def _transposed_last_two(n: fx.Node) -> Optional[fx.Node]:
-    """``k`` if ``n`` is ``k.transpose(-2, -1)`` (any spelling) of a 4-D ``k``, else None."""
-    if n.op not in ("call_function", "call_method") or n.target not in TRANSPOSE:
+def _transposed_last_two(n: Any, ndim: int = 4) -> Optional[fx.Node]:
+    """``k`` if ``n`` is ``k.transpose(-2, -1)`` (any spelling) of an ``ndim``-D ``k``, else None."""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method") or n.target not in TRANSPOSE:
         return None
     k = n.args[0]
     t = _tensor(k)
-    if t is None or t.dim() != 4:
+    if t is None or t.dim() != ndim:
         return None
     if is_op(n, "permute"):
         dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
         if not dims:
             dims = n.kwargs.get("dims", ())
-        return k if [normalize_dim(d, 4) for d in dims] == [0, 1, 3, 2] else None
+        return k if [normalize_dim(d, ndim) for d in dims] == [*range(ndim - 2), ndim - 1, ndim - 2] else None
     d = list(n.args[1:3]) or [n.kwargs.get("dim0"), n.kwargs.get("dim1")]
-    if None in d or {normalize_dim(x, 4) for x in d} != {2, 3}:
+    if None in d or {normalize_dim(x, ndim) for x in d} != {ndim - 2, ndim - 1}:
         return None
     return k
 
@@ -284,23 +302,136 @@ def _einsum_4d(n: Any, kind: str) -> Optional[tuple[fx.Node, fx.Node]]:
     return None
 
 
-def _scores_matmul(n: Any) -> Optional[tuple[fx.Node, fx.Node]]:
-    """(q, k) if ``n`` is ``matmul(q, k^T)`` (any spelling) or ``einsum("bhqd,bhkd->bhqk", q, k)`` of two
-    4-D values."""
+@dataclasses.dataclass
+class Scores:
+    """The attention scores ``s = alpha * q k^T + beta * bias`` ([B, H, Lq, Lk]) as one op computes them.
+
+    ``q`` [B, H, Lq, D] and ``k`` [B, H, Lk, D] are 4-D; ``nodes`` compute ``s`` from them (output side first,
+    replaced with the chain). ``heads`` is H when the product runs on [B*H, ...] views (``bmm`` / ``baddbmm``,
+    :func:`_scores_3d`): ``bias`` (the ``baddbmm`` input, [B*H | 1, Lq | 1, Lk] or fewer dims) is then read as
+    [B, H, ...] (:func:`_split_heads_operand`)."""
+
+    q: fx.Node
+    k: fx.Node
+    nodes: list
+    alpha: float = 1.0
+    bias: Any = None
+    beta: float = 1.0
+    heads: Optional[int] = None
+
+
+def _scores_op(n: Any) -> Optional[Scores]:
+    """The scores ``n`` computes: ``matmul(q, k^T)`` (any spelling) or ``einsum("bhqd,bhkd->bhqk", q, k)`` of
+    two 4-D values, or a 3-D product of merged heads viewed back as [B, H, Lq, Lk] (:func:`_scores_3d`)."""
     qk = _einsum_4d(n, "scores")
     if qk is not None:
         tq, tk = _tensor(qk[0]), _tensor(qk[1])
-        return qk if tq is not None and tk is not None and tq.dim() == tk.dim() == 4 else None
-    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method") or n.target not in MATMUL:
+        return Scores(*qk, [n]) if tq is not None and tk is not None and tq.dim() == tk.dim() == 4 else None
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
         return None
-    if len(n.args) != 2 or n.kwargs:
+    if n.target in RESHAPE:
+        return _scores_3d(n)
+    if n.target not in MATMUL or len(n.args) != 2 or n.kwargs:
         return None
     q, kt = n.args
-    k = _transposed_last_two(kt) if isinstance(kt, fx.Node) else None
+    k = _transposed_last_two(kt)
     tq = _tensor(q)
     if k is None or tq is None or tq.dim() != 4:
         return None
-    return q, k
+    return Scores(q, k, [n])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or SymInts) are provably equal (adds no guard)."""
+    return bool(statically_known_true(a == b))
+
+
+def _reshape_of(n: Any, src_dim: int, dst_dim: int) -> Optional[tuple[fx.Node, Any, Any]]:
+    """(x, shape of x, shape of n) when ``n`` is a reshape (any spelling of the family: view, reshape,
+    flatten, unflatten, view_as ...; all keep the row-major element order) of an ``src_dim``-D ``x`` to
+    ``dst_dim`` dims."""
+    if not _call_in(n, RESHAPE) or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x = n.args[0]
+    tx, tn = _tensor(x), _tensor(n)
+    if tx is None or tn is None or tx.dim() != src_dim or tn.dim() != dst_dim:
+        return None
+    return x, tx.shape, tn.shape
+
+
+def _merged_heads(n: Any) -> Optional[fx.Node]:
+    """``x`` when ``n`` is a reshape of a 4-D ``x`` [B, H, L, D] to [B*H, L, D]. In row-major order that
+    shape merges exactly dims 0 and 1: element [b, h, l, d] lands at [b*H + h, l, d]."""
+    r = _reshape_of(n, 4, 3)
+    if r is None:
+        return None
+    x, sx, sn = r
+    return x if _same(sn[0], sx[0] * sx[1]) and _same(sn[1], sx[2]) and _same(sn[2], sx[3]) else None
+
+
+def _split_heads(n: Any) -> Optional[fx.Node]:
+    """``x`` when ``n`` is a reshape of a 3-D ``x`` [B*H, L, D] to [B, H, L, D], which splits exactly dim 0:
+    element [i, l, d] lands at [i // H, i % H, l, d] (the inverse of :func:`_merged_heads`)."""
+    r = _reshape_of(n, 3, 4)
+    if r is None:
+        return None
+    x, sx, sn = r
+    return x if _same(sx[0], sn[0] * sn[1]) and _same(sx[1], sn[2]) and _same(sx[2], sn[3]) else None
+
+
+def _merged_key(kt: Any) -> Optional[fx.Node]:
+    """``k`` [B, H, Lk, D] when ``kt`` is ``k^T`` on merged heads: ``merge(k).transpose(-2, -1)`` or
+    ``merge(k.transpose(-2, -1))`` (both [B*H, D, Lk] with ``kt[b*H + h] = k[b, h]^T``)."""
+    k3 = _transposed_last_two(kt, 3)
+    if k3 is not None:
+        return _merged_heads(k3)
+    return _transposed_last_two(_merged_heads(kt), 4)
+
+
+def _product_3d(n: Any) -> Optional[tuple[fx.Node, fx.Node, Any, Any, Any]]:
+    """(q, k, bias, beta, alpha) when ``n`` is ``bmm(q3, k3^T)`` (or ``matmul`` of the 3-D values) or
+    ``baddbmm(bias, q3, k3^T, beta=beta, alpha=alpha)`` with q3, k3 the merged-head views of 4-D q, k of the
+    same (B, H): ``n[b*H + h] = alpha * q[b, h] k[b, h]^T + beta * bias``. beta and alpha as written (numbers
+    or nodes); bias None for a bmm."""
+    if not _call_in(n, MATMUL + BMM + BADDBMM):
+        return None
+    a, kw = list(n.args), n.kwargs
+    if n.target in BADDBMM:
+        names = ("input", "batch1", "batch2")
+        ops = [a[i] if i < len(a) else kw.get(names[i]) for i in range(3)]
+        if len(a) > 3 or set(kw) - {*names, "beta", "alpha"}:
+            return None
+        bias, q3, kt3 = ops
+        beta, alpha = kw.get("beta", 1), kw.get("alpha", 1)
+    elif len(a) == 2 and not kw:
+        (q3, kt3), bias, beta, alpha = a, None, 1, 1
+    else:
+        return None
+    q, k = _merged_heads(q3), _merged_key(kt3)
+    tq, tk = _tensor(q), _tensor(k)
+    if q is None or k is None or tq is None or tk is None or not (_same(tq.shape[0], tk.shape[0])
+                                                                 and _same(tq.shape[1], tk.shape[1])):
+        return None
+    return q, k, bias, beta, alpha
+
+
+def _scores_3d(n: fx.Node) -> Optional[Scores]:
+    """The scores of a 3-D attention (HF BLOOM): ``n`` = ``s3.view(B, H, Lq, Lk)`` splitting dim 0 of
+    ``s3 = _product_3d(...)`` into the (B, H) of q and k, with a number ``alpha`` and ``beta`` and a static head
+    count H; then ``n[b, h] = s3[b*H + h] = alpha * q[b, h] k[b, h]^T + beta * bias[b*H + h]``. ``beta = 0``
+    ignores the bias (torch does not read it then)."""
+    s3 = _split_heads(n)
+    prod = _product_3d(s3)
+    if prod is None:
+        return None
+    q, k, bias, beta, alpha = prod
+    tq, tn = _tensor(q), _tensor(n)
+    if _number(beta) is None or _number(alpha) is None or not isinstance(tq.shape[1], int) \
+            or not (_same(tn.shape[0], tq.shape[0]) and _same(tn.shape[1], tq.shape[1])):
+        return None
+    if _number(beta) == 0:
+        bias = None
+    return Scores(q, k, [n, s3], _number(alpha), bias, _number(beta), int(tq.shape[1]))
 
 
 def _refuse(sm: fx.Node, at: fx.Node, why: str):
@@ -309,7 +440,7 @@ def _refuse(sm: fx.Node, at: fx.Node, why: str):
 
 
 def _looks_like_attention(start: Any) -> bool:
-    """A q @ k^T matmul within a few nodes upstream of ``start`` (so an unmatched softmax is an attention
+    """A q @ k^T matmul (4-D, or a 3-D product of merged heads) within a few nodes upstream of ``start`` (so an unmatched softmax is an attention
     we cannot canonicalise, not an unrelated softmax such as a router's)."""
     frontier = [start]
     for _ in range(_SEARCH_DEPTH):
@@ -317,7 +448,7 @@ def _looks_like_attention(start: Any) -> bool:
         for n in frontier:
             if not isinstance(n, fx.Node):
                 continue
-            if _scores_matmul(n) is not None:
+            if _scores_op(n) is not None or _product_3d(n) is not None:
                 return True
             nxt.extend(n.all_input_nodes)
         frontier = nxt
@@ -331,7 +462,8 @@ def _op_name(n: fx.Node) -> str:
 
 def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     """The eager chain around softmax ``sm`` (module docstring), None when ``sm`` is not an attention's
-    softmax; raises CannotReplay when it is one but the chain is not exactly that math."""
+    softmax; raises CannotReplay when it is one but the chain is not exactly that math. Walks back from the
+    softmax (sinks, mask and scale steps, soft-cap, scale, scores), then forward (probabilities, output)."""
     x, dim, dtype = _softmax_args(sm)
     if not isinstance(x, fx.Node) or _tensor(x) is None:
         return None
@@ -340,19 +472,47 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     sinks, x = _match_sinks(sm, x, dim)
     if not _looks_like_attention(x):
         return None
+    _check_softmax_dim(sm, x, dim)
+    dead = [sm]
+    masks, post, cur = _match_mask_steps(sm, x, dead)
+    softcap, cur = _match_softcap(cur, dead)
+    if softcap and post != 1.0:
+        _refuse(sm, x, "a scale between the soft-capped scores and the softmax")
+    scale, cur = _match_scores_scale(cur, dead)
+    scale = _with_post_scale(sm, x, scale, post)
+    sc = _scores_op(cur)
+    if sc is None:
+        _refuse_scores(sm, cur)
+    dead.extend(sc.nodes)
+    scale = _fold_scores_op(sm, x, scale, sc, masks)
+    _check_scores(sm, x, cur, sc, masks, dtype)
+    probs, p, training = _match_probabilities(sm, sinks, sc, dead)
+    out, v, merged_out = _match_output(sm, probs, sc, dead)
+    return EagerChain(sc.q, sc.k, v, scale, masks, p, training, out, dead, softcap, sinks, sc.heads, merged_out)
+
+
+def _check_softmax_dim(sm: fx.Node, x: fx.Node, dim: Any) -> None:
+    """The softmax runs over the key dim (3) of 4-D scores."""
     scores_t = _tensor(x)
+    if scores_t.dim() == 3:
+        _refuse(sm, sm, "softmax of [B*H, Lq, Lk] scores (a 3-D attention must view its scores as "
+                "[B, H, Lq, Lk] before the mask and the softmax)")
     if scores_t.dim() != 4 or dim is None or normalize_dim(dim, scores_t.dim()) != 3:
         _refuse(sm, sm, f"softmax over dim {dim} of a {scores_t.dim()}-D value, not the key dim")
-    dead = [sm]
-    # backward: mask steps (additive masks, masked_fill / where with a large negative value) and numeric
-    # scales in any order -> [soft-cap] -> [scale] -> scores (matmul(q, k^T) or einsum)
+
+
+def _match_mask_steps(sm: fx.Node, x: fx.Node, dead: list) -> tuple[list, float, Any]:
+    """(masks, post, node) walking back from the softmax input ``x`` over mask steps (additive masks,
+    masked_fill / where with a large negative value) and numeric scales in any order: each mask step with
+    the product of the scales between it and the softmax; ``post`` the product of all of them; ``node`` the
+    first node that is neither (a soft-cap, the scale, the scores)."""
     masks: list[tuple] = []  # ("add", M, post) | ("fill", C, v, post) | ("keep", C, v, post)
-    post = 1.0  # product of the numeric scales between a mask step and the softmax
+    post = 1.0
     cur = x
     while True:
         step = _mask_or_scale_step(sm, cur)
         if step is None:
-            break
+            return masks, post, cur
         kind, payload, nxt = step
         if kind == "scale":
             post *= payload
@@ -360,38 +520,62 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
             masks.append((kind, *payload, post))
         dead.append(cur)
         cur = nxt
-    softcap, cur = _match_softcap(cur, dead)
-    if softcap and post != 1.0:
-        _refuse(sm, x, "a scale between the soft-capped scores and the softmax")
-    scale: Any = 1.0
+
+
+def _match_scores_scale(cur: Any, dead: list) -> tuple[Any, Any]:
+    """(c, scores) for ``scores * c`` / ``c * scores`` / ``scores / c`` (``("div", c)``) with ``c`` a number
+    or a scalar node, directly on the scores; (1.0, cur) without one."""
     if _call_in(cur, MUL + DIV) and len(cur.args) == 2 and not cur.kwargs:
         a, b = cur.args
-        if _scores_matmul(a) is not None and _is_scalar(b):
-            scale = ("div", b) if cur.target in DIV else b
+        if _scores_op(a) is not None and _is_scalar(b):
             dead.append(cur)
-            cur = a
-        elif cur.target in MUL and _scores_matmul(b) is not None and _is_scalar(a):
-            scale = a
+            return (("div", b) if cur.target in DIV else b), a
+        if cur.target in MUL and _scores_op(b) is not None and _is_scalar(a):
             dead.append(cur)
-            cur = b
-    if post != 1.0:
-        if isinstance(scale, fx.Node) or (isinstance(scale, tuple) and isinstance(scale[1], fx.Node)):
-            _refuse(sm, x, "a scale read from an input combined with another scale of the scores")
-        scale = post * (1.0 / scale[1] if isinstance(scale, tuple) else scale)
-    qk = _scores_matmul(cur)
-    if qk is None:
-        path = _path_to_scores(cur)
-        capped = " (logit soft-capping)" if "tanh" in path else ""
-        if any(p in ("cat", "concat", "concatenate") for p in path):
-            _refuse(sm, cur, f"`{' <- '.join(path)}`: logits concatenated to the scores before the softmax "
-                    "in a form that is not an attention sink (one [H] logit per head joined on the key dim, "
-                    "dropped after the softmax)")
-        _refuse(sm, cur, f"`{' <- '.join(path)}` between the scores matmul and the softmax{capped} "
-                "is not supported")
-    q, k = qk
-    dead.append(cur)
-    # shapes and dtypes
-    tq, tk, ts = _tensor(q), _tensor(k), _tensor(cur)
+            return a, b
+    return 1.0, cur
+
+
+def _with_post_scale(sm: fx.Node, x: fx.Node, scale: Any, post: float) -> Any:
+    """The scale of ``q k^T`` with the numeric scales between the masks and the softmax folded in (then a
+    number: ``post * c``, or ``post / c``)."""
+    if post == 1.0:
+        return scale
+    if isinstance(scale, fx.Node) or (isinstance(scale, tuple) and isinstance(scale[1], fx.Node)):
+        _refuse(sm, x, "a scale read from an input combined with another scale of the scores")
+    return post * (1.0 / scale[1] if isinstance(scale, tuple) else scale)
+
+
+def _fold_scores_op(sm: fx.Node, x: fx.Node, scale: Any, sc: Scores, masks: list) -> Any:
+    """The SDPA scale once the scores op's own factors are in: ``c * (alpha * q k^T + beta * bias)`` is
+    ``(c * alpha) * q k^T`` plus the bias step ``("bias", bias, H, c * beta)`` (a ``baddbmm``'s input, read
+    as [B, H, ...] by :func:`_canonical_mask`)."""
+    if sc.alpha == 1.0 and sc.bias is None:
+        return scale
+    if isinstance(scale, fx.Node) or (isinstance(scale, tuple) and isinstance(scale[1], fx.Node)):
+        _refuse(sm, x, "a scale read from an input on baddbmm scores")
+    c = 1.0 / scale[1] if isinstance(scale, tuple) else scale
+    if sc.bias is not None:
+        masks.append(("bias", sc.bias, sc.heads, c * sc.beta))
+    return c * sc.alpha
+
+
+def _refuse_scores(sm: fx.Node, cur: Any):
+    """Refuse a chain whose scores are not a q @ k^T product, naming the ops on the way."""
+    path = _path_to_scores(cur)
+    capped = " (logit soft-capping)" if "tanh" in path else ""
+    if any(p in ("cat", "concat", "concatenate") for p in path):
+        _refuse(sm, cur, f"`{' <- '.join(path)}`: logits concatenated to the scores before the softmax "
+                "in a form that is not an attention sink (one [H] logit per head joined on the key dim, "
+                "dropped after the softmax)")
+    _refuse(sm, cur, f"`{' <- '.join(path)}` between the scores matmul and the softmax{capped} "
+            "is not supported")
+
+
+def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list, dtype: Any) -> None:
+    """Shapes and dtypes: the masks do not enlarge the scores and are float of the scores' dtype, q and k
+    have the same heads, and the softmax runs in the scores' precision or higher."""
+    tq, tk, ts = _tensor(sc.q), _tensor(sc.k), _tensor(cur)
     if tuple(_tensor(x).shape) != tuple(ts.shape):
         _refuse(sm, x, "the attention mask enlarges the scores")
     _check_mask_steps(sm, x, masks)
@@ -410,7 +594,13 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
         _refuse(sm, sm, f"the softmax of {sd} scores is computed in {sm_dtype}: the original rounds the "
                 f"probabilities to {sm_dtype} (and overflows a lowest-{sd} mask value to -inf), which tree "
                 f"attention in {sd} does not reproduce; use {sd} throughout or attn_implementation='sdpa'")
-    # forward: [drop the sink column] -> [cast] and [dropout] in either order -> matmul(probs, v)
+
+
+def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead: list) -> tuple[fx.Node, Any, Any]:
+    """(probs, dropout p, training) walking forward from the softmax: [drop the sink column] -> [cast to
+    the query's dtype] and [dropout] in either order -> for a 3-D attention the merged-heads view
+    [B*H, Lq, Lk] of the probabilities. ``probs`` is the last node of that walk (the product's operand)."""
+    tq = _tensor(sc.q)
     cur = sm
     nxt = _only_user(cur)
     if sinks is not None:
@@ -432,17 +622,44 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
             if nxt.kwargs.get("inplace", nxt.args[3] if len(nxt.args) > 3 else False):
                 _refuse(sm, nxt, "in-place dropout of the probabilities")
             seen_dropout = True
+        elif sc.heads is not None and _merged_heads(nxt) is cur:
+            dead.insert(0, nxt)  # [B*H, Lq, Lk]: the operand of the bmm with the values
+            return nxt, p, training
         else:
             break
         dead.insert(0, nxt)
         cur, nxt = nxt, _only_user(nxt)
     if nxt is None:
         _refuse(sm, cur, "the attention probabilities have other users (output_attentions=True?)")
-    pv = _einsum_4d(nxt, "output")
-    if pv is None and (nxt.target not in MATMUL or len(nxt.args) != 2 or nxt.kwargs):
-        _refuse(sm, nxt, f"the probabilities go to `{_op_name(nxt)}`, not to a matmul with the values")
-    p_, v = pv if pv is not None else nxt.args
-    if p_ is not cur:
+    if sc.heads is not None:
+        _refuse(sm, nxt, f"the probabilities of a 3-D attention go to `{_op_name(nxt)}`, not to a view merging "
+                "(B, H) for the bmm with the values")
+    return cur, p, training
+
+
+def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list) -> tuple[fx.Node, fx.Node, bool]:
+    """(out, v, merged) for the product of the probabilities with the values: ``matmul(p, v)`` /
+    ``einsum("bhqk,bhkd->bhqd", p, v)`` of a 4-D ``v``; for a 3-D attention ``bmm(p3, v3)`` with ``v3`` the
+    merged-heads view of a 4-D ``v`` of q's (B, H), and ``out`` the view of its result back to [B, H, Lq, D]
+    when that is its only user (``merged`` False), else the [B*H, Lq, D] product itself (``merged`` True: the
+    SDPA output is flattened for its users). Checks that no chain node has another user."""
+    tq, tk = _tensor(sc.q), _tensor(sc.k)
+    nxt = _only_user(probs)
+    if nxt is None:
+        _refuse(sm, probs, "the attention probabilities have other users (output_attentions=True?)")
+    if sc.heads is not None:
+        pv = (nxt.args[0], _merged_heads(nxt.args[1])) if _call_in(nxt, MATMUL + BMM) and len(nxt.args) == 2 \
+            and not nxt.kwargs else None
+        if pv is None or pv[1] is None:
+            _refuse(sm, nxt, f"the probabilities of a 3-D attention go to `{_op_name(nxt)}`, not to a bmm with "
+                    "the merged-heads view [B*H, Lk, D] of the values")
+    else:
+        pv = _einsum_4d(nxt, "output")
+        if pv is None and (nxt.target not in MATMUL or len(nxt.args) != 2 or nxt.kwargs):
+            _refuse(sm, nxt, f"the probabilities go to `{_op_name(nxt)}`, not to a matmul with the values")
+        pv = pv if pv is not None else nxt.args
+    p_, v = pv
+    if p_ is not probs:
         _refuse(sm, nxt, "the probabilities are not the first operand of the matmul with the values")
     tv = _tensor(v)
     if tv is None or tv.dim() != 4 or tv.shape[:2] != tq.shape[:2] or tv.shape[2] != tk.shape[2]:
@@ -450,10 +667,16 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     for n in dead:
         if len(n.users) != 1:
             _refuse(sm, n, f"the intermediate `{n.name}` has other users (attention weights returned?)")
-    if _tensor(cur).dtype != tq.dtype:
-        _refuse(sm, cur, f"the probabilities are {_tensor(cur).dtype}, the query is {tq.dtype}")
+    if _tensor(probs).dtype != tq.dtype:
+        _refuse(sm, probs, f"the probabilities are {_tensor(probs).dtype}, the query is {tq.dtype}")
     dead.insert(0, nxt)
-    return EagerChain(q, k, v, scale, masks, p, training, nxt, dead, softcap, sinks)
+    if sc.heads is None:
+        return nxt, v, False
+    user = _only_user(nxt)
+    if user is not None and _split_heads(user) is nxt and tuple(_tensor(user).shape[:2]) == tuple(tq.shape[:2]):
+        dead.insert(0, user)
+        return user, v, False
+    return nxt, v, True
 
 
 MAX = (torch.max, "max", torch.amax, "amax")
@@ -572,7 +795,7 @@ def _mask_or_scale_step(sm: fx.Node, cur: Any):
         s, c = a
         if cur.target in MUL and _number(s) is not None:
             s, c = c, s
-        if _number(c) is None or not _looks_like_attention(s) or _scores_matmul(s) is not None \
+        if _number(c) is None or not _looks_like_attention(s) or _scores_op(s) is not None \
                 or _call_in(s, TANH):
             return None  # a scale directly on the scores (or a soft-cap's factor) is matched by the caller
         return "scale", (1.0 / _number(c) if cur.target in DIV else _number(c)), s
@@ -604,7 +827,7 @@ def _check_mask_steps(sm: fx.Node, x: fx.Node, masks: list) -> None:
         kind, post = m[0], m[-1]
         if post <= 0:
             _refuse(sm, x, f"an attention mask followed by a non-positive scale {post}")
-        if kind == "add":
+        if kind in ("add", "bias"):
             continue
         C, v = m[1], m[2]
         tc = _tensor(C)
@@ -679,7 +902,7 @@ def _call_in(n: Any, targets) -> bool:
 def _path_to_scores(n: fx.Node) -> list[str]:
     """Op names from ``n`` back to the scores matmul, following the input that leads there."""
     names = []
-    while isinstance(n, fx.Node) and _scores_matmul(n) is None and len(names) < _SEARCH_DEPTH:
+    while isinstance(n, fx.Node) and _scores_op(n) is None and len(names) < _SEARCH_DEPTH:
         names.append(_op_name(n))
         n = next((a for a in n.all_input_nodes if _looks_like_attention(a)), None)
     return names + ["q @ k^T"]
@@ -713,7 +936,12 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> lis
     if ch.softcap:
         node.meta["br_softcap"] = ch.softcap
     chain = " -> ".join(n.name for n in reversed(ch.dead))
-    ch.out.replace_all_uses_with(node)
+    result = node
+    if ch.merged_out:  # the users read the [B*H, Lq, D] product: the [B, H, Lq, D] output with (B, H) merged
+        node.meta["example_value"] = example_value(ch.out).unflatten(0, (-1, ch.heads))
+        with graph.inserting_after(node):
+            result = _call(graph, "flatten", (node, 0, 1))
+    ch.out.replace_all_uses_with(result)
     for n in ch.dead:
         if not n.users:
             graph.erase_node(n)
@@ -735,8 +963,9 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
     dtype = _tensor(ch.out).dtype
     parts = []
     for kind, *rest in ch.masks:
-        if kind == "add":
-            M, post = rest
+        if kind in ("add", "bias"):
+            M, post = (rest[0], rest[-1]) if kind == "add" else (_split_heads_operand(graph, rest[0], rest[1]),
+                                                                 rest[-1])
             m = M if post == 1.0 else _call(graph, operator.mul, (M, post))
             if not _per_head(M):  # a per-head operand is a bias (ALiBi): kept as is for the classification
                 m = _call(graph, "masked_fill", (m, _call(graph, operator.le, (m, BLOCKING)), float("-inf")))
@@ -750,6 +979,17 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
     for m in parts[1:]:
         total = _call(graph, operator.add, (total, m))
     return total
+
+
+def _split_heads_operand(graph: fx.Graph, M: Any, heads: int) -> Any:
+    """A ``baddbmm`` input ``M`` of a 3-D attention (broadcast to the [B*H, Lq, Lk] scores) as an operand of
+    the [B, H, Lq, Lk] scores: a dim 0 of extent B*H split into (B, H) (``M.unflatten(0, (-1, H))``: row
+    b*H + h is [b, h], as :func:`_split_heads` reads the scores); a dim 0 of extent 1, or fewer than 3 dims,
+    broadcasts over (B, H) as it is."""
+    t = _tensor(M)
+    if t is None or t.dim() < 3 or _same(t.shape[0], 1):
+        return M
+    return _call(graph, "unflatten", (M, 0, (-1, heads)))
 
 
 def _per_head(M: Any) -> bool:

@@ -23,8 +23,11 @@ of n elements (a permutation of ``0..n-1``, so every element of ``inv`` is writt
 
 A fresh buffer filled by writes into slices of it that tile it along one dim (DeepSeek MLA's
 ``k = new_empty(...); k[..., :a].copy_(k_nope); k[..., a:].copy_(k_rot)``) becomes ``cat`` of the sources.
-Anything else stays a write (``x[i] = v``, writes into inputs, views or aliased values), and the analysis
-refuses it where it touches a token value. The pass works on a copy; the user's graph is not changed.
+An indexed write ``x[index] = v`` into a fresh, unaliased ``x`` becomes ``x.masked_fill(mask, v)`` for a bool
+mask of x's shape and a number (Gemma3's ``ids = input_ids.clone(); ids[image_mask] = 0``), or ``cat`` of x's
+untouched slices and ``v`` for one int or static slice along one dim (a chunked scan's ``out[:, :, i] =
+chunk``; ``_setitem_out_of_place``). Anything else stays a write (other indices, writes into inputs, views
+or aliased values), and the analysis refuses it where it touches a token value. The pass works on a copy; the user's graph is not changed.
 """
 from __future__ import annotations
 
@@ -63,6 +66,9 @@ ALLOCATING_FUNCTIONS = {
     torch.empty_like, torch.full_like, torch.arange, torch.masked_fill, torch.pow, torch.abs,
     F.linear, torch._C._nn.linear, F.softmax, F.log_softmax, F.silu, F.gelu, F.relu, F.embedding,
     F.layer_norm, F.one_hot, torch.gather, torch.index_select, torch.take_along_dim, F.sigmoid, F.softplus,
+    # comparisons: a new bool tensor (``x[x == v] = 0`` reads x into the mask before the write)
+    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+    torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
 }
 
 #: call_method names whose result is always a new tensor.
@@ -71,6 +77,7 @@ ALLOCATING_METHODS = {
     "log_softmax", "sum", "mean", "cumsum", "clone", "masked_fill", "new_zeros", "new_ones", "new_empty",
     "new_full", "abs", "gather", "index_select", "take_along_dim", "__add__", "__sub__", "__mul__",
     "__truediv__", "__radd__", "__rmul__", "__rsub__", "__neg__", "__matmul__",
+    "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
 }
 
 #: Ops returning a tuple of new tensors (read through ``getitem``).
@@ -161,6 +168,12 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
             made.add(inv)
             continue
         x = n.args[0] if n.args else None
+        if n.op == "call_function" and n.target is operator.setitem:
+            if (_is_fresh(x) or x in made) and _no_alias_before(x, n, order):
+                new = _setitem_out_of_place(n)
+                if new is not None:
+                    made.add(new)
+            continue
         twin = _out_of_place(n)
         if twin is None or not (_is_fresh(x) or x in made) or not _keeps_dtype(twin, x) or not _no_alias_before(x, n, order):
             continue
@@ -257,6 +270,105 @@ def _cat_of_tiles(graph: fx.Graph, base: fx.Node, dim: int, tiles: list) -> fx.N
     if not base.users:
         graph.erase_node(base)
     return cat
+
+
+def _setitem_out_of_place(n: fx.Node) -> Optional[fx.Node]:
+    """``x[index] = v`` into a fresh, unaliased ``x`` (checked by the caller), made out of place for two index
+    forms; the new node, read wherever ``x`` is read after the write, or None (the write stays):
+
+    * a boolean mask of ``x``'s shape and a Python number (Gemma3's ``ids = input_ids.clone();
+      ids[image_mask] = 0``): ``x.masked_fill(mask, v)`` — the same elements, cast to ``x``'s dtype alike;
+    * one int or one static slice along one dim, every other dim whole (``out[:, :, 0] = chunk``), and ``v``
+      a tensor of the written view's shape and ``x``'s dtype: ``cat([x[.., :a, ..], v', x[.., b:, ..]], dim)``
+      with ``v' = v`` (``v.unsqueeze(dim)`` for an int) — the copy as a concatenation, element for element;
+      a number ``v`` fills ``full_like(x[.., a:b, ..], v)`` instead (the same cast as the write's).
+
+    In both, the gradient reaching ``x`` is zero at the written elements and ``v`` receives the view's: the
+    write's own gradients."""
+    if len(n.args) != 3 or n.kwargs:
+        return None
+    x, index, v = n.args
+    xv, iv, vv = example_value(x), example_value(index), example_value(v)
+    number = type(v) in (int, float, bool)
+    if not isinstance(xv, torch.Tensor) or not (number or isinstance(vv, torch.Tensor)):
+        return None
+    graph = n.graph
+    if isinstance(index, fx.Node):
+        if not (isinstance(iv, torch.Tensor) and iv.dtype is torch.bool and tuple(iv.shape) == tuple(xv.shape)
+                and number):
+            return None
+        with graph.inserting_after(n):
+            new = _with_value(graph.call_method("masked_fill", (x, index, v)), xv)
+        return _reads_after_write(n, x, new, {new})
+    cut = _index_along(index, xv.dim())
+    if cut is None:
+        return None
+    d, a, b, is_int = cut
+    size = xv.shape[d]
+    b = size if b is None else b
+    if not all(isinstance(k, int) for k in (size, a, b)) or not 0 <= a <= b <= size:
+        return None
+    written = list(xv.shape[:d]) + ([] if is_int else [b - a]) + list(xv.shape[d + 1:])
+    if not number and (tuple(vv.shape) != tuple(written) or vv.dtype != xv.dtype):
+        return None
+    created = []
+
+    def make(target, args, kwargs=None, method=False):
+        node = (graph.call_method if method else graph.call_function)(target, args, kwargs or {})
+        created.append(_with_value(node, xv))
+        return node
+
+    whole = (slice(None),) * d
+    with graph.inserting_before(n.next):  # in order, right after the write
+        if number:
+            mid = make(torch.full_like, (make(operator.getitem, (x, whole + (slice(a, b),))), v))
+        else:
+            mid = make("unsqueeze", (v, d), method=True) if is_int else v
+        parts = [make(operator.getitem, (x, whole + (slice(0, a),))), mid,
+                 make(operator.getitem, (x, whole + (slice(b, None),)))]
+        new = make(torch.cat, (parts,), {"dim": d})
+    return _reads_after_write(n, x, new, set(created))
+
+
+def _with_value(node: fx.Node, like: torch.Tensor) -> fx.Node:
+    """``node`` with its example value (the rules read shapes from it), computed on its arguments' example
+    values in ``like``'s fake mode; left unset if that fails (the rules then treat the shape as unknown)."""
+    mode = getattr(like, "fake_mode", None)
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            if node.op == "call_method":
+                val = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                val = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (a value the fake mode cannot compute: no example value)
+        return node
+    node.meta["example_value"] = val
+    return node
+
+
+def _index_along(index: Any, ndim: int) -> Optional[tuple[int, int, Optional[int], bool]]:
+    """(dim, start, stop, is_int) when ``index`` is one non-negative int or one static step-1 slice along one
+    dim and whole slices (or an Ellipsis) elsewhere (``x[:, :, 0]``, ``x[..., 2:5]``); None otherwise."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if not all(i is Ellipsis or isinstance(i, slice) or (type(i) is int and i >= 0) for i in idx):
+        return None
+    cut = _slice_along(tuple(slice(i, i + 1) if type(i) is int else i for i in idx), ndim)
+    if cut is None:
+        return None
+    d, a, b = cut
+    return (d, a, a + 1, True) if any(type(i) is int for i in idx) else (d, a, b, False)
+
+
+def _reads_after_write(n: fx.Node, x: fx.Node, new: fx.Node, created: set) -> fx.Node:
+    """Readers of ``x`` after the write ``n`` read ``new`` instead; ``n`` is erased."""
+    graph = n.graph
+    order = {m: i for i, m in enumerate(graph.nodes)}
+    for u in list(x.users):
+        if u is not n and u not in created and order[u] > order[n]:
+            u.replace_input_with(x, new)
+    graph.erase_node(n)
+    return new
 
 
 def _is_permutation(p: Any) -> bool:

@@ -35,9 +35,9 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from brcompile.backends import scan as scan_ops
+from brcompile.backends import scan as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
 from brcompile.passes.axes import (
-    DENSE, AxesContext, CannotReplay, Window, dense_fallback, example_value, get_axes, normalize_dim,
+    AxesContext, CannotReplay, Window, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,
 )
 from brcompile.passes.rules import reduce

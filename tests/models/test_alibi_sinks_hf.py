@@ -5,7 +5,10 @@ MPT adds a per-head ALiBi table to the scores and casts them with ``.float()``: 
 would round to float32, which tree attention does not reproduce), held to the float32 bound. GPT-OSS joins one
 learned sink logit per head to the softmax; its mixture-of-experts MLP updates a value in place (refused by
 the analysis, not by the attention), so the test swaps it for a dense MLP to check the attention as HF writes
-it; its float32 RMSNorm keeps it at the float32 bound.
+it; its float32 RMSNorm keeps it at the float32 bound. BLOOM computes attention on [B*H, L, D] views
+(``alibi.baddbmm(q3, k3^T)``, ``bmm(probs3, v3)``) with its ALiBi counted over the attention mask (``cumsum - 1``)
+and a float32 softmax (float32, like MPT); its GELU is a custom autograd Function (no token-axis rule), swapped for
+the same math in plain ops.
 """
 import pytest
 import torch
@@ -88,3 +91,20 @@ def test_gpt_oss_sinks_replay():
             layer.self_attn.sinks.normal_()
             layer.mlp = _DenseMLP(32)
     _check(m, lambda r: "sinks_)" in r.packed_code and any("window(4)" in x for x in r.masks))
+
+
+class _BloomGelu(torch.nn.Module):
+    """BLOOM's tanh GELU in plain ops (HF's ``BloomGelu`` wraps the same forward in an autograd Function)."""
+
+    def forward(self, x):
+        return transformers.models.bloom.modeling_bloom.bloom_gelu_forward(x)
+
+
+def test_bloom_3d_alibi_replays():
+    cfg = transformers.AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    for block in m.transformer.h:
+        block.mlp.gelu_impl = _BloomGelu()
+    _check(m, lambda r: all("+alibi(" in x for x in r.masks) and "count" in " ".join(r.masks)
+           and "[0.25, 0.0625, 0.015625, 0.00390625]" in r.packed_code)

@@ -62,3 +62,11 @@ def test_polar_rotary_of_positions():
     for every N (passes/check.py). The model's grouped-mm experts run in float32 only: float32 bound."""
     backend = replay_arch("deepseek_v2", torch.float32)
     assert "polar" not in backend.records[0].packed_code and "view_as_complex" in backend.records[0].packed_code
+
+
+def test_setitem_of_a_mask_into_cloned_ids():
+    """Gemma3's multimodal LM: ``llm_input_ids = input_ids.clone(); llm_input_ids[image_mask] = 0`` becomes
+    ``masked_fill`` (passes/functionalize.py), so the ids stay token values. HF's Gemma RMSNorm computes in
+    float32: gradients at the float32 bound (test_hf.py)."""
+    backend = replay_arch("gemma3", torch.float64, grad_dtype=torch.float32)
+    assert "setitem" not in backend.records[0].packed_code

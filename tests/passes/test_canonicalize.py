@@ -81,3 +81,34 @@ def test_einsum_scores_and_output():
     canon = canonicalize(gm, inputs)
     (sdpa,) = [n for n in canon.gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
     assert sdpa.kwargs["scale"] == 1.0 and sdpa.kwargs["attn_mask"] is None
+
+
+def attn_3d(q, bias, out_3d=False, softmax_3d=False):
+    """BLOOM's spelling: ``bias.baddbmm(q3, k3^T, beta, alpha)`` on [B*H, L, D] views, viewed as [B, H, L, L] for
+    the softmax, back to [B*H, L, L] for ``bmm`` with the values."""
+    B, H, L, D = q.shape
+    q3, v3 = q.reshape(B * H, L, D), (2 * q).reshape(B * H, L, D)
+    k3t = (q + 1).reshape(B * H, L, D).transpose(-1, -2)
+    s3 = bias.baddbmm(batch1=q3, batch2=k3t, beta=2.0, alpha=0.5)
+    if softmax_3d:
+        return torch.bmm(s3.softmax(-1), v3)
+    p = F.softmax(s3.view(B, H, L, -1), dim=-1)
+    o3 = torch.bmm(p.view(B * H, L, -1), v3)
+    return o3 * 3 if out_3d else o3.view(B, H, L, D).transpose(1, 2)
+
+
+@pytest.mark.parametrize("out_3d", [False, True])
+def test_baddbmm_3d_attention_becomes_sdpa(out_3d):
+    bias = torch.randn(4, 1, 5, dtype=torch.float64)
+    gm, inputs = capture(lambda q, b: attn_3d(q, b, out_3d), Q, bias)
+    canon = canonicalize(gm, inputs)
+    (sdpa,) = [n for n in canon.gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
+    assert sdpa.kwargs["scale"] == 0.5 and sdpa.kwargs["attn_mask"] is not None
+    assert not [n for n in canon.gm.graph.nodes if is_op(n, "bmm") or is_op(n, "baddbmm")]
+    torch.testing.assert_close(canon.gm(*inputs)[0], gm(*inputs)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_3d_softmax_is_refused_by_name():
+    gm, inputs = capture(lambda q, b: attn_3d(q, b, softmax_3d=True), Q, torch.randn(4, 1, 5, dtype=torch.float64))
+    with pytest.raises(CannotReplay, match=r"softmax of \[B\*H, Lq, Lk\] scores"):
+        canonicalize(gm, inputs)

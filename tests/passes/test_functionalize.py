@@ -57,6 +57,40 @@ def gap_in_tiles(h):
     return k[..., : h.shape[1]] + 1
 
 
+def masked_ids(ids):
+    """Gemma3: ``ids = input_ids.clone(); ids[image_mask] = 0`` (a bool mask of the value's shape)."""
+    x = ids.clone()
+    x[ids == 3] = 0
+    return x * 2
+
+
+def chunk_writes(h):
+    """A chunked scan's output buffer: rows written by int and slice indices, then a number into a slice."""
+    out = torch.zeros_like(h)
+    out[:, 0] = h[:, 1] * 2
+    out[:, 2:4] = h[:, :2] + 1
+    out[1:3] = 0.5
+    return out * 3
+
+
+def mask_of_rows(h):
+    x = h * 2
+    x[h[:, 0] > 0] = 1.0  # a mask of the leading dim only
+    return x
+
+
+def negative_index(h):
+    x = h * 2
+    x[:, -1] = h[:, 0]
+    return x
+
+
+def broadcast_value(h):
+    x = h * 2
+    x[:, 1] = h[0, 0]  # a 0-d value broadcast over the column
+    return x
+
+
 def into_input(h):
     h.mul_(2)
     return h + 1
@@ -87,7 +121,8 @@ H = torch.randn(5, 4)
 
 @pytest.mark.parametrize("fn, args", [(router, (H, torch.randn(4, 3))),
                                       (accumulate, (H, torch.tensor([1, 0, 4, 4, 2]))),
-                                      (mla_keys, (H,))])
+                                      (mla_keys, (H,)), (masked_ids, (torch.randint(0, 5, (3, 6)),)),
+                                      (chunk_writes, (H,))])
 def test_writes_into_fresh_values_become_pure(fn, args):
     gm = capture(fn, *args)
     assert writes(gm)
@@ -100,8 +135,10 @@ def test_writes_into_fresh_values_become_pure(fn, args):
 
 @pytest.mark.parametrize("fn, args", [(into_input, (H.clone(),)), (into_view, (H,)), (aliased_before, (H,)),
                                       (gap_in_tiles, (H,)),
-                                      (promoting, (H, torch.ones(4, dtype=torch.float64)))],
-                         ids=["input", "view", "aliased", "gap_in_tiles", "promoting"])
+                                      (promoting, (H, torch.ones(4, dtype=torch.float64))),
+                                      (mask_of_rows, (H,)), (negative_index, (H,)), (broadcast_value, (H,))],
+                         ids=["input", "view", "aliased", "gap_in_tiles", "promoting", "mask_of_rows",
+                              "negative_index", "broadcast_value"])
 def test_other_writes_stay(fn, args):
     gm = capture(fn, *[a.clone() for a in args])
     before = writes(gm)

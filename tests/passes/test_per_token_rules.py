@@ -1,7 +1,8 @@
 """Per-token rules end to end (float64, loss and every gradient vs eager, the call replayed with fewer
 executed tokens): ``polar`` of position-only frequencies (a complex rotary table), one constant array index
 on a feature dim (Falcon's fused ``qkv[..., [-2], :]``), ``scatter`` along a non-token dim (a router's
-per-token mask), and GPT-2's ``addmm`` over flattened tokens."""
+per-token mask), GPT-2's ``addmm`` over flattened tokens, and ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh
+values (passes/functionalize.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,9 @@ class Block(torch.nn.Module):
 
     def forward(self, ids):
         B, L = ids.shape
+        if self.variant == "setitem":  # Gemma3's ids = input_ids.clone(); ids[image_mask] = 0
+            ids = ids.clone()
+            ids[ids == 3] = 0
         h = self.emb(ids)
         if self.variant == "addmm":  # GPT-2's Conv1D
             qkv = torch.addmm(self.bias, h.view(-1, D), self.qkv).view(B, L, 3 * D)
@@ -70,11 +74,16 @@ class Block(torch.nn.Module):
         if self.variant == "scatter":  # keep each token's top-2 features (a router's per-token mask)
             keep = torch.zeros_like(o).scatter(-1, o.topk(2, dim=-1)[1], 1.0)
             o = o * keep
+        if self.variant == "setitem":  # a buffer written by slices (functionalised to cat)
+            out = torch.zeros_like(o)
+            out[..., : D // 2] = o[..., D // 2:] * 2
+            out[..., D // 2:] = o[..., : D // 2]
+            o = out
         return o.square().sum()
 
 
 @pytest.mark.parametrize("variant,dynamic", [("polar", False), ("polar", True), ("array_index", False),
-                                             ("scatter", False), ("addmm", True)])
+                                             ("scatter", False), ("addmm", True), ("setitem", False)])
 def test_per_token_rule_replays_exactly(variant, dynamic):
     backend = replay_exact(Block(variant), dynamic=dynamic)
     rec = backend.records[0]
@@ -82,4 +91,4 @@ def test_per_token_rule_replays_exactly(variant, dynamic):
     if variant == "polar":  # the packed graph builds the table as a (real, imaginary) pair (rules/pointwise.py)
         assert "polar" not in rec.packed_code and "view_as_complex" in rec.packed_code
     mats = [node for node, *_ in rec.materialisations]
-    assert all(("getitem" not in m and "scatter" not in m and "addmm" not in m) for m in mats), mats
+    assert all(("getitem" not in m and "scatter" not in m and "addmm" not in m and "cat" not in m) for m in mats), mats

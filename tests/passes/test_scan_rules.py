@@ -272,3 +272,71 @@ def test_hf_cumsum_position_models_replay(family, dynamic):
     backend = run_exact(model, functools.partial(hf_loss, model), hf_batch(), dynamic=dynamic)
     assert_replayed()
     assert "brcompile.tree_cumsum" in packed_code(backend)
+
+
+def test_hf_lfm2_short_conv_replays(monkeypatch):
+    """HF LFM2 (a conv layer — ``in_proj`` → ``B * x`` → ``nn.Conv1d(groups=C, padding=W-1)`` reached
+    through ``causal_conv1d_fn``'s PyTorch path, ``[:, :, :seq_len]`` → ``C *`` → ``out_proj`` — then an
+    attention layer), left-padded prompts, ``use_cache=False`` (the conv-state cache writes in place). Its
+    RMSNorm runs in float64 (the norm's own float32 cast would bound the gradients at the float32 level,
+    tests/models/test_hf.py), so every gradient meets the float64 bound."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    lfm2 = pytest.importorskip("transformers.models.lfm2.modeling_lfm2")
+    from tests.helpers import rmsnorm_in_input_dtype
+    monkeypatch.setattr(lfm2.Lfm2RMSNorm, "forward", rmsnorm_in_input_dtype)
+    cfg = transformers.Lfm2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  layer_types=["conv", "full_attention"], pad_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(F64)
+
+    def loss(ids, am, cm):
+        logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits[:, :-1]
+        lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        m = cm[:, 1:].to(lp.dtype)
+        return -(lp * m).sum() / m.sum()
+
+    backend = run_exact(model, loss, hf_batch())
+    assert_replayed()
+    assert "brcompile.tree_causal_conv1d" in packed_code(backend)
+
+
+def test_padding_free_graph_keeps_scans_dense():
+    """In a padding-free graph the tree is over the sequences packed into each row (their attentions are
+    causal within them, ``MaskInfo.sequences``), while a cumsum or conv along the row crosses from one
+    sequence into the next: the scans stay dense, naming the sequences' input."""
+    from brcompile.passes.axes import AxesContext, get_axes, propagate
+    from brcompile.passes.masks import MaskInfo
+
+    class Scans(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(23, 4)
+            self.conv = nn.Conv1d(4, 4, 3, groups=4, padding=2)
+
+        def forward(self, ids, pos):
+            h = self.emb(ids) * (pos[..., None] >= 0)  # the position ids are a tree input
+            return h.cumsum(1), self.conv(h.transpose(1, 2))[..., :ids.shape[1]]
+
+    graphs = {}
+
+    def grab(gm, example_inputs):
+        graphs["gm"] = gm
+        return gm.forward
+
+    ids, pos = torch.randint(0, 23, (2, 6)), torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
+    torch._dynamo.reset()
+    torch.compile(Scans().to(F64), backend=grab, fullgraph=True)(ids, pos)
+    gm = graphs["gm"]
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ids_node, pos_node = (next(n for n in ph if n.name.endswith(s)) for s in ("ids_", "pos_"))
+    for sequences, want in ((None, "token"), (pos_node, "dense")):
+        ctx = AxesContext(gm, 2, 6, [ids_node, pos_node], set())
+        if sequences is not None:
+            ctx.notes["attention"] = MaskInfo("causal+sequences", sequences=sequences)
+        propagate(ctx)
+        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        assert [get_axes(o).kind.value for o in outs] == [want, want], [m.reason for m in ctx.materialised.values()]
+        if sequences is not None:
+            assert all("padding-free" in m.reason and pos_node.name in m.reason for m in ctx.materialised.values()
+                       if m.user.op != "output"), [m.reason for m in ctx.materialised.values()]

@@ -1030,6 +1030,53 @@ class AttentionSinks(Decoder):
         return (torch.triu(torch.full((T, T), torch.finfo(dtype).min, dtype=dtype), diagonal=1)[None, None],)
 
 
+# --------------------------------------------------------------------------------------------------
+# 3-D attention: bmm on [B*H, T, HS] views (the Megatron/BLOOM spelling), scores viewed as [B, H, T, T] for the
+# mask and the softmax, probabilities viewed back for the bmm with the values
+
+
+class Bmm3DAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=True)
+        self.proj = nn.Linear(DIM, DIM, bias=True)
+
+    def forward(self, x, causal):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, HEADS, 3, HS).permute(3, 0, 2, 1, 4)
+        q3 = q.reshape(B * HEADS, T, HS)
+        k3 = k.reshape(B * HEADS, T, HS)
+        v3 = v.reshape(B * HEADS, T, HS)
+        scores = torch.bmm(q3, k3.transpose(1, 2)).view(B, HEADS, T, T) / math.sqrt(HS)
+        scores = scores.masked_fill(~causal[:T, :T], float("-inf"))
+        probs = F.softmax(scores, dim=-1)
+        ctx = torch.bmm(probs.view(B * HEADS, T, T), v3).view(B, HEADS, T, HS)
+        return self.proj(ctx.permute(0, 2, 1, 3).reshape(B, T, DIM))
+
+
+class Bmm3DBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = Bmm3DAttention()
+        self.mlp = nn.Sequential(nn.Linear(DIM, 64), nn.GELU(), nn.Linear(64, DIM))
+
+    def forward(self, x, causal):
+        x = x + self.attn(self.ln1(x), causal)
+        return x + self.mlp(self.ln2(x))
+
+
+class Bmm3D(Decoder):
+    """3-D ``bmm`` attention on merged (batch, head) views, plain causal mask from a ``[T, T]`` buffer."""
+
+    def __init__(self):
+        super().__init__(Bmm3DBlock)
+        self.register_buffer("causal", torch.tril(torch.ones(MAX_SEQ, MAX_SEQ, dtype=torch.bool)), persistent=False)
+
+    def context(self, input_ids, attention_mask):
+        return (self.causal,)
+
+
 #: style name -> model class (replays: exact and shared)
 REPLAY = {
     "nanogpt_flash": NanoGPT,
@@ -1047,6 +1094,7 @@ REPLAY = {
     "torch_rms_norm": TorchRMSNorm,
     "alibi": Alibi,
     "attention_sinks": AttentionSinks,
+    "bmm_3d": Bmm3D,
 }
 
 #: style name -> (model class, a phrase the fallback reason must contain)
