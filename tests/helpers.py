@@ -75,3 +75,25 @@ def rmsnorm_in_input_dtype(self, hidden_states):
 def gemma_rmsnorm_in_input_dtype(self, x):
     """Gemma3's RMSNorm (``x * rsqrt(mean(x^2) + eps) * (1 + w)``) without its ``x.float()``."""
     return self._norm(x) * (1.0 + self.weight)
+
+
+class KeepFloat64(torch.overrides.TorchFunctionMode):
+    """Inside this mode a float64 tensor's casts to float32 (``x.float()``, ``x.to(torch.float32)``,
+    ``softmax(x, dtype=torch.float32)``) keep it float64: a float64 model whose modules upcast to float32
+    inside (state-space mixers, gated norms, HF's RMSNorms) then runs all in float64, so the rewrite can be
+    held to the float64 bound. Dynamo traces through the mode, so the compiled run sees the same math."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
+            if func is torch.Tensor.float:
+                return x
+            if func is torch.Tensor.to and (torch.float32 in args[1:] or kwargs.get("dtype") is torch.float32):
+                rest = tuple(a for a in args[1:] if a is not torch.float32)
+                kwargs.pop("dtype", None)
+                return func(x, *rest, **kwargs) if rest or kwargs else x
+        if kwargs.get("dtype") is torch.float32 and any(
+                isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
+            kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)

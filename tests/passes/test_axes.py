@@ -254,7 +254,7 @@ def test_semantic_oracle_on_example_gpt(use_mask):
     args = (ids, mask) if use_mask else (ids,)
     gm, inputs = capture(model, *args)
     an = analyse(gm, inputs)
-    n = check_claims(gm, inputs, an.tree_input_positions, t=4)
+    n = check_claims(an.gm, inputs, an.tree_input_positions, t=4)
     assert n > 40  # the whole body was checked, not a handful of nodes
 
 
