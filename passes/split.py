@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from brcompile.backends.ops import attention_extras, attention_scores_extras
 from brcompile.backends.scan import TREE_PATH_OPS
+from brcompile.passes.repack import repack_tokens
 from brcompile.passes.axes import CannotReplay
 from brcompile.passes.check import symbolic_run, token_positions
 from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
@@ -92,6 +93,10 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     if ckpt is not None:  # the trunk would have to be split inside the checkpoint bodies (not done)
         raise CannotReplay("streaming replay: activation checkpoints in the graph (the packed mode runs, "
                            "recomputing the checkpoint bodies packed)", ckpt)
+    dense = next((n for n in packed.graph.nodes if n.op == "call_function" and n.target is repack_tokens), None)
+    if dense is not None:  # the dense region runs on every row and position: there is no per-chunk trunk before it
+        raise CannotReplay("streaming replay: a dense region is packed again (passes/repack.py): it runs on the "
+                           "whole [B, L] batch, not per chunk of tokens (the packed mode runs)", dense)
     tree = tree_placeholders(packed)
     tok_nodes = tree.tokens
     n_sym = symbolic_run(packed, example_args, token_positions(packed))

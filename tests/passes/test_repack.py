@@ -130,3 +130,26 @@ def test_region_reading_a_non_key_input_stays_dense():
     record = backend.records[-1]
     assert record.rewritten and not record.repacked, record
     assert any("not a tree key" in why for _, why in record.not_repacked), record.not_repacked
+
+
+def test_repacked_graph_serves_new_shapes_and_streams_packed():
+    """One packed graph compiled with dynamic shapes (aot_eager) serves batches of other sizes exactly; the
+    streaming split refuses a dense region (it runs on the whole batch) and the packed mode runs."""
+    torch.manual_seed(0)
+    model = MixedModel(running_max).double()
+    params = list(model.parameters())
+    backend = brcompile.backend(compiler="aot_eager", mode="replay")
+    f = torch.compile(model, backend=backend)
+    for B, L in ((4, 9), (6, 13)):
+        ids = batch(B, L)
+        got, want = f(ids), model(ids)
+        assert_exact(got, want, torch.float64, "loss")
+        for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+            assert_exact(a, b, torch.float64, "grad")
+    assert_replayed_calls(2)
+    assert all("dense region is packed again" in r.replay_reason for r in backend.records), backend.records
+
+
+def assert_replayed_calls(n):
+    s = brcompile.stats()
+    assert s.replayed_calls == n and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
