@@ -50,7 +50,8 @@ float32 scores) is the identity.
 [B, H, L, D] value by its shapes (a row-major reshape to that shape does nothing else), q, k, v and the scores
 with one (B, H). Then ``s[b, h] = a * q[b, h] k[b, h]^T + b * bias[b*H + h]``: ``a`` joins the SDPA scale and
 the ``baddbmm`` input is a bias step (``("bias", M, H, post)``) read as [B, H, ...]
-(``M.unflatten(0, (-1, H))``, :func:`_split_heads_operand`). The output view back to [B, H, Lq, D] becomes the
+(``M.unflatten(0, (-1, H))``, :func:`_split_heads_operand`; none at ``b = 0``); ``a`` and ``b`` read from scalar
+inputs (``dynamic=True``) are specialised under a per-call guard. The output view back to [B, H, Lq, D] becomes the
 SDPA node; any other use of the [B*H, Lq, D] product reads ``sdpa.flatten(0, 1)``. A softmax of the 3-D scores
 themselves is refused by name.
 
@@ -84,7 +85,7 @@ import dataclasses
 import logging
 import numbers
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -174,7 +175,7 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical
     values = dict(zip(placeholders, example_inputs))
     removed = _remove_dead_code(graph)
     for sm in [n for n in graph.nodes if _is_softmax(n)]:
-        chain = match_eager_attention(sm)
+        chain = match_eager_attention(sm, lambda n: _guarded_scalar(n, placeholders, values, canon))
         if chain is not None:
             canon.additive.extend(_replace_with_sdpa(graph, chain, canon))
     _resolve_softcaps(graph, placeholders, values, canon)
@@ -188,6 +189,18 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical
     graph.lint()
     new_gm.recompile()
     return canon
+
+
+def _guarded_scalar(n: fx.Node, placeholders: list, values: dict, canon: Canonical) -> Optional[float]:
+    """The value of the scalar node ``n`` read from an input (``x.item()``, ``1 / x.item()``), with a per-call
+    guard on that input; None when it is computed otherwise."""
+    value, src = _scalar_value(n, placeholders, values)
+    if value is None:
+        return None
+    pos, transform = src
+    canon.guards.append(scalar_equals(pos, value, f"attention factor {n.name} (input {placeholders[pos].name})"))
+    canon.notes.append(f"{n.name}: specialised to {transform(value)}")
+    return float(transform(value))
 
 
 def mask_guards(canon: Canonical, classified: dict, placeholders: Sequence[fx.Node]) -> list[BatchGuard]:
@@ -314,9 +327,9 @@ class Scores:
     q: fx.Node
     k: fx.Node
     nodes: list
-    alpha: float = 1.0
+    alpha: Any = 1.0  # a number, or a scalar node until _fold_scores_op resolves it
     bias: Any = None
-    beta: float = 1.0
+    beta: Any = 1.0
     heads: Optional[int] = None
 
 
@@ -418,20 +431,19 @@ def _product_3d(n: Any) -> Optional[tuple[fx.Node, fx.Node, Any, Any, Any]]:
 def _scores_3d(n: fx.Node) -> Optional[Scores]:
     """The scores of a 3-D attention (HF BLOOM): ``n`` = ``s3.view(B, H, Lq, Lk)`` splitting dim 0 of
     ``s3 = _product_3d(...)`` into the (B, H) of q and k, with a number ``alpha`` and ``beta`` and a static head
-    count H; then ``n[b, h] = s3[b*H + h] = alpha * q[b, h] k[b, h]^T + beta * bias[b*H + h]``. ``beta = 0``
-    ignores the bias (torch does not read it then)."""
+    count H; then ``n[b, h] = s3[b*H + h] = alpha * q[b, h] k[b, h]^T + beta * bias[b*H + h]``. ``alpha`` and
+    ``beta`` are numbers or scalar nodes (``.item()`` of inputs under dynamic=True), resolved by
+    :func:`_fold_scores_op`."""
     s3 = _split_heads(n)
     prod = _product_3d(s3)
     if prod is None:
         return None
     q, k, bias, beta, alpha = prod
     tq, tn = _tensor(q), _tensor(n)
-    if _number(beta) is None or _number(alpha) is None or not isinstance(tq.shape[1], int) \
+    if not (_is_scalar(beta) and _is_scalar(alpha)) or not isinstance(tq.shape[1], int) \
             or not (_same(tn.shape[0], tq.shape[0]) and _same(tn.shape[1], tq.shape[1])):
         return None
-    if _number(beta) == 0:
-        bias = None
-    return Scores(q, k, [n, s3], _number(alpha), bias, _number(beta), int(tq.shape[1]))
+    return Scores(q, k, [n, s3], alpha, bias, beta, int(tq.shape[1]))
 
 
 def _refuse(sm: fx.Node, at: fx.Node, why: str):
@@ -460,10 +472,13 @@ def _op_name(n: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
 
 
-def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
+def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Optional[float]]] = None
+                          ) -> Optional[EagerChain]:
     """The eager chain around softmax ``sm`` (module docstring), None when ``sm`` is not an attention's
     softmax; raises CannotReplay when it is one but the chain is not exactly that math. Walks back from the
-    softmax (sinks, mask and scale steps, soft-cap, scale, scores), then forward (probabilities, output)."""
+    softmax (sinks, mask and scale steps, soft-cap, scale, scores), then forward (probabilities, output).
+    ``scalar`` gives the value of a scalar node read from an input (and guards it), for ``baddbmm``'s
+    ``alpha`` / ``beta`` under dynamic=True."""
     x, dim, dtype = _softmax_args(sm)
     if not isinstance(x, fx.Node) or _tensor(x) is None:
         return None
@@ -484,7 +499,7 @@ def match_eager_attention(sm: fx.Node) -> Optional[EagerChain]:
     if sc is None:
         _refuse_scores(sm, cur)
     dead.extend(sc.nodes)
-    scale = _fold_scores_op(sm, x, scale, sc, masks)
+    scale = _fold_scores_op(sm, x, scale, sc, masks, scalar)
     _check_scores(sm, x, cur, sc, masks, dtype)
     probs, p, training = _match_probabilities(sm, sinks, sc, dead)
     out, v, merged_out = _match_output(sm, probs, sc, dead)
@@ -546,10 +561,22 @@ def _with_post_scale(sm: fx.Node, x: fx.Node, scale: Any, post: float) -> Any:
     return post * (1.0 / scale[1] if isinstance(scale, tuple) else scale)
 
 
-def _fold_scores_op(sm: fx.Node, x: fx.Node, scale: Any, sc: Scores, masks: list) -> Any:
+def _fold_scores_op(sm: fx.Node, x: fx.Node, scale: Any, sc: Scores, masks: list,
+                    scalar: Optional[Callable[[fx.Node], Optional[float]]] = None) -> Any:
     """The SDPA scale once the scores op's own factors are in: ``c * (alpha * q k^T + beta * bias)`` is
     ``(c * alpha) * q k^T`` plus the bias step ``("bias", bias, H, c * beta)`` (a ``baddbmm``'s input, read
-    as [B, H, ...] by :func:`_canonical_mask`)."""
+    as [B, H, ...] by :func:`_canonical_mask`; none at ``beta = 0``, where torch does not read the input).
+    ``alpha`` / ``beta`` read from scalar inputs take their values through ``scalar`` (guarded there)."""
+    for name in ("alpha", "beta"):
+        f = getattr(sc, name)
+        if isinstance(f, fx.Node):
+            value = scalar(f) if scalar is not None else None
+            if value is None:
+                _refuse(sm, f, f"the baddbmm {name} of the scores is computed in the graph, not a number or a "
+                        "scalar input")
+            setattr(sc, name, float(value))
+    if sc.beta == 0:
+        sc.bias = None
     if sc.alpha == 1.0 and sc.bias is None:
         return scale
     if isinstance(scale, fx.Node) or (isinstance(scale, tuple) and isinstance(scale[1], fx.Node)):

@@ -30,6 +30,12 @@ the natural-log scores before converting to base 2: ``s2 = c * log2(e) * t``. ``
 :func:`_tanh_and_slope` (exp2 and a short series, the same in the interpreter and on the GPU). A window
 and a soft-cap combine.
 
+ALiBi (``alibi`` slopes m[Hq], with ``position``): the natural-log score of (q, k) in head h gains
+``m[h] * (position[k] - position[q])`` after the soft-cap. The kernels take ``SLOPES`` = m * log2(e) (float32
+[Hq]) behind the constexpr flag HAS_ALIBI (without it they compile as before and read no slopes) and add
+``SLOPES[h] * (pos[k] - pos[q])`` to the base-2 score; the bias is constant in q and k, so dS (and the
+soft-cap's factor) are unchanged. It combines with a window and a soft-cap.
+
 Schedule, without any N x N or (N/block)^2 structure:
 
 * Forward and dQ: a query block ``[b0, b1)`` can only see ``{k < b1 : kend[k] > b0}``, and for ``k < b0``
@@ -158,10 +164,10 @@ def _softcap_factors(qk_scale, SOFTCAP):
 
 @triton.jit
 def _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR, pid_m,
-                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """(cap_in, cap_out, pos_q, t_begin, t_end) for a query block's walk over its key tiles (forward, dQ):
-    the soft-cap factors, the block's positions, and its tile range — from the window's first reachable
-    tile (TILE_START) with a window, else from the CSR pointer."""
+    the soft-cap factors, the block's positions (read with a window or ALiBi), and its tile range — from the
+    window's first reachable tile (TILE_START) with a window, else from the CSR pointer."""
     if HAS_SOFTCAP:
         cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
     else:
@@ -172,6 +178,8 @@ def _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR, pid_
     else:
         pos_q = offs_m  # unused
         t_begin = tl.load(TILE_PTR + pid_m)
+    if HAS_ALIBI:
+        pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
     t_end = tl.load(TILE_PTR + pid_m + 1)
     return cap_in, cap_out, pos_q, t_begin, t_end
 
@@ -189,11 +197,12 @@ def _key_tile(TILES, KEND, t, offs_n0):
 
 
 @triton.jit
-def _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in, cap_out,
-                      HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in, cap_out, alibi2,
+                      HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """(s2, visible, slope) of one [BLOCK_M, BLOCK_N] tile for the forward and dQ walks: base-2 scores
-    ``s2`` (soft-capped: ``cap_out * tanh(cap_in * q.k)``), the tree mask ``k <= q < kend[k]`` (and
-    ``pos[q] - pos[k] < WINDOW``), and d(capped)/d(raw) = 1 - t^2 (1.0 without a cap)."""
+    ``s2`` (soft-capped: ``cap_out * tanh(cap_in * q.k)``; plus ``alibi2 * (pos[k] - pos[q])``, the head's
+    ALiBi slope in base 2), the tree mask ``k <= q < kend[k]`` (and ``pos[q] - pos[k] < WINDOW``), and
+    d(capped)/d(raw) = 1 - t^2 (1.0 without a cap)."""
     visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
     if HAS_WINDOW:
         pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
@@ -204,12 +213,15 @@ def _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_sca
     else:
         s2 = qk * qk_scale
         slope = 1.0
+    if HAS_ALIBI:
+        pos_kb = tl.load(POS + offs_n, mask=n_in, other=0)
+        s2 = s2 + alibi2 * (pos_kb[None, :] - pos_q[:, None]).to(tl.float32)
     return s2, visible, slope
 
 
 @triton.jit
 def _tree_attn_fwd(
-    Q, K, V, KEND, POS, TILE_PTR, TILE_START, TILES, OUT, LSE,
+    Q, K, V, KEND, POS, SLOPES, TILE_PTR, TILE_START, TILES, OUT, LSE,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -218,11 +230,12 @@ def _tree_attn_fwd(
     N, NUM_HEADS, qk_scale, WINDOW, SOFTCAP,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """out[h, q] = sum_k p[q, k] v[k],  p = softmax_k(scale * q.k) over visible k;  lse[h, q] = log sum exp.
 
-    With HAS_SOFTCAP the scores are ``SOFTCAP * tanh(scale * q.k / SOFTCAP)`` instead of ``scale * q.k``.
+    With HAS_SOFTCAP the scores are ``SOFTCAP * tanh(scale * q.k / SOFTCAP)`` instead of ``scale * q.k``; with
+    HAS_ALIBI they gain ``m[h] * (pos[k] - pos[q])`` (``SLOPES[h] = m[h] * log2(e)`` on the base-2 scores).
 
     One program per (query block, query head); see :func:`_block_and_head` for the order. Visible:
     ``k <= q < kend[k]``, and with HAS_WINDOW also ``pos[q] - pos[k] < WINDOW``; the block then starts at
@@ -257,7 +270,8 @@ def _tree_attn_fwd(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
     cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
-                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP)
+                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+    alibi2 = tl.load(SLOPES + pid_h) if HAS_ALIBI else 0.0
     for t in range(t_begin, t_end):
         lo, offs_n, n_in, kend = _key_tile(TILES, KEND, t, offs_n0)
         kT_ptrs = (k_head + lo.to(tl.int64) * stride_kn
@@ -265,7 +279,7 @@ def _tree_attn_fwd(
         kT = tl.load(kT_ptrs, mask=n_in[None, :] & d_in[:, None], other=0.0)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         s2, visible, _ = _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in,
-                                           cap_out, HAS_WINDOW, HAS_SOFTCAP)
+                                           cap_out, alibi2, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         s = tl.where(visible, s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _maximum))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -316,7 +330,7 @@ def _tree_attn_bwd_delta(
 
 @triton.jit
 def _tree_attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, KEND, POS, DK, DV,
+    Q, K, V, DO, LSE, DELTA, KEND, POS, SLOPES, DK, DV,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -327,7 +341,7 @@ def _tree_attn_bwd_dkdv(
     N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """dV[k] = sum_q P[q, k] dO[q];  dK[k] = scale * sum_q dS[q, k] q[q],  dS = P (dO.v[k] - delta[q]).
 
@@ -336,6 +350,7 @@ def _tree_attn_bwd_dkdv(
     program walks that range for each of the GROUP query heads sharing this kv head (no atomics). With
     HAS_WINDOW a pair is visible only if also ``pos[q] - pos[k] < WINDOW``. With HAS_SOFTCAP ``P`` uses the
     capped score ``c tanh(scale q.k / c)`` and ``dS`` is multiplied by ``1 - t^2``, ``t = tanh(scale q.k / c)``.
+    With HAS_ALIBI ``P`` includes the bias ``m[h] (pos[k] - pos[q])`` (``dS`` needs nothing more: it is constant).
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -355,6 +370,8 @@ def _tree_attn_bwd_dkdv(
     kend = tl.load(KEND + offs_n, mask=n_in, other=0)
     if HAS_WINDOW:
         pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
+    if HAS_ALIBI:
+        pos_kb = tl.load(POS + offs_n, mask=n_in, other=0)
     k_ptrs = (K + kv_h.to(tl.int64) * stride_kh + c0.to(tl.int64) * stride_kn
               + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd)
     k = tl.load(k_ptrs, mask=nd_mask, other=0.0)
@@ -373,6 +390,7 @@ def _tree_attn_bwd_dkdv(
         do_head = DO + h.to(tl.int64) * stride_doh
         l_head = LSE + h.to(tl.int64) * stride_lh
         d_head = DELTA + h.to(tl.int64) * stride_lh
+        alibi2 = tl.load(SLOPES + h) if HAS_ALIBI else 0.0
         qT_ptrs = (q_head + c0.to(tl.int64) * stride_qn
                    + offs_m0[None, :] * stride_qn + offs_d[:, None] * stride_qd)
         do_ptrs = (do_head + c0.to(tl.int64) * stride_don
@@ -392,6 +410,9 @@ def _tree_attn_bwd_dkdv(
                 s2T = tT * cap_out
             else:
                 s2T = qkT * qk_scale
+            if HAS_ALIBI:
+                pos_qb = tl.load(POS + offs_m, mask=m_in, other=0)
+                s2T = s2T + alibi2 * (pos_kb[:, None] - pos_qb[None, :]).to(tl.float32)
             pT = tl.where(visible, tl.exp2(s2T - lse[None, :] * 1.4426950408889634), 0.0)
             do = tl.load(do_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
             dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
@@ -415,7 +436,7 @@ def _tree_attn_bwd_dkdv(
 
 @triton.jit
 def _tree_attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, KEND, POS, TILE_PTR, TILE_START, TILES, DQ,
+    Q, K, V, DO, LSE, DELTA, KEND, POS, SLOPES, TILE_PTR, TILE_START, TILES, DQ,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -425,12 +446,13 @@ def _tree_attn_bwd_dq(
     N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """dQ[q] = scale * sum_k dS[q, k] k[k],  dS = P (dO[q].v[k] - delta[q]),  P = exp(scale q.k - lse[q]).
 
     One program per (query block, query head), visiting the same key tiles (and window mask) as the
-    forward. With HAS_SOFTCAP, ``P`` from the capped score and ``dS`` times ``1 - t^2`` (as for dK).
+    forward. With HAS_SOFTCAP, ``P`` from the capped score and ``dS`` times ``1 - t^2`` (as for dK); with
+    HAS_ALIBI, ``P`` from the score plus its ALiBi bias.
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -462,7 +484,8 @@ def _tree_attn_bwd_dq(
 
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
-                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP)
+                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+    alibi2 = tl.load(SLOPES + pid_h) if HAS_ALIBI else 0.0
     for t in range(t_begin, t_end):
         lo, offs_n, n_in, kend = _key_tile(TILES, KEND, t, offs_n0)
         dn_mask = d_in[:, None] & n_in[None, :]
@@ -474,7 +497,7 @@ def _tree_attn_bwd_dq(
                      mask=dn_mask, other=0.0)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         s2, visible, slope = _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale,
-                                               cap_in, cap_out, HAS_WINDOW, HAS_SOFTCAP)
+                                               cap_in, cap_out, alibi2, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         p = tl.where(visible, tl.exp2(s2 - lse2[:, None]), 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -821,7 +844,7 @@ def _check_inputs(a: TreeAttentionArgs) -> None:
         raise ValueError(f"head dim must be in [1, {_MAX_HEAD_DIM}], got {d}")
     if q.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"q, k, v must share one dtype of {_SUPPORTED_DTYPES}; got {q.dtype}")
-    devices = {t.device for t in (q, a.k, a.v, *a.tree) + ((a.position,) if a.window else ())}
+    devices = {t.device for t in (q, a.k, a.v, *a.tree) + ((a.position,) if a.window or a.alibi else ())}
     if len(devices) != 1:
         raise ValueError(f"all tree-attention inputs must be on one device, got {sorted(map(str, devices))}")
     if q.device.type != "cuda" and not is_interpreter():
@@ -830,10 +853,18 @@ def _check_inputs(a: TreeAttentionArgs) -> None:
             f"triton is imported); got device {q.device}")
 
 
-def _positions_arg(window: int, position, kend: torch.Tensor) -> torch.Tensor:
-    """The POS kernel argument: int64 contiguous positions; without a window (HAS_WINDOW=False, never read)
-    ``kend`` stands in, so every launch passes plain tensors."""
-    return position.to(torch.int64).contiguous() if window else kend
+def _positions_arg(a: TreeAttentionArgs, kend: torch.Tensor) -> torch.Tensor:
+    """The POS kernel argument: int64 contiguous positions; without a window or ALiBi (never read) ``kend``
+    stands in, so every launch passes plain tensors."""
+    return a.position.to(torch.int64).contiguous() if a.window or a.alibi else kend
+
+
+def _slopes_arg(a: TreeAttentionArgs, kend: torch.Tensor) -> torch.Tensor:
+    """The SLOPES kernel argument: the ALiBi slopes times log2(e) (the kernels' scores are base 2), float32
+    [Hq], rounded once from float64; without ALiBi (HAS_ALIBI=False, never read) ``kend`` stands in."""
+    if not a.alibi:
+        return kend
+    return torch.tensor([float(m) * _LOG2E for m in a.alibi], dtype=torch.float32, device=kend.device)
 
 
 def _tile_start_arg(window: int, position, kt: KeyTiles, n: int) -> torch.Tensor:
@@ -873,6 +904,7 @@ def tree_attention_forward(a: TreeAttentionArgs, *, config: LaunchConfig | None 
 
     ``a.window`` W > 0 restricts query q to keys with ``position[q] - position[k] < W`` (position: [N] int).
     ``a.softcap`` c > 0 caps the scores: ``c * tanh(scale * q.k / c)`` (lse is over the capped scores).
+    ``a.alibi`` (slopes m[Hq]) adds ``m[h] * (position[k] - position[q])`` to them.
     Also callable as ``tree_attention_forward(q, k, v, end, valid, segments, scale, window=0, position=None,
     softcap=0.0, *, config=None)`` (:func:`brcompile.backends.ops.attention_forward`).
     """
@@ -888,11 +920,11 @@ def tree_attention_forward(a: TreeAttentionArgs, *, config: LaunchConfig | None 
     cfg = (config or default_launch_config(d, q.dtype, q.device)).fwd
     kt = _TILE_CACHE.get(segments, (n, cfg.block_m, cfg.block_n), segments, n, cfg.block_m, cfg.block_n, end)
     kend = _key_end(end, valid)
-    pos = _positions_arg(window, position, kend)
+    pos, slopes = _positions_arg(a, kend), _slopes_arg(a, kend)
     tile_start = _tile_start_arg(window, position, kt, n)
     _launch(
         _tree_attn_fwd, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
-        q, k, v, kend, pos, kt.ptr, tile_start, kt.tiles, out, lse,
+        q, k, v, kend, pos, slopes, kt.ptr, tile_start, kt.tiles, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -901,7 +933,7 @@ def tree_attention_forward(a: TreeAttentionArgs, *, config: LaunchConfig | None 
         n, hq, float(a.scale) * _LOG2E, window, softcap,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=_block_d(d),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INPUT_PRECISION=_input_precision(q.dtype),
-        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=bool(a.alibi),
     )
     return out, lse
 
@@ -938,17 +970,17 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
         HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=_DELTA_BLOCK_M,
     )
     kend = _key_end(end, valid)
-    pos = _positions_arg(window, position, kend)
+    pos, slopes = _positions_arg(a, kend), _slopes_arg(a, kend)
     sm_scale = float(a.scale)
     qk_scale = sm_scale * _LOG2E
     group = hq // hkv
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=_block_d(d), INPUT_PRECISION=_input_precision(q.dtype),
-                  HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0)
+                  HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=bool(a.alibi))
 
     cfg = launch.dkdv
     _launch(
         _tree_attn_bwd_dkdv, (triton.cdiv(n, cfg.block_n) * hkv,), cfg,
-        q, k, v, grad_out, lse, delta, kend, pos, dk, dv,
+        q, k, v, grad_out, lse, delta, kend, pos, slopes, dk, dv,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -964,7 +996,7 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
     tile_start = _tile_start_arg(window, position, kt, n)
     _launch(
         _tree_attn_bwd_dq, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
-        q, k, v, grad_out, lse, delta, kend, pos, kt.ptr, tile_start, kt.tiles, dq,
+        q, k, v, grad_out, lse, delta, kend, pos, slopes, kt.ptr, tile_start, kt.tiles, dq,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -985,8 +1017,8 @@ class TreeAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, end, valid, segments, scale, config, window=0, position=None, softcap=0.0):
-        a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap).check()
+    def forward(ctx, q, k, v, end, valid, segments, scale, config, window=0, position=None, softcap=0.0, alibi=None):
+        a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi).check()
         out, lse = tree_attention_forward(a, config=config)
         a.save_for_backward(ctx, out, lse)
         ctx.config = config
@@ -999,14 +1031,16 @@ class TreeAttentionFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv = tree_attention_backward(a, grad_out, out, lse, config=ctx.config)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def tree_attention(q, k, v, end, valid, segments, scale=None, *, config: LaunchConfig | None = None,
-                   window: int = 0, position: torch.Tensor | None = None, softcap: float = 0.0):
+                   window: int = 0, position: torch.Tensor | None = None, softcap: float = 0.0, alibi=None):
     """Differentiable tree attention (Triton). scale defaults to 1/sqrt(D); ``window`` > 0 with ``position``
     [N] adds the sliding window ``position[q] - position[k] < window``; ``softcap`` c > 0 caps the scores
-    at ``c * tanh(scale * q.k / c)``. Returns (out, lse)."""
+    at ``c * tanh(scale * q.k / c)``; ``alibi`` (Hq slopes m, with ``position``) adds ``m[h] * (position[k] -
+    position[q])``. Returns (out, lse)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return TreeAttentionFunction.apply(q, k, v, end, valid, segments, scale, config, window, position, softcap)
+    return TreeAttentionFunction.apply(q, k, v, end, valid, segments, scale, config, window, position, softcap,
+                                       alibi)

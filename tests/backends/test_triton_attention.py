@@ -171,12 +171,14 @@ def random_qkv(hq, hkv, n, d, dtype, seed, device=DEVICE):
 
 
 def check_against_reference(q, k, v, end, valid, segments, scale, config, rel, grad_out=None, window=0,
-                            position=None, softcap=0.0):
+                            position=None, softcap=0.0, alibi=None):
     """Forward (out, lse) and backward (dq, dk, dv) of the kernels vs the float64 reference (with the
-    window and soft-cap given, if any)."""
+    window, soft-cap and ALiBi slopes given, if any)."""
     win = dict(window=window, position=position) if window else {}
     if softcap:
         win["softcap"] = softcap
+    if alibi:
+        win.update(position=position, alibi=alibi)
     out, lse = tree_attention_forward(q, k, v, end, valid, segments, scale, config=config, **win)
     r_out, r_lse = reference_forward(q.double(), k.double(), v.double(), end, valid, segments, scale, **win)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
@@ -549,6 +551,37 @@ def test_window_heads_and_mixed_tiles(hq, hkv, d, window):
     q, k, v = random_qkv(hq, hkv, tree.num_tokens, d, torch.float32, seed=d)
     check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 0.7 / math.sqrt(d), MIXED, rel=1e-4,
                             window=window, position=tree.position)
+
+
+# ------------------------------------------------------------------------------------------------ ALiBi
+
+ALIBI = [0.5, 0.25, 0.125, 0.0625]
+
+
+@pytest.mark.parametrize("case,window,softcap", [("left_pad", 0, 0.0), ("dropped", 3, 0.6)],
+                         ids=["alibi", "alibi_window_softcap"])
+def test_alibi_matches_reference_float32(case, window, softcap):
+    """fp32, GQA 4/2: out, lse, dq, dk, dv with ``m[h] * (pos[k] - pos[q])`` added after the soft-cap, vs the
+    float64 reference; alone and with a window and a soft-cap (positions that skip dropped padding)."""
+    tree = window_tree(case)
+    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=61)
+    out, _ = check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 0.25, SMALL, rel=1e-4,
+                                     window=window, position=tree.position, softcap=softcap, alibi=ALIBI)
+    win = dict(window=window, position=tree.position) if window else {}
+    plain = tree_attention_forward(q, k, v, tree.end, tree.valid, tree.segments, 0.25, config=SMALL,
+                                   softcap=softcap, **win)[0]
+    assert (out - plain).abs().max() > 1e-2, "the bias must change the result"
+
+
+def test_alibi_through_the_registered_impl():
+    """``impl="triton"`` takes ALiBi (supports_alibi) and agrees with ``impl="reference"`` through the op."""
+    tree = window_tree("right_pad")
+    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=62)
+    op = torch.ops.brcompile.tree_attention_forward
+    args = (tree.end, tree.valid, tree.segments, 0.25)
+    got = op(q, k, v, *args, "triton", 0, tree.position, 0.0, ALIBI)
+    want = op(q.double(), k.double(), v.double(), *args, "reference", 0, tree.position, 0.0, ALIBI)
+    assert_rel_close(got[0], want[0], 1e-4, "out")
 
 
 def test_window_float16():

@@ -35,7 +35,7 @@ def _loss(m, ids, am):
     return m(input_ids=ids, attention_mask=am, use_cache=False).logits.log_softmax(-1).sum()
 
 
-def _check(m, feature):
+def _check(m, feature, dynamic=None):
     """Loss and every parameter gradient vs eager (float32 bound); the call replayed and its packed attention
     used ``feature``."""
     ids, am = _ids()
@@ -46,7 +46,7 @@ def _check(m, feature):
     torch._dynamo.reset()
     brcompile.reset_stats()
     be = brcompile.backend(compiler="eager")
-    got = torch.compile(_loss, backend=be)(m, ids, am)
+    got = torch.compile(_loss, backend=be, dynamic=dynamic)(m, ids, am)
     got.backward()
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
@@ -100,11 +100,13 @@ class _BloomGelu(torch.nn.Module):
         return transformers.models.bloom.modeling_bloom.bloom_gelu_forward(x)
 
 
-def test_bloom_3d_alibi_replays():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_bloom_3d_alibi_replays(dynamic):
+    """Under dynamic=True baddbmm's alpha and beta are scalar inputs: specialised under a guard."""
     cfg = transformers.AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     for block in m.transformer.h:
         block.mlp.gelu_impl = _BloomGelu()
     _check(m, lambda r: all("+alibi(" in x for x in r.masks) and "count" in " ".join(r.masks)
-           and "[0.25, 0.0625, 0.015625, 0.00390625]" in r.packed_code)
+           and "[0.25, 0.0625, 0.015625, 0.00390625]" in r.packed_code, dynamic)
