@@ -348,9 +348,12 @@ def run_arch(model_type: str, class_name: str | None = None) -> dict:
     row["loss_err"] = rel_err(loss, loss_ref)
     # A gradient that is zero up to rounding in the eager run (a key projection's bias: softmax does not see a
     # shift shared by all keys, so its exact gradient is 0) has no scale of its own: rel_err against its
-    # ~1e-21 entries is noise / noise. Such a gradient is measured against the largest gradient of the model.
+    # ~1e-21 entries is noise / noise. Such a gradient is measured against the largest gradient of the model; so is
+    # one that cancels to below the model's rounding (Qwen3-Next's dt_bias with float32 inside: 5e-10 of the largest).
     gmax = max((float(g.abs().max()) for g in grads_ref.values() if g is not None and g.numel()), default=0.0)
-    tiny = 1e3 * torch.finfo(dtype).eps * gmax
+    # the precision the model computes in: float32 inside a float64 model rounds the cancelling terms to float32
+    precision = torch.float32 if row["bound"] == TOL["float32"] else dtype
+    tiny = 1e3 * torch.finfo(precision).eps * gmax
     worst, worst_name, zero = 0.0, None, []
     for name, gref in grads_ref.items():
         g = grads.get(name)

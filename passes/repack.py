@@ -230,8 +230,9 @@ class _Probe:
         for a in inputs:
             ax = get_axes(a)
             if ax.is_token:
-                if ax.local or not _whole_at_example(ctx, a, ax):
-                    raise _NotCausal(f"it reads {a.name} ({ax}), a flattened token value or a window of one")
+                if ax.region or not _whole_at_example(ctx, a, ax):
+                    raise _NotCausal(f"it reads {a.name} ({ax}), a value in a sort order, an index, group offsets or a "
+                                     f"window of a token value")
                 self.token_inputs[a] = ax
             self.values[a] = self._value(a, ax)
 
@@ -264,16 +265,27 @@ class _Probe:
         out = dict(self.values)
         for a, ax in self.token_inputs.items():
             x = self.values[a]
-            if rows is not None and ax.row is None:
+            if rows is not None and ax.row is None and not ax.flat:
                 continue  # a position-only value belongs to no row
-            where = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-            index = [slice(None)] * x.dim()
-            index[ax.pos] = slice(from_pos, None)
-            if rows is not None:
-                index[ax.row] = rows
-            where[tuple(index)] = True
-            out[a] = torch.where(where, _other_values(x, self.gen), x)
+            out[a] = torch.where(self._where(x, ax, rows, from_pos), _other_values(x, self.gen), x)
         return out
+
+    def _where(self, x: torch.Tensor, ax, rows: Optional[int], from_pos: int) -> torch.Tensor:
+        """The entries of token input ``x`` at row ``rows`` (all if None) and positions ``>= from_pos``; a
+        flattened value's dim ``ax.pos`` holds entry ``(b·L + t)·k + s`` (passes/rules/moe.py)."""
+        shape = list(x.shape)
+        if ax.flat:
+            shape[ax.pos:ax.pos + 1] = [self.ctx.B, self.ctx.L, ax.flat]
+            row, pos = ax.pos, ax.pos + 1
+        else:
+            row, pos = ax.row, ax.pos
+        where = torch.zeros(shape, dtype=torch.bool, device=x.device)
+        index = [slice(None)] * len(shape)
+        index[pos] = slice(from_pos, None)
+        if rows is not None:
+            index[row] = rows
+        where[tuple(index)] = True
+        return where.reshape(x.shape)
 
     def dims(self) -> tuple[int, int]:
         ctx = self.ctx
@@ -305,6 +317,8 @@ def _whole_at_example(ctx: AxesContext, a: fx.Node, ax) -> bool:
     ``repack_tokens`` checks the extents again on every call."""
     if ax.window.is_whole:
         return True
+    if ax.flat:
+        return False
     shape = hint(tuple(example_value(a).shape))
     return (ax.row is None or shape[ax.row] == ctx.B) and shape[ax.pos] == ctx.L
 
