@@ -154,8 +154,8 @@ class TokenAxes:
         extra = "" if not self.flat else f", flat={self.flat}"
         if self.order is not None:
             extra += f", order={self.order.name}"
-        if self.points is not None:
-            extra += f", points=({self.points[0]}, {getattr(self.points[1], 'name', None)})"
+        if self.points is not None:  # any arity: (f, order) of an index, or a sort result's own tag
+            extra += ", points=(" + ", ".join(str(getattr(p, "name", p)) for p in self.points) + ")"
         return f"token(row={self.row}, pos={self.pos}{extra})"
 
 
