@@ -51,8 +51,9 @@ from brcompile.passes.axes import (
 
 log = logging.getLogger(__name__)
 
-#: Probe positions q for the causality check, as fractions of L (plus q = 1 and q = L - 1).
-_CAUSAL_SPLITS = (0.5,)
+#: Probe positions q for the causality check, as fractions of L (plus q = 1, 2, L - 2 and L - 1): several, so
+#: that a look-ahead confined to some blocks of positions (a chunked algorithm's chunks) is crossed.
+_CAUSAL_SPLITS = (1 / 3, 0.5, 2 / 3)
 
 
 def repack_tokens(x: torch.Tensor, index: torch.Tensor, rep_row: torch.Tensor, position: torch.Tensor, row: int,
@@ -296,13 +297,14 @@ class _Probe:
         rows = [d for d, s in enumerate(shape) if s == ctx.B]
         poss = [d for d, s in enumerate(shape) if s == ctx.L]
         moved = False
-        for b in sorted({0, ctx.B - 1}):
+        for b in sorted({0, ctx.B // 2, ctx.B - 1}):
             changed = ~_same(self.run(self.perturbed(rows=b)), base)
             moved |= bool(changed.any())
             rows = [d for d in rows if _only_at(changed, d, lambda i: i == b)]
         if not moved:
             raise _NotCausal("it does not depend on the rows' token values")
-        for q in sorted({1, ctx.L - 1, *(int(f * ctx.L) for f in _CAUSAL_SPLITS)} - {0, ctx.L}):
+        splits = {1, 2, ctx.L - 2, ctx.L - 1, *(int(f * ctx.L) for f in _CAUSAL_SPLITS)}
+        for q in sorted(q for q in splits if 0 < q < ctx.L):
             changed = ~_same(self.run(self.perturbed(from_pos=q)), base)
             poss = [d for d in poss if _only_at(changed, d, lambda i: i >= q)]
         pairs = [(r, p) for r in rows for p in poss if r != p]
