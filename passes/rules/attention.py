@@ -73,6 +73,7 @@ def emit_sdpa(pk, node):
     a = _sdpa_args(node)
     info = pk.notes[node]
     q, k, v = (pk.graph.call_method("squeeze", (pk.packed(a[n]), 0)) for n in ("query", "key", "value"))
+    k, v = broadcast_heads(pk, node, k, v)
     cast, why = attention_dtype(node)
     if why is not None:  # checked by the rule; a graph changed since must not reach the op
         raise CannotReplay(why, node)
@@ -127,11 +128,42 @@ def sdpa(ctx: AxesContext, node):
         if a["attn_mask"] is None and not a["is_causal"]:
             ctx.fail(node, "bidirectional attention (is_causal=False and no mask) is not causal")
         ctx.fail(node, "attention mask was not classified")
-    Hq = ctx.shape(a["query"])[1]
-    Hk = ctx.shape(a["key"])[1]
-    if Hq != Hk and not a["enable_gqa"]:
-        ctx.fail(node, "query and key head counts differ without enable_gqa")
+    why = head_counts_unsupported(ctx.shape(a["query"])[1], ctx.shape(a["key"])[1], ctx.shape(a["value"])[1],
+                                  a["enable_gqa"])
+    if why is not None:
+        ctx.fail(node, why)
     return facts[0]
+
+
+def head_counts_unsupported(hq: int, hk: int, hv: int, enable_gqa: bool) -> str | None:
+    """None when tree attention computes SDPA's heads exactly, else the reason.
+
+    Without ``enable_gqa`` SDPA is ``softmax(q @ k^T) @ v`` with the head dim broadcast like any batch dim:
+    it accepts exactly head counts that broadcast (each 1 or the common extent H), and query head h reads
+    k head ``h if Hk == H else 0`` and v head ``h if Hv == H else 0``. Tree attention's grouping reads kv
+    head ``h // (Hq // Hkv)``: with Hq == H and Hk == Hv in {1, H} that is the same head (0 or h); a lone
+    one-head k or v beside an H-head one is expanded to H heads (:func:`broadcast_heads`). A one-head query
+    against H > 1 kv heads (output of H heads) is refused. With ``enable_gqa`` SDPA itself requires Hk == Hv
+    dividing Hq, and query head h reads kv head ``h // (Hq // Hkv)``: tree attention's grouping."""
+    if enable_gqa:
+        if hk != hv or hq % hk:
+            return f"attention with enable_gqa and head counts q {hq}, k {hk}, v {hv}"
+        return None
+    if {hk, hv} - {1, hq}:
+        return f"query, key and value head counts ({hq}, {hk}, {hv}) differ without enable_gqa"
+    return None
+
+
+def broadcast_heads(pk, node, k, v):
+    """k, v [Hk, N, D], [Hv, N, D] with heads in {1, Hq} (:func:`head_counts_unsupported`): a one-head k or
+    v beside an Hq-head one is expanded to Hq heads (SDPA's broadcast), so both have Hkv heads."""
+    a = _sdpa_args(node)
+    hk, hv = pk.static_shape(a["key"])[1], pk.static_shape(a["value"])[1]
+    if hk == hv:
+        return k, v
+    hq = pk.static_shape(a["query"])[1]
+    expand = lambda t: pk.graph.call_method("contiguous", (pk.graph.call_method("expand", (t, hq, -1, -1)),))
+    return (expand(k) if hk == 1 else k), (expand(v) if hv == 1 else v)
 
 
 def emit_gather(pk, node):

@@ -70,3 +70,28 @@ def test_setitem_of_a_mask_into_cloned_ids():
     float32: gradients at the float32 bound (test_hf.py)."""
     backend = replay_arch("gemma3", torch.float64, grad_dtype=torch.float32)
     assert "setitem" not in backend.records[0].packed_code
+
+
+def test_multi_query_attention_heads():
+    """Falcon's multi-query attention: k and v of one head beside 4 query heads, passed to SDPA without
+    ``enable_gqa`` (SDPA broadcasts the head dim): tree attention with one kv group (rules/attention.py:
+    head_counts_unsupported). The key bias's gradient cancels under softmax: assert_grads_exact."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tests.helpers import assert_grads_exact
+
+    model, _, _ = hf_sweep.build_model("falcon", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["falcon"])
+    model = model.to(torch.float64).train()
+    batch = hf_sweep.grpo_batch()
+    args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    fn = functools.partial(hf_sweep.next_token_loss, model)
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    want = fn(*args)
+    gw = torch.autograd.grad(want, params, allow_unused=True)
+    backend = brcompile.backend(compiler="eager")
+    got = torch.compile(fn, backend=backend)(*args)
+    gg = torch.autograd.grad(got, params, allow_unused=True)
+    assert_replayed()
+    assert_exact(got, want, torch.float64, "loss")
+    assert_grads_exact(gg, gw, names, torch.float64)
+    assert "tree_attention" in backend.records[0].packed_code

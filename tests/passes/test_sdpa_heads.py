@@ -1,0 +1,67 @@
+"""SDPA head counts without ``enable_gqa`` (passes/rules/attention.py: head_counts_unsupported): SDPA
+broadcasts the head dim like a batch dim, so a one-head k and/or v beside Hq query heads (multi-query
+attention: Falcon) is accepted and becomes tree attention with GQA grouping (or a one-head k/v expanded);
+head counts SDPA itself rejects are not reached, a one-head query against H kv heads is refused."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brcompile
+from brcompile.passes.rules.attention import head_counts_unsupported
+from brcompile.testing import assert_exact
+from tests.helpers import assert_grads_exact
+
+V, D, H, HD = 11, 8, 4, 4
+
+
+class MQA(torch.nn.Module):
+    """Embedding -> q [B, H, L, hd], k [B, hk, L, hd], v [B, hv, L, hd] -> causal SDPA -> sum of squares."""
+
+    def __init__(self, hk, hv):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hk, self.hv = hk, hv
+        self.emb = torch.nn.Embedding(V, D)
+        self.q = torch.nn.Linear(D, H * HD)
+        self.k = torch.nn.Linear(D, hk * HD)
+        self.v = torch.nn.Linear(D, hv * HD)
+
+    def forward(self, ids):
+        B, L = ids.shape
+        x = self.emb(ids)
+        q = self.q(x).view(B, L, H, HD).transpose(1, 2)
+        k = self.k(x).view(B, L, self.hk, HD).transpose(1, 2)
+        v = self.v(x).view(B, L, self.hv, HD).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).sum()
+
+
+@pytest.mark.parametrize("hk,hv", [(1, 1), (1, H), (H, 1)])
+def test_broadcast_kv_heads(hk, hv):
+    """Loss and every gradient equal eager's (float64 bound); the call replayed with fewer executed tokens and
+    the attention ran as tree attention."""
+    model = MQA(hk, hv).double()
+    ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
+    ids[1:, 5:] = torch.randint(1, V, (2, 2))
+    params = list(model.parameters())
+    want = model(ids)
+    gw = torch.autograd.grad(want, params)
+    backend = brcompile.backend(compiler="eager")
+    got = torch.compile(model, backend=backend)(ids)
+    gg = torch.autograd.grad(got, params)
+    assert_exact(got, want, torch.float64, "loss")
+    assert_grads_exact(gg, gw, [n for n, _ in model.named_parameters()], torch.float64)  # k's bias cancels
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
+    assert "tree_attention" in backend.records[0].packed_code
+
+
+def test_head_counts_mirror_sdpa():
+    """Accepted exactly where SDPA broadcasts (each of k, v with 1 or Hq heads) and, with enable_gqa, where
+    Hk == Hv divides Hq; a one-head query against 4 kv heads (SDPA's output then has 4 heads) is refused."""
+    assert head_counts_unsupported(4, 4, 4, False) is None
+    assert head_counts_unsupported(4, 1, 1, False) is None
+    assert head_counts_unsupported(4, 1, 4, False) is None
+    assert head_counts_unsupported(4, 2, 2, False) is not None  # SDPA raises: 4 vs 2 do not broadcast
+    assert head_counts_unsupported(1, 4, 4, False) is not None
+    assert head_counts_unsupported(4, 2, 2, True) is None
+    assert head_counts_unsupported(4, 3, 3, True) is not None
