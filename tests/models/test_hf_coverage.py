@@ -104,3 +104,11 @@ def test_gather_of_flattened_tokens():
     backend = replay_arch("minimax_m2", torch.float32)
     reasons = [reason for *_, reason in backend.records[0].materialisations]
     assert not any("flattened" in r for r in reasons), reasons
+
+
+def test_position_only_value_needed_dense():
+    """Llama4's rotary table, a position-only value (no row dim), read by an op that needs it dense: its dense
+    value is the original's (recomputed from the positions, or pack.py's materialize at each column's kept
+    entry) instead of a refusal (axes.py: AxesContext.materialise). Llama4 computes its attention and norms
+    in float32 inside: float32 bound."""
+    replay_arch("llama4_text", torch.float32)
