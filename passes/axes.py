@@ -324,9 +324,6 @@ class AxesContext:
             raise CannotReplay(
                 f"{arg.name} ({ax}) is a value of a token-local region in the batch's sort order, an index or "
                 f"group offsets; {user.name} would need its dense value ({reason})", user)
-        if ax.row is None and not ax.flat and arg.op != "placeholder":  # a position-only input is its own dense value
-            raise CannotReplay(
-                f"position-only value {arg.name} is used by an op that needs it dense ({reason})", user)
         if arg not in self.materialised:
             shape = shape_of(arg) or ()
             numel = 1

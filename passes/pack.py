@@ -372,7 +372,9 @@ def _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders) 
 def materialize(data: torch.Tensor, index: torch.Tensor, row: Optional[int], pos: int, dropped: bool = False,
                 flat: int = 0) -> torch.Tensor:
     """Dense value of a packed one: ``dense[.., b, .., t, ..] = data[.., 0, .., index[b, t], ..]``, and 0
-    where ``index[b, t] == -1`` (a padded position that ``drop_padding=True`` left out of the tree).
+    where ``index[b, t] == -1`` (a padded position that ``drop_padding=True`` left out of the tree). A
+    position-only value (``row`` None, dense ``[.., L', ..]`` or ``[.., 1, .., L', ..]``: the original's
+    shape, row-free) reads ``data[.., column_index(index)[t], ..]``.
 
     ``data`` has extent 1 at ``row`` and N at ``pos``; ``index`` is the (windowed) [B', L'] index.
     Its backward is a scatter-add: a packed token used by several (b, t) sums their gradients; a nonzero
@@ -385,9 +387,26 @@ def materialize(data: torch.Tensor, index: torch.Tensor, row: Optional[int], pos
         x = data.movedim(pos, 0).unflatten(0, (-1, flat))  # [N, k, ...]
         x = read_packed(x, index) if dropped else x[index]  # [B, L, k, ...]
         return x.flatten(0, 2).movedim(0, pos)
+    if row is None:  # a position-only value: [.., N, ..] -> [.., L', ..], the original's shape
+        x = data.movedim(pos, 0)  # [N, ...]
+        col = column_index(index)
+        x = read_packed(x, col) if dropped else x[col]  # [L', ...]
+        return x.movedim(0, pos)
     x = data.movedim((row, pos), (0, 1))[0]  # [N, ...]
     x = read_packed(x, index) if dropped else x[index]  # [B', L', ...]
     return x.movedim((0, 1), (row, pos))
+
+
+def column_index(index: torch.Tensor) -> torch.Tensor:
+    """[B', L'] index -> [L']: for each column t the packed entry of some row's (b, t) that the tree kept.
+
+    A position-only value's dense value at t is the same in every row (it has no row dim), and by the
+    invariant its packed entry k equals it at every (b, t) with ``index[b, t] == k``: any kept entry of
+    column t holds it. ``index.amax(0)`` is such an entry, or -1 only where every row's (b, t) was dropped
+    (drop_padding) — then nothing defines it and it reads as a dropped position (0, gradient checked).
+    The gradient of ``dense[t]`` lands on that one entry: the entries of column t are the same function of
+    the position (same Jacobian), so the parameters' gradients are the dense ones."""
+    return index.amax(0)
 
 
 class Packer:
@@ -494,7 +513,7 @@ class Packer:
         if not toks or any(get_axes(a).window != ax.window for a in toks):
             return False
         shape = shape_of(n)
-        kept = hint(shape[ax.row]) * hint(shape[ax.pos])
+        kept = (1 if ax.row is None else hint(shape[ax.row])) * hint(shape[ax.pos])  # row None: position-only
         return kept <= WINDOW_SINK_FRACTION * self.an.ctx.B * self.an.ctx.L
 
     def _input_derived(self, n: fx.Node) -> bool:

@@ -173,29 +173,45 @@ def emit_gather(pk, node):
     fused = emit_fused_gather(pk, node)  # head -> log_softmax -> gather as brcompile::packed_logprob
     if fused is not None:
         return fused
-    x, idx = node.args[0], node.args[2]
+    x, _, idx = _gather_args(node)
     ax = get_axes(x)
     return pk.graph.call_function(
         packed_gather, (pk.packed(x), pk.index(ax.window), ax.row, ax.pos, pk.dense(idx),
                         pk.options.drop_padding))
 
 
-@register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather)
+def _gather_args(node):
+    """(x, dim, idx) of ``gather(x, dim, idx)`` or ``take_along_dim(x, idx, dim)`` (dim None: flattened)."""
+    take = node.target in (torch.take_along_dim, "take_along_dim")
+    names = ("input", "indices", "dim") if take else ("input", "dim", "index")
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound.get("input", bound.get("self")), bound.get("dim"), bound.get("indices", bound.get("index"))
+
+
+@register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather, local="carry")
 def gather(ctx: AxesContext, node):
-    """gather(x, dim, idx) along a non-token dim. TOKEN idx with x's token dims -> TOKEN; a dense idx
-    (the shifted targets) with x [B, L, V] (row 0, position 1, dim 2) -> the lazy gather (DENSE)."""
-    x = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
-    idx = node.args[2] if len(node.args) > 2 else node.kwargs["index"]
+    """gather(x, dim, idx) along a non-token dim: ``out[p] = x[p with p[dim] := idx[p]]`` for every coordinate
+    p of idx — every coordinate but ``dim``, the token dims among them, is kept, so each token's slice (each
+    flattened entry's row, for flattened tokens in any one layout: ``local="carry"``) of ``out`` reads only
+    the same token's slices of x and idx: per token when idx is a TOKEN value with x's token dims, window and
+    extents there (``take_along_dim`` also broadcasts the non-token dims: still per token). A dense idx (the
+    shifted targets) with x [B, L, V] (row 0, position 1, dim 2) -> the lazy gather (DENSE)."""
+    x, dim, idx = _gather_args(node)
     fx_, fi = get_axes(x), get_axes(idx)
     if not fx_.is_token:
         return dense_fallback(ctx, node, "gather from a dense value")
+    if not isinstance(dim, int):
+        return dense_fallback(ctx, node, "take_along_dim of the flattened input")
     d = normalize_dim(dim, fx_.ndim)
     if d in fx_.token_dims():
         return dense_fallback(ctx, node, "gather along a token dim")
-    if fi.is_token and (fi.row, fi.pos, fi.window, fi.ndim) == (fx_.row, fx_.pos, fx_.window, fx_.ndim):
+    sx, si = ctx.shape(x), ctx.shape(idx)
+    if fi.is_token and (fi.row, fi.pos, fi.window, fi.ndim) == (fx_.row, fx_.pos, fx_.window, fx_.ndim) \
+            and sx is not None and si is not None and all(sx[t] == si[t] for t in fx_.token_dims()):
         return fx_
-    if fx_.ndim == 3 and (fx_.row, fx_.pos) == (0, 1) and d == 2 and node.target in (torch.gather, "gather"):
+    if fx_.ndim == 3 and (fx_.row, fx_.pos) == (0, 1) and d == 2 and node.target in (torch.gather, "gather") \
+            and not fx_.local:
         if fi.is_token:
             ctx.materialise(idx, node, "gather index with a different window")
         ctx.notes[node] = "lazy_gather"

@@ -295,9 +295,11 @@ def test_key_tile_cache_hits_same_tensor_and_rebuilds_after_inplace_change():
 
 @pytest.mark.parametrize("case", ["rl", "left_pad", "right_pad", "deep", "holes", "tiny", "single"])
 def test_matches_reference_float32(case):
-    """fp32, GQA 4/2, head dim 24 (padded to 32): out, lse, dq, dk, dv within 1e-4 of float64."""
+    """fp32, GQA 2/1, head dim 24 (padded to 32): out, lse, dq, dk, dv within 1e-4 of float64. (Every head
+    runs the same program on its own slice: one GQA group of 2 exercises the head indexing; head counts and
+    dims are test_heads_and_head_dims's.)"""
     end, valid, segments = tree_on(DEVICE, make_tree(case))
-    q, k, v = random_qkv(4, 2, end.numel(), 24, torch.float32, seed=1)
+    q, k, v = random_qkv(2, 1, end.numel(), 24, torch.float32, seed=1)
     check_against_reference(q, k, v, end, valid, segments, 24 ** -0.5, SMALL, rel=1e-4)
 
 
@@ -320,7 +322,7 @@ def test_heads_and_head_dims(hq, hkv, d):
 )
 def test_half_precision(dtype, rel):
     end, valid, segments = tree_on(DEVICE, make_tree("rl"))
-    q, k, v = random_qkv(4, 2, end.numel(), 32, dtype, seed=5)
+    q, k, v = random_qkv(2, 1, end.numel(), 32, dtype, seed=5)  # GQA 2/1: heads are test_heads_and_head_dims's
     check_against_reference(q, k, v, end, valid, segments, 32 ** -0.5, SMALL, rel=rel)
 
 
@@ -328,7 +330,7 @@ def test_strided_inputs_and_stride0_grad():
     """q/k/v as transposed views of [N, H, D] storage; grad_out from out.sum() (all strides 0)."""
     end, valid, segments = tree_on(DEVICE, make_tree("right_pad"))
     n = end.numel()
-    q, k, v = random_qkv(4, 2, n, 32, torch.float32, seed=7)
+    q, k, v = random_qkv(2, 1, n, 32, torch.float32, seed=7)
     qs = q.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
     ks = k.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
     vs = v.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
@@ -502,10 +504,10 @@ def max_depth(tree):
 @pytest.mark.parametrize("case", ["right_pad", "left_pad", "long_prompt", "dropped"])
 @pytest.mark.parametrize("window", [1, 2, 3, 9])
 def test_window_matches_reference_float32(case, window):
-    """fp32, GQA 4/2, head dim 24: out, lse, dq, dk, dv vs the window-aware float64 reference."""
+    """fp32, GQA 2/1, head dim 24: out, lse, dq, dk, dv vs the window-aware float64 reference."""
     tree = window_tree(case)
     n = tree.num_tokens
-    q, k, v = random_qkv(4, 2, n, 24, torch.float32, seed=window + n)
+    q, k, v = random_qkv(2, 1, n, 24, torch.float32, seed=window + n)
     check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 24 ** -0.5, SMALL, rel=1e-4,
                             window=window, position=tree.position)
 
@@ -528,7 +530,7 @@ def test_window_beyond_every_depth_equals_no_window(case):
     """A window wider than every ancestor distance is no window: bit-identical out, lse and grads."""
     tree = window_tree(case)
     window = max_depth(tree) + 1
-    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=31)
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=31)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     args = (tree.end, tree.valid, tree.segments, 0.25)
     plain = tree_attention_forward(q, k, v, *args, config=MIXED)
@@ -586,7 +588,7 @@ def test_alibi_through_the_registered_impl():
 
 def test_window_float16():
     tree = window_tree("right_pad")
-    q, k, v = random_qkv(4, 2, tree.num_tokens, 32, torch.float16, seed=41)
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 32, torch.float16, seed=41)
     check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 32 ** -0.5, SMALL, rel=4e-3,
                             window=3, position=tree.position)
 
@@ -698,7 +700,7 @@ def test_window_through_custom_op_matches_reference_impl():
     "reference"; the public ops.tree_attention wrapper takes the PackedTree's positions."""
     assert ops.get_attention_impl("triton", DEVICE).supports_window
     tree = window_tree("right_pad")
-    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=61)
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=61)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     arrays = (tree.end, tree.valid, tree.segments)
     out, lse = torch.ops.brcompile.tree_attention_forward(q, k, v, *arrays, 0.25, "triton", 2, tree.position)
@@ -788,10 +790,10 @@ def test_softcap_tanh_and_slope_accurate_to_float32():
 @pytest.mark.parametrize("case", ["left_pad", "holes"])
 @pytest.mark.parametrize("softcap,scale", [(0.3, 1.0), (5.0, 24 ** -0.5)])
 def test_softcap_matches_reference_float32(case, softcap, scale):
-    """fp32, GQA 4/2, head dim 24: out, lse, dq, dk, dv vs the soft-capped float64 reference. Cap 0.3 at
+    """fp32, GQA 2/1, head dim 24: out, lse, dq, dk, dv vs the soft-capped float64 reference. Cap 0.3 at
     scale 1 saturates most scores (|x| ~ 16, slope ~ 1e-14); cap 5 keeps them in the series range."""
     end, valid, segments = tree_on(DEVICE, make_tree(case))
-    q, k, v = random_qkv(4, 2, end.numel(), 24, torch.float32, seed=81)
+    q, k, v = random_qkv(2, 1, end.numel(), 24, torch.float32, seed=81)
     check_against_reference(q, k, v, end, valid, segments, scale, SMALL, rel=1e-5, softcap=softcap)
 
 
@@ -807,7 +809,7 @@ def test_softcap_with_window_and_mixed_tiles(softcap):
 
 def test_softcap_float16():
     tree = window_tree("left_pad")
-    q, k, v = random_qkv(4, 2, tree.num_tokens, 32, torch.float16, seed=85)
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 32, torch.float16, seed=85)
     check_against_reference(q, k, v, tree.end, tree.valid, tree.segments, 32 ** -0.5, SMALL, rel=4e-3,
                             softcap=1.0)
 
@@ -830,7 +832,7 @@ def test_softcap_autograd_and_custom_op_match_reference_impl():
     (..., "triton", W, position, softcap) with autograd vs impl "reference"; ops.tree_attention too."""
     assert ops.get_attention_impl("triton", DEVICE).supports_softcap
     tree = window_tree("left_pad")
-    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=89)
+    q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=89)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     arrays = (tree.end, tree.valid, tree.segments)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

@@ -95,3 +95,20 @@ def test_multi_query_attention_heads():
     assert_exact(got, want, torch.float64, "loss")
     assert_grads_exact(gg, gw, names, torch.float64)
     assert "tree_attention" in backend.records[0].packed_code
+
+
+def test_gather_of_flattened_tokens():
+    """MiniMax-M2's router: ``gather(scores, 1, topk_idx)`` of flattened tokens ``[B·L, E]`` along the experts
+    is per entry, so it carries the flattened layout (rules/attention.py: gather, ``local="carry"``) instead of
+    materialising the router scores. Its grouped-mm experts run in float32 only: float32 bound."""
+    backend = replay_arch("minimax_m2", torch.float32)
+    reasons = [reason for *_, reason in backend.records[0].materialisations]
+    assert not any("flattened" in r for r in reasons), reasons
+
+
+def test_position_only_value_needed_dense():
+    """Llama4's rotary table, a position-only value (no row dim), read by an op that needs it dense: its dense
+    value is the original's (recomputed from the positions, or pack.py's materialize at each column's kept
+    entry) instead of a refusal (axes.py: AxesContext.materialise). Llama4 computes its attention and norms
+    in float32 inside: float32 bound."""
+    replay_arch("llama4_text", torch.float32)

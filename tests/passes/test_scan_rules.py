@@ -161,7 +161,7 @@ def test_short_conv_and_cumsum_positions_replay(spelling, dynamic):
 
 def test_short_conv_without_padding_rows():
     """No attention mask bits at 0: every row a full path from the root (width 4 crosses the branch points)."""
-    model = scan_model("padded", W=5)
+    model = scan_model("padded", W=5, layers=1)  # one block: the rows' conv windows are what is tested
     ids, am, cm = grpo_like_batch(seed=3, left=False)
     run_exact(model, functools.partial(token_loss, model), (ids, torch.ones_like(am), cm))
     assert_replayed()
@@ -174,7 +174,7 @@ def test_short_conv_without_padding_rows():
 def test_non_causal_conv_is_refused_with_the_reason(spelling, reason):
     """A conv that reads later tokens is computed dense; the attention after it then cannot run packed,
     and the graph falls back naming the conv's problem (the result is still eager's)."""
-    model = scan_model(spelling, W=3)  # symmetric padding 1 keeps L outputs
+    model = scan_model(spelling, W=3, layers=1)  # symmetric padding 1 keeps L outputs; the first conv refuses
     backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch())
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
@@ -183,7 +183,7 @@ def test_non_causal_conv_is_refused_with_the_reason(spelling, reason):
 
 def test_drop_padding_refuses_scans():
     """With drop_padding the tree paths skip the left padding the dense scans read: the original runs."""
-    model = scan_model("padded")
+    model = scan_model("padded", layers=1)  # one block: the refusal is the first scan's
     backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch(), drop_padding=True)
     assert brcompile.stats().replayed_calls == 0
     assert any("drop_padding" in (r.reason or "") for r in backend.records), [r.reason for r in backend.records]
@@ -191,7 +191,7 @@ def test_drop_padding_refuses_scans():
 
 def test_streaming_split_refuses_path_scans_packed_mode_runs():
     """A chunk of tails does not hold its tokens' ancestors in the prefix: mode="replay" runs packed."""
-    model = scan_model("padded")
+    model = scan_model("padded", layers=1)  # one block: the split is refused at the first scan
     backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch(), mode="replay")
     assert_replayed()
     rec = next(r for r in backend.records if r.rewritten)
@@ -231,7 +231,8 @@ def test_float_cumsum_of_hidden_states_replays():
 
 def hf_model(family: str):
     transformers = pytest.importorskip("transformers", minversion="5.0")
-    tiny = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    # one layer: the cumsum positions are the embeddings' (before any layer); the layers repeat one attention
+    tiny = dict(vocab_size=61, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                 max_position_embeddings=128, pad_token_id=0, attn_implementation="sdpa")
     if family == "opt":
         cfg = transformers.OPTConfig(**tiny, ffn_dim=48, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)
