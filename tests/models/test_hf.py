@@ -312,7 +312,7 @@ def test_eager_attention_float64_exact(faithful_eager, float64_norms, family, pa
 
 
 def test_eager_float64_softmax_is_refused():
-    model = make_model("llama", "eager", torch.float64)
+    model = make_model("llama", "eager", torch.float64, num_hidden_layers=1)  # refused at the first softmax
     run_cell(model, "loss", shared_batch(), dynamic=False)
     assert_fell_back("softmax of torch.float64 scores is computed in torch.float32")
 
@@ -419,7 +419,7 @@ def test_sliding_window_eager_and_streamed():
 def test_eager_window_of_padding_falls_back():
     """Eager attention's additive mask makes a query whose whole window is padding uniform over its row;
     tree attention would give 0, so such a batch runs the original graph (per-call guard), exactly."""
-    model = make_model("mistral", "eager", sliding_window=2)
+    model = make_model("mistral", "eager", sliding_window=2, num_hidden_layers=1)  # one layer: the guard is per mask
     b = padded_batch(seed=10, left=False)
     assert bool(((b["attention_mask"][:, -2:] == 0).all(1)).any()), "the batch needs a 2-column pad run"
     run_cell(model, "loss", b, dynamic=False)
@@ -469,7 +469,7 @@ def test_attention_dropout_in_training_falls_back(impl):
 
 def test_hidden_dropout_in_training_falls_back():
     """Phi3's resid_pdrop > 0 in train mode: the dropout rule refuses (same RNG state for both runs)."""
-    model = make_model("phi3", "sdpa", resid_pdrop=0.1).train()
+    model = make_model("phi3", "sdpa", resid_pdrop=0.1, num_hidden_layers=1).train()  # refused at the first dropout
     b = shared_batch()
     fn = functools.partial(next_token_loss, model)
     args = (b["input_ids"], None, b["completion_mask"])
