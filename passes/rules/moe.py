@@ -79,7 +79,7 @@ def one_hot(ctx: AxesContext, node):
     return token(ax.ndim + 1, ax.row, ax.pos, ax.window)
 
 
-@register_rule([torch.scatter, "scatter", torch.scatter_add, "scatter_add"])
+@register_rule([torch.scatter, "scatter", torch.scatter_add, "scatter_add"], local="carry")
 def scatter(ctx: AxesContext, node):
     """``x.scatter(dim, idx, src)`` along a non-token dim (group-limited routing: ``zeros_like(group_scores)
     .scatter(1, group_idx, 1)``): ``out`` is x with ``out[p with p[dim] := idx[p]] = src[p]`` (``+=`` for
@@ -87,10 +87,9 @@ def scatter(ctx: AxesContext, node):
     kept, so each token's slice of ``out`` is written only from the same token's slices of x, idx and src:
     a per-token op when x, idx and a tensor src are TOKEN values with the same token dims (and the same
     extents there, so no token's slice of x is left out of the writes in one layout and not in the other).
-    Along a token dim it would move values between tokens: materialised. Flattened tokens are not carried
-    (no ``local``): a router's scatter mask is read back by ``gather(scores, 1, topk_indices)``, whose rule
-    (rules/attention.py) does not carry them, and a region's MoE weights then stop dense at the sort's index —
-    left dense as before until gather carries flattened tokens too."""
+    Along a token dim it would move values between tokens: materialised. The proof holds entry by entry for
+    flattened tokens in one layout (``local="carry"``; a router's scatter mask is read back by
+    ``gather(scores, 1, topk_indices)``, which carries them too: rules/attention.py)."""
     x = node.args[0] if node.args else node.kwargs.get("input")
     dim = _dim(node, 1)
     idx = node.kwargs.get("index", node.args[2] if len(node.args) > 2 else None)

@@ -112,3 +112,14 @@ def test_position_only_value_needed_dense():
     entry) instead of a refusal (axes.py: AxesContext.materialise). Llama4 computes its attention and norms
     in float32 inside: float32 bound."""
     replay_arch("llama4_text", torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["solar_open", "deepseek_v3"])
+def test_scatter_of_flattened_tokens(arch):
+    """Group-limited routers (Solar-Open, DeepSeek-V3): ``zeros_like(group_scores).scatter(1, group_idx, 1)``
+    over flattened tokens ``[B·L, G]`` and the ``gather`` reading the scores back are per entry, so both carry
+    the flattened layout (rules/moe.py: scatter, rules/attention.py: gather) and the router stays packed.
+    Grouped-mm experts run in float32 only: float32 bound."""
+    backend = replay_arch(arch, torch.float32)
+    reasons = [reason for *_, reason in backend.records[0].materialisations]
+    assert not any("flattened" in r for r in reasons), reasons
