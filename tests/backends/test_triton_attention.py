@@ -135,6 +135,8 @@ def make_tree(case):
         end, valid, segments = pack_rows(rl_rows(3, groups=2, rollouts=3))
         valid[torch.arange(0, end.numel(), 7)] = False
         return end, valid, segments
+    if case == "small_left_pad":  # 38 tokens: three 16-query blocks, the last cut at the edge; pad queries
+        return pack_rows(*padded(rl_rows(1, groups=2, rollouts=3, prompt=(3, 9), response=(1, 6)), "left"))
     if case == "tiny":
         return pack_rows([[1, 2, 3], [1, 2, 4, 5]])
     if case == "single":
@@ -384,8 +386,8 @@ def test_property_random_forests(seed, groups, rollouts, side):
 # ------------------------------------------------------------------------------ ops registry, opcheck
 
 
-def _op_inputs(requires_grad):
-    end, valid, segments = tree_on(DEVICE, make_tree("left_pad"))
+def _op_inputs(requires_grad, case="left_pad"):
+    end, valid, segments = tree_on(DEVICE, make_tree(case))
     # 2 query heads on 1 KV head (GQA): what the op registration checks need; more heads only add
     # interpreted programs (head counts and dims: test_heads_and_head_dims)
     q, k, v = random_qkv(2, 1, end.numel(), 16, torch.float32, seed=3)
@@ -413,7 +415,9 @@ def test_custom_op_matches_reference_impl():
 
 
 def test_opcheck_forward_and_backward_ops():
-    q, k, v, end, valid, segments = _op_inputs(True)
+    # opcheck runs each op a dozen times (schema, fake tensors, autograd registration): a 38-token tree
+    # (several blocks, a partial last one, pad queries) checks the registration as well as a 104-token one
+    q, k, v, end, valid, segments = _op_inputs(True, "small_left_pad")
     torch.library.opcheck(torch.ops.brcompile.tree_attention_forward,
                           (q, k, v, end, valid, segments, 0.25, "triton"))
     with torch.no_grad():
@@ -721,7 +725,7 @@ def test_window_through_custom_op_matches_reference_impl():
 
 @pytest.mark.parametrize("seed,softcap", [(71, ()), (91, (0.6,))], ids=["window", "window_softcap"])
 def test_window_opcheck(seed, softcap):
-    tree = window_tree("left_pad")
+    tree = window_tree("dropped")  # 24 tokens, left padding dropped (positions skip columns): two blocks
     q, k, v = random_qkv(2, 1, tree.num_tokens, 16, torch.float32, seed=seed)
     q.requires_grad_()
     arrays = (tree.end, tree.valid, tree.segments)
