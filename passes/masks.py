@@ -173,6 +173,9 @@ def evaluate(mask: fx.Node, values: dict[fx.Node, object],
         if n.op == "get_attr":
             env[n] = getattr(n.graph.owning_module, n.target)
             continue
+        if any(k.startswith("br_") for k in n.kwargs):  # an analysis-only edge (canonicalize: br_sinks)
+            raise CannotReplay(f"the value {mask.name} depends on {n.name}, an attention the canonicalisation "
+                               f"rewrote (an attention's output inside a mask or a probed region)", n)
         args, kwargs = n.args, n.kwargs
         if literal is not None:
             args, kwargs = _map_ints((args, kwargs), literal)
