@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 from typing import Any, Optional
 
 import torch
@@ -201,7 +200,7 @@ def _with_side_effects(order: list[fx.Node], seen: set, inputs: dict) -> list[fx
     ``torch.vmap``'s nesting levels, which the region's ops need to run as traced)."""
     if not order:
         return order
-    span, node, keep = [], order[0], set(seen)
+    node, keep = order[0], set(seen)
     while node is not order[-1]:
         node = node.next
         if node.op == "call_function" and not node.users and all(a in keep or a in inputs
