@@ -3,8 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-import brcompile
-from brcompile.testing import assert_exact
+from tests.helpers import replay_exact
 
 
 class ConstExpandedToTokens(torch.nn.Module):
@@ -19,27 +18,6 @@ class ConstExpandedToTokens(torch.nn.Module):
         q = h.unsqueeze(1)
         o = F.scaled_dot_product_attention(q, q, q, is_causal=True).squeeze(1)
         return (o * s).square().sum()
-
-
-def replay_exact(model):
-    """Compile ``model`` (eager packed graph) on ids with a shared prefix: loss and every gradient equal the
-    eager model's, and the call replayed with fewer executed tokens. Returns the backend."""
-    torch.manual_seed(0)
-    model = model.double()
-    ids = torch.randint(1, 11, (1, 7)).repeat(3, 1)
-    ids[1:, 5:] = torch.randint(1, 11, (2, 2))
-    params = list(model.parameters())
-    want = model(ids)
-    gw = torch.autograd.grad(want, params)
-    backend = brcompile.backend(compiler="eager")
-    got = torch.compile(model, backend=backend)(ids)
-    gg = torch.autograd.grad(got, params)
-    assert_exact(got, want, torch.float64, "loss")
-    for a, b in zip(gg, gw):
-        assert_exact(a, b, torch.float64, "grad")
-    s = brcompile.stats()
-    assert s.replayed_calls == 1 and s.executed_tokens < s.logical_tokens, str(s)
-    return backend
 
 
 def test_expand_of_a_constant_to_token_shape():

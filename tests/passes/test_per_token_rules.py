@@ -7,31 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import brcompile
-from brcompile.testing import assert_exact
+from tests.helpers import replay_exact
 
 V, D, H = 11, 8, 2
-
-
-def replay_exact(model, dynamic=False):
-    """Compile ``model`` (packed graph run as is) on ids with a shared prefix: loss and every gradient equal
-    the eager model's (float64 bound), the call replayed with fewer executed tokens. Returns the backend."""
-    torch.manual_seed(0)
-    model = model.double()
-    ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
-    ids[1:, 5:] = torch.randint(1, V, (2, 2))
-    params = list(model.parameters())
-    want = model(ids)
-    gw = torch.autograd.grad(want, params)
-    backend = brcompile.backend(compiler="eager")
-    got = torch.compile(model, backend=backend, dynamic=dynamic)(ids)
-    gg = torch.autograd.grad(got, params)
-    assert_exact(got, want, torch.float64, "loss")
-    for a, b in zip(gg, gw):
-        assert_exact(a, b, torch.float64, "grad")
-    s = brcompile.stats()
-    assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
-    return backend
 
 
 class Block(torch.nn.Module):

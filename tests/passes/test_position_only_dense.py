@@ -5,10 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import brcompile
 from brcompile.passes.pack import materialize
-from brcompile.testing import assert_exact
-from tests.helpers import assert_grads_exact
+from tests.helpers import replay_exact
 
 V, D, H = 11, 8, 2
 
@@ -55,27 +53,10 @@ class Table(torch.nn.Module):
         return out.pow(2).sum() + table[..., :-1, :].exp().sum()
 
 
-def _replay(model):
-    model = model.double()
-    ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
-    ids[1:, 5:] = torch.randint(1, V, (2, 2))
-    names, params = zip(*model.named_parameters())
-    want = model(ids)
-    gw = torch.autograd.grad(want, params)
-    backend = brcompile.backend(compiler="eager")
-    got = torch.compile(model, backend=backend)(ids)
-    gg = torch.autograd.grad(got, params)
-    assert_exact(got, want, torch.float64, "loss")
-    assert_grads_exact(gg, gw, names, torch.float64)
-    s = brcompile.stats()
-    assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
-    return backend
-
-
 @pytest.mark.parametrize("batched", [False, True])
 def test_position_only_table_needed_dense(batched):
     """[L, D] and [1, L, D] tables: loss and every gradient equal eager's (float64), the call replayed, and the
     table was materialised from its packed value (row None), not refused."""
-    backend = _replay(Table(batched))
+    backend = replay_exact(Table(batched))
     code = backend.records[0].packed_code
     assert any("pack_materialize(" in line and ", None, " in line for line in code.splitlines()), code

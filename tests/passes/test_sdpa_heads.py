@@ -6,10 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import brcompile
 from brcompile.passes.rules.attention import head_counts_unsupported
-from brcompile.testing import assert_exact
-from tests.helpers import assert_grads_exact
+from tests.helpers import replay_exact
 
 V, D, H, HD = 11, 8, 4, 4
 
@@ -39,19 +37,7 @@ class MQA(torch.nn.Module):
 def test_broadcast_kv_heads(hk, hv):
     """Loss and every gradient equal eager's (float64 bound); the call replayed with fewer executed tokens and
     the attention ran as tree attention."""
-    model = MQA(hk, hv).double()
-    ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
-    ids[1:, 5:] = torch.randint(1, V, (2, 2))
-    params = list(model.parameters())
-    want = model(ids)
-    gw = torch.autograd.grad(want, params)
-    backend = brcompile.backend(compiler="eager")
-    got = torch.compile(model, backend=backend)(ids)
-    gg = torch.autograd.grad(got, params)
-    assert_exact(got, want, torch.float64, "loss")
-    assert_grads_exact(gg, gw, [n for n, _ in model.named_parameters()], torch.float64)  # k's bias cancels
-    s = brcompile.stats()
-    assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
+    backend = replay_exact(MQA(hk, hv))  # k's bias gradient cancels: assert_grads_exact
     assert "tree_attention" in backend.records[0].packed_code
 
 
