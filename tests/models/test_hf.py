@@ -541,8 +541,10 @@ class TinyEagerLM(torch.nn.Module):
         causal = torch.full((L, L), float("-inf"), dtype=x.dtype).triu(1)
         if self.variant == "bool_added":
             s = s + torch.ones(L, L, dtype=torch.bool).tril()
-        elif self.variant == "bias":
+        elif self.variant == "alibi":  # slope 0.1 times the key position: ALiBi (a tree-attention feature)
             s = s + (causal + 0.1 * torch.arange(L, dtype=x.dtype))
+        elif self.variant == "bias":  # quadratic in the key position: a bias tree attention does not have
+            s = s + (causal + 0.1 * torch.arange(L, dtype=x.dtype) ** 2)
         elif self.variant != "no_mask":
             s = s + causal
         p = torch.softmax(s, dim=-2 if self.variant == "query_dim" else -1)
@@ -563,7 +565,8 @@ def tiny_loss(model, ids):
     ("softcap_mismatch", "logit soft-capping"),
     ("tensor_scale", "`mul <- q @ k^T` between the scores matmul and the softmax"),
     ("bool_added", "not a float tensor"),
-    ("bias", "a bias"),
+    ("alibi", None),
+    ("bias", "not ALiBi"),
     ("no_mask", "bidirectional"),
     ("query_dim", "not the key dim"),
     ("probs_used", "other users"),
