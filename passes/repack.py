@@ -237,6 +237,8 @@ class _Probe:
             self.values[a] = self._value(a, ax)
 
     def _value(self, a: fx.Node, ax) -> Any:
+        if a.op == "get_attr":  # a submodule (a custom autograd.Function's fwd/bwd bodies) or a constant
+            return _evaluate(a, self.ctx)
         ev = example_value(a)
         if not isinstance(ev, torch.Tensor):
             return hint(ev)

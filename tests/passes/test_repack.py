@@ -102,6 +102,32 @@ def test_causal_region_without_a_rule_is_packed_again():
     assert "cummax" in str(record.repacked[0]) or record.repacked[0].region_ops >= 1
 
 
+class _Softplus(torch.autograd.Function):
+    """A custom autograd.Function (Dynamo captures it as ``autograd_function_apply`` with its forward and
+    backward bodies as submodules of the graph)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.softplus(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.sigmoid(x)
+
+
+def running_max_of_custom_function(x):
+    return torch.cummax(_Softplus.apply(x), dim=1).values
+
+
+def test_region_with_a_custom_autograd_function_is_packed_again():
+    """The probes evaluate the Function's bodies (``get_attr`` inputs of the region) as the graph does."""
+    backend = run(MixedModel(running_max_of_custom_function), batch())
+    assert_replayed_calls(1)
+    assert backend.records[-1].repacked, backend.records[-1]
+
+
 @pytest.mark.parametrize("mixer, why", [
     (look_ahead, "not packed again: no row dim and position dim"),
     (across_rows, "not packed again: no row dim and position dim"),
