@@ -112,7 +112,7 @@ def _tiny_config_kwargs(cls, default) -> dict:
         kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)  # MLA: as many K/V heads as query heads
     # per-layer lists sized for the default depth: cut to the tiny depth
     layers = kw.get("num_hidden_layers")
-    for key in ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern"):
+    for key in ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern", "block_types"):
         cur = getattr(default, key, None)
         if not _settable(cls, key):
             continue
@@ -123,11 +123,21 @@ def _tiny_config_kwargs(cls, default) -> dict:
     kw.update(_hybrid_periods(cls, default, layers))
     if not _settable(cls, "layers_block_type"):
         kw.pop("layer_types", None)  # derived (Bamba, Falcon-H1): set through attn_layer_indices
+    hybrid = HYBRID_LAYER_KINDS.get(getattr(cls, "model_type", None))
+    if hybrid and layers and layers >= 2:
+        for alias, target in getattr(cls, "attribute_map", {}).items():
+            if target == hybrid[0]:
+                kw.pop(alias, None)
+        kw[hybrid[0]] = hybrid[1] + hybrid[1][-1:] * (layers - 2)
     return kw
 
 
 #: layer kinds that hold an attention (a hybrid's tiny depth keeps one of them)
 ATTENTION_KINDS = ("full_attention", "attention", "hybrid", "sliding_attention", "*")
+
+#: hybrids whose default config has no attention layer at all (the family's released checkpoints do):
+#: the tiny depth sets one layer of each kind
+HYBRID_LAYER_KINDS = {"granitemoehybrid": ("layer_types", ["linear_attention", "full_attention"])}
 
 
 def _hybrid_cut(kinds: list, layers: int) -> list:
