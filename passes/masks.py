@@ -100,8 +100,9 @@ class MaskInfo:
         return s + (f" for L <= {self.max_length}" if self.max_length is not None else "")
 
 
-def ancestors(node: fx.Node) -> list[fx.Node]:
-    """All nodes ``node`` depends on (itself included), in graph order."""
+def ancestors(node: fx.Node, inside: Callable[[fx.Node], bool] = lambda n: True) -> list[fx.Node]:
+    """All nodes ``node`` depends on (itself included), in graph order; the walk enters only the inputs
+    for which ``inside`` holds (a region's boundary stays out)."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
@@ -109,7 +110,7 @@ def ancestors(node: fx.Node) -> list[fx.Node]:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(n.all_input_nodes)
+        stack.extend(a for a in n.all_input_nodes if inside(a))
     return [n for n in node.graph.nodes if n in seen]
 
 

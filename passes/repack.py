@@ -47,6 +47,7 @@ import torch.fx as fx
 from brcompile.passes.axes import (
     AxesContext, CannotReplay, example_value, get_axes, hint, node_args, register_rule, set_axes, token,
 )
+from brcompile.passes.masks import ancestors
 
 log = logging.getLogger(__name__)
 
@@ -172,26 +173,15 @@ class _NotCausal(Exception):
 
 def _region(ctx: AxesContext, v: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """(DENSE nodes computing ``v``, in graph order; their non-DENSE inputs)."""
-    seen: set[fx.Node] = set()
-    inputs: dict[fx.Node, None] = {}
-    stack = [v]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    order = ancestors(v, inside=lambda a: get_axes(a).is_dense)
+    for n in order:
         if n.op == "placeholder":
             raise _NotCausal(f"it reads {n.name}, a per-batch input that is not a tree key (rows sharing a "
                              f"prefix may differ there)")
         if n.op not in ("call_function", "call_method"):
             raise _NotCausal(f"its region holds a {n.op} node ({n.name})")
-        for a in n.all_input_nodes:
-            ax = get_axes(a)
-            if ax.is_dense:
-                stack.append(a)
-            else:
-                inputs[a] = None
-    order = [n for n in ctx.gm.graph.nodes if n in seen]
+    seen = set(order)
+    inputs = {a: None for n in order for a in n.all_input_nodes if a not in seen}
     return _with_side_effects(order, seen, inputs), list(inputs)
 
 
