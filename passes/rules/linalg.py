@@ -7,9 +7,11 @@ A product of two TOKEN values (``q @ k^T``) mixes positions: that is attention, 
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.axes import AxesContext, dense_fallback, get_axes, register_rule, shape_of, token
@@ -85,18 +87,43 @@ def _product(ctx: AxesContext, node, a, b):
     return token(R, None if tok.row is None else tdims[tok.row], tdims[tok.pos], tok.window)
 
 
-@register_rule(spellings("addmm"), local="carry")
+def emit_addmm(pk, node):
+    """``addmm`` as is; ``baddbmm(c, a, b, beta=β, alpha=α)`` as ``β·c + α·bmm(a, b)`` on the packed
+    operands: the same sum (a reassociation at most), but torch's ``baddbmm`` kernel needs concrete sizes under
+    fake tensors, which would tie the packed graph to the example batch's N (passes/check.py)."""
+    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
+                                         lambda a: pk.packed(a) if isinstance(a, fx.Node) else a)
+    if node.target not in spellings("baddbmm"):
+        return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
+    names = ("input", "batch1", "batch2", "beta", "alpha")
+    c, a, b, beta, alpha = [kwargs.get(k, args[i] if len(args) > i else None) for i, k in enumerate(names)]
+    if node.op == "call_method":  # c.baddbmm(a, b): the receiver is the addend
+        c, a, b = args[0], kwargs.get("batch1", args[1] if len(args) > 1 else None), \
+            kwargs.get("batch2", args[2] if len(args) > 2 else None)
+        beta, alpha = kwargs.get("beta"), kwargs.get("alpha")
+    g = pk.graph
+    prod = g.call_function(torch.bmm, (a, b))
+    if alpha not in (None, 1):
+        prod = g.call_function(operator.mul, (prod, alpha))
+    if beta not in (None, 1):
+        c = g.call_function(operator.mul, (c, beta))
+    return g.call_function(operator.add, (c, prod))
+
+
+@register_rule(spellings("addmm", "baddbmm"), emit=emit_addmm, local="carry")
 def addmm(ctx: AxesContext, node):
     """``addmm(c, a, b, beta=β, alpha=α) = β·c + α·(a @ b)`` (GPT-2's ``Conv1D``: ``addmm(bias, x.view(-1, D),
-    W)`` of flattened tokens). The product keeps a token dim exactly as ``mm`` does (matmul above); the sum
+    W)`` of flattened tokens) and its batched twin ``baddbmm`` (RecurrentGemma's block-diagonal gates:
+    ``baddbmm(bias[:, None, :], x_flat.view(n, H, W).permute(1, 0, 2), W)``, a per-head ``mm`` whose row dim
+    is the flattened tokens). The product keeps a token dim exactly as ``mm``/``bmm`` do (matmul above); the sum
     then is a pointwise op of the product and ``c`` broadcast to ``[n, m]``, so it keeps the product's fact
     when ``c`` is a constant with extent 1 along the product's token dims (a bias ``[m]``) or a TOKEN value
     with the product's own token dims and window (a residual). β and α must be constants: they scale every
     element alike. Anything else is materialised."""
     c, a, b = (list(node.args) + [None] * 3)[:3]
     c = node.kwargs.get("input", c)
-    a = node.kwargs.get("mat1", a)
-    b = node.kwargs.get("mat2", b)
+    a = node.kwargs.get("mat1", node.kwargs.get("batch1", a))
+    b = node.kwargs.get("mat2", node.kwargs.get("batch2", b))
     scalars = [node.kwargs.get(k, node.args[i] if len(node.args) > i else None) for i, k in ((3, "beta"), (4, "alpha"))]
     if any(not get_axes(s).is_const for s in scalars):
         return dense_fallback(ctx, node, "addmm with a per-token beta or alpha")

@@ -1,7 +1,7 @@
 """Per-token rules end to end (float64, loss and every gradient vs eager, the call replayed with fewer
 executed tokens): ``polar`` of position-only frequencies (a complex rotary table), one constant array index
 on a feature dim (Falcon's fused ``qkv[..., [-2], :]``), ``scatter`` along a non-token dim (a router's
-per-token mask), GPT-2's ``addmm`` over flattened tokens, and ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh
+per-token mask), GPT-2's ``addmm`` and RecurrentGemma's per-head ``baddbmm`` over flattened tokens, and ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh
 values (passes/functionalize.py)."""
 import pytest
 import torch
@@ -39,6 +39,11 @@ class Block(torch.nn.Module):
         h = self.emb(ids)
         if self.variant == "addmm":  # GPT-2's Conv1D
             qkv = torch.addmm(self.bias, h.view(-1, D), self.qkv).view(B, L, 3 * D)
+        elif self.variant == "baddbmm":  # RecurrentGemma's block-diagonal linear: one [D/H, 3D/H] block per head
+            blocks = self.qkv.view(H, D // H, H, 3 * D // H).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+            x = h.reshape(B * L, H, D // H).permute(1, 0, 2)  # [H, B*L, D/H]: the flattened tokens are the rows
+            qkv = torch.baddbmm(self.bias.view(H, 1, 3 * D // H), x, blocks, alpha=0.5)
+            qkv = qkv.transpose(0, 1).reshape(B, L, 3 * D)
         else:
             qkv = h @ self.qkv + self.bias
         q, k, v = qkv.view(B, L, 3, H, D // H).transpose(1, 3).unbind(2)  # [B, H, L, hd] each
@@ -61,12 +66,14 @@ class Block(torch.nn.Module):
 
 
 @pytest.mark.parametrize("variant,dynamic", [("polar", False), ("polar", True), ("array_index", False),
-                                             ("scatter", False), ("addmm", True), ("setitem", False)])
+                                             ("scatter", False), ("addmm", True), ("baddbmm", True),
+                                             ("setitem", False)])
 def test_per_token_rule_replays_exactly(variant, dynamic):
     backend = replay_exact(Block(variant), dynamic=dynamic)
     rec = backend.records[0]
     assert rec.rewritten, rec.reason
     if variant == "polar":  # the packed graph builds the table as a (real, imaginary) pair (rules/pointwise.py)
         assert "polar" not in rec.packed_code and "view_as_complex" in rec.packed_code
+    assert not rec.repacked, rec.repacked  # every value has a per-token rule: no dense region packed again
     mats = [node for node, *_ in rec.materialisations]
     assert all(("getitem" not in m and "scatter" not in m and "addmm" not in m and "cat" not in m) for m in mats), mats
