@@ -173,7 +173,7 @@ class _NotCausal(Exception):
 
 def _region(ctx: AxesContext, v: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """(DENSE nodes computing ``v``, in graph order; their non-DENSE inputs)."""
-    order = ancestors(v, inside=lambda a: get_axes(a).is_dense)
+    order = ancestors(v, inside=lambda a: get_axes(a).is_dense or _window_of_token(ctx, a))
     for n in order:
         if n.op == "placeholder":
             raise _NotCausal(f"it reads {n.name}, a per-batch input that is not a tree key (rows sharing a "
@@ -183,6 +183,14 @@ def _region(ctx: AxesContext, v: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]
     seen = set(order)
     inputs = {a: None for n in order for a in n.all_input_nodes if a not in seen}
     return _with_side_effects(order, seen, inputs), list(inputs)
+
+
+def _window_of_token(ctx: AxesContext, a: fx.Node) -> bool:
+    """Whether ``a`` is a window of a TOKEN value (``x[:, t]`` of an unrolled recurrence): the region then
+    computes it from the whole value, so the probes perturb every position of that value."""
+    ax = get_axes(a)
+    return (ax.is_token and not ax.region and a.op in ("call_function", "call_method")
+            and not _whole_at_example(ctx, a, ax))
 
 
 def _with_side_effects(order: list[fx.Node], seen: set, inputs: dict) -> list[fx.Node]:

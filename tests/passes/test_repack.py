@@ -121,6 +121,25 @@ def running_max_of_custom_function(x):
     return torch.cummax(_Softplus.apply(x), dim=1).values
 
 
+def unrolled_recurrence(x):
+    """RecurrentGemma's ``_rnn_scan`` spelling: a Python loop over positions (unrolled by Dynamo) reading
+    each position's slice ``x[:, t]``, a window of a token value, written into a fresh buffer."""
+    h = torch.zeros_like(x[:, 0])
+    out = torch.zeros_like(x)
+    for t in range(x.shape[1]):
+        h = torch.sigmoid(x[:, t]) * h + x[:, t]
+        out[:, t] = h
+    return out
+
+
+def test_region_reading_position_slices_is_packed_again():
+    """The slices ``x[:, t]`` are computed inside the region from the whole ``x``: the probes perturb every
+    position of ``x`` and see the recurrence is causal."""
+    backend = run(MixedModel(unrolled_recurrence), batch())
+    assert_replayed_calls(1)
+    assert backend.records[-1].repacked, backend.records[-1]
+
+
 def test_region_with_a_custom_autograd_function_is_packed_again():
     """The probes evaluate the Function's bodies (``get_attr`` inputs of the region) as the graph does."""
     backend = run(MixedModel(running_max_of_custom_function), batch())
