@@ -8,8 +8,10 @@ and row-independent and the packed graph may run the same ops over the N packed 
 
 * **Flattened tokens** (``shape.flatten_view``): ``h.view(-1, D)`` gives a ``[B·L·k, …]`` value whose entry
   ``(b·L + t)·k + s`` belongs to token (b, t) (fact ``flat = k``); its packed twin is ``[N·k, …]`` with entry
-  ``n·k + s``. Per-entry ops (pointwise, ``linear``, ``softmax``/``topk``/``one_hot`` on the expert dim,
-  lookups ``W[expert_ids]``, ``repeat_interleave`` along the flat dim, batched per-token ``bmm``) keep it;
+  ``n·k + s``. Per-entry ops (pointwise, ``linear``, ``softmax``/``topk``/``max``/``one_hot`` on the expert dim,
+  ``gather``/``scatter`` along it — a router that picks experts by bias-corrected scores and gathers the
+  uncorrected ones at them, whose weights the experts then read as ``weights[perm]``), lookups
+  ``W[expert_ids]``, ``repeat_interleave`` along the flat dim, batched per-token ``bmm``) keep it;
   ``reshape(B, L, D)`` unflattens it.
 * **Token-local regions** (sort-based dispatch, HF's ``grouped_mm`` experts): ``sort(key)`` of a flattened
   integer key (the expert ids) gives the sorted keys and a permutation P. A value *in the order of P*
@@ -20,8 +22,9 @@ and row-independent and the packed graph may run the same ops over the N packed 
   out as idx points to returns, at each of idx's entries, the value of that entry's own token or entry:
   the layout becomes idx's own. Group offsets ``cumsum(histc(sorted keys, bins=E, min=0, max=E-1))`` (fact
   ``groups``) bound the runs of equal keys in P's order when the keys are integers in ``[0, E)`` (proved
-  from their ``topk``/``argmax`` origin); a grouped matmul ``grouped_mm(x, W, offs)`` of a value in P's
-  order then multiplies the row of entry ``P(i)`` by ``W[key(P(i))]``: a per-entry function again.
+  from their origin: indices of ``topk``/``max``/``argmax`` over E experts, or a concatenation of such); a
+  grouped matmul ``grouped_mm(x, W, offs)`` of a value in P's order then multiplies the row of entry
+  ``P(i)`` by ``W[key(P(i))]``: a per-entry function again.
   The packed graph computes the sort, the counts and the offsets over the N·k packed entries: a different
   permutation, but every value is still, entry by entry, the same function of its own token, and the
   inverse permutation brings it back to the natural order, where ``packed[n·k + s] == dense[(b·L + t)·k + s]``

@@ -1,8 +1,8 @@
 """Per-token rules end to end (float64, loss and every gradient vs eager, the call replayed with fewer
 executed tokens): ``polar`` of position-only frequencies (a complex rotary table), one constant array index
 on a feature dim (Falcon's fused ``qkv[..., [-2], :]``), ``scatter`` along a non-token dim (a router's
-per-token mask), ``max``/``min`` over the features and elementwise, GPT-2's ``addmm`` over flattened tokens, and ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh
-values (passes/functionalize.py)."""
+per-token mask), ``max``/``min`` over the features and elementwise, GPT-2's ``addmm`` over flattened
+tokens, and ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh values (passes/functionalize.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
