@@ -427,8 +427,8 @@ def propagate(ctx: AxesContext) -> None:
         if any(a in tainted or get_axes(a).is_token for a in args):
             tainted.add(node)
             if node.op == "call_method" and node.target in RANDOM_FILLS:
-                ctx.fail(node, f"random draw {node.target} over token values: each row's copy of a shared token "
-                               f"draws its own numbers (training-mode sampling, e.g. a router's Gumbel noise)")
+                ctx.fail(node, f"random draw {node.target} over token values: every copy of a shared token draws "
+                               f"its own numbers (training-mode sampling, e.g. the Gumbel noise of a router)")
             if is_inplace(node):
                 ctx.fail(node, "in-place op on a value derived from the token inputs")
         if node.op == "placeholder":
