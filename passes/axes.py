@@ -356,6 +356,10 @@ INPLACE_OPERATORS = frozenset({
     operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
     operator.irshift, operator.setitem})
 
+#: Tensor methods that overwrite their tensor with random draws (``empty_like(x).exponential_()``: Gumbel noise)
+RANDOM_FILLS = frozenset({"exponential_", "uniform_", "normal_", "bernoulli_", "random_", "geometric_", "cauchy_",
+                          "log_normal_"})
+
 
 def _register_state_changes() -> None:
     """functorch's level changes (``torch.vmap`` / ``jvp`` traced inline, as Dynamo records
@@ -422,6 +426,9 @@ def propagate(ctx: AxesContext) -> None:
         args = node_args(node)
         if any(a in tainted or get_axes(a).is_token for a in args):
             tainted.add(node)
+            if node.op == "call_method" and node.target in RANDOM_FILLS:
+                ctx.fail(node, f"random draw {node.target} over token values: every copy of a shared token draws "
+                               f"its own numbers (training-mode sampling, e.g. the Gumbel noise of a router)")
             if is_inplace(node):
                 ctx.fail(node, "in-place op on a value derived from the token inputs")
         if node.op == "placeholder":

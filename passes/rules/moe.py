@@ -8,8 +8,10 @@ and row-independent and the packed graph may run the same ops over the N packed 
 
 * **Flattened tokens** (``shape.flatten_view``): ``h.view(-1, D)`` gives a ``[B·L·k, …]`` value whose entry
   ``(b·L + t)·k + s`` belongs to token (b, t) (fact ``flat = k``); its packed twin is ``[N·k, …]`` with entry
-  ``n·k + s``. Per-entry ops (pointwise, ``linear``, ``softmax``/``topk``/``one_hot`` on the expert dim,
-  lookups ``W[expert_ids]``, ``repeat_interleave`` along the flat dim, batched per-token ``bmm``) keep it;
+  ``n·k + s``. Per-entry ops (pointwise, ``linear``, ``softmax``/``topk``/``max``/``one_hot`` on the expert dim,
+  ``gather``/``scatter`` along it — a router that picks experts by bias-corrected scores and gathers the
+  uncorrected ones at them, whose weights the experts then read as ``weights[perm]``), lookups
+  ``W[expert_ids]``, ``repeat_interleave`` along the flat dim, batched per-token ``bmm``) keep it;
   ``reshape(B, L, D)`` unflattens it.
 * **Token-local regions** (sort-based dispatch, HF's ``grouped_mm`` experts): ``sort(key)`` of a flattened
   integer key (the expert ids) gives the sorted keys and a permutation P. A value *in the order of P*
@@ -20,8 +22,9 @@ and row-independent and the packed graph may run the same ops over the N packed 
   out as idx points to returns, at each of idx's entries, the value of that entry's own token or entry:
   the layout becomes idx's own. Group offsets ``cumsum(histc(sorted keys, bins=E, min=0, max=E-1))`` (fact
   ``groups``) bound the runs of equal keys in P's order when the keys are integers in ``[0, E)`` (proved
-  from their ``topk``/``argmax`` origin); a grouped matmul ``grouped_mm(x, W, offs)`` of a value in P's
-  order then multiplies the row of entry ``P(i)`` by ``W[key(P(i))]``: a per-entry function again.
+  from their origin: indices of ``topk``/``max``/``argmax`` over E experts, or a concatenation of such); a
+  grouped matmul ``grouped_mm(x, W, offs)`` of a value in P's order then multiplies the row of entry
+  ``P(i)`` by ``W[key(P(i))]``: a per-entry function again.
   The packed graph computes the sort, the counts and the offsets over the N·k packed entries: a different
   permutation, but every value is still, entry by entry, the same function of its own token, and the
   inverse permutation brings it back to the natural order, where ``packed[n·k + s] == dense[(b·L + t)·k + s]``
@@ -235,18 +238,21 @@ def region_op(ctx: AxesContext, node):
     ctx.fail(node, f"{name} of a value of a token-local region ({what}) would read the batch's token order")
 
 
-def _key_range(node: fx.Node):
-    """Number of distinct values an integer key can take, from its origin: the indices of ``topk``/``sort``
-    along a dim of extent E, or ``argmax``/``argmin`` over it, through views and integer casts; else None."""
+def _key_range(node: fx.Node, depth: int = 0):
+    """Bound E on an integer key's values (all in ``[0, E)``), from its origin: the indices of ``topk``/``sort``
+    along a dim of extent E, or of ``max``/``min``/``argmax``/``argmin`` over it, through views and integer
+    casts; a concatenation of such keys takes the largest of their bounds; else None."""
     seen = 0
-    while isinstance(node, fx.Node) and seen < 32:
+    while isinstance(node, fx.Node) and seen < 32 and depth < 8:
         seen += 1
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             src = node.args[0]
             tname = src.target if isinstance(src.target, str) else getattr(src.target, "__name__", "")
-            if tname in ("topk", "sort") and node.args[1] == 1:
+            if tname in ("topk", "sort", "max", "min") and node.args[1] == 1:
                 dim = _dim(src, 2 if tname == "topk" else 1, -1)
                 shp = shape_of(src.args[0])
+                if not isinstance(dim, int) or shp is None or not isinstance(example_value(src), (tuple, list)):
+                    return None
                 return shp[normalize_dim(dim, len(shp))]
             if tname == "sort" and node.args[1] == 0:
                 node = src.args[0]  # the sorted keys take the keys' values
@@ -259,6 +265,10 @@ def _key_range(node: fx.Node):
         if tname in ("argmax", "argmin"):
             shp = shape_of(node.args[0])
             return shp[normalize_dim(_dim(node, 1), len(shp))]
+        if tname in ("cat", "concat", "concatenate"):  # each part's values in [0, E_i): all in [0, max E_i)
+            parts = node.args[0] if node.args else node.kwargs.get("tensors")
+            bounds = [_key_range(p, depth + 1) for p in parts] if isinstance(parts, (list, tuple)) else [None]
+            return None if not bounds or None in bounds else max(bounds)
         if tname in ("reshape", "view", "flatten", "contiguous", "clone", "detach") or tname in _CASTS:
             node = node.args[0]
             continue

@@ -8,11 +8,13 @@ token dim (``x.mean(0)`` mixes rows, ``x.sum(1)`` mixes positions) needs the den
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.axes import (
-    AxesContext, dense_fallback, get_axes, normalize_dim, register_rule, shape_of, token,
+    AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule, token,
 )
+from brcompile.passes.rules import pointwise as _pointwise
 from brcompile.passes.spellings import spellings
 
 REDUCTIONS = [
@@ -42,11 +44,24 @@ def reduction(ctx: AxesContext, node):
     dims = _reduced_dims(node, ax.ndim)
     if any(d in ax.token_dims() for d in dims):
         return dense_fallback(ctx, node, "reduction over a token dim (mixes rows or positions)")
-    out_ndim = len(shape_of(node))
+    out = example_value(node)
+    out_ndim = (out[0] if isinstance(out, (tuple, list)) else out).dim()  # (values, indices) of max/min
     if out_ndim == ax.ndim:
         return ax
     sh = lambda x: None if x is None else x - sum(1 for d in dims if d < x)  # noqa: E731
     return token(out_ndim, sh(ax.row), sh(ax.pos), ax.window)
+
+
+@register_rule([torch.max, torch.min, "max", "min"], emit=_pointwise.emit_pointwise, local="carry")
+def max_min(ctx: AxesContext, node):
+    """``max``/``min`` in their three forms: ``x.max()`` over every element and ``x.max(dim)`` -> (values,
+    indices) over ``dim`` are reductions (both outputs reduce the same elements, so the tuple's fact is its
+    elements': per token when ``dim`` is not a token dim); ``max(x, other)`` with a tensor ``other`` is the
+    elementwise maximum (pointwise)."""
+    other = node.kwargs.get("other", node.args[1] if len(node.args) > 1 else None)
+    if isinstance(other, fx.Node):
+        return _pointwise.pointwise(ctx, node)
+    return reduction(ctx, node)
 
 
 @register_rule([*spellings("softmax", "log_softmax")], local="carry")

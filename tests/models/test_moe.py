@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import brcompile
+from tests.helpers import KeepFloat64
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
@@ -25,6 +26,9 @@ FAMILIES = {
                       decoder_sparse_step=1, mlp_only_layers=[]),
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=48, head_dim=8, decoder_sparse_step=1, mlp_only_layers=[]),
     "olmoe": dict(num_experts=4),
+    "hy_v3": dict(num_experts=4, moe_intermediate_size=48, num_shared_experts=1, head_dim=8,
+                  mlp_layer_types=["sparse", "sparse"]),
+    "phimoe": dict(num_local_experts=4),
 }
 TOL = 1e-10
 
@@ -115,7 +119,7 @@ def _check(m, loss_fn):
         assert err <= TOL, (n, err)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_moe_replays_exactly(family, float64_moe):
     _check(_model(family), _loss)
 
@@ -139,3 +143,37 @@ def test_float32_router_within_float32_bound():
         _check(_model("mixtral"), _loss)
     finally:
         TOL = old
+
+
+def test_router_weights_gathered_at_the_chosen_experts():
+    """HunYuan-V3's router, as AFMoE's, ERNIE-4.5-MoE's, Kolibri's, Laguna's and MiniMax-M3's: experts chosen by
+    ``topk`` of bias-corrected scores, weights read back from the uncorrected ones by ``gather(scores, 1, idx)``.
+    The gather is per flattened entry, so the weights stay flattened tokens and the experts' ``weights[perm]``
+    reads them in the sort's order. Float64 throughout (the router's float32 casts kept float64)."""
+    m = _model("hy_v3")
+    g = torch.Generator().manual_seed(2)
+    for layer in m.model.layers:
+        layer.mlp.e_score_correction_bias.copy_(torch.rand(4, generator=g, dtype=torch.float64) * 0.1)
+    with KeepFloat64():
+        _check(m, _loss)
+
+
+def test_phimoe_eval_routing_replays():
+    """PhiMoE's sparse mixer in eval mode is deterministic: top-1 by ``max``, the scores above a relative threshold
+    masked, the first expert's score ``scatter``-ed to -inf for the second pick, weights ``gather``-ed: all per
+    entry of the flattened tokens."""
+    m = _model("phimoe").eval()
+    with KeepFloat64():
+        _check(m, _loss)
+
+
+def test_phimoe_training_routing_is_random_and_refused():
+    """In training mode PhiMoE samples its experts (Gumbel noise: ``empty_like(scores).exponential_()``): each
+    row's copy of a shared token draws its own experts, so no packed graph can reproduce the rows. The backend
+    runs the original graph and says why."""
+    m = _model("phimoe").train()
+    brcompile.reset_stats()
+    torch.compile(_loss, backend=brcompile.backend(compiler="eager"))(m, _ids()).backward()
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls >= 1, str(s)
+    assert any("random draw exponential_" in r for r in s.fallback_reasons), s.fallback_reasons

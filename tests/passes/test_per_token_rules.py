@@ -1,8 +1,9 @@
 """Per-token rules end to end (float64, loss and every gradient vs eager, the call replayed with fewer
 executed tokens): ``polar`` of position-only frequencies (a complex rotary table), one constant array index
 on a feature dim (Falcon's fused ``qkv[..., [-2], :]``), ``scatter`` along a non-token dim (a router's
-per-token mask), GPT-2's ``addmm`` and RecurrentGemma's per-head ``baddbmm`` over flattened tokens, and ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh
-values (passes/functionalize.py)."""
+per-token mask), ``max``/``min`` over the features and elementwise, GPT-2's ``addmm`` and RecurrentGemma's
+per-head ``baddbmm`` over flattened tokens, and ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh values
+(passes/functionalize.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,9 @@ class Block(torch.nn.Module):
         if self.variant == "scatter":  # keep each token's top-2 features (a router's per-token mask)
             keep = torch.zeros_like(o).scatter(-1, o.topk(2, dim=-1)[1], 1.0)
             o = o * keep
+        if self.variant == "max":  # a per-token max over the features (values and indices), an elementwise max
+            top, idx = o.max(dim=-1, keepdim=True)
+            o = torch.max(o - top, 0.5 * o) * (idx + 1) + torch.min(o, dim=-1).values[..., None]
         if self.variant == "setitem":  # a buffer written by slices (functionalised to cat)
             out = torch.zeros_like(o)
             out[..., : D // 2] = o[..., D // 2:] * 2
@@ -67,7 +71,7 @@ class Block(torch.nn.Module):
 
 @pytest.mark.parametrize("variant,dynamic", [("polar", False), ("polar", True), ("array_index", False),
                                              ("scatter", False), ("addmm", True), ("baddbmm", True),
-                                             ("setitem", False)])
+                                             ("setitem", False), ("max", False)])
 def test_per_token_rule_replays_exactly(variant, dynamic):
     backend = replay_exact(Block(variant), dynamic=dynamic)
     rec = backend.records[0]
@@ -75,5 +79,6 @@ def test_per_token_rule_replays_exactly(variant, dynamic):
     if variant == "polar":  # the packed graph builds the table as a (real, imaginary) pair (rules/pointwise.py)
         assert "polar" not in rec.packed_code and "view_as_complex" in rec.packed_code
     assert not rec.repacked, rec.repacked  # every value has a per-token rule: no dense region packed again
-    mats = [node for node, *_ in rec.materialisations]
-    assert all(("getitem" not in m and "scatter" not in m and "addmm" not in m and "cat" not in m) for m in mats), mats
+    mats = [f"{node} (for {user})" for node, user, *_ in rec.materialisations]
+    assert all(("getitem" not in m and "scatter" not in m and "addmm" not in m and "cat" not in m
+                and "max" not in m and "min" not in m) for m in mats), mats
