@@ -142,3 +142,37 @@ def replay_exact(model, *, dynamic: bool = False, vocab: int = 11):
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
     return backend
+
+
+def grouped_rows(seed: int, pad: bool, groups=((7, 4), (5, 3), (9, 2)), response: int = 6,
+                 holes=((0, slice(-3, None)), (5, slice(-1, None)))) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of GRPO-like groups: per ``(prompt length, rows)`` of ``groups`` one random
+    prompt and ``rows`` random responses of ``response`` tokens, the first two sharing their first two
+    tokens (a shared response prefix, a second branching level). Rows start at 0 (right padding), or with
+    ``pad`` end at L (left padding) and the mask has ``holes`` (row, columns) set to 0."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for plen, n in groups:
+        prompt = torch.randint(1, 40, (plen,), generator=g)
+        for i in range(n):
+            resp = torch.randint(1, 40, (response,), generator=g)
+            if i < 2:
+                resp[:2] = torch.tensor([3, 4])
+            rows.append(torch.cat([prompt, resp]))
+    L = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        off = L - len(r) if pad else 0
+        ids[b, off:off + len(r)] = r
+        mask[b, off:off + len(r)] = 1
+    if pad:
+        for b, cols in holes:
+            mask[b, cols] = 0
+    return ids, mask
+
+
+def tree_qkv(n: int, dtype=torch.float64, hq: int = 4, hkv: int = 2, d: int = 8, seed: int = 0) -> list:
+    """Random packed q [hq, n, d], k and v [hkv, n, d] that require grad."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(h, n, d, generator=g, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]

@@ -11,37 +11,17 @@ import torch
 import brcompile.backends.cpu as cpu
 from brcompile.backends.ops import AttentionImplError, TreeAttentionError, tree_attention
 from brcompile.runtime.tree import build_tree
+from tests.helpers import grouped_rows, tree_qkv
 
 SLOPES = [0.5, 0.25, 0.125, 0.0625]
 
 
 def batch(seed: int, pad: bool):
-    """3 groups with shared prompts and a shared response prefix; optional left padding and holes."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for plen, n in ((7, 3), (5, 2)):
-        prompt = torch.randint(1, 40, (plen,), generator=g)
-        for i in range(n):
-            resp = torch.randint(1, 40, (4,), generator=g)
-            if i < 2:
-                resp[:2] = torch.tensor([3, 4])
-            rows.append(torch.cat([prompt, resp]))
-    L = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros(len(rows), L, dtype=torch.long)
-    for b, r in enumerate(rows):
-        off = L - len(r) if pad else 0
-        ids[b, off:off + len(r)] = r
-        mask[b, off:off + len(r)] = 1
-    if pad:
-        mask[0, -2:] = 0
-        mask[3, 4] = 0
-    return ids, mask
+    """2 groups with shared prompts and a shared response prefix; optional left padding and holes."""
+    return grouped_rows(seed, pad, groups=((7, 3), (5, 2)), response=4,
+                        holes=((0, slice(-2, None)), (3, slice(4, 5))))
 
-
-def qkv(n, dtype=torch.float64, hq=4, hkv=2, d=8):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(h, n, d, generator=g, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]
+qkv = tree_qkv
 
 
 def sinks_param(dtype=torch.float64):

@@ -13,6 +13,7 @@ from brcompile.backends.cached import tree_attention_cached
 from brcompile.backends.ops import tree_attention
 from brcompile.runtime.streaming import plan_replay
 from brcompile.runtime.tree import build_tree
+from tests.helpers import tree_qkv
 
 
 def nested_batch(seed: int, pad: bool):
@@ -55,9 +56,7 @@ def streamed(q, k, v, tree, chunk_tokens, impl, window=0, softcap=0.0):
     return out, sched
 
 
-def qkv(n, dtype, hq=4, hkv=2, d=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(h, n, d, generator=g, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]
+qkv = tree_qkv
 
 
 IMPLS = {"cpu": (torch.float64, 1e-12), "reference": (torch.float64, 1e-12), "triton": (torch.float32, 2e-5)}
