@@ -147,7 +147,7 @@ class EagerChain:
     k: fx.Node
     v: fx.Node
     scale: Any  # number or a scalar node (resolved later)
-    masks: list  # mask steps, softmax-side first: ("add", M, post) | ("fill"/"keep", C, value, post)
+    masks: list  # mask steps, softmax-side first: ("add", M, post) | ("fill"/"keep", C, value, post) | ("floor", c, post)
     #              | ("bias", M, H, post): a baddbmm input M of a 3-D attention, [B*H | 1, ...] read as [B, H, ...]
     dropout_p: Any
     dropout_training: Any
@@ -331,6 +331,7 @@ class Scores:
     bias: Any = None
     beta: Any = 1.0
     heads: Optional[int] = None
+    folded: bool = False  # the scores are the [B*H, Lq, Lk] product itself, not its [B, H, Lq, Lk] view
 
 
 def _scores_op(n: Any) -> Optional[Scores]:
@@ -344,6 +345,9 @@ def _scores_op(n: Any) -> Optional[Scores]:
         return None
     if n.target in RESHAPE:
         return _scores_3d(n)
+    prod = _product_3d(n)
+    if prod is not None:
+        return _scores_folded(n, *prod)
     if n.target not in MATMUL or len(n.args) != 2 or n.kwargs:
         return None
     q, kt = n.args
@@ -352,6 +356,16 @@ def _scores_op(n: Any) -> Optional[Scores]:
     if k is None or tq is None or tq.dim() != 4:
         return None
     return Scores(q, k, [n])
+
+
+def _scores_folded(n: fx.Node, q: fx.Node, k: fx.Node, bias: Any, beta: Any, alpha: Any) -> Optional[Scores]:
+    """The scores of a 3-D attention whose softmax reads the [B*H, Lq, Lk] product ``n`` itself (BART without
+    a mask): ``n[b*H + h] = alpha * q[b, h] k[b, h]^T + beta * bias[b*H + h]``, the 4-D scores with the heads
+    folded into the batch (``folded``; :func:`_softmax_frame`). H static, alpha and beta numbers or scalar nodes."""
+    tq = _tensor(q)
+    if not (_is_scalar(beta) and _is_scalar(alpha)) or not isinstance(tq.shape[1], int):
+        return None
+    return Scores(q, k, [n], alpha, bias, beta, int(tq.shape[1]), folded=True)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -484,11 +498,12 @@ def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Opti
         return None
     if not _looks_like_attention(x):
         return None
-    sinks, x = _match_sinks(sm, x, dim)
+    x, dtype, cast = _softmax_input_cast(x, dtype)
+    sinks, x, shift = _match_sinks(sm, x, dim)
     if not _looks_like_attention(x):
         return None
-    _check_softmax_dim(sm, x, dim)
-    dead = [sm]
+    dead = [sm, *cast, *shift]
+    x, folded = _softmax_frame(sm, x, dim, dead)
     masks, post, cur = _match_mask_steps(sm, x, dead)
     softcap, cur = _match_softcap(cur, dead)
     if softcap and post != 1.0:
@@ -501,19 +516,50 @@ def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Opti
     dead.extend(sc.nodes)
     scale = _fold_scores_op(sm, x, scale, sc, masks, scalar)
     _check_scores(sm, x, cur, sc, masks, dtype)
-    probs, p, training = _match_probabilities(sm, sinks, sc, dead)
-    out, v, merged_out = _match_output(sm, probs, sc, dead)
-    return EagerChain(sc.q, sc.k, v, scale, masks, p, training, out, dead, softcap, sinks, sc.heads, merged_out)
+    probs, p, training, folded = _match_probabilities(sm, sinks, sc, dead, folded, masks)
+    out, v, merged_out = _match_output(sm, probs, sc, dead, folded)
+    return EagerChain(sc.q, sc.k, v, scale, masks, p, training, out, dead, softcap, sinks,
+                      _heads(sc) if merged_out else sc.heads, merged_out)
 
 
-def _check_softmax_dim(sm: fx.Node, x: fx.Node, dim: Any) -> None:
-    """The softmax runs over the key dim (3) of 4-D scores."""
-    scores_t = _tensor(x)
-    if scores_t.dim() == 3:
-        _refuse(sm, sm, "softmax of [B*H, Lq, Lk] scores (a 3-D attention must view its scores as "
-                "[B, H, Lq, Lk] before the mask and the softmax)")
-    if scores_t.dim() != 4 or dim is None or normalize_dim(dim, scores_t.dim()) != 3:
-        _refuse(sm, sm, f"softmax over dim {dim} of a {scores_t.dim()}-D value, not the key dim")
+def _softmax_input_cast(x: fx.Node, dtype: Any) -> tuple[fx.Node, Any, list]:
+    """(scores, dtype, [cast]) when the softmax input ``x`` is a float cast of the scores (MPT's and XLM's
+    ``softmax(scores.float())``): ``softmax(s.to(d))`` is ``softmax(s, dtype=d)`` (the softmax casts its input
+    first), so the cast is the softmax's dtype (the lower precision of the two when the softmax names one too,
+    :func:`_check_scores` judges it); (x, dtype, []) otherwise."""
+    if not (_call_in(x, CAST) and x.op == "call_method" and x.args and isinstance(x.args[0], fx.Node)
+            and len(x.users) == 1):
+        return x, dtype, []
+    src, to = _tensor(x.args[0]), _tensor(x)
+    if src is None or to is None or not (src.is_floating_point() and to.is_floating_point()):
+        return x, dtype, []
+    if isinstance(dtype, torch.dtype) and dtype.itemsize < to.dtype.itemsize:
+        return x.args[0], dtype, [x]
+    return x.args[0], to.dtype, [x]
+
+
+def _softmax_frame(sm: fx.Node, x: fx.Node, dim: Any, dead: list) -> tuple[fx.Node, bool]:
+    """(scores, folded): the softmax runs over the key dim of the scores, either 4-D [B, H, Lq, Lk] (dim 3;
+    ``folded`` False) or with the heads folded into the batch, [B*H, Lq, Lk] (dim 2; ``folded`` True). A folded
+    softmax input is the merged-heads view of 4-D scores (BART: the mask is added to ``s.view(B, H, Lq, Lk)``,
+    the sum viewed back as [B*H, Lq, Lk]; row b*H + h of the view is [b, h], so the softmax over its last dim is
+    the softmax over the key dim of the 4-D scores: the view joins the chain and the 4-D scores are returned)
+    or a chain of numeric scales of the 3-D product itself (:func:`_check_scores` refuses a mask there)."""
+    t = _tensor(x)
+    if t.dim() not in (3, 4) or dim is None or normalize_dim(dim, t.dim()) != t.dim() - 1:
+        _refuse(sm, sm, f"softmax over dim {dim} of a {t.dim()}-D value, not the key dim")
+    if t.dim() == 4:
+        return x, False
+    x4 = _merged_heads(x)
+    if x4 is not None:
+        dead.append(x)
+        return x4, True
+    return x, True
+
+
+def _heads(sc: Scores) -> int:
+    """H of the attention (static: a folded output is unflattened by it)."""
+    return sc.heads if sc.heads is not None else int(_tensor(sc.q).shape[1])
 
 
 def _match_mask_steps(sm: fx.Node, x: fx.Node, dead: list) -> tuple[list, float, Any]:
@@ -605,14 +651,22 @@ def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list
     tq, tk, ts = _tensor(sc.q), _tensor(sc.k), _tensor(cur)
     if tuple(_tensor(x).shape) != tuple(ts.shape):
         _refuse(sm, x, "the attention mask enlarges the scores")
+    if sc.folded and any(m[0] not in ("bias", "floor") for m in masks):
+        _refuse(sm, x, "a mask on [B*H, Lq, Lk] scores (heads folded into the batch dim): only a mask on their "
+                "[B, H, Lq, Lk] view is read per head")
     _check_mask_steps(sm, x, masks)
     for m in masks:
         if m[0] == "add":
             tm = _tensor(m[1])
             if tm is None or not tm.is_floating_point():
                 _refuse(sm, x, "the value added to the scores is not a float tensor (a bool mask added is a bias)")
-            if tm.dtype != ts.dtype:
-                _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}")
+            if tm.dtype.itemsize > ts.dtype.itemsize:
+                _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}: the mask promotes the "
+                        f"scores to {tm.dtype} (mixed-precision attention; compute the scores in {tm.dtype} or "
+                        f"build the mask in {ts.dtype})")
+            if tm.dtype != ts.dtype and _per_head(m[1]):
+                _refuse(sm, x, f"a {tm.dtype} per-head bias (ALiBi) added to {ts.dtype} scores: tree attention "
+                        f"does not reproduce its {tm.dtype} rounding (build the bias in {ts.dtype})")
     if tq.shape[:2] != tk.shape[:2]:
         _refuse(sm, cur, "query and key heads differ (no repeat_kv before the scores)")
     sd = ts.dtype
@@ -623,10 +677,15 @@ def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list
                 f"attention in {sd} does not reproduce; use {sd} throughout or attn_implementation='sdpa'")
 
 
-def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead: list) -> tuple[fx.Node, Any, Any]:
-    """(probs, dropout p, training) walking forward from the softmax: [drop the sink column] -> [cast to
-    the query's dtype] and [dropout] in either order -> for a 3-D attention the merged-heads view
-    [B*H, Lq, Lk] of the probabilities. ``probs`` is the last node of that walk (the product's operand)."""
+def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead: list, folded: bool,
+                         masks: Sequence = ()) -> tuple[fx.Node, Any, Any, bool]:
+    """(probs, dropout p, training, folded) walking forward from the softmax: [drop the sink column] -> [cast to
+    the query's dtype] and [dropout] in either order, and any views folding the heads into the batch
+    ([B, H, Lq, Lk] -> [B*H, Lq, Lk], :func:`_merged_heads`) or unfolding them (:func:`_split_heads`, into q's
+    (B, H)): each keeps the elements, only the frame changes. ``folded`` is the frame of the softmax's output
+    on entry and of ``probs`` on return; ``probs`` is the last node of the walk (the product's operand).
+    Also once: ``p.masked_fill(C, 0)`` with the condition ``C`` of a blocking ``masked_fill`` step of the scores
+    (CPM-Ant; :func:`_zeroes_blocked`)."""
     tq = _tensor(sc.q)
     cur = sm
     nxt = _only_user(cur)
@@ -637,7 +696,7 @@ def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead
         dead.insert(0, nxt)
         cur, nxt = nxt, _only_user(nxt)
     p, training = 0.0, False
-    seen_cast = seen_dropout = False
+    seen_cast = seen_dropout = seen_zero = False
     while nxt is not None:
         if not seen_cast and nxt.op == "call_method" and nxt.target in CAST and nxt.args[0] is cur:
             if _tensor(nxt) is None or _tensor(nxt).dtype != tq.dtype:
@@ -649,37 +708,73 @@ def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead
             if nxt.kwargs.get("inplace", nxt.args[3] if len(nxt.args) > 3 else False):
                 _refuse(sm, nxt, "in-place dropout of the probabilities")
             seen_dropout = True
-        elif sc.heads is not None and _merged_heads(nxt) is cur:
-            dead.insert(0, nxt)  # [B*H, Lq, Lk]: the operand of the bmm with the values
-            return nxt, p, training
+        elif not seen_zero and not folded and _zeroes_blocked(nxt, cur, masks):
+            seen_zero = True
+        elif not folded and _merged_heads(nxt) is cur:
+            folded = True
+        elif folded and _split_heads(nxt) is cur and tuple(_tensor(nxt).shape[:2]) == tuple(tq.shape[:2]):
+            folded = False
         else:
             break
         dead.insert(0, nxt)
         cur, nxt = nxt, _only_user(nxt)
     if nxt is None:
         _refuse(sm, cur, "the attention probabilities have other users (output_attentions=True?)")
-    if sc.heads is not None:
-        _refuse(sm, nxt, f"the probabilities of a 3-D attention go to `{_op_name(nxt)}`, not to a view merging "
-                "(B, H) for the bmm with the values")
-    return cur, p, training
+    return cur, p, training, folded
 
 
-def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list) -> tuple[fx.Node, fx.Node, bool]:
+def _zeroes_blocked(n: fx.Node, p: fx.Node, masks: Sequence) -> bool:
+    """``n`` is ``p.masked_fill(C, 0)`` where ``C`` computes the same condition as a ``fill`` mask step of the
+    scores (:func:`_same_value`; the step blocks with a large negative value, :func:`_check_mask_steps`): a
+    blocked key's probability is already exactly 0, and a query row with no key left (NaN or uniform in the
+    original) becomes 0, as in tree attention. So ``n`` is ``p``."""
+    if not _call_in(n, MASKED_FILL) or n.kwargs or len(n.args) != 3 or n.args[0] is not p or _number(n.args[2]) != 0:
+        return False
+    return any(m[0] == "fill" and _same_value(m[1], n.args[1]) for m in masks)
+
+
+#: name parts of ops whose two calls differ (random draws)
+_RANDOM = ("rand", "bernoulli", "normal", "multinomial", "dropout", "poisson", "exponential", "uniform", "cauchy",
+           "geometric")
+
+
+def _same_value(a: Any, b: Any, depth: int = 6) -> bool:
+    """Whether ``a`` and ``b`` provably hold the same value: the same node or constant, or two calls of the same
+    deterministic op on arguments that hold the same values (CPM-Ant builds its mask condition twice:
+    ``mask.view(B, 1, Lq, Lk) == torch.tensor(False)``)."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b))
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and type(a) is type(b) and a == b
+    if depth == 0 or a.op not in ("call_function", "call_method") or (a.op, a.target) != (b.op, b.target) \
+            or a.is_impure() or _mutates(a) or set(a.kwargs) != set(b.kwargs) \
+            or any(r in _op_name(a) for r in _RANDOM):
+        return False
+    return _same_value(a.args, b.args, depth - 1) and all(_same_value(a.kwargs[k], b.kwargs[k], depth - 1)
+                                                          for k in a.kwargs)
+
+
+def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: bool
+                  ) -> tuple[fx.Node, fx.Node, bool]:
     """(out, v, merged) for the product of the probabilities with the values: ``matmul(p, v)`` /
-    ``einsum("bhqk,bhkd->bhqd", p, v)`` of a 4-D ``v``; for a 3-D attention ``bmm(p3, v3)`` with ``v3`` the
-    merged-heads view of a 4-D ``v`` of q's (B, H), and ``out`` the view of its result back to [B, H, Lq, D]
+    ``einsum("bhqk,bhkd->bhqd", p, v)`` of a 4-D ``v``; for ``folded`` [B*H, Lq, Lk] probabilities ``bmm(p3, v3)``
+    with ``v3`` the merged-heads view of a 4-D ``v`` of q's (B, H), and ``out`` the view of its result back to [B, H, Lq, D]
     when that is its only user (``merged`` False), else the [B*H, Lq, D] product itself (``merged`` True: the
     SDPA output is flattened for its users). Checks that no chain node has another user."""
     tq, tk = _tensor(sc.q), _tensor(sc.k)
     nxt = _only_user(probs)
     if nxt is None:
         _refuse(sm, probs, "the attention probabilities have other users (output_attentions=True?)")
-    if sc.heads is not None:
+    if folded:
         pv = (nxt.args[0], _merged_heads(nxt.args[1])) if _call_in(nxt, MATMUL + BMM) and len(nxt.args) == 2 \
             and not nxt.kwargs else None
         if pv is None or pv[1] is None:
-            _refuse(sm, nxt, f"the probabilities of a 3-D attention go to `{_op_name(nxt)}`, not to a bmm with "
+            _refuse(sm, nxt, f"the [B*H, Lq, Lk] probabilities go to `{_op_name(nxt)}`, not to a bmm with "
                     "the merged-heads view [B*H, Lk, D] of the values")
+        if not isinstance(tq.shape[1], int):
+            _refuse(sm, nxt, "a 3-D attention with a symbolic head count")
     else:
         pv = _einsum_4d(nxt, "output")
         if pv is None and (nxt.target not in MATMUL or len(nxt.args) != 2 or nxt.kwargs):
@@ -691,13 +786,14 @@ def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list) -> tuple[
     tv = _tensor(v)
     if tv is None or tv.dim() != 4 or tv.shape[:2] != tq.shape[:2] or tv.shape[2] != tk.shape[2]:
         _refuse(sm, nxt, "the values are not [B, H, Lk, D] like the keys")
+    inside = {*dead, nxt}
     for n in dead:
-        if len(n.users) != 1:
+        if not set(n.users) <= inside:
             _refuse(sm, n, f"the intermediate `{n.name}` has other users (attention weights returned?)")
     if _tensor(probs).dtype != tq.dtype:
         _refuse(sm, probs, f"the probabilities are {_tensor(probs).dtype}, the query is {tq.dtype}")
     dead.insert(0, nxt)
-    if sc.heads is None:
+    if not folded:
         return nxt, v, False
     user = _only_user(nxt)
     if user is not None and _split_heads(user) is nxt and tuple(_tensor(user).shape[:2]) == tuple(tq.shape[:2]):
@@ -710,29 +806,31 @@ MAX = (torch.max, "max", torch.amax, "amax")
 VIEWS = spellings("reshape") + ("expand", "unsqueeze", torch.unsqueeze)
 
 
-def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], fx.Node]:
-    """(S, scores) when the softmax input ``x`` is ``cat([scores, sinks], -1)``, optionally minus its row
+def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], fx.Node, list]:
+    """(S, scores, shift) when the softmax input ``x`` is ``cat([scores, sinks], -1)``, optionally minus its row
     maximum (``c - c.max(-1, keepdim=True).values`` / ``amax``: a per-row shift, the softmax is unchanged;
-    stripped also without a concatenation: (None, c)),
+    stripped also without a concatenation: (None, c, shift); ``shift`` the nodes of the shift and the
+    concatenation, output side first, [] without either),
     with ``sinks`` a view/expand of a 1-D node S of the H heads' logits to ``[B, H, Lq, 1]`` (head h reads
     S[h]: only reshape/view/unsqueeze/expand, which keep the element order); (None, x) when ``x`` is no
     concatenation; raises CannotReplay for a concatenation onto attention scores that is not that."""
-    c = x
+    c, shift = x, []
     if _call_in(x, spellings("sub")) and len(x.args) == 2 and not x.kwargs:
         c0, m = x.args
         if isinstance(c0, fx.Node) and _is_row_max(m, c0):
             c = c0
             if set(c.users) != {x, _max_source(m)}:
                 _refuse(sm, c, "the scores shifted by their row maximum have other users")
+            shift = [x] + ([m] if m is not _max_source(m) else []) + [_max_source(m)]
     if not (_call_in(c, spellings("cat")) and _tensor(c) is not None and _tensor(c).dim() == 4):
-        return None, c
+        return None, c, shift
     ops = c.args[0] if c.args else c.kwargs.get("tensors")
     cdim = c.kwargs.get("dim", c.args[1] if len(c.args) > 1 else 0)
     if not (isinstance(ops, (list, tuple)) and len(ops) == 2 and all(isinstance(o, fx.Node) for o in ops)):
-        return None, c
+        return None, c, shift
     scores, sink = ops
     if not _looks_like_attention(scores):
-        return None, c
+        return None, c, shift
     ts, te = _tensor(scores), _tensor(sink)
     if normalize_dim(cdim, 4) != 3 or dim is None or normalize_dim(dim, 4) != 3 or te is None or ts is None:
         _refuse(sm, c, "logits concatenated to the scores on a dim other than the key dim")
@@ -744,7 +842,7 @@ def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], 
                 "(an [H] tensor viewed as [1, H, 1, 1] and expanded over the batch and the queries)")
     if len(c.users) != 1 and c is x:
         _refuse(sm, c, "the scores concatenated with the sink logits have other users")
-    return source, scores
+    return source, scores, shift + [c]
 
 
 def _max_source(m: fx.Node) -> Optional[fx.Node]:
@@ -826,6 +924,9 @@ def _mask_or_scale_step(sm: fx.Node, cur: Any):
                 or _call_in(s, TANH):
             return None  # a scale directly on the scores (or a soft-cap's factor) is matched by the caller
         return "scale", (1.0 / _number(c) if cur.target in DIV else _number(c)), s
+    floor = _floor_step(cur)
+    if floor is not None:
+        return floor
     if _call_in(cur, MASKED_FILL):
         s = a[0] if a else cur.kwargs.get("input")
         C = a[1] if len(a) > 1 else cur.kwargs.get("mask")
@@ -847,6 +948,39 @@ def _mask_or_scale_step(sm: fx.Node, cur: Any):
     return None
 
 
+#: an elementwise ``max(s, c)``: ``torch.maximum``, ``torch.max`` of two tensors, ``clamp(s, min=c)``
+FLOOR = (torch.maximum, "maximum", torch.max, "max", torch.clamp, "clamp", torch.clip, "clip", torch.clamp_min,
+         "clamp_min")
+
+
+def _floor_step(cur: fx.Node):
+    """``("floor", (c,), s)`` for ``max(s, c)`` / ``maximum(s, c)`` with a constant one-element tensor ``c``
+    (XGLM's ``torch.max(s + M, torch.full((), finfo.min))``) or ``s.clamp(min=c)`` / ``clamp_min(s, c)`` with a
+    number ``c``, ``s`` from the scores; None otherwise. It raises only scores below ``c``, and ``c`` must be a
+    blocking value (:func:`_check_mask_steps`): a visible score lies above it (the assumption of every mask
+    value, ``BLOCKING``) and a masked one stays at or below it, so its probability stays exactly 0."""
+    if not _call_in(cur, FLOOR):
+        return None
+    a, kw = list(cur.args), cur.kwargs
+    if cur.target in (torch.maximum, "maximum", torch.max, "max"):
+        if len(a) != 2 or kw or not isinstance(a[1], fx.Node):  # max(s, 3) is a reduction over dim 3
+            return None
+        s, c = a
+        if _constant(s) is not None:
+            s, c = c, s
+        value = _constant(c)
+    else:
+        s = a[0] if a else None
+        if cur.target in (torch.clamp_min, "clamp_min"):
+            c, hi = (a[1] if len(a) > 1 else kw.get("min")), None
+        else:
+            c, hi = (a[1] if len(a) > 1 else kw.get("min")), (a[2] if len(a) > 2 else kw.get("max"))
+        value = _number(c) if hi is None else None
+    if value is None or not isinstance(s, fx.Node) or not _looks_like_attention(s):
+        return None
+    return "floor", (value,), s
+
+
 def _check_mask_steps(sm: fx.Node, x: fx.Node, masks: list) -> None:
     """Each mask step must block with a large negative value (``BLOCKING``), as seen by the softmax (after
     the scales between it and the softmax, which must be positive), on a bool condition."""
@@ -855,6 +989,11 @@ def _check_mask_steps(sm: fx.Node, x: fx.Node, masks: list) -> None:
         if post <= 0:
             _refuse(sm, x, f"an attention mask followed by a non-positive scale {post}")
         if kind in ("add", "bias"):
+            continue
+        if kind == "floor":
+            if not m[1] * post <= BLOCKING:
+                _refuse(sm, x, f"the scores are raised to at least {m[1]} before the softmax (max / clamp): not a "
+                        f"blocking value (<= {BLOCKING:g}, finfo.min), so visible scores may change")
             continue
         C, v = m[1], m[2]
         tc = _tensor(C)
@@ -868,7 +1007,31 @@ def _check_mask_steps(sm: fx.Node, x: fx.Node, masks: list) -> None:
 
 
 def _number(x: Any) -> Optional[float]:
+    """The value of a Python number, or of a one-element constant tensor made in the graph (:func:`_constant`)."""
+    if isinstance(x, fx.Node):
+        return _constant(x)
     return float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else None
+
+
+#: constructors of a tensor filled with one number: ``torch.full(size, v)``, ``torch.tensor(v)``,
+#: ``torch.scalar_tensor(v)`` (CPM-Ant's mask value, XGLM's ``torch.full((), finfo.min)``)
+_CONSTANT = (torch.full, torch.tensor, torch.scalar_tensor)
+
+
+def _constant(n: fx.Node) -> Optional[float]:
+    """``v`` rounded to the node's dtype when ``n`` makes a one-element tensor of the number ``v`` (``_CONSTANT``),
+    else None."""
+    t = _tensor(n)
+    if n.op != "call_function" or n.target not in _CONSTANT or t is None or not t.is_floating_point() \
+            or t.numel() != 1:
+        return None
+    a = list(n.args)
+    v = a[1] if n.target is torch.full and len(a) > 1 else (a[0] if n.target is not torch.full and a else None)
+    if n.target is torch.full and v is None:
+        v = n.kwargs.get("fill_value")
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return None
+    return float(torch.tensor(float(v), dtype=t.dtype).item())
 
 
 def _match_softcap(cur: Any, dead: list) -> tuple[Any, Any]:
@@ -985,14 +1148,17 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
     value for the mask classification to refuse as a bias; a ``masked_fill``/``where`` condition becomes
     ``where(C, -inf, 0)`` (or its complement). None without mask steps. The nodes only build the mask: the
     classification (:mod:`..masks`) evaluates them on probes, the packed graph never runs them."""
-    if not ch.masks:
+    steps = [m for m in ch.masks if m[0] != "floor"]  # a floor at a blocking value leaves the mask as it is
+    if not steps:
         return None
     dtype = _tensor(ch.out).dtype
     parts = []
-    for kind, *rest in ch.masks:
+    for kind, *rest in steps:
         if kind in ("add", "bias"):
             M, post = (rest[0], rest[-1]) if kind == "add" else (_split_heads_operand(graph, rest[0], rest[1]),
                                                                  rest[-1])
+            if _tensor(M) is not None and _tensor(M).dtype != dtype:  # a lower-precision mask: the sum promotes
+                M = _call(graph, "to", (M, dtype))                    # it exactly (_check_scores)
             m = M if post == 1.0 else _call(graph, operator.mul, (M, post))
             if not _per_head(M):  # a per-head operand is a bias (ALiBi): kept as is for the classification
                 m = _call(graph, "masked_fill", (m, _call(graph, operator.le, (m, BLOCKING)), float("-inf")))

@@ -11,6 +11,7 @@ from brcompile.passes.axes import CannotReplay
 from brcompile.passes.canonicalize import canonicalize
 from brcompile.passes.rules.attention import SDPA
 from brcompile.passes.spellings import FAMILIES, family_of, is_op, spellings
+from tests.helpers import replay_exact
 
 
 def test_every_spelling_belongs_to_one_family():
@@ -108,7 +109,156 @@ def test_baddbmm_3d_attention_becomes_sdpa(out_3d):
     torch.testing.assert_close(canon.gm(*inputs)[0], gm(*inputs)[0], rtol=1e-12, atol=1e-12)
 
 
-def test_3d_softmax_is_refused_by_name():
-    gm, inputs = capture(lambda q, b: attn_3d(q, b, softmax_3d=True), Q, torch.randn(4, 1, 5, dtype=torch.float64))
-    with pytest.raises(CannotReplay, match=r"softmax of \[B\*H, Lq, Lk\] scores"):
+def test_3d_softmax_of_the_product_becomes_sdpa():
+    """The softmax may read the [B*H, Lq, Lk] product itself (heads folded into the batch): the baddbmm input is
+    then a bias read per head, as for 4-D scores."""
+    bias = torch.randn(4, 1, 5, dtype=torch.float64)
+    gm, inputs = capture(lambda q, b: attn_3d(q, b, softmax_3d=True), Q, bias)
+    canon = canonicalize(gm, inputs)
+    (sdpa,) = [n for n in canon.gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
+    assert sdpa.kwargs["scale"] == 0.5 and sdpa.kwargs["attn_mask"] is not None
+    torch.testing.assert_close(canon.gm(*inputs)[0], gm(*inputs)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_mask_on_folded_scores_is_refused_by_name():
+    """A mask added to the [B*H, Lq, Lk] scores themselves (not to their [B, H, Lq, Lk] view) is refused."""
+    def f(q, m):
+        B, H, L, D = q.shape
+        q3 = q.reshape(B * H, L, D)
+        return torch.bmm((torch.bmm(q3, q3.transpose(1, 2)) + m).softmax(-1), q3)
+
+    gm, inputs = capture(f, Q, torch.zeros(5, 5, dtype=torch.float64))
+    with pytest.raises(CannotReplay, match=r"mask on \[B\*H, Lq, Lk\] scores"):
+        canonicalize(gm, inputs)
+
+
+def test_softmax_of_upcast_scores_becomes_sdpa():
+    """``softmax(s.double())`` of float32 scores is ``softmax(s, dtype=float64)`` (MPT's and XLM's
+    ``softmax(scores.float())``): the cast joins the chain."""
+    def f(q):
+        s = (q @ q.transpose(-2, -1)) * 0.5
+        return F.softmax(s.double(), dim=-1).float() @ q
+
+    gm, inputs = capture(f, Q.float())
+    canon = canonicalize(gm, inputs)
+    (sdpa,) = [n for n in canon.gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
+    assert sdpa.kwargs["scale"] == 0.5
+    assert not [n for n in canon.gm.graph.nodes if n.op == "call_method" and n.target == "double"]
+
+
+# ------------------------------------------------------------------ eager spellings replayed end to end
+
+V, DM, H, HD = 11, 16, 2, 4
+
+
+class EagerLM(torch.nn.Module):
+    """Embedding -> q, k, v [B, H, L, hd] -> ``attn(q, k, v, causal)`` (an eager attention spelling; ``causal``
+    the [L, L] bool lower triangle) -> [B, L, H*hd] -> projection -> sum of squares."""
+
+    def __init__(self, attn):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = attn
+        self.emb = torch.nn.Embedding(V, DM)
+        self.qkv = torch.nn.Linear(DM, 3 * H * HD)
+        self.out = torch.nn.Linear(H * HD, DM)
+        self.register_buffer("tril", torch.tril(torch.ones(16, 16, dtype=torch.bool)))
+
+    def forward(self, ids):
+        B, L = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(B, L, 3, H, HD).permute(2, 0, 3, 1, 4)
+        o = self.attn(q, k, v, self.tril[:L, :L])
+        return self.out(o.transpose(1, 2).reshape(B, L, H * HD)).pow(2).sum()
+
+
+def additive(causal, dtype=torch.float64):
+    """The [1, 1, L, L] additive causal mask (0 / finfo.min)."""
+    return torch.zeros(causal.shape, dtype=dtype).masked_fill(~causal, torch.finfo(dtype).min)[None, None]
+
+
+def bart(q, k, v, causal, floor=False, twice=False):
+    """HF BART / MVP / TrOCR (and XGLM with ``floor`` and ``twice``): [B*H, L, D] views, ``bmm``, the mask added to
+    the [B, H, Lq, Lk] view, the softmax of the [B*H, Lq, Lk] view, ``bmm`` with the values."""
+    B, Hh, L, D = q.shape
+    q3, k3, v3 = (t.reshape(B * Hh, -1, D) for t in (q * D ** -0.5, k, v))
+    w = torch.bmm(q3, k3.transpose(1, 2))
+    w = w.view(B, Hh, L, L) + additive(causal)
+    if floor:
+        w = torch.max(w, torch.full((), torch.finfo(w.dtype).min, dtype=w.dtype))
+    w = F.softmax(w.view(B * Hh, L, L), dim=-1)
+    if twice:  # XGLM keeps the [B, H, Lq, Lk] weights "so that they keep their gradient"
+        w = w.view(B, Hh, L, L).view(B * Hh, L, L)
+    o = torch.bmm(F.dropout(w, p=0.0, training=True), v3)
+    return o.view(B, Hh, L, D)
+
+
+def neox_japanese(q, k, v, causal):
+    """GPT-NeoX-Japanese: ``baddbmm(zeros, q3, k3^T, alpha=1/norm)`` on [B*H, L, D] views, viewed [B, H, Lq, Lk]
+    for the mask and the softmax, then a 4-D ``matmul`` with the values."""
+    B, Hh, L, D = q.shape
+    q3, k3 = q.reshape(B * Hh, L, D), k.reshape(B * Hh, L, D)
+    z = torch.zeros(B * Hh, L, L, dtype=q.dtype)
+    s = torch.baddbmm(z, q3, k3.transpose(1, 2), beta=1.0, alpha=0.5).view(B, Hh, L, -1) + additive(causal)
+    return torch.matmul(F.softmax(s, dim=-1).to(v.dtype), v)
+
+
+def folded_bias(q, k, v, causal):
+    """The softmax of the [B*H, Lq, Lk] product itself, the causal mask as the baddbmm input [1, Lq, Lk]."""
+    B, Hh, L, D = q.shape
+    q3, k3, v3 = (t.reshape(B * Hh, L, D) for t in (q, k, v))
+    s3 = additive(causal)[0].baddbmm(q3, k3.transpose(-1, -2), alpha=0.5)
+    return torch.bmm(s3.softmax(-1), v3).view(B, Hh, L, D)
+
+
+def row_max_shift(q, k, v, causal):
+    """MiMo-V2-Flash's layers without sinks: the masked scores minus their row maximum."""
+    s = q @ k.transpose(2, 3) * 0.5 + additive(causal)
+    s = s - s.max(dim=-1, keepdim=True).values
+    return F.softmax(s, dim=-1, dtype=s.dtype) @ v
+
+
+def cpmant(q, k, v, causal):
+    """CPM-Ant: ``masked_fill`` with ``torch.scalar_tensor(-inf)``, and the probabilities of fully masked rows
+    zeroed with the same condition, built a second time."""
+    L = q.shape[2]
+    s = torch.matmul(q, k.transpose(-1, -2)) / 2.0
+    s = torch.masked_fill(s, causal.view(1, 1, L, L) == torch.tensor(False),
+                          torch.scalar_tensor(float("-inf"), dtype=s.dtype))
+    p = torch.masked_fill(F.softmax(s, dim=-1), causal.view(1, 1, L, L) == torch.tensor(False),
+                          torch.scalar_tensor(0, dtype=s.dtype))
+    return torch.matmul(p, v)
+
+
+def float32_mask(q, k, v, causal):
+    """A float32 additive mask on float64 scores: the sum promotes it exactly."""
+    return F.softmax(q @ k.transpose(-1, -2) + additive(causal, torch.float32), -1) @ v
+
+
+@pytest.mark.parametrize("attn", [
+    bart, lambda *a: bart(*a, floor=True, twice=True), neox_japanese, folded_bias, row_max_shift, cpmant,
+    float32_mask], ids=["bart", "xglm", "neox_japanese", "folded_bias", "row_max_shift", "cpmant", "float32_mask"])
+def test_eager_spelling_replays_exactly(attn):
+    """Loss and every gradient equal eager's in float64; the call replayed, the attention as tree attention."""
+    backend = replay_exact(EagerLM(attn), vocab=V)
+    assert "tree_attention" in backend.records[0].packed_code
+
+
+def returned_weights(q, k, v, causal):
+    """BART's attention whose [B, H, Lq, Lk] weights the loss also reads (output_attentions=True)."""
+    B, Hh, L, D = q.shape
+    q3, k3, v3 = (t.reshape(B * Hh, L, D) for t in (q, k, v))
+    w = F.softmax((torch.bmm(q3, k3.transpose(1, 2)).view(B, Hh, L, L) + additive(causal)).view(B * Hh, L, L), -1)
+    w4 = w.view(B, Hh, L, L)
+    return torch.bmm(w4.view(B * Hh, L, L), v3).view(B, Hh, L, D) + w4.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("attn,reason", [
+    (returned_weights, "other users"),
+    (lambda q, k, v, c: F.softmax(q @ k.transpose(-1, -2) + additive(c) + torch.ones(1, H, 1, 1).float(), -1) @ v,
+     "torch.float32 per-head bias"),
+], ids=["returned_weights", "float32_bias"])
+def test_eager_spelling_refused_with_reason(attn, reason):
+    """Attention weights read by the loss, and a lower-precision per-head bias, fall back with the reason."""
+    gm, inputs = capture(EagerLM(attn).double(), torch.randint(1, V, (3, 7)))
+    with pytest.raises(CannotReplay, match=reason):
         canonicalize(gm, inputs)
