@@ -517,7 +517,10 @@ def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Opti
     scale = _fold_scores_op(sm, x, scale, sc, masks, scalar)
     _check_scores(sm, x, cur, sc, masks, dtype)
     probs, p, training, folded = _match_probabilities(sm, sinks, sc, dead, folded, masks)
-    out, v, merged_out = _match_output(sm, probs, sc, dead, folded)
+    gate = _match_lse_sink(sm, x, sinks, dead)
+    out, v, merged_out = _match_output(sm, probs, sc, dead, folded, gate[2] if gate is not None else None)
+    if gate is not None:
+        sinks, out = _lse_sink_output(sm, gate, out, merged_out, dead)
     return EagerChain(sc.q, sc.k, v, scale, masks, p, training, out, dead, softcap, sinks,
                       _heads(sc) if merged_out else sc.heads, merged_out)
 
@@ -756,13 +759,14 @@ def _same_value(a: Any, b: Any, depth: int = 6) -> bool:
                                                           for k in a.kwargs)
 
 
-def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: bool
+def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: bool, gated: Optional[fx.Node] = None
                   ) -> tuple[fx.Node, fx.Node, bool]:
     """(out, v, merged) for the product of the probabilities with the values: ``matmul(p, v)`` /
     ``einsum("bhqk,bhkd->bhqd", p, v)`` of a 4-D ``v``; for ``folded`` [B*H, Lq, Lk] probabilities ``bmm(p3, v3)``
     with ``v3`` the merged-heads view of a 4-D ``v`` of q's (B, H), and ``out`` the view of its result back to [B, H, Lq, D]
     when that is its only user (``merged`` False), else the [B*H, Lq, D] product itself (``merged`` True: the
-    SDPA output is flattened for its users). Checks that no chain node has another user."""
+    SDPA output is flattened for its users). Checks that no chain node has a user outside the chain (``gated``
+    included)."""
     tq, tk = _tensor(sc.q), _tensor(sc.k)
     nxt = _only_user(probs)
     if nxt is None:
@@ -786,7 +790,7 @@ def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: b
     tv = _tensor(v)
     if tv is None or tv.dim() != 4 or tv.shape[:2] != tq.shape[:2] or tv.shape[2] != tk.shape[2]:
         _refuse(sm, nxt, "the values are not [B, H, Lk, D] like the keys")
-    inside = {*dead, nxt}
+    inside = {*dead, nxt, gated}  # gated: the product of the output with a sink gate (_match_lse_sink)
     for n in dead:
         if not set(n.users) <= inside:
             _refuse(sm, n, f"the intermediate `{n.name}` has other users (attention weights returned?)")
@@ -836,6 +840,12 @@ def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], 
         _refuse(sm, c, "logits concatenated to the scores on a dim other than the key dim")
     H = ts.shape[1]
     source = _sink_source(sink)
+    base = sink
+    while _call_in(base, VIEWS):
+        base = base.args[0]
+    if source is None and _tensor(base) is not None and _tensor(base).numel() > H:
+        _refuse(sm, c, "sink logits computed per query token (a [B, H, Lq, 1] value, e.g. a projection of the "
+                "hidden states): tree attention's sinks are one learned logit per head")
     if te.dim() != 4 or tuple(te.shape) != (ts.shape[0], H, ts.shape[2], 1) or source is None \
             or _tensor(source).numel() != H or sum(int(d) != 1 for d in _tensor(source).shape) > 1:
         _refuse(sm, c, "logits concatenated to the scores that are not one sink logit per head "
@@ -843,6 +853,78 @@ def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], 
     if len(c.users) != 1 and c is x:
         _refuse(sm, c, "the scores concatenated with the sink logits have other users")
     return source, scores, shift + [c]
+
+
+LOGSUMEXP = (torch.logsumexp, "logsumexp")
+SIGMOID = spellings("sigmoid")
+
+
+def _match_lse_sink(sm: fx.Node, x: fx.Node, sinks: Optional[fx.Node], dead: list
+                    ) -> Optional[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(S, gate, mul) when the scores ``x`` also feed a sink applied after the attention (GraniteMoE-SWA)::
+
+        g = sigmoid(logsumexp(x, -1) - S.view(1, H, 1)).unsqueeze(-1)     # [B, H, Lq, 1]
+        o = (softmax(x) @ v) * g
+
+    ``sigmoid(lse - S) = sum_j e^x_j / (sum_j e^x_j + e^S)``, so ``o = sum_j e^x_j v_j / (sum_j e^x_j + e^S)``:
+    attention with one value-less sink logit ``S[h]`` per head, like :func:`_match_sinks`. Casts on the way
+    must keep the dtype (a rounding cast would change the gate). The gate's nodes join ``dead``; ``mul`` is
+    checked against the attention output by :func:`_lse_sink_output`. None when no user of ``x`` is a
+    logsumexp; raises CannotReplay for one that is not this form."""
+    lse = next((u for u in x.users if _call_in(u, LOGSUMEXP)), None)
+    if lse is None:
+        return None
+    tx = _tensor(x)
+    d = lse.kwargs.get("dim", lse.args[1] if len(lse.args) > 1 else None)
+    d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
+    keep = lse.kwargs.get("keepdim", lse.args[2] if len(lse.args) > 2 else False)
+    if sinks is not None or tx.dim() != 4 or not isinstance(d, int) or normalize_dim(d, 4) != 3 or keep:
+        _refuse(sm, lse, "the scores also go to a logsumexp that is not a sink gate sigmoid(logsumexp(s, -1) - S) "
+                "on the attention output")
+    H = tx.shape[1]
+    chain = [lse]
+    sub = _only_user(lse)
+    if not (_call_in(sub, spellings("sub")) and len(sub.args) == 2 and not sub.kwargs and sub.args[0] is lse
+            and isinstance(sub.args[1], fx.Node)):
+        _refuse(sm, sub or lse, "the logsumexp of the scores is not a sink gate (logsumexp - S per head)")
+    sv, source = _tensor(sub.args[1]), _sink_source(sub.args[1])
+    if source is None or sv is None or sv.dim() not in (2, 3) or tuple(sv.shape[-2:]) != (H, 1) \
+            or any(int(e) != 1 for e in sv.shape[:-2]) or _tensor(source).numel() != H:
+        _refuse(sm, sub, "the logsumexp of the scores minus something other than one sink logit per head "
+                "(an [H] tensor viewed as [1, H, 1])")
+    chain.append(sub)
+    cur, seen_sigmoid, seen_unsqueeze = sub, False, False
+    while True:
+        nxt = _only_user(cur)
+        if nxt is None:
+            _refuse(sm, cur, "the sink gate of the attention has other users")
+        if _call_in(nxt, CAST) and nxt.op == "call_method" and nxt.args[0] is cur:
+            if _tensor(nxt).dtype != _tensor(cur).dtype:
+                _refuse(sm, nxt, f"the sink gate sigmoid(logsumexp(s) - S) is computed in {_tensor(nxt).dtype}, "
+                        f"the scores are {_tensor(cur).dtype}: its rounding is not reproduced")
+        elif not seen_sigmoid and _call_in(nxt, SIGMOID) and nxt.args[0] is cur:
+            seen_sigmoid = True
+        elif seen_sigmoid and not seen_unsqueeze and _call_in(nxt, ("unsqueeze", torch.unsqueeze)) \
+                and nxt.args[0] is cur and _tensor(nxt).dim() == 4 and _tensor(nxt).shape[-1] == 1:
+            seen_unsqueeze = True
+        elif seen_unsqueeze and _call_in(nxt, MUL) and len(nxt.args) == 2 and not nxt.kwargs:
+            dead.extend(reversed(chain))
+            return source, cur, nxt
+        else:
+            _refuse(sm, nxt, f"the logsumexp of the scores goes to `{_op_name(nxt)}`, not to a sink gate "
+                    "sigmoid(logsumexp(s) - S).unsqueeze(-1) multiplying the attention output")
+        chain.append(nxt)
+        cur = nxt
+
+
+def _lse_sink_output(sm: fx.Node, gate: tuple, out: fx.Node, merged: bool, dead: list) -> tuple[fx.Node, fx.Node]:
+    """(S, mul): the sink gate of :func:`_match_lse_sink` multiplies the [B, H, Lq, D] attention output ``out``
+    (its only user); ``mul`` is then the chain's output."""
+    source, g, mul = gate
+    if merged or _only_user(out) is not mul or {a for a in mul.args} != {out, g}:
+        _refuse(sm, mul, "the sink gate sigmoid(logsumexp(s) - S) does not multiply the attention output")
+    dead.insert(0, mul)
+    return source, mul
 
 
 def _max_source(m: fx.Node) -> Optional[fx.Node]:

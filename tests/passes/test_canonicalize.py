@@ -243,6 +243,31 @@ def test_eager_spelling_replays_exactly(attn):
     assert "tree_attention" in backend.records[0].packed_code
 
 
+class LseSink(torch.nn.Module):
+    """GraniteMoE-SWA: a learned per-head sink applied after the attention as ``sigmoid(logsumexp(s) - S)``
+    (``cast``: the gate computed in that dtype, as Granite's ``.to(torch.float32)``)."""
+
+    def __init__(self, cast=None):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(H))
+        self.cast = cast
+
+    def forward(self, q, k, v, causal):
+        s = torch.matmul(q, k.transpose(2, 3)) * 0.5 + additive(causal)
+        gate = torch.logsumexp(s, dim=-1) - self.sinks.view(1, -1, 1)
+        gate = (gate.to(self.cast) if self.cast is not None else gate).sigmoid()
+        o = torch.matmul(F.dropout(F.softmax(s, dim=-1).to(q.dtype), p=0.0, training=False), v)
+        return o * gate.unsqueeze(-1).to(o.dtype)
+
+
+def test_lse_sink_replays_exactly_as_a_sink():
+    """The gate ``sigmoid(logsumexp(s) - S)`` on the output is a sink logit S[h]: tree attention with ``sinks``
+    gives the loss and every gradient (S's included) as eager does in float64."""
+    backend = replay_exact(EagerLM(LseSink()), vocab=V)
+    code = backend.records[0].packed_code
+    assert "tree_attention" in code and "parameters_sinks_" in code
+
+
 def returned_weights(q, k, v, causal):
     """BART's attention whose [B, H, Lq, Lk] weights the loss also reads (output_attentions=True)."""
     B, Hh, L, D = q.shape
@@ -256,7 +281,10 @@ def returned_weights(q, k, v, causal):
     (returned_weights, "other users"),
     (lambda q, k, v, c: F.softmax(q @ k.transpose(-1, -2) + additive(c) + torch.ones(1, H, 1, 1).float(), -1) @ v,
      "torch.float32 per-head bias"),
-], ids=["returned_weights", "float32_bias"])
+    (LseSink(torch.float32), "sink gate sigmoid"),
+    (lambda q, k, v, c: F.softmax(torch.cat([q @ k.transpose(-1, -2) + additive(c), q.sum(-1, keepdim=True)], -1),
+                                  -1)[..., :-1] @ v, "sink logits computed per query token"),
+], ids=["returned_weights", "float32_bias", "float32_lse_sink", "per_token_sinks"])
 def test_eager_spelling_refused_with_reason(attn, reason):
     """Attention weights read by the loss, and a lower-precision per-head bias, fall back with the reason."""
     gm, inputs = capture(EagerLM(attn).double(), torch.randint(1, V, (3, 7)))
