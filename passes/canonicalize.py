@@ -37,11 +37,18 @@ scale is then 1). Between the scores and the softmax, mask and scale steps may c
 (``-1e4``) as the softmax sees it (times the positive scales after it) — ``-1e9``, ``finfo.min``, ``-inf``.
 Then a masked score's probability is exactly 0, as it is in tree attention, provided the visible scores
 of its row lie within the exp underflow range above ``v`` (745 in float64, 104 in float32; scores of
-that size are not seen in practice). The steps become one canonical float mask (:func:`_canonical_mask`:
+that size are not seen in practice). The same assumption makes a floor ``max(s, c)`` / ``s.clamp(min=c)`` at a
+blocking ``c`` (XGLM's ``torch.max(s + M, torch.full((), finfo.min))``) leave every probability as it is
+(:func:`_floor_step`). A value may be a one-element constant made in the graph (``torch.scalar_tensor(-inf)``,
+``torch.full((), v)``: :func:`_constant`). The steps become one canonical float mask (:func:`_canonical_mask`:
 0 where every step lets a key through, ``-inf`` where one blocks it; additive values <= ``BLOCKING``
 become ``-inf``, other values stay and the classification refuses them as a bias), classified by the
-probes of :mod:`..masks` like any mask. A cast of the scores to their own dtype (MPT's ``.float()`` of
-float32 scores) is the identity.
+probes of :mod:`..masks` like any mask. A cast of the scores to their own dtype is the identity; a cast
+right before the softmax (MPT's and XLM's ``softmax(scores.float())``) is the softmax's dtype
+(:func:`_softmax_input_cast`). An additive mask of lower precision than the scores is promoted exactly by the
+sum (a per-head bias of lower precision is refused: its rounding is not reproduced). After the softmax,
+``p.masked_fill(C, 0)`` with the condition of a blocking ``masked_fill`` step (CPM-Ant, the condition built a
+second time) only zeroes probabilities that are 0 already (:func:`_zeroes_blocked`).
 
 **3-D attention** (HF BLOOM, Megatron): the product runs on views that merge (B, H) —
 ``s3 = bias.baddbmm(q3, k3^T, beta=b, alpha=a)`` (or ``bmm(q3, k3^T)``) with ``q3 = q.reshape(B*H, Lq, D)``,
@@ -52,8 +59,12 @@ with one (B, H). Then ``s[b, h] = a * q[b, h] k[b, h]^T + b * bias[b*H + h]``: `
 the ``baddbmm`` input is a bias step (``("bias", M, H, post)``) read as [B, H, ...]
 (``M.unflatten(0, (-1, H))``, :func:`_split_heads_operand`; none at ``b = 0``); ``a`` and ``b`` read from scalar
 inputs (``dynamic=True``) are specialised under a per-call guard. The output view back to [B, H, Lq, D] becomes the
-SDPA node; any other use of the [B*H, Lq, D] product reads ``sdpa.flatten(0, 1)``. A softmax of the 3-D scores
-themselves is refused by name.
+SDPA node; any other use of the [B*H, Lq, D] product reads ``sdpa.flatten(0, 1)``. The fold of the heads into the
+batch may come and go anywhere in the chain (:func:`_softmax_frame`, :func:`_match_probabilities`): HF BART
+(MVP, TrOCR, XGLM) adds the mask to ``s3.view(B, H, Lq, Lk)`` and takes the softmax of its ``[B*H, Lq, Lk]``
+view; a softmax may read the 3-D product itself (no mask then but the ``baddbmm`` input; a mask on the folded
+scores is refused by name); GPT-NeoX-Japanese takes the softmax and the product with the values in 4-D after
+``baddbmm`` scores.
 
 **ALiBi.** An additive operand with a head dim (``[H, Lq, Lk]``, ``[H, 1, Lk]``, ``[B, H, Lq, Lk]``, any
 broadcastable per-head bias) is a *bias step*: it joins the canonical mask unthresholded (times the scales
@@ -63,7 +74,9 @@ per-query shift (the tree attention ``alibi`` feature); anything else is refused
 
 **Attention sinks** (GPT-OSS): ``combined = cat([s, S.reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)], -1)``,
 optionally ``combined - combined.max(-1, keepdim=True).values`` (a per-row shift: the softmax is the same),
-``softmax(combined)[..., :-1]`` — one value-less logit ``S[h]`` per query row (:func:`_match_sinks`). The
+``softmax(combined)[..., :-1]`` — one value-less logit ``S[h]`` per query row (:func:`_match_sinks`; sink logits
+computed per query token are refused by name). GraniteMoE-SWA applies the sink after the attention,
+``o * sigmoid(logsumexp(s, -1) - S.view(1, H, 1)).unsqueeze(-1)``: the same attention (:func:`_match_lse_sink`). The
 [H] node ``S`` becomes the SDPA node's ``br_sinks`` keyword (a dependency edge of the canonical copy, which
 is only analysed, never run) and the ``sinks`` argument of tree attention (it gets its gradient there).
 
