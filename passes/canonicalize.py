@@ -529,6 +529,7 @@ def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Opti
     dead.extend(sc.nodes)
     scale = _fold_scores_op(sm, x, scale, sc, masks, scalar)
     _check_scores(sm, x, cur, sc, masks, dtype)
+    _check_mask_precision(sm, x, cur, masks)
     probs, p, training, folded = _match_probabilities(sm, sinks, sc, dead, folded, masks)
     gate = _match_lse_sink(sm, x, sinks, dead)
     out, v, merged_out = _match_output(sm, probs, sc, dead, folded, gate[2] if gate is not None else None)
@@ -676,13 +677,6 @@ def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list
             tm = _tensor(m[1])
             if tm is None or not tm.is_floating_point():
                 _refuse(sm, x, "the value added to the scores is not a float tensor (a bool mask added is a bias)")
-            if tm.dtype.itemsize > ts.dtype.itemsize:
-                _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}: the mask promotes the "
-                        f"scores to {tm.dtype} (mixed-precision attention; compute the scores in {tm.dtype} or "
-                        f"build the mask in {ts.dtype})")
-            if tm.dtype != ts.dtype and _per_head(m[1]):
-                _refuse(sm, x, f"a {tm.dtype} per-head bias (ALiBi) added to {ts.dtype} scores: tree attention "
-                        f"does not reproduce its {tm.dtype} rounding (build the bias in {ts.dtype})")
     if tq.shape[:2] != tk.shape[:2]:
         _refuse(sm, cur, "query and key heads differ (no repeat_kv before the scores)")
     sd = ts.dtype
@@ -691,6 +685,26 @@ def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list
         _refuse(sm, sm, f"the softmax of {sd} scores is computed in {sm_dtype}: the original rounds the "
                 f"probabilities to {sm_dtype} (and overflows a lowest-{sd} mask value to -inf), which tree "
                 f"attention in {sd} does not reproduce; use {sd} throughout or attn_implementation='sdpa'")
+
+
+def _check_mask_precision(sm: fx.Node, x: fx.Node, cur: fx.Node, masks: list) -> None:
+    """An additive mask of another float dtype than the scores ``cur``: one of lower precision is promoted
+    exactly by the sum (``s + M == s + M.to(s.dtype)``; :func:`_canonical_mask` casts it) and accepted, unless it
+    is a per-head bias, whose rounding tree attention does not reproduce (refused); one of higher precision
+    promotes the scores themselves (mixed-precision attention: refused). Runs after :func:`_check_scores`, so a
+    softmax in lower precision than the scores is named first."""
+    ts = _tensor(cur)
+    for m in masks:
+        tm = _tensor(m[1]) if m[0] == "add" else None
+        if tm is None or tm.dtype == ts.dtype:
+            continue
+        if tm.dtype.itemsize > ts.dtype.itemsize:
+            _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}: the mask promotes the "
+                    f"scores to {tm.dtype} (mixed-precision attention; compute the scores in {tm.dtype} or "
+                    f"build the mask in {ts.dtype})")
+        if _per_head(m[1]):
+            _refuse(sm, x, f"a {tm.dtype} per-head bias (ALiBi) added to {ts.dtype} scores: tree attention "
+                    f"does not reproduce its {tm.dtype} rounding (build the bias in {ts.dtype})")
 
 
 def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead: list, folded: bool,
