@@ -1077,6 +1077,80 @@ class Bmm3D(Decoder):
         return (self.causal,)
 
 
+# --------------------------------------------------------------------------------------------------
+# HF BART-family attention (BartAttention of transformers 4.x; MVP, TrOCR, XGLM today): q scaled before the
+# product, [B*H, T, HS] views, the mask added to the [B, H, T, T] view of the scores, the softmax of the
+# [B*H, T, T] view, dropout, bmm with the values
+
+
+class BartAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scaling = HS ** -0.5
+        # k_proj without its bias here: the softmax does not see a shift shared by all keys, so that bias's exact
+        # gradient is 0 and its rounding noise has no scale of its own to be measured against
+        self.k_proj = nn.Linear(DIM, DIM, bias=False)
+        self.v_proj, self.q_proj = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.out_proj = nn.Linear(DIM, DIM)
+
+    def _shape(self, tensor, seq_len, bsz):
+        return tensor.view(bsz, seq_len, HEADS, HS).transpose(1, 2).contiguous()
+
+    def forward(self, hidden_states, attention_mask):
+        bsz, tgt_len, _ = hidden_states.size()
+        query_states = self.q_proj(hidden_states) * self.scaling
+        key_states = self._shape(self.k_proj(hidden_states), -1, bsz)
+        value_states = self._shape(self.v_proj(hidden_states), -1, bsz)
+        proj_shape = (bsz * HEADS, -1, HS)
+        query_states = self._shape(query_states, tgt_len, bsz).view(*proj_shape)
+        key_states = key_states.reshape(*proj_shape)
+        value_states = value_states.reshape(*proj_shape)
+        src_len = key_states.size(1)
+        attn_weights = torch.bmm(query_states, key_states.transpose(1, 2))
+        attn_weights = attn_weights.view(bsz, HEADS, tgt_len, src_len) + attention_mask
+        attn_weights = attn_weights.view(bsz * HEADS, tgt_len, src_len)
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+        attn_probs = nn.functional.dropout(attn_weights, p=0.0, training=self.training)
+        attn_output = torch.bmm(attn_probs, value_states)
+        attn_output = attn_output.view(bsz, HEADS, tgt_len, HS).transpose(1, 2)
+        return self.out_proj(attn_output.reshape(bsz, tgt_len, DIM))
+
+
+class BartBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = BartAttention()
+        self.self_attn_layer_norm, self.final_layer_norm = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.fc1, self.fc2 = nn.Linear(DIM, 64), nn.Linear(64, DIM)
+
+    def forward(self, hidden_states, attention_mask):  # post-norm, as BART
+        hidden_states = self.self_attn_layer_norm(hidden_states + self.self_attn(hidden_states, attention_mask))
+        return self.final_layer_norm(hidden_states + self.fc2(F.gelu(self.fc1(hidden_states))))
+
+
+class Bart(Decoder):
+    """BART-family decoder: learned positions, the 4-D additive causal + padding mask of HF's
+    ``_prepare_4d_causal_attention_mask``."""
+
+    uses_mask = True
+
+    def __init__(self):
+        super().__init__(BartBlock)
+        self.embed_positions = nn.Embedding(MAX_SEQ, DIM)
+
+    def embed(self, input_ids):
+        return self.wte(input_ids) + self.embed_positions(torch.arange(input_ids.shape[1]))
+
+    def context(self, input_ids, attention_mask):
+        T = input_ids.shape[1]
+        dtype = self.wte.weight.dtype
+        mask = torch.full((T, T), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+        if attention_mask is not None:
+            inverted = 1.0 - attention_mask[:, None, None, :].to(dtype)
+            mask = mask.masked_fill(inverted.bool(), torch.finfo(dtype).min)
+        return (mask,)
+
+
 #: style name -> model class (replays: exact and shared)
 REPLAY = {
     "nanogpt_flash": NanoGPT,
@@ -1095,6 +1169,7 @@ REPLAY = {
     "alibi": Alibi,
     "attention_sinks": AttentionSinks,
     "bmm_3d": Bmm3D,
+    "hf_bart": Bart,
 }
 
 #: style name -> (model class, a phrase the fallback reason must contain)
