@@ -1,5 +1,5 @@
-"""Causal scans along the tree paths: ``brcompile::tree_parent``, ``tree_cumsum``, ``tree_causal_conv1d``
-(docs/ARCHITECTURE.md §6).
+"""Causal scans along the tree paths: ``brcompile::tree_parent``, ``tree_cumsum``, ``tree_causal_conv1d``,
+``tree_linear_scan`` (docs/ARCHITECTURE.md §6).
 
 A causal scan over positions computes each position's value from the state at the previous position and the
 token there. In the prefix tree (§4) every node's dense positions share their row's earlier tokens, which are
@@ -12,8 +12,12 @@ root to ``index[b, t]``:
   x[:, c, anc_i(k)]`` with ``anc_0(k) = k``, ``anc_{i+1}(k) = parent[anc_i(k)]`` and zero past a root — the
   dense depthwise ``conv1d(x, w, b, padding=W-1, groups=C)[..., :L]``, which reads the previous W-1 positions
   of the row (zeros before its start). The ancestors along the path, not the previous packed positions.
+- ``tree_linear_scan(a, b, parent, dim)``: ``h[k] = a[k] * h[parent[k]] + b[k]`` (``h = b`` at a root) — the
+  first-order linear recurrence ``h_t = a_t h_{t-1} + b_t`` of a state-space layer (a Mamba selective scan's
+  state, ``h_{-1} = 0``), elementwise. Forward by pointer doubling over the composed affine maps
+  (:func:`path_linear_scan`), backward by the transposed rounds (:func:`subtree_linear_scan`).
 
-Both are exact up to reassociation of the sums (the dense op adds the same terms in another order). Nothing
+All are exact up to reassociation of the sums (the dense op adds the same terms in another order). Nothing
 loops over tokens: the path sums use pointer jumping (Hillis–Steele along the paths: after round r each
 token holds the sum over its 2^r nearest ancestors-or-self; ``ceil(log2(depth))`` rounds of O(N) gathers),
 the subtree sums the transposed rounds (scatter-adds), the conv W-1 gathers of ``parent``.
@@ -32,8 +36,9 @@ from torch.utils.flop_counter import register_flop_formula
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ScanError", "tree_parent", "tree_cumsum", "tree_causal_conv1d", "path_ancestors", "TREE_PATH_OPS",
-           "reference_cumsum", "reference_causal_conv1d"]
+__all__ = ["ScanError", "tree_parent", "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan",
+           "path_ancestors", "TREE_PATH_OPS", "reference_cumsum", "reference_causal_conv1d",
+           "reference_linear_scan"]
 
 
 class ScanError(ValueError):
@@ -310,6 +315,144 @@ def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent
     return torch.ops.brcompile.tree_causal_conv1d(x, weight, bias, parent)
 
 
+# ----------------------------------------------------------------------------------------- linear scan
+
+
+def path_linear_scan(a: Tensor, b: Tensor, parent: Tensor) -> Tensor:
+    """``h[k] = a[k] * h[parent[k]] + b[k]`` along dim 0 (``h = b`` at a root), by pointer doubling.
+
+    Token k holds an affine map ``(A[k], B[k])`` and an ancestor ``anc[k]`` with ``h[k] = A[k] * h[anc[k]] +
+    B[k]`` (``h[-1] = 0``: past a root the map's constant is the value). Start ``(a, b, parent)``; a round
+    composes k's map with its ancestor's, ``(A, B)∘(A', B') = (A * A', A * B' + B)`` at ``anc``, and
+    ``anc[k] = anc[anc[k]]``: after round r the map spans the 2^r nearest ancestors-or-self, so
+    ``ceil(log2(depth))`` rounds leave ``anc = -1`` everywhere and ``h = B``. Each product of a along the path
+    is formed once: the dense recurrence up to reassociation."""
+    A, B = a.clone(), b.clone()
+    anc = parent
+    while bool((anc >= 0).any()):
+        has = _bcast(anc >= 0, B)
+        at = anc.clamp(min=0)
+        A, B = torch.where(has, A * A[at], A), torch.where(has, A * B[at] + B, B)
+        anc = _jump(anc, anc)
+    return B
+
+
+def subtree_linear_scan(g: Tensor, a: Tensor, parent: Tensor) -> Tensor:
+    """``gb[k] = g[k] + sum over the children c of k of a[c] * gb[c]`` along dim 0: the transpose of
+    :func:`path_linear_scan` (``gb[j] = sum over the descendants-or-self d of j of g[d] * P(d, j)``, ``P(d, j)``
+    the product of ``a`` over the path from d up to j, j excluded).
+
+    Invariant after round r: ``S[j]`` sums the descendants of j at distance < 2^r, ``W[d] = P(d, anc[d])``
+    with ``anc[d]`` d's 2^r-th ancestor. A round pushes ``W[d] * S[d]`` from each d to ``anc[d]`` (the
+    descendants of j at distance [2^r, 2^(r+1)) lie below exactly one d at distance 2^r, with ``P(e, j) =
+    P(e, d) P(d, j)``), then ``W[d] = W[d] * W[anc[d]]`` and ``anc[d] = anc[anc[d]]``."""
+    S, W = g.clone(), a.clone()
+    anc = parent
+    while bool((anc >= 0).any()):
+        has = anc >= 0
+        src = has.nonzero().squeeze(1)
+        S = S.index_add(0, anc[src], W[src] * S[src])
+        W = torch.where(_bcast(has, W), W * W[anc.clamp(min=0)], W)
+        anc = _jump(anc, anc)
+    return S
+
+
+def _check_linear_scan(a: Tensor, b: Tensor, parent: Tensor, dim: int) -> tuple[torch.Size, int]:
+    """The broadcast shape of ``a`` and ``b`` and the token dim in it (normalised)."""
+    _check_tree_array(parent, "parent")
+    if a.dtype != b.dtype or not a.is_floating_point():
+        raise ScanError(f"tree_linear_scan: a and b must be floating point of one dtype, got {a.dtype}, {b.dtype}")
+    try:
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError as e:
+        raise ScanError(f"tree_linear_scan: a {tuple(a.shape)} and b {tuple(b.shape)} do not broadcast") from e
+    if len(shape) == 0 or not -len(shape) <= dim < len(shape):
+        raise ScanError(f"tree_linear_scan: dim {dim} out of range for shape {tuple(shape)}")
+    d = dim % len(shape)
+    if shape[d] != parent.shape[0]:
+        raise ScanError(f"tree_linear_scan: {shape[d]} entries along dim {dim}, parent has {parent.shape[0]}")
+    return shape, d
+
+
+def _scan_layout(x: Tensor, shape: torch.Size, d: int) -> Tensor:
+    """``x`` broadcast to ``shape``, the token dim first."""
+    return x.expand(shape).movedim(d, 0)
+
+
+@torch.library.custom_op("brcompile::tree_linear_scan", mutates_args=())
+def _tree_linear_scan_op(a: Tensor, b: Tensor, parent: Tensor, dim: int) -> Tensor:
+    """See :func:`tree_linear_scan`."""
+    shape, d = _check_linear_scan(a, b, parent, dim)
+    h = path_linear_scan(_scan_layout(a, shape, d), _scan_layout(b, shape, d), parent)
+    return h.movedim(0, d).contiguous()
+
+
+@_tree_linear_scan_op.register_fake
+def _tree_linear_scan_fake(a, b, parent, dim):
+    shape, _ = _check_linear_scan(a, b, parent, dim)
+    return a.new_empty(shape)
+
+
+@torch.library.custom_op("brcompile::tree_linear_scan_backward", mutates_args=())
+def _tree_linear_scan_backward_op(grad: Tensor, a: Tensor, h: Tensor, parent: Tensor,
+                                  dim: int) -> tuple[Tensor, Tensor]:
+    """``(grad_a, grad_b)`` in the output's shape: ``gb = subtree_linear_scan(grad, a)``, ``grad_a[k] = gb[k] *
+    h[parent[k]]`` (0 at a root), ``grad_b = gb``."""
+    shape, d = _check_linear_scan(a, h, parent, dim)
+    gb = subtree_linear_scan(_scan_layout(grad, shape, d), _scan_layout(a, shape, d), parent)
+    hp = _scan_layout(h, shape, d)[parent.clamp(min=0)]
+    ga = torch.where(_bcast(parent >= 0, gb), gb * hp, torch.zeros((), dtype=gb.dtype, device=gb.device))
+    return ga.movedim(0, d).contiguous(), gb.movedim(0, d).contiguous()
+
+
+@_tree_linear_scan_backward_op.register_fake
+def _tree_linear_scan_backward_fake(grad, a, h, parent, dim):
+    shape, _ = _check_linear_scan(a, h, parent, dim)
+    return grad.new_empty(shape), grad.new_empty(shape)
+
+
+def _linear_scan_setup(ctx, inputs, output):
+    a, b, parent, dim = inputs
+    ctx.save_for_backward(a, output, parent)
+    ctx.dim = dim
+    ctx.shapes = (a.shape, b.shape)
+
+
+def _linear_scan_grad(ctx, grad):
+    """Exact: the backward op's full-shape gradients summed back to a's and b's shapes (broadcasting)."""
+    a, h, parent = ctx.saved_tensors
+    ga, gb = torch.ops.brcompile.tree_linear_scan_backward(grad, a, h, parent, ctx.dim)
+    a_shape, b_shape = ctx.shapes
+    return ga.sum_to_size(a_shape), gb.sum_to_size(b_shape), None, None
+
+
+torch.library.register_autograd("brcompile::tree_linear_scan", _linear_scan_grad, setup_context=_linear_scan_setup)
+
+
+def tree_linear_scan(a: Tensor, b: Tensor, parent: Tensor, dim: int) -> Tensor:
+    """``brcompile::tree_linear_scan``: ``h[k] = a[k] * h[parent[k]] + b[k]`` (``h = b`` at a root) along the
+    packed token dim ``dim`` of ``a`` and ``b`` broadcast together — the dense ``h_t = a_t h_{t-1} + b_t``
+    along a row (``h_{-1} = 0``), computed along the tree paths.
+
+    Backward (exact): with ``g = dL/dh``, ``gb[k] = g[k] + sum over the children c of k of a[c] * gb[c]`` (a
+    reverse scan over the subtrees, the transpose of the forward), ``dL/da[k] = gb[k] * h[parent[k]]`` (0 at a
+    root), ``dL/db = gb``; each summed back to its input's shape where it was broadcast."""
+    return torch.ops.brcompile.tree_linear_scan(a, b, parent, dim)
+
+
+def chain_parent(length: int, device=None) -> Tensor:
+    """The parent array of one row as a chain: ``[-1, 0, 1, ..., L-2]``."""
+    return torch.arange(-1, length - 1, device=device)
+
+
+def linear_scan(a: Tensor, b: Tensor, dim: int) -> Tensor:
+    """The dense ``h_t = a_t h_{t-1} + b_t`` along ``dim`` of ``a`` and ``b`` broadcast together (``h_0 =
+    b_0``): ``tree_linear_scan`` over the chain of the dense positions (every row is its own path). What
+    ``torch._higher_order_ops.associative_scan`` with the affine combine computes (passes/linear_scans.py)."""
+    n = torch.broadcast_shapes(a.shape, b.shape)[dim]
+    return torch.ops.brcompile.tree_linear_scan(a, b, chain_parent(n, a.device), dim)
+
+
 # ------------------------------------------------------------------------------------------- flops
 
 
@@ -325,9 +468,22 @@ def _conv_backward_flop(grad, x, weight, parent, *args, out_val=None, **kwargs) 
     return 4 * x.numel() * weight.shape[2]
 
 
+@register_flop_formula(torch.ops.brcompile.tree_linear_scan, get_raw=True)
+def _linear_scan_flop(a, b, parent, dim, *args, out_val=None, **kwargs) -> int:
+    """A multiply and an add per output element, as the dense recurrence: 2 * numel."""
+    return 2 * torch.broadcast_shapes(a.shape, b.shape).numel()
+
+
+@register_flop_formula(torch.ops.brcompile.tree_linear_scan_backward, get_raw=True)
+def _linear_scan_backward_flop(grad, a, h, parent, dim, *args, out_val=None, **kwargs) -> int:
+    """The reverse recurrence (a multiply and an add) and grad_a's multiply per element: 3 * numel."""
+    return 3 * grad.numel()
+
+
 #: Ops whose output at a token reads its ancestors along the tree path (not token-local): the streaming
 #: split must not run them on a chunk of tails cut from its prefix (passes/split.py).
-TREE_PATH_OPS = (torch.ops.brcompile.tree_cumsum.default, torch.ops.brcompile.tree_causal_conv1d.default)
+TREE_PATH_OPS = (torch.ops.brcompile.tree_cumsum.default, torch.ops.brcompile.tree_causal_conv1d.default,
+                 torch.ops.brcompile.tree_linear_scan.default)
 
 
 # ------------------------------------------------------------------------------------------- oracles
@@ -356,3 +512,15 @@ def reference_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], e
         if bias is not None:
             out[:, :, k] += bias
     return out
+
+
+def reference_linear_scan(a: Tensor, b: Tensor, end: Tensor, dim: int) -> Tensor:
+    """Oracle: token by token in preorder (a parent comes before its children), ``h[k] = a[k] * h[p] + b[k]``
+    with p the deepest proper ancestor of k (``j < k < end[j]``), ``h[k] = b[k]`` at a root."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    am, bm = a.expand(shape).movedim(dim, 0), b.expand(shape).movedim(dim, 0)
+    h: list[Tensor] = []
+    for k in range(end.shape[0]):
+        anc = [j for j in range(k) if int(end[j]) > k]
+        h.append(am[k] * h[anc[-1]] + bm[k] if anc else bm[k])
+    return torch.stack(h).movedim(0, dim)

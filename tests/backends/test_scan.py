@@ -1,4 +1,5 @@
-"""brcompile::tree_cumsum / tree_causal_conv1d / tree_parent (backends/scan.py) against the dense ops per row.
+"""brcompile::tree_cumsum / tree_causal_conv1d / tree_linear_scan / tree_parent (backends/scan.py) against the
+dense ops per row.
 
 The truth: for a dense batch whose rows are read from packed tokens through the tree's ``index`` (so rows
 sharing a prefix share its values), the op's packed output read back through ``index`` equals the dense
@@ -220,3 +221,101 @@ def test_conv_flop_formula():
     with FlopCounterMode(display=False) as fc:
         scan.tree_causal_conv1d(xp, torch.randn(3, 1, 4, dtype=F64), None, tree.parent)
     assert fc.get_total_flops() == 2 * xp.numel() * 4
+
+
+# --------------------------------------------------------------------------------------- linear scan
+
+
+def dense_recurrence(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``h_t = a_t h_{t-1} + b_t`` along dim 1 of ``[B, L, ...]`` rows, ``h_{-1} = 0``: a loop over t."""
+    h, out = torch.zeros_like(b[:, 0]), []
+    for t in range(b.shape[1]):
+        h = a[:, t] * h + b[:, t]
+        out.append(h)
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_linear_scan_forward_backward_vs_dense_rows(seed):
+    """Every root-to-leaf path (a dense row read through ``index``) is the dense recurrence, forward and
+    backward (a shared token's gradient sums its rows'); the oracle (preorder loop) agrees too."""
+    _, _, tree = tree_of(seed)
+    N = tree.end.shape[0]
+    g = torch.Generator().manual_seed(seed + 30)
+    ap = (0.5 + torch.rand(N, 3, 2, generator=g, dtype=F64)).requires_grad_()
+    bp = torch.randn(N, 3, 2, generator=g, dtype=F64, requires_grad=True)
+    out = scan.tree_linear_scan(ap, bp, tree.parent, 0)
+    ref = dense_recurrence(dense_of(ap, tree.index), dense_of(bp, tree.index))
+    assert_exact(dense_of(out, tree.index), ref, EXACT, "tree_linear_scan")
+    assert_exact(out, scan.reference_linear_scan(ap, bp, tree.end, 0), EXACT, "vs oracle")
+    w = torch.randn(ref.shape, generator=g, dtype=F64)
+    got = torch.autograd.grad((dense_of(out, tree.index) * w).sum(), (ap, bp))
+    want = torch.autograd.grad((ref * w).sum(), (ap, bp))
+    for name, x, y in zip("ab", got, want):
+        assert_exact(x, y, EXACT, f"grad of {name}")
+
+
+def test_linear_scan_is_not_a_scan_over_packed_order():
+    """The previous packed token is not the path's parent: the chain recurrence over packed order differs."""
+    _, _, tree = tree_of(1)
+    N = tree.end.shape[0]
+    a, b = torch.rand(N, 2, dtype=F64), torch.randn(N, 2, dtype=F64)
+    flat = scan.tree_linear_scan(a, b, scan.chain_parent(N), 0)
+    assert not torch.allclose(scan.tree_linear_scan(a, b, tree.parent, 0), flat)
+
+
+def test_linear_scan_broadcast_and_later_dim():
+    """``a`` broadcast against ``b`` (a decay shared by the channels: ``[1, N, 1, S]`` vs ``[1, N, D, S]``), the
+    token dim not first (dim 1 and -3): the gradient of ``a`` is summed back to its shape."""
+    _, _, tree = tree_of(2)
+    N = tree.end.shape[0]
+    a = torch.rand(1, N, 1, 2, dtype=F64, requires_grad=True)
+    b = torch.randn(1, N, 3, 2, dtype=F64, requires_grad=True)
+    full = a.expand(1, N, 3, 2)
+    want = scan.reference_linear_scan(full, b, tree.end, 1)
+    for dim in (1, -3):
+        assert_exact(scan.tree_linear_scan(a, b, tree.parent, dim), want, EXACT, f"dim {dim}")
+    w = torch.randn(1, N, 3, 2, dtype=F64)
+    ga, gb = torch.autograd.grad((scan.tree_linear_scan(a, b, tree.parent, 1) * w).sum(), (a, b))
+    assert ga.shape == a.shape
+    wa, wb = torch.autograd.grad((scan.reference_linear_scan(full, b, tree.end, 1) * w).sum(), (a, b))
+    assert_exact(ga, wa, EXACT, "grad of a")
+    assert_exact(gb, wb, EXACT, "grad of b")
+
+
+def test_dense_linear_scan_is_the_chain():
+    """``scan.linear_scan`` (the dense op the associative-scan rewrite emits) is the row recurrence."""
+    a, b = torch.rand(3, 9, 2, dtype=F64), torch.randn(3, 9, 2, dtype=F64)
+    assert_exact(scan.linear_scan(a, b, 1), dense_recurrence(a, b), EXACT, "dense linear scan")
+
+
+def test_linear_scan_gradcheck_and_opcheck():
+    _, _, tree = tree_of(9, groups=2, rows=3, length=7)
+    N = tree.end.shape[0]
+    a = torch.rand(N, 2, dtype=F64, requires_grad=True)
+    b = torch.randn(N, 2, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: scan.tree_linear_scan(a, b, tree.parent, 0), (a, b))
+    a1 = torch.rand(N, 1, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: scan.tree_linear_scan(a, b, tree.parent, 0), (a1, b))
+    torch.library.opcheck(torch.ops.brcompile.tree_linear_scan.default, (a, b, tree.parent, 0))
+    torch.library.opcheck(torch.ops.brcompile.tree_linear_scan.default, (a1, b, tree.parent, 0))
+
+
+def test_linear_scan_bad_arguments():
+    parent = torch.tensor([-1, 0, 1])
+    with pytest.raises(scan.ScanError, match="entries along dim"):
+        scan.tree_linear_scan(torch.zeros(4), torch.zeros(4), parent, 0)
+    with pytest.raises(scan.ScanError, match="broadcast"):
+        scan.tree_linear_scan(torch.zeros(3, 2), torch.zeros(3, 4), parent, 0)
+    with pytest.raises(scan.ScanError, match="one dtype"):
+        scan.tree_linear_scan(torch.zeros(3), torch.zeros(3, dtype=F64), parent, 0)
+
+
+def test_linear_scan_flop_formula():
+    from torch.utils.flop_counter import FlopCounterMode
+    _, _, tree = tree_of(0)
+    a = torch.rand(tree.end.shape[0], 4, dtype=F64, requires_grad=True)
+    b = torch.randn(tree.end.shape[0], 4, dtype=F64)
+    with FlopCounterMode(display=False) as fc:
+        scan.tree_linear_scan(a, b, tree.parent, 0).sum().backward()
+    assert fc.get_total_flops() == 5 * b.numel()
