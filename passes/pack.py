@@ -5,7 +5,8 @@ Two steps, transactional (the user's graph is never modified):
 1. :func:`analyse` — find (B, L) (from the token ids, the integer [B, L] input of an ``embedding``, or
    else from an attention's query), the tree inputs (the [B, L, ...] inputs the attentions depend on:
    token ids, attention mask, position ids, and float embeddings or hidden states in graphs without ids:
-   per-block graphs, ``inputs_embeds``), the per-position inputs shared by all rows ([L, ...] or
+   per-block graphs, ``inputs_embeds``; in a graph without attention, the inputs its causal scans along the
+   positions read: a pure state-space model), the per-position inputs shared by all rows ([L, ...] or
    [1, L, ...]: rotary tables made outside), classify every attention's mask (:mod:`.masks`), and
    propagate token-axis facts (:mod:`.axes`, :mod:`.rules`).
 2. :func:`build_packed_graph` — emit a new graph that takes the original inputs plus the tree arrays
@@ -31,6 +32,8 @@ from brcompile.passes.axes import (
 from brcompile.passes.functionalize import functionalize
 from brcompile.passes.guards import BatchGuard
 from brcompile.passes import canonicalize as eager_attention
+from brcompile.passes import linear_scans
+from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import SDPA
 from brcompile.runtime.tree import GRAPH_ARGS
 from brcompile.backends.read_packed import read_packed
@@ -138,6 +141,8 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     gm = functionalize(gm)
     canon = eager_attention.canonicalize(gm, example_inputs)
     gm = canon.gm
+    scan_notes = linear_scans.canonicalize_linear_scans(gm)  # affine associative scans -> linear_scan
+    canon.notes.extend(scan_notes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # SymInt inputs (dynamic capture) become their example ints: evaluating the mask subgraph on them
     # must not add guards to the user's graph.
@@ -149,7 +154,12 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         if hop is not None:
             raise CannotReplay(f"attention inside a {getattr(hop.target, '__name__', hop.target)} body (only "
                                f"activation-checkpoint bodies are analysed)", hop)
-        raise CannotReplay("no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged)")
+        scans = scan_rules.scan_candidates(gm)
+        left = "".join(f"; {n}" for n in scan_notes if linear_scans.LEFT in n)  # scans not rewritten, named
+        if not scans:
+            raise CannotReplay(f"no scaled_dot_product_attention in the graph (nothing to share; it runs "
+                               f"unchanged){left}")
+        return _analyse_scans(gm, scans, token_ids, placeholders, values, canon, training, left)
     mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
@@ -189,6 +199,34 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
                                          mask_keys, placeholders, example_inputs)
     return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
                     guards, canon.notes, sequences, input_mask)
+
+
+def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional[fx.Node], placeholders: list,
+                   values: dict, canon, training: bool, left: str = "") -> Analysis:
+    """A graph without attention whose rows share work through causal scans along the positions (a pure
+    state-space model: Mamba's causal conv and selective scan). The tree inputs are the per-token inputs the
+    scans read (token ids, attention mask), the ids among them; (B, L) the ids'. Each row's tokens before
+    column t are its path in the tree, so a scan along the positions is a tree scan. When propagation makes
+    none of them one (each went dense, for its reason), nothing is shared: CannotReplay with that reason."""
+    if token_ids is None:
+        raise CannotReplay("no scaled_dot_product_attention in the graph, and no [B, L] integer token input "
+                           "feeding an embedding that its scans read (nothing to share; it runs unchanged)")
+    B, L = hint(tuple(example_value(token_ids).shape))
+    needed = set().union(*(masks_mod.ancestors(s) for s in scans))
+    tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L)]
+    if token_ids not in tree_inputs:
+        raise CannotReplay("no scaled_dot_product_attention in the graph, and its scans do not depend on the "
+                           "token ids (nothing to share; it runs unchanged)")
+    position_inputs = {p: d for p in placeholders if p in needed and p not in tree_inputs
+                       for d in [_position_dim(p, B, L)] if d is not None}
+    ctx = AxesContext(gm, B, L, tree_inputs, set(), training=training, position_inputs=position_inputs,
+                      values=values, sequences=False)
+    propagate(ctx)
+    if not any(scan_rules.is_tree_scan(ctx, s) for s in scans):
+        why = ctx.first_materialisation() or "no scan runs along the positions of the tokens"
+        raise CannotReplay(f"no scaled_dot_product_attention in the graph and no scan along the tree (nothing to "
+                           f"share; it runs unchanged): {why}{left}")
+    return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards), canon.notes)
 
 
 def _analysis_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1,4 +1,5 @@
-"""Causal scans along the token axis: ``cumsum`` and the causal depthwise ``conv1d`` (docs/ARCHITECTURE.md §3.4).
+"""Causal scans along the token axis: ``cumsum``, the causal depthwise ``conv1d`` and the first-order linear
+recurrence ``linear_scan`` (docs/ARCHITECTURE.md §3.4).
 
 A scan along the position dim of a TOKEN value reads the earlier positions of its row. A token's earlier
 positions in every row that holds it are its ancestors in the prefix tree (§4: the rows holding node k agree
@@ -20,6 +21,14 @@ on every column before k's), so the dense scan at ``(b, t)`` is a function of th
   anything else along the token dim is a dense fallback naming what failed (exact, no sharing past it).
   The padded intermediate (the conv's ``L + W - 1`` outputs, or the pad's ``L + W - 1`` inputs) is no
   TOKEN value: its fact carries a :class:`PaddedWindow` that only the proved slice (or conv) may read.
+* ``linear_scan(a, b, dim=pos)`` — ``h_t = a_t h_{t-1} + b_t``, what passes/linear_scans.py makes of an
+  ``associative_scan`` of affine maps (Mamba's selective scan with ``use_associative_scan=True``) →
+  ``brcompile::tree_linear_scan(a, b, parent, pos)``: ``h[k] = a[k] h[parent[k]] + b[k]``, the recurrence along
+  the path. TOKEN operands with one layout (an operand without the token dims broadcasts); an
+  ``associative_scan`` left as it was (another combine) is dense, named.
+
+:func:`scan_candidates` / :func:`is_tree_scan` tell passes/pack.py whether a graph without attention shares
+anything: its rows share work only through such scans.
 
 The scans are exact only where the tree's paths are the rows' prefixes: a padding-free graph (the tree is
 over the sequences packed into a row, §4) and ``drop_padding`` (a kept token's path skips the dropped
@@ -348,3 +357,99 @@ def pad(ctx: AxesContext, node: fx.Node):
         return dense_fallback(ctx, node, problem)
     ctx.notes[node] = ("causal_pad", P)
     return token(3, 0, 2, PaddedWindow(base=ax.window, length=_length_key(x), pad=P))
+
+
+# --------------------------------------------------------------------------------------------------
+# first-order linear recurrence (an affine associative scan, passes/linear_scans.py)
+
+
+def _broadcast_const_problem(ndim: int, row: Optional[int], pos: int, arg: Any) -> Optional[str]:
+    """Why a non-TOKEN operand of a linear scan cannot broadcast against the packed tokens (None: it can:
+    extent 1, or no dim, at the row and position dims of the result)."""
+    shape = shape_of(arg) if isinstance(arg, fx.Node) else ()
+    if shape is None:
+        return f"a linear scan operand {getattr(arg, 'name', arg)} of unknown shape"
+    offset = ndim - len(shape)
+    for d in (row, pos):
+        if d is not None and d - offset >= 0 and shape[d - offset] != 1:
+            return (f"a linear scan whose operand {getattr(arg, 'name', arg)} {list(shape)} varies along the "
+                    f"tokens without being a token value")
+    return None
+
+
+def _linear_scan_args(node: fx.Node) -> tuple[Any, Any, Any]:
+    args = list(node.args) + [None] * 3
+    return (node.kwargs.get("a", args[0]), node.kwargs.get("b", args[1]), node.kwargs.get("dim", args[2]))
+
+
+def emit_linear_scan(pk, node: fx.Node):
+    """``tree_linear_scan(a, b, tree_parent(end), pos)`` on the packed operands (a broadcast operand as is)."""
+    _refuse_dropped_padding(pk, node, "linear scan")
+    a, b, _ = _linear_scan_args(node)
+    return pk.graph.call_function(torch.ops.brcompile.tree_linear_scan.default,
+                                  (pk.packed(a), pk.packed(b), _emit_parent(pk), get_axes(node).pos))
+
+
+@register_rule([_scan_ops.linear_scan], emit=emit_linear_scan)
+def linear_scan(ctx: AxesContext, node: fx.Node):
+    """``linear_scan(a, b, dim)``: ``h_t = a_t h_{t-1} + b_t`` along ``dim``. Along the position dim of TOKEN
+    operands (the same row and position dims, whole windows; any other operand of extent 1 there) the
+    dense value at (b, t) is the recurrence over columns 0..t of row b, i.e. along the path of node
+    ``index[b, t]`` (module docstring): TOKEN, computed by ``tree_linear_scan``. Anything else: dense."""
+    a, b, dim = _linear_scan_args(node)
+    out = example_value(node)
+    ndim = out.dim()
+    toks = [get_axes(x) for x in (a, b) if get_axes(x).is_token]
+    if any(get_axes(x).is_dense for x in (a, b)):
+        return dense_fallback(ctx, node, "a linear scan with an operand computed densely")
+    first = toks[0]
+    if any(t.local for t in toks) or any((t.ndim, t.row, t.pos) != (ndim, first.row, first.pos) for t in toks):
+        return dense_fallback(ctx, node, f"a linear scan of token values with different layouts "
+                                         f"({', '.join(str(t) for t in toks)})")
+    if not isinstance(dim, int) or normalize_dim(dim, ndim) != first.pos:
+        return dense_fallback(ctx, node, f"a linear scan along dim {dim}, not the token positions ({first.pos})")
+    if any(not t.window.is_whole or type(t.window) is not Window for t in toks) or \
+            any(t.window != first.window for t in toks):
+        return dense_fallback(ctx, node, "a linear scan along the positions of a sliced token value")
+    problem = _path_problem(ctx, "linear scan") or next(
+        (p for x in (a, b) if not get_axes(x).is_token
+         for p in [_broadcast_const_problem(ndim, first.row, first.pos, x)] if p), None)
+    if problem:
+        return dense_fallback(ctx, node, problem)
+    return token(ndim, first.row, first.pos, first.window)
+
+
+def _hop_scan(ctx: AxesContext, node: fx.Node):
+    """An ``associative_scan`` left by passes/linear_scans.py (its combine is not the affine composition, or
+    its form is another): no tree form, dense with the construct named."""
+    return dense_fallback(ctx, node, "torch associative_scan whose combine_fn is not the affine composition "
+                                     "((a1, b1), (a2, b2)) -> (a1 * a2, a2 * b1 + b2)")
+
+
+#: the associative-scan higher-order op (absent from torch builds without it)
+_HOP = getattr(getattr(torch.ops, "higher_order", None), "associative_scan", None)
+if _HOP is not None:
+    register_rule([_HOP])(_hop_scan)
+
+
+# --------------------------------------------------------------------------------------------------
+# graphs without attention
+
+
+def scan_candidates(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes that may become tree scans (before the analysis): cumsums, conv1ds and linear scans."""
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+            and (is_op(n, "cumsum", "conv1d") or n.target is _scan_ops.linear_scan or n.target is _HOP)]
+
+
+def is_tree_scan(ctx: AxesContext, node: fx.Node) -> bool:
+    """Whether the analysis made ``node`` a tree scan of the packed graph (``tree_cumsum``,
+    ``tree_causal_conv1d``, ``tree_linear_scan``): the ops that share work between rows in a graph without
+    attention."""
+    if not get_axes(node).is_token:
+        return False
+    if is_op(node, "cumsum"):
+        return _is_tree_scan(node)
+    if is_op(node, "conv1d"):
+        return ctx.notes.get(node) == "tree_causal_conv1d"
+    return node.target is _scan_ops.linear_scan

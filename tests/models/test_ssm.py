@@ -1,0 +1,70 @@
+"""Pure state-space models (no attention) replay: HF Mamba and FalconMamba, tiny, float64.
+
+With ``config.use_associative_scan=True`` the selective scan is ``torch._higher_order_ops.associative_scan``
+of the affine maps ``(discrete_A, deltaB_u)`` along the positions, which Dynamo inlines on CPU; the analysis
+recognises it (passes/linear_scans.py) and the packed graph computes the states along the tree paths with
+``brcompile::tree_linear_scan``, the causal conv with ``tree_causal_conv1d``: the whole model runs on the
+tree. With the default ``use_associative_scan=False`` the scan is a Python loop over the positions, unrolled
+by Dynamo (integer indexing of the positions): that part runs densely on the B·L positions, the conv and the
+rest on the tree, and the call still replays exactly.
+
+The batch is the hybrid tests' three-level tree with padding on both sides (tests/models/test_hybrids.py);
+loss and every parameter gradient are compared with the eager model in float64 (1e-10) inside
+``KeepFloat64`` (the mixers upcast to float32).
+"""
+import pytest
+import torch
+
+import brcompile
+from brcompile.testing import assert_exact
+from tests.helpers import KeepFloat64, assert_grads_exact, assert_replayed, transformers_or_skip
+from tests.models.test_hybrids import VOCAB, next_token_loss, tree_batch
+
+#: hidden 16, state 4, one layer: the smallest config with every part of the mixer (Dynamo's trace of the
+#: inlined associative scan, under torch.vmap, takes most of the test's time)
+TINY_SSM = dict(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3,
+                time_step_rank=2, pad_token_id=0, use_mambapy=False)
+
+
+def run_ssm(family: str, use_associative_scan: bool):
+    """Eager vs compiled loss and gradients of a tiny ``family`` model; returns the backend."""
+    transformers = transformers_or_skip()
+    cfg = transformers.AutoConfig.for_model(family, **TINY_SSM, use_associative_scan=use_associative_scan)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).double()
+    args = tree_batch()
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    with KeepFloat64():
+        want = next_token_loss(model, *args)
+    gw = torch.autograd.grad(want, params)
+    backend = brcompile.backend(compiler="eager")
+    with KeepFloat64():
+        got = torch.compile(next_token_loss, backend=backend)(model, *args)
+    gg = torch.autograd.grad(got, params)
+    assert_exact(got, want, torch.float64, "loss")
+    assert_grads_exact(gg, gw, names, torch.float64)
+    assert_replayed()
+    assert all(r.rewritten for r in backend.records), [r.reason for r in backend.records]
+    return backend
+
+
+@pytest.mark.parametrize("family", ["mamba", pytest.param("falcon_mamba", marks=pytest.mark.slow)])
+def test_associative_scan_ssm_replays_on_the_tree(family):
+    backend = run_ssm(family, use_associative_scan=True)
+    code = "\n".join(r.packed_code for r in backend.records)
+    assert code.count("brcompile.tree_linear_scan") == TINY_SSM["num_hidden_layers"], code
+    assert code.count("brcompile.tree_causal_conv1d") == TINY_SSM["num_hidden_layers"], code
+    assert "_add_batch_dim" not in code  # no dense scan left
+    for r in backend.records:  # nothing of the mixers is read densely
+        assert not any(n.startswith(("discrete_A", "deltaB_u", "all_states")) for n, *_ in r.materialisations), \
+            r.materialisations
+
+
+@pytest.mark.slow
+def test_loop_scan_ssm_replays_with_the_loop_dense():
+    """The default Python loop: the conv runs on the tree, the unrolled loop densely (its per-position
+    reads are integer indices of the positions), and the call replays exactly."""
+    backend = run_ssm("mamba", use_associative_scan=False)
+    code = "\n".join(r.packed_code for r in backend.records)
+    assert "brcompile.tree_causal_conv1d" in code and "brcompile.tree_linear_scan" not in code, code
+    assert any("integer index on a token dim" in why for r in backend.records for *_, why in r.materialisations)
