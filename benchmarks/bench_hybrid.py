@@ -1,12 +1,13 @@
 """Hybrid models (attention + state-space / short-conv layers) under branch_replay: executed FLOPs, bytes saved
 for backward and wall-clock of one GRPO-style forward+backward, dense eager vs branch_replay, side by side.
 
-HF Bamba (Mamba-2 mixer), Jamba (Mamba-1 selective scan) and LFM2 (gated short conv), and Llama as the
-all-attention control, built random from configs: ``--layers`` layers alternating mixer / attention, hidden
+HF Bamba (Mamba-2 mixer), Jamba (Mamba-1 selective scan) and LFM2 (gated short conv), Mamba (no attention:
+every layer a mixer, ``use_associative_scan=True``), and Llama as the all-attention control, built random from
+configs: ``--layers`` layers alternating mixer / attention, hidden
 ``--dim``; one prompt of ``--prompt`` tokens and ``--group`` responses of ``--tail`` tokens. The Mamba mixers
 have no token-axis rule: they run densely on the B·L positions and are packed again after (passes/repack.py),
 so their FLOPs are not shared; LFM2's short conv is a tree scan (passes/rules/scan.py) and shares like
-attention. FLOPs and saved bytes come from ``brcompile.explain`` (FlopCounterMode over the eager original
+attention, and so are Mamba's conv and selective scan (``tree_causal_conv1d``, ``tree_linear_scan``). FLOPs and saved bytes come from ``brcompile.explain`` (FlopCounterMode over the eager original
 and packed graphs); wall-clock is the median of ``--repeats`` steps in one process.
 
     python benchmarks/bench_hybrid.py                       # the table in benchmarks/RESULTS.md
@@ -40,6 +41,8 @@ def config_overrides(family: str, layers: int) -> dict:
                     mamba_chunk_size=64)
     if family == "jamba":
         return dict(attn_layer_period=2, attn_layer_offset=1, num_experts=1, mamba_d_state=16, use_mamba_kernels=False)
+    if family == "mamba":  # no attention: the conv and the associative scan run on the tree
+        return dict(state_size=16, expand=2, conv_kernel=4, use_associative_scan=True, use_mambapy=False)
     if family == "lfm2":
         return dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)], conv_L_cache=3)
     return {}

@@ -1,10 +1,10 @@
 """Pure state-space models (no attention) replay: HF Mamba and FalconMamba, tiny, float64.
 
-With ``config.use_associative_scan=True`` the selective scan is ``torch._higher_order_ops.associative_scan``
+With ``config.use_associative_scan=True`` (the configs' default) the selective scan is ``torch._higher_order_ops.associative_scan``
 of the affine maps ``(discrete_A, deltaB_u)`` along the positions, which Dynamo inlines on CPU; the analysis
 recognises it (passes/linear_scans.py) and the packed graph computes the states along the tree paths with
 ``brcompile::tree_linear_scan``, the causal conv with ``tree_causal_conv1d``: the whole model runs on the
-tree. With the default ``use_associative_scan=False`` the scan is a Python loop over the positions, unrolled
+tree. With ``use_associative_scan=False`` the scan is a Python loop over the positions, unrolled
 by Dynamo (integer indexing of the positions): that part runs densely on the B·L positions, the conv and the
 rest on the tree, and the call still replays exactly.
 
@@ -62,7 +62,7 @@ def test_associative_scan_ssm_replays_on_the_tree(family):
 
 @pytest.mark.slow
 def test_loop_scan_ssm_replays_with_the_loop_dense():
-    """The default Python loop: the conv runs on the tree, the unrolled loop densely (its per-position
+    """``use_associative_scan=False``, the Python loop: the conv runs on the tree, the unrolled loop densely (its per-position
     reads are integer indices of the positions), and the call replays exactly."""
     backend = run_ssm("mamba", use_associative_scan=False)
     code = "\n".join(r.packed_code for r in backend.records)
