@@ -306,10 +306,13 @@ def _probe_region(graph: fx.Graph, region: _Region) -> tuple[Optional[dict[fx.No
     g = torch.Generator().manual_seed(0)
     a = 0.5 + torch.rand(shapes[0], generator=g, dtype=torch.float64)
     b = torch.randn(shapes[1], generator=g, dtype=torch.float64)
+    level = torch._C._functorch.maybe_current_level()
     try:
         with torch.no_grad():
             outs = fn(a, b)
     except Exception as e:  # noqa: BLE001  (a region that does not run on the probe is not proved)
+        while torch._C._functorch.maybe_current_level() != level:  # a vmap level the failed probe left open
+            predispatch._vmap_decrement_nesting()
         return None, f"the scan does not run on probes ({type(e).__name__}: {e})"
     want = (torch.cumprod(a, 0), linear_scan(a, b, 0))
     which = {}

@@ -268,3 +268,28 @@ def test_conv_only_model_replays():
     backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch())
     assert_replayed()
     assert "brcompile.tree_causal_conv1d" in packed_code(backend)
+
+
+def test_failed_probe_leaves_no_vmap_level_open():
+    """A region whose probe raises between the vmap nesting calls (here an ``_add_batch_dim`` at a level that
+    does not exist) is left as it is, with the reason, and the vmap level it opened is closed again."""
+    import operator
+
+    from torch._functorch import predispatch
+
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    ea, eb = g.call_function(torch.movedim, (a, 1, 0)), g.call_function(torch.movedim, (b, 1, 0))
+    for e in (ea, eb):
+        e.meta["example_value"] = torch.empty(4, 3, dtype=F64)
+    g.call_function(predispatch._vmap_increment_nesting, (4, "error"))
+    x = g.call_function(predispatch._add_batch_dim, (ea, 0, 1))
+    y = g.call_function(predispatch._add_batch_dim, (eb, 0, 7))
+    r = g.call_function(predispatch._remove_batch_dim, (g.call_function(operator.mul, (x, y)), 1, 4, 0))
+    g.call_function(predispatch._vmap_decrement_nesting, ())
+    g.output(g.call_function(torch.movedim, (r, 0, 1)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    notes = canonicalize_linear_scans(gm)
+    assert len(notes) == 1 and "does not run on probes" in notes[0], notes
+    assert torch._C._functorch.maybe_current_level() is None
+    assert linear_scan not in [n.target for n in gm.graph.nodes]
