@@ -130,6 +130,21 @@ def canonicalize_linear_scans(gm: fx.GraphModule) -> list[str]:
     return notes
 
 
+def _leaves_problem(a: fx.Node, b: fx.Node) -> Optional[str]:
+    """Why the leaves cannot be ``linear_scan``'s operands (None: they can): floating point of one dtype
+    and shapes that broadcast, as the example values show."""
+    va, vb = example_value(a), example_value(b)
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return "leaves without example values"
+    if va.dtype != vb.dtype or not va.is_floating_point():
+        return f"leaves of dtypes {va.dtype} and {vb.dtype} (one floating dtype is supported)"
+    try:
+        torch.broadcast_shapes(va.shape, vb.shape)
+    except RuntimeError:
+        return f"leaves of shapes {list(va.shape)} and {list(vb.shape)} that do not broadcast"
+    return None
+
+
 def _replace_outputs(graph: fx.Graph, before: fx.Node, a: fx.Node, b: fx.Node, uses: dict[int, list]) -> None:
     """Insert ``cumprod(a, 0)`` (if read) and ``linear_scan(a, b, 0)`` before ``before``; ``uses[i]`` lists
     the nodes that stand for output i (0: the products, 1: the states)."""
@@ -154,7 +169,7 @@ def _rewrite_hop(gm: fx.GraphModule, hop: fx.Node) -> str:
                f"with additional inputs {extra!r} {LEFT} (two leaves (a, b), none extra, are an affine scan)"
     if not isinstance(body_node, fx.Node) or body_node.op != "get_attr":
         return f"{hop.name}: associative_scan whose combine_fn is not a subgraph {LEFT}"
-    why = is_affine_combine(getattr(gm, body_node.target))
+    why = is_affine_combine(getattr(gm, body_node.target)) or _leaves_problem(xs[0], xs[1])
     if why is not None:
         return f"{hop.name}: associative_scan with {why} {LEFT}"
     uses: dict[int, list] = {0: [], 1: []}
@@ -326,7 +341,7 @@ def _probe_region(graph: fx.Graph, region: _Region) -> tuple[Optional[dict[fx.No
 
 def _rewrite_region(graph: fx.Graph, region: _Region) -> str:
     first = region.entries[0].name
-    why = _closed(region)
+    why = _closed(region) or _leaves_problem(*region.entries)
     which = None
     if why is None:
         which, why = _probe_region(graph, region)

@@ -190,6 +190,23 @@ def test_canonicalisation_rewrites_the_region_and_keeps_the_values():
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
+def test_leaves_of_two_dtypes_are_left_alone():
+    """The probes run in float64; leaves of two dtypes (the original promotes inside the combine) are not
+    ``linear_scan``'s operands: the region stays as it is, the note names the dtypes."""
+    captured = []
+
+    def grab(gm, example_inputs):
+        captured.append(gm)
+        return gm
+
+    def f(a, b):
+        return associative_scan(affine, (a, b), dim=1, combine_mode="generic")
+
+    torch.compile(f, backend=grab, fullgraph=True)(torch.rand(2, 5, 3), torch.randn(2, 5, 3, dtype=F64))
+    notes = canonicalize_linear_scans(captured[0])
+    assert len(notes) == 1 and "left as is" in notes[0] and "dtypes torch.float32 and torch.float64" in notes[0], notes
+
+
 def test_affine_combine_check():
     """The combine proof: the formula on random inputs, pointwise ops only."""
     def body(fn):
