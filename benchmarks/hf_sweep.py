@@ -205,8 +205,9 @@ def build_model(model_type: str, class_name: str):
 
 
 def float32_inside(model) -> list[str]:
-    """Module classes of ``model`` (and the eager attention function) whose forward computes in float32
-    whatever the model's dtype: norms (``hidden_states.to(torch.float32)``), softmax(dtype=float32)."""
+    """Module classes of ``model`` (and the eager attention function, the rotary application) whose forward
+    computes in float32 whatever the model's dtype: norms (``hidden_states.to(torch.float32)``),
+    softmax(dtype=float32), ``q.float() * cos``."""
     import torch.nn as nn
 
     pat = re.compile(r"torch\.float32|\.float\(\)|dtype=torch\.float\b")
@@ -225,13 +226,15 @@ def float32_inside(model) -> list[str]:
         if pat.search(src):
             found.append(cls.__name__)
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl == "eager":
-        modeling = sys.modules.get(type(model).__module__)
-        fn = getattr(modeling, "eager_attention_forward", None)
+    modeling = sys.modules.get(type(model).__module__)
+    # the rotary tables are computed in float32 the same way dense and packed, but a rotary *application* that
+    # casts q and k (``q.float() * cos``, ModernBERT-decoder's) rounds their values and gradients to float32
+    for name in ("eager_attention_forward",) * (impl == "eager") + ("apply_rotary_pos_emb",):
+        fn = getattr(modeling, name, None)
         if fn is not None:
             try:
                 if pat.search(inspect.getsource(fn)):
-                    found.append("eager_attention_forward")
+                    found.append(name)
             except (OSError, TypeError):
                 pass
     return found

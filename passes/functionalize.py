@@ -10,7 +10,8 @@ itself just made (a router's normalised top-k weights, a ``zeros_like`` accumula
 is the same as ``x' = op(x, *args)`` read wherever ``x`` or ``w`` is read after the write, because
 
 - ``x`` is **fresh**: the result of an op that always allocates (a pointwise or reduction result, a matmul,
-  a factory, ``clone``, the values of ``topk``/``sort``), not a view or an op that may return its input;
+  a factory, ``clone``, the values of ``topk``/``sort``, an operator whose schema returns an unaliased
+  tensor: HF's ``grouped_mm`` custom op), not a view or an op that may return its input;
 - nothing **aliases** it: every other reader of ``x`` that runs before the write allocates its own result
   (so no view of ``x`` made before the write sees it), and readers after the write now read ``x'``;
 - the write does not **change the dtype**: every tensor argument has ``x``'s dtype (an out-of-place op would
@@ -26,8 +27,19 @@ A fresh buffer filled by writes into slices of it that tile it along one dim (De
 An indexed write ``x[index] = v`` into a fresh, unaliased ``x`` becomes ``x.masked_fill(mask, v)`` for a bool
 mask of x's shape and a number (Gemma3's ``ids = input_ids.clone(); ids[image_mask] = 0``), or ``cat`` of x's
 untouched slices and ``v`` for one int or static slice along one dim (a chunked scan's ``out[:, :, i] =
-chunk``; ``_setitem_out_of_place``). Anything else stays a write (other indices, writes into inputs, views
-or aliased values), and the analysis refuses it where it touches a token value. The pass works on a copy; the user's graph is not changed.
+chunk``; ``_setitem_out_of_place``).
+
+A write into a **view** of a fresh value — ``x[index] = v``, ``x.copy_(src)`` or ``x.op_(…)`` where ``x`` is
+the fresh ``base`` or a chain of basic-index views of it (ints, slices with steps, an Ellipsis: Qwen3.5's
+``freqs_thw = freq[0]; freqs_thw[..., 1::3] = freq[1, ..., 1::3]``, Kimi's ``a[..., i, :i] = row + …``) —
+becomes ``base' = select_scatter/slice_scatter(base, …)`` composed up the chain, and every reader after the
+write of ``base`` or of a basic-index view of it reads ``base'`` or the same view of ``base'``
+(``_write_through_views``). It is exact when nothing but such views aliases ``base``: every other reader
+of it or of its views allocates its own result or runs after the write. A graph input or a parameter is
+not fresh, so a write into it or into a view of it stays, as does a write through a view made by another op
+(``reshape``, ``transpose``, ``detach``). Anything else stays a write (other indices, writes into inputs or
+aliased values), and the analysis refuses it where it touches a token value. The pass works on a copy; the
+user's graph is not changed.
 """
 from __future__ import annotations
 
@@ -62,8 +74,8 @@ ALLOCATING_FUNCTIONS = {
     torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.matmul, torch.bmm, torch.mm,
     torch.baddbmm, torch.einsum, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.tanh, torch.sigmoid,
     torch.softmax, torch.log_softmax, torch.sum, torch.mean, torch.cumsum, torch.where, torch.cat, torch.stack,
-    torch.clone, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
-    torch.empty_like, torch.full_like, torch.arange, torch.masked_fill, torch.pow, torch.abs,
+    torch.slice_scatter, torch.select_scatter, torch.clone, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
+    torch.empty_like, torch.full_like, torch.arange, torch.cos, torch.sin, torch.tril, torch.triu, torch.masked_fill, torch.pow, torch.abs,
     F.linear, torch._C._nn.linear, F.softmax, F.log_softmax, F.silu, F.gelu, F.relu, F.embedding,
     F.layer_norm, F.one_hot, torch.gather, torch.index_select, torch.take_along_dim, F.sigmoid, F.softplus,
     # comparisons: a new bool tensor (``x[x == v] = 0`` reads x into the mask before the write)
@@ -78,6 +90,8 @@ ALLOCATING_METHODS = {
     "new_full", "abs", "gather", "index_select", "take_along_dim", "__add__", "__sub__", "__mul__",
     "__truediv__", "__radd__", "__rmul__", "__rsub__", "__neg__", "__matmul__",
     "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "cos", "sin", "tan", "sign", "square", "reciprocal", "expm1", "log1p", "tril", "triu", "prod", "amax",
+    "amin", "repeat",
 }
 
 #: Ops returning a tuple of new tensors (read through ``getitem``).
@@ -93,10 +107,28 @@ def _is_fresh(x: Any) -> bool:
         return isinstance(src, fx.Node) and isinstance(x.args[1], int) and (
             src.target in ALLOCATING_TUPLES and src.op in ("call_function", "call_method"))
     if x.op == "call_function":
+        if _returns_new_tensor(x.target):
+            return "out" not in x.kwargs
         return x.target in ALLOCATING_FUNCTIONS and not x.kwargs.get("inplace") and "out" not in x.kwargs
     if x.op == "call_method":
         return x.target in ALLOCATING_METHODS
     return False
+
+
+def _returns_new_tensor(target: Any) -> bool:
+    """``target`` is an operator (an ``OpOverload``, or a packet with one overload) whose schema returns one
+    tensor with no alias annotation and mutates nothing (a custom op such as HF's grouped matmul): torch's
+    operator contract is that such an output is a new tensor, never a view of an input."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        names = target.overloads()
+        if len(names) != 1:
+            return False
+        target = getattr(target, names[0])
+    schema = getattr(target, "_schema", None) if isinstance(target, torch._ops.OpOverload) else None
+    if schema is None or schema.is_mutable or len(schema.returns) != 1:
+        return False
+    ret = schema.returns[0]
+    return ret.alias_info is None and str(ret.type) == "Tensor"
 
 
 def _out_of_place(node: fx.Node) -> Optional[tuple[str, Any, tuple, dict]]:
@@ -169,13 +201,19 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         x = n.args[0] if n.args else None
         if n.op == "call_function" and n.target is operator.setitem:
+            new = None
             if (_is_fresh(x) or x in made) and _no_alias_before(x, n, order):
                 new = _setitem_out_of_place(n)
-                if new is not None:
-                    made.add(new)
+            if new is None:
+                new = _write_through_views(n, order, made)
+            if new is not None:
+                made.add(new)
             continue
         twin = _out_of_place(n)
         if twin is None or not (_is_fresh(x) or x in made) or not _keeps_dtype(twin, x) or not _no_alias_before(x, n, order):
+            new = _write_through_views(n, order, made)
+            if new is not None:
+                made.add(new)
             continue
         op, target, args, kwargs = twin
         with graph.inserting_after(n):
@@ -417,6 +455,223 @@ def _inverse_permutation(n: fx.Node, order: dict) -> Optional[fx.Node]:
     if not inv.users:
         graph.erase_node(inv)
     return new
+
+
+# --------------------------------------------------------------------------------------------------
+# writes into views of a fresh value
+
+
+def _basic_entries(index: Any, shape: tuple) -> Optional[list]:
+    """``index`` as one entry per dim of a tensor of ``shape``: a non-negative int or a slice with int (or
+    None) bounds and a positive step, when it is basic indexing (Python ints, such slices, at most one
+    Ellipsis); None for any other index (a tensor, a list, a bool, ``None`` adding a dim, a symbolic bound)."""
+    idx = index if isinstance(index, tuple) else (index,)
+
+    def bound(v):
+        return v is None or type(v) is int
+
+    if sum(i is Ellipsis for i in idx) > 1 or not all(
+            i is Ellipsis or type(i) is int or (isinstance(i, slice) and bound(i.start) and bound(i.stop)
+                                                and (i.step is None or (type(i.step) is int and i.step > 0)))
+            for i in idx):
+        return None
+    consumed = sum(i is not Ellipsis for i in idx)
+    if consumed > len(shape):
+        return None
+    out: list = []
+    for i in idx:
+        out.extend([slice(None)] * (len(shape) - consumed) if i is Ellipsis else [i])
+    for d, e in enumerate(out):
+        if type(e) is int:
+            if e < 0 and not isinstance(shape[d], int):
+                return None
+            e = e + shape[d] if e < 0 else e
+            if e < 0 or (isinstance(shape[d], int) and e >= shape[d]):
+                return None
+            out[d] = e
+    return out
+
+
+def _is_whole(e: Any) -> bool:
+    return isinstance(e, slice) and e.start in (None, 0) and e.stop is None and e.step in (None, 1)
+
+
+def _view_parent(v: Any) -> Optional[tuple[fx.Node, list]]:
+    """``(parent, entries)`` when ``v = parent[index]`` with a basic index (``_basic_entries``) into a tensor:
+    a view of ``parent`` whose elements are known exactly; None for anything else."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is operator.getitem
+            and isinstance(v.args[0], fx.Node)):
+        return None
+    pv = example_value(v.args[0])
+    if not isinstance(pv, torch.Tensor):
+        return None
+    entries = _basic_entries(v.args[1], tuple(pv.shape))
+    return None if entries is None else (v.args[0], entries)
+
+
+def _views_of(base: fx.Node) -> list[fx.Node]:
+    """``base`` and every value reached from it through basic-index views (``_view_parent``), in graph order."""
+    seen, todo = [base], [base]
+    while todo:
+        w = todo.pop()
+        for u in w.users:
+            if u not in seen and (_view_parent(u) or (None,))[0] is w:
+                seen.append(u)
+                todo.append(u)
+    order = {m: i for i, m in enumerate(base.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _write_through_views(n: fx.Node, order: dict, made: set) -> Optional[fx.Node]:
+    """A write ``n`` into ``x`` — ``x[index] = v`` (a basic index), ``x.copy_(src)`` or ``x.op_(…)`` with an
+    out-of-place twin that keeps x's dtype — where ``x`` is a fresh value ``base`` or a basic-index view of it
+    (``x = base[i][j]…``), made out of place:
+
+        x'    = x with x[index] replaced by v        (``_scatter``: slice_scatter / select_scatter)
+        p'    = p with p[j] replaced by x'           (up the chain of views, for x = p[j])
+        base' = …
+
+    and every reader after the write of ``base`` or of any basic-index view ``w = base[k]…`` of it (made before
+    the write or not) reads ``base'`` or ``base'[k]…``: after an in-place write, a view shows the written
+    elements and the other elements of its base, which is what ``base'[k]…`` holds. ``v`` is broadcast to the
+    view's shape and cast to its dtype first (``expand_as``, ``to``; a number fills ``full_like``), as the
+    copy of an in-place write does. Exact when ``base`` is fresh (module docstring) and nothing else aliases it:
+    every reader of ``base`` or of one of its views is such a view, the write, an op that allocates its
+    result, or runs after the write. A graph input or a parameter is never fresh: a write into it, or into a
+    view of it, stays (and is refused where it touches a token value), as does a write through a view made
+    by any other op (``reshape``, ``transpose``, ``detach``), whose elements this pass does not track.
+    Returns ``base'`` (a new node), or None when ``n`` is not such a write (the graph is unchanged)."""
+    x = n.args[0] if n.args else None
+    if not isinstance(x, fx.Node) or not isinstance(example_value(x), torch.Tensor):
+        return None
+    chain, base = [], x
+    while (up := _view_parent(base)) is not None:
+        chain.append((up[0], up[1], base))
+        base = up[0]
+    if not (_is_fresh(base) or base in made):
+        return None
+    views = _views_of(base)
+    if any(not (u is n or u in views or order[u] > order[n] or _is_fresh(u)) for w in views for u in w.users):
+        return None
+    graph = n.graph
+    like = example_value(x)
+    created: list[fx.Node] = []
+
+    def make(target, args, method=False):
+        node = (graph.call_method if method else graph.call_function)(target, args)
+        created.append(_with_value(node, like))
+        return node
+
+    with graph.inserting_before(n.next):
+        new = _written_value(n, x, make)
+        for parent, entries, view in chain:  # up the chain: x' into its parent, …, into base
+            if new is None:
+                break
+            new = _scatter(parent, entries, new, make)
+        if new is not None and new not in created:  # a whole write: base' must be a value of its own
+            new = make(torch.clone, (new,))
+        if new is None or any(not isinstance(example_value(c), torch.Tensor) for c in created) or \
+                tuple(example_value(new).shape) != tuple(example_value(base).shape) or \
+                example_value(new).dtype != example_value(base).dtype:
+            for c in reversed(created):
+                graph.erase_node(c)
+            return None
+        again = {base: new}
+
+        def after(w):  # w's value after the write: the same view of base'
+            if w not in again:
+                again[w] = make(operator.getitem, (after(w.args[0]), w.args[1]))
+            return again[w]
+
+        for w in views:
+            if order[w] > order[n]:  # made after the write: it reads the new value through its parent
+                continue
+            later = [u for u in w.users if u is not n and u not in created and order[u] > order[n]]
+            if later:
+                w2 = after(w)
+                for u in later:
+                    u.replace_input_with(w, w2)
+        if n.users:  # an in-place method returns its (written) first argument
+            n.replace_all_uses_with(after(x))
+    graph.erase_node(n)
+    for c in reversed(created):  # views made only to read a shape
+        if not c.users and c is not new:
+            graph.erase_node(c)
+    log.debug("branch_replay: %s written through %d view(s) of %s", n.name, len(chain), base.name)
+    return new
+
+
+def _written_value(n: fx.Node, x: fx.Node, make) -> Optional[fx.Node]:
+    """``x``'s value after the write ``n`` (``_write_through_views``), as new nodes; None for another write."""
+    xv = example_value(x)
+    if n.op == "call_function" and n.target is operator.setitem:
+        if len(n.args) != 3 or n.kwargs:
+            return None
+        entries = _basic_entries(n.args[1], tuple(xv.shape))
+        return None if entries is None else _scatter(x, entries, n.args[2], make)
+    if n.op == "call_method" and n.target == "copy_":
+        if len(n.args) != 2 or n.kwargs:
+            return None
+        return _scatter(x, [slice(None)] * xv.dim(), n.args[1], make)
+    twin = _out_of_place(n)
+    if twin is None or twin[2][:1] != (x,) or not _keeps_dtype(twin, x):
+        return None
+    op, target, args, kwargs = twin
+    node = make(target, args, method=op == "call_method")
+    node.kwargs = kwargs
+    return _with_value(node, xv)
+
+
+def _scatter(t: fx.Node, entries: list, v: Any, make) -> Optional[fx.Node]:
+    """``t`` with ``t[entries] = v`` done out of place (entries: ``_basic_entries``): ``v`` fitted to the view
+    (``_fitted``), then, at the first dim d not taken whole, ``select_scatter(t, s', d, i)`` for an int i or
+    ``slice_scatter(t, s', d, start, stop, step)`` for a slice, with ``s'`` the sub-view ``s = t[.., e_d]``
+    with the rest of the index written into it the same way (``s' = v`` when the rest is whole). Each is
+    element for element the copy the write makes; the gradient reaching ``t`` is zero at the written elements
+    and ``v`` receives the view's, the write's own gradients. The fitted ``v`` itself for a whole index."""
+    d = next((k for k, e in enumerate(entries) if not _is_whole(e)), None)
+    if d is None:
+        view = t
+    else:
+        view = make(operator.getitem, (t, tuple(entries)))
+    src = _fitted(v, view, make)
+    if src is None or d is None:
+        return src
+    return _scatter_entries(t, entries, src, make)
+
+
+def _scatter_entries(t: fx.Node, entries: list, src: fx.Node, make) -> fx.Node:
+    """``t`` with ``t[entries]`` replaced by ``src`` (of that view's shape and dtype): the nested
+    select/slice_scatter of ``_scatter``."""
+    d = next((k for k, e in enumerate(entries) if not _is_whole(e)), None)
+    if d is None:
+        return src
+    e = entries[d]
+    rest = [slice(None)] * (d if type(e) is int else d + 1) + list(entries[d + 1:])
+    inner = src
+    if any(not _is_whole(r) for r in rest):
+        sub = make(operator.getitem, (t, (slice(None),) * d + (e,)))
+        inner = _scatter_entries(sub, rest, src, make)
+    if type(e) is int:
+        return make(torch.select_scatter, (t, inner, d, e))
+    return make(torch.slice_scatter, (t, inner, d, e.start, e.stop, e.step or 1))
+
+
+def _fitted(v: Any, view: fx.Node, make) -> Optional[fx.Node]:
+    """``v`` as the write copies it into ``view``: a number fills ``full_like(view, v)``; a tensor is cast to
+    the view's dtype (``to``, the rounding of the copy) and broadcast to its shape (``expand_as``). None for a
+    tensor of more dims than the view or on another device."""
+    vv = example_value(view)
+    if type(v) in (int, float, bool):
+        return make(torch.full_like, (view, v))
+    val = example_value(v)
+    if not isinstance(val, torch.Tensor) or val.dim() > vv.dim() or val.device != vv.device:
+        return None
+    if val.dtype != vv.dtype:
+        v = make("to", (v, vv.dtype), method=True)
+    if tuple(val.shape) != tuple(vv.shape):
+        v = make("expand_as", (v, view), method=True)
+    return v
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -26,7 +26,11 @@ same inputs (causality: they read identical prefixes), so their Jacobians agree,
 is evaluated on the example batch's integer inputs (ids, masks, positions: their domains matter) and
 random floats, then again with (a) one row's inputs replaced by other values — only that row of ``v`` may
 change, which also identifies r — and (b) every row's inputs at positions ``>= q`` replaced, for several q
-— ``v`` at positions ``< q`` must not change, bitwise, which identifies p. The region is evaluated twice
+— ``v`` at positions ``< q`` must not change, bitwise, which identifies p — and (c) the rows' inputs
+rolled by one row — ``v``'s rows must roll with them (up to a few ulps of its largest entry: a kernel may
+round a row moved to another place in the batch differently): the same function of every row's inputs (a
+per-row constant, ``arange(L) * s[:B, None]``, passes (a) and (b) but gives rows that share a prefix
+different values). The region is evaluated twice
 on the same values first (a random op inside it makes the comparison meaningless: refused). A region
 whose probes fail stays dense, as before, and the refusal is kept for the reason an attention reports.
 
@@ -310,7 +314,24 @@ class _Probe:
         if len(pairs) != 1:
             raise _NotCausal("no row dim and position dim that it is row-independent and causal along"
                              if not pairs else f"its token dims are ambiguous ({pairs})")
+        if ctx.B > 1 and not _close(self.run(self.rolled()), base.roll(1, pairs[0][0])):
+            raise _NotCausal("it is not the same function of every row's inputs (a constant that differs "
+                             "from row to row)")
         return pairs[0]
+
+    def rolled(self) -> dict[fx.Node, Any]:
+        """The probe values with every token input's rows rolled by one (row b holds row b - 1's values);
+        a position-only input is the same in every row and stays."""
+        out = dict(self.values)
+        for a, ax in self.token_inputs.items():
+            x = self.values[a]
+            if ax.flat:
+                shape = list(x.shape)
+                shape[ax.pos:ax.pos + 1] = [self.ctx.B, self.ctx.L, ax.flat]
+                out[a] = x.reshape(shape).roll(1, ax.pos).reshape(x.shape)
+            elif ax.row is not None:
+                out[a] = x.roll(1, ax.row)
+        return out
 
 
 def _whole_at_example(ctx: AxesContext, a: fx.Node, ax) -> bool:
@@ -359,6 +380,26 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_floating_point() or a.is_complex():
         eq = eq | (torch.isnan(a) & torch.isnan(b))
     return eq
+
+
+#: the roll probe's bound, in units of the dtype's eps times the value's largest entry
+_ROLL_ULPS = 64
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` equals ``b`` up to ``_ROLL_ULPS`` rounding steps of ``b``'s largest entry (floats; others
+    exactly, NaN equal to NaN): a row moved to another place in the batch may be rounded differently by a
+    kernel (a matmul's edge tiles), by a few ulps; a per-row constant changes it by far more."""
+    same = _same(a, b)
+    if not (a.is_floating_point() or a.is_complex()):
+        return bool(same.all())
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    if not bool((same | finite).all()):
+        return False
+    diff = torch.where(same, torch.zeros_like(a), a - b).abs()
+    scale = b.abs().masked_fill(~finite, 0).max().item() if b.numel() else 0.0
+    eps = torch.finfo(a.dtype).eps
+    return b.numel() == 0 or diff.max().item() <= _ROLL_ULPS * eps * max(scale, torch.finfo(a.dtype).tiny)
 
 
 def _only_at(changed: torch.Tensor, dim: int, allowed) -> bool:

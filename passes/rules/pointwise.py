@@ -5,7 +5,8 @@ elements at the same (broadcast) coordinates, so a TOKEN operand keeps its token
 the output) and the result is TOKEN, provided
 
 * all TOKEN operands put their position dim on the same output dim, their row dims agree (or are absent:
-  a position-only value such as a rotary table broadcasts over rows), and share one lazy window;
+  a position-only value such as a rotary table broadcasts over rows, with extent 1 on the output's row
+  dim), and share one lazy window;
 * a CONST operand has extent 1 along the output's token dims (a constant indexed by row would make the
   value depend on the dense row, not on the tree node) — or it is a **position table**: extent 1 along
   the row dim and exactly the dense length L along the position dim, with the TOKEN operands' window
@@ -93,6 +94,11 @@ def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None =
     for a in operands:
         ax = get_axes(a)
         if ax.is_token:
+            # a position-only operand with extent > 1 on the output's row dim (a feature dim of it that is as
+            # long as the batch) would keep that extent packed, where the row operand has extent 1
+            shp, off = shape_of(a), R - ax.ndim
+            if has_row and ax.row is None and shp is not None and row - off >= 0 and shp[row - off] != 1:
+                return None
             continue
         if ax.is_dense:
             return None

@@ -156,17 +156,38 @@ def flatten_view(ctx: AxesContext, ax, ins, outs):
 
 
 def emit_expand(pk, node):
+    """The expand on the packed value: its token dims keep their packed extents (-1; a row dim that is new,
+    ``broadcast_row``, is 1)."""
     ax = get_axes(node)
     sizes = pk.static_sizes(node)
+    off = len(sizes) - get_axes(node.args[0]).ndim
     for d in ax.token_dims():
-        sizes[d] = -1
+        sizes[d] = -1 if d >= off else 1
     return pk.graph.call_method("expand", (pk.packed(node.args[0]), sizes))
+
+
+def broadcast_row(ctx: AxesContext, ax, ins, outs) -> Optional[int]:
+    """The row dim a position-only value (``ax.row`` None) gets when it is broadcast over the rows: the one
+    output dim of extent B that is new or of extent 1 in the input (``ins`` right-aligned in ``outs``), other
+    than its position dim (``arange(L)[None].expand(B, -1)``, Qwen's ``positions.expand(3, B, -1)``). The
+    value is the same at every index of a broadcast dim, so its dense value at (b, t) is its value at t
+    whatever b is: the packed invariant holds with that dim as the row dim (packed extent 1). Taking it as a
+    row dim, rather than as a feature dim of extent B that the packed value would keep, is what lets it meet
+    a value with a row dim (q·cos) and keeps every packed extent free of B. None when no dim (or several,
+    B > 1 only) is such a dim."""
+    if ax.row is not None or ctx.B <= 1 or ax.local:
+        return None
+    off = len(outs) - len(ins)
+    cands = [d for d in range(len(outs)) if d != ax.pos + off and outs[d] == ctx.B
+             and (d < off or ins[d - off] == 1)]
+    return cands[0] if len(cands) == 1 else None
 
 
 @register_rule(["expand", "expand_as", torch.broadcast_to], emit=emit_expand, local="carry")
 def expand(ctx: AxesContext, node):
     """expand: new leading dims and extent-1 dims broadcast; token dims keep their place (shifted by the
-    number of new leading dims) and must not be expanded themselves."""
+    number of new leading dims) and must not be expanded themselves. A position-only value broadcast over
+    the rows gets that dim as its row dim (``broadcast_row``)."""
     x = node.args[0]
     ax = get_axes(x)
     if not ax.is_token:  # expand_as(constant, token value): the token value only gives the (dense) shape
@@ -176,7 +197,8 @@ def expand(ctx: AxesContext, node):
     for d in ax.token_dims():
         if ins[d] != outs[d + off]:
             return dense_fallback(ctx, node, "expand of a token dim")
-    return token(len(outs), None if ax.row is None else ax.row + off, ax.pos + off, ax.window)
+    row = broadcast_row(ctx, ax, ins, outs)
+    return token(len(outs), row if ax.row is None else ax.row + off, ax.pos + off, ax.window)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,8 +281,18 @@ def squeeze(ctx: AxesContext, node):
 
 
 def emit_repeat(pk, node):
-    """``x.repeat(sizes)`` on the packed value: the token dims' repeats are 1, so the sizes stand."""
-    return pk.copy(node)
+    """``x.repeat(sizes)`` on the packed value: the token dims' repeats are 1, so the sizes stand, but for a
+    row dim the repeat made (``broadcast_row``): 1 there."""
+    ax, x = get_axes(node), get_axes(node.args[0])
+    if x.row is not None or ax.row is None:
+        return pk.copy(node)
+    reps = list(node.args[1:])
+    if len(reps) == 1 and isinstance(reps[0], (list, tuple, torch.Size)):
+        reps = list(reps[0])
+    if not reps:
+        reps = list(node.kwargs.get("repeats", ()))
+    reps[ax.row] = 1
+    return pk.graph.call_method("repeat", (pk.packed(node.args[0]), tuple(reps)))
 
 
 @register_rule(spellings("repeat"), emit=emit_repeat, local="carry")
@@ -281,7 +313,8 @@ def repeat(ctx: AxesContext, node):
         return dense_fallback(ctx, node, "repeat with symbolic or too few repeats")
     if any(reps[d + off] != 1 for d in ax.token_dims()):
         return dense_fallback(ctx, node, "repeat along a token dim")
-    return token(ax.ndim + off, None if ax.row is None else ax.row + off, ax.pos + off, ax.window)
+    row = broadcast_row(ctx, ax, [1] * off + list(shape_of(node.args[0])), shape_of(node))
+    return token(ax.ndim + off, row if ax.row is None else ax.row + off, ax.pos + off, ax.window)
 
 
 @register_rule(spellings("view_as_complex"))
@@ -560,6 +593,31 @@ def unbind(ctx: AxesContext, node):
         return dense_fallback(ctx, node, "unbind along a token dim")
     sh = lambda x: None if x is None else (x - 1 if x > dim else x)  # noqa: E731
     return token(ax.ndim - 1, sh(ax.row), sh(ax.pos), ax.window)
+
+
+@register_rule([torch.slice_scatter, "slice_scatter", torch.select_scatter, "select_scatter"], local="carry")
+def slice_scatter(ctx: AxesContext, node):
+    """``slice_scatter(x, src, d, start, stop, step)`` / ``select_scatter(x, src, d, i)``: x with its slice
+    (or its index i) along dim d replaced by ``src`` (an in-place write into a view, made out of place by
+    passes/functionalize.py). Along a non-token dim d, the output at the token coordinates (b, t) holds x's
+    and src's elements at the same (b, t) only, so with x and src TOKEN with the same token dims (src's
+    shifted down past a selected d) and window, the output is TOKEN with x's fact and the same op on the
+    packed operands computes it. Otherwise (a write along a token dim, a constant or dense operand, whose
+    dense extents on the token dims the packed value does not have) it is materialised."""
+    args = dict(zip(("input", "src", "dim"), node.args))
+    args.update(node.kwargs)
+    x, src, dim = args.get("input"), args.get("src"), args.get("dim", 0)
+    ax, sx = get_axes(x), get_axes(src)
+    if not (ax.is_token and sx.is_token) or not isinstance(dim, int):
+        return dense_fallback(ctx, node, "a slice written into a value, not both token values")
+    d = normalize_dim(dim, ax.ndim)
+    if d in ax.token_dims():
+        return dense_fallback(ctx, node, "a slice written along a token dim")
+    select = node.target in (torch.select_scatter, "select_scatter")
+    sh = (lambda k: None if k is None else (k - 1 if k > d else k)) if select else (lambda k: k)  # noqa: E731
+    if (sx.ndim, sx.row, sx.pos, sx.window) != (ax.ndim - select, sh(ax.row), sh(ax.pos), ax.window):
+        return dense_fallback(ctx, node, "a slice written from a value with other token dims")
+    return token(ax.ndim, ax.row, ax.pos, ax.window)
 
 
 __all__ = ["view_groups", "map_token_dims"]

@@ -13,16 +13,17 @@ import torch
 
 import brcompile
 from brcompile.testing import assert_exact
-from tests.helpers import assert_replayed
+from tests.helpers import KeepFloat64, assert_replayed
 
 transformers = pytest.importorskip("transformers", minversion="5.0")  # every test here runs an HF model
 hf_sweep = pytest.importorskip("benchmarks.hf_sweep")
 
 
-def replay_arch(arch: str, dtype=torch.float64, grad_dtype=None):
+def replay_arch(arch: str, dtype=torch.float64, grad_dtype=None, keep_float64: bool = False):
     """Build ``arch`` tiny (the sweep's config recipe) in ``dtype``, run the loss eagerly and under the backend
     (the packed FX graph run as is), compare the loss (``dtype``'s bound) and every gradient (``grad_dtype``'s
-    bound, default ``dtype``'s), and assert the call replayed. Returns the backend (its records)."""
+    bound, default ``dtype``'s), and assert the call replayed. With ``keep_float64`` both runs are inside
+    ``KeepFloat64`` (a float64 model's float32 casts inside stay float64). Returns the backend (its records)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model, _, _ = hf_sweep.build_model(arch, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
@@ -30,6 +31,8 @@ def replay_arch(arch: str, dtype=torch.float64, grad_dtype=None):
     batch = hf_sweep.grpo_batch()
     args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
     fn = functools.partial(hf_sweep.next_token_loss, model)
+    if keep_float64:
+        fn = _in_float64(fn)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     want = fn(*args)
     gw = torch.autograd.grad(want, [p for _, p in params], allow_unused=True)
@@ -44,6 +47,13 @@ def replay_arch(arch: str, dtype=torch.float64, grad_dtype=None):
             continue
         assert_exact(a, b, grad_dtype or dtype, f"grad of {name}")
     return backend
+
+
+def _in_float64(fn):
+    def run(*args):
+        with KeepFloat64():
+            return fn(*args)
+    return run
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt-sw3"])
@@ -123,3 +133,22 @@ def test_scatter_of_flattened_tokens(arch):
     backend = replay_arch(arch, torch.float32)
     reasons = [reason for *_, reason in backend.records[0].materialisations]
     assert not any("flattened" in r for r in reasons), reasons
+
+
+def test_positions_expanded_over_rows():
+    """Whisper's decoder: positions ``arange(L)`` broadcast over the batch rows (``[B, L]``) and its learned
+    position table read at them: the broadcast dim is the row dim of the position value (rules/shape.py:
+    broadcast_row), not a feature dim of extent B that the packed graph would keep (it failed the symbolic-N
+    check: passes/check.py)."""
+    replay_arch("whisper")
+
+
+def test_writes_into_views_of_the_rotary_table():
+    """Qwen3.5's interleaved MRoPE: ``freqs_thw = freq[0]; freqs_thw[..., k:n:3] = freq[d, ..., k:n:3]``, strided
+    writes into a view of a fresh value, become ``slice_scatter`` / ``select_scatter`` of the base read by every
+    later reader (passes/functionalize.py: _write_through_views), and its positions ``expand(3, B, -1)`` take
+    the row dim. Its gated delta rule computes in float32 inside, where its decay gradients (``A_log``) cancel
+    to rounding: run all in float64 (KeepFloat64), float64 bound."""
+    backend = replay_arch("qwen3_5_text", keep_float64=True)
+    code = backend.records[0].packed_code
+    assert "setitem" not in code and "slice_scatter" in code

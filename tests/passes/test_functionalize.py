@@ -116,13 +116,95 @@ def promoting(h, s):
     return x
 
 
+def mrope_views(h):
+    """Qwen3.5's interleaved MRoPE: strided writes into a view (``freq[0]``) of a fresh value, the sources read
+    from the same value (a later reader of the base reads the written value)."""
+    freq = torch.stack([h, h * 2, h * 3]).cos()  # [3, 5, 4]
+    thw = freq[0]
+    for dim, offset in ((1, 1), (2, 2)):
+        thw[..., offset:4:3] = freq[dim, ..., offset:4:3]
+    return torch.cat((thw, thw), dim=-1), freq.sum(0)
+
+
+def forward_substitution(h):
+    """Kimi / Bailing's chunked delta rule: ``a[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)`` with
+    ``row`` and ``sub`` clones of views of ``a`` read before each write."""
+    a = -(h.unsqueeze(-1) * h.unsqueeze(-2)).tril(-1) * 0.1  # [5, 4, 4]
+    for i in range(1, 4):
+        row = a[..., i, :i].clone()
+        sub = a[..., :i, :i].clone()
+        a[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    return a + 1
+
+
+def methods_on_views(h):
+    """In-place methods and a copy into basic-index views, a number into an int-and-slice view, the method's
+    result read afterwards (it is the written view)."""
+    x = h * 2
+    y = x[1:4].mul_(3)
+    x[:, 0].copy_(h[:, 1])
+    x[-1][1:3] = 0.5
+    return x + y.sum()
+
+
+def view_read_after(h):
+    """A view made before the write and read after it shows the written elements."""
+    x = h + 1
+    v = x[:, 1:]
+    x[2:4, 2] = h[0, 0] * 7
+    return v * 2, x
+
+
+@torch.library.custom_op("brcompile_test::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@doubled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def custom_op_result(h):
+    """HF's grouped experts: ``out = grouped_mm(...); out.add_(bias)`` — an operator whose schema returns a tensor
+    with no alias annotation returns a new one."""
+    out = torch.ops.brcompile_test.doubled(h)
+    out.add_(h[0])
+    return out * 3
+
+
+def into_view_of_input(h):
+    h[1:3][:, 0] = 1.0  # a view of a graph input: the caller's tensor changes
+    return h * 2
+
+
+class IntoParameterView(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, h):
+        with torch.no_grad():
+            self.w[0, 1:3] = h[0, :2]  # a view of a parameter: the module's state changes
+        return self.w * h
+
+
+def reshaped_alias(h):
+    x = h * 2
+    r = x.reshape(4, 5)  # an alias this pass does not track, read after the write
+    x[0, 1:3] = 0.0
+    return r + 1
+
+
 H = torch.randn(5, 4)
 
 
 @pytest.mark.parametrize("fn, args", [(router, (H, torch.randn(4, 3))),
                                       (accumulate, (H, torch.tensor([1, 0, 4, 4, 2]))),
                                       (mla_keys, (H,)), (masked_ids, (torch.randint(0, 5, (3, 6)),)),
-                                      (chunk_writes, (H,))])
+                                      (chunk_writes, (H,)), (gap_in_tiles, (H,)), (negative_index, (H,)),
+                                      (broadcast_value, (H,)), (mrope_views, (H,)), (forward_substitution, (H,)),
+                                      (methods_on_views, (H,)), (view_read_after, (H,)), (custom_op_result, (H,))])
 def test_writes_into_fresh_values_become_pure(fn, args):
     gm = capture(fn, *args)
     assert writes(gm)
@@ -134,13 +216,50 @@ def test_writes_into_fresh_values_become_pure(fn, args):
 
 
 @pytest.mark.parametrize("fn, args", [(into_input, (H.clone(),)), (into_view, (H,)), (aliased_before, (H,)),
-                                      (gap_in_tiles, (H,)),
                                       (promoting, (H, torch.ones(4, dtype=torch.float64))),
-                                      (mask_of_rows, (H,)), (negative_index, (H,)), (broadcast_value, (H,))],
-                         ids=["input", "view", "aliased", "gap_in_tiles", "promoting", "mask_of_rows",
-                              "negative_index", "broadcast_value"])
+                                      (mask_of_rows, (H,)), (into_view_of_input, (H,)),
+                                      (IntoParameterView(), (H,)), (reshaped_alias, (H,))],
+                         ids=["input", "view", "aliased", "promoting", "mask_of_rows", "view_of_input",
+                              "view_of_parameter", "reshaped_alias"])
 def test_other_writes_stay(fn, args):
     gm = capture(fn, *[a.clone() for a in args])
     before = writes(gm)
     assert before
     assert writes(functionalize(gm)) == before
+
+
+class WritesIntoTokenViews(torch.nn.Module):
+    """Token values written through views, then attended: an interleaved MRoPE table (``thw = freq[0];
+    thw[..., k::3] = freq[d, ..., k::3]``, positions broadcast over sections and the rows) and a per-token
+    forward substitution (``a[..., i, :i] = row + …``) of an outer product."""
+
+    def __init__(self, V=11, D=6):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, D)
+        self.inv_freq = torch.nn.Parameter(torch.linspace(0.1, 1.0, D))
+        self.section = torch.nn.Parameter(torch.tensor([1.0, 0.7]))
+
+    def forward(self, ids):
+        B, L = ids.shape
+        h = self.emb(ids)
+        pos = torch.arange(L).view(1, 1, -1).expand(2, B, -1)  # 2 sections: B (3) names one dim only
+        freq = (pos[..., None].to(h.dtype) * self.inv_freq * self.section[:, None, None, None]).cos()
+        thw = freq[0]
+        thw[..., 1:6:3] = freq[1, ..., 1:6:3]
+        thw[..., 2::3] = freq[1, ..., 2::3] * 2
+        a = -(h.unsqueeze(-1) * h.unsqueeze(-2)).tril(-1) * 0.1  # [B, L, D, D]
+        for i in range(1, 4):
+            row = a[..., i, :i].clone()
+            sub = a[..., :i, :i].clone()
+            a[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+        q = ((a @ h.unsqueeze(-1)).squeeze(-1) * thw).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).square().sum()
+
+
+def test_writes_into_views_of_token_values_replay():
+    """The writes become slice/select_scatter (no write left to refuse), the packed graph replays, and the
+    loss and every gradient equal eager's in float64."""
+    from tests.helpers import replay_exact
+
+    backend = replay_exact(WritesIntoTokenViews())
+    assert backend.records[0].rewritten, backend.records[0].reason
