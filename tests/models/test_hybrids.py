@@ -57,13 +57,9 @@ def next_token_loss(model, ids, am, cm):
     return -(lp * m).sum() / m.sum()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(HYBRIDS))
-def test_hybrid_replays_exactly(family):
-    transformers = transformers_or_skip()
-    cfg = transformers.AutoConfig.for_model(family, **TINY, **HYBRIDS[family])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+def replay_float64(model):
+    """Eager vs compiled loss and every gradient of the float64 HF ``model`` on :func:`tree_batch`, its float32
+    casts kept in float64, within 1e-10; every graph rewritten and the calls replayed. Returns the backend."""
     args = tree_batch()
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     with KeepFloat64():
@@ -77,6 +73,17 @@ def test_hybrid_replays_exactly(family):
     assert_grads_exact(gg, gw, names, torch.float64)
     assert_replayed()
     assert all(r.rewritten for r in backend.records), [r.reason for r in backend.records]
+    return backend
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_hybrid_replays_exactly(family):
+    transformers = transformers_or_skip()
+    cfg = transformers.AutoConfig.for_model(family, **TINY, **HYBRIDS[family])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+    backend = replay_float64(model)
     code = "\n".join(r.packed_code or "" for r in backend.records)
     if family == "jamba":  # Mamba-1's selective scan is an affine associative scan: a tree scan, like its conv
         assert "brcompile.tree_linear_scan" in code and "brcompile.tree_causal_conv1d" in code, code

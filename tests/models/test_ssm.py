@@ -15,10 +15,8 @@ loss and every parameter gradient are compared with the eager model in float64 (
 import pytest
 import torch
 
-import brcompile
-from brcompile.testing import assert_exact
-from tests.helpers import KeepFloat64, assert_grads_exact, assert_replayed, transformers_or_skip
-from tests.models.test_hybrids import VOCAB, next_token_loss, tree_batch
+from tests.helpers import transformers_or_skip
+from tests.models.test_hybrids import VOCAB, replay_float64
 
 #: hidden 16, state 4, one layer: the smallest config with every part of the mixer (Dynamo's trace of the
 #: inlined associative scan, under torch.vmap, takes most of the test's time)
@@ -32,20 +30,7 @@ def run_ssm(family: str, use_associative_scan: bool):
     cfg = transformers.AutoConfig.for_model(family, **TINY_SSM, use_associative_scan=use_associative_scan)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).double()
-    args = tree_batch()
-    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
-    with KeepFloat64():
-        want = next_token_loss(model, *args)
-    gw = torch.autograd.grad(want, params)
-    backend = brcompile.backend(compiler="eager")
-    with KeepFloat64():
-        got = torch.compile(next_token_loss, backend=backend)(model, *args)
-    gg = torch.autograd.grad(got, params)
-    assert_exact(got, want, torch.float64, "loss")
-    assert_grads_exact(gg, gw, names, torch.float64)
-    assert_replayed()
-    assert all(r.rewritten for r in backend.records), [r.reason for r in backend.records]
-    return backend
+    return replay_float64(model)
 
 
 @pytest.mark.parametrize("family", ["mamba", pytest.param("falcon_mamba", marks=pytest.mark.slow)])
