@@ -276,13 +276,8 @@ class _Probe:
 
     def _where(self, x: torch.Tensor, ax, rows: Optional[int], from_pos: int) -> torch.Tensor:
         """The entries of token input ``x`` at row ``rows`` (all if None) and positions ``>= from_pos``; a
-        flattened value's dim ``ax.pos`` holds entry ``(b·L + t)·k + s`` (passes/rules/moe.py)."""
-        shape = list(x.shape)
-        if ax.flat:
-            shape[ax.pos:ax.pos + 1] = [self.ctx.B, self.ctx.L, ax.flat]
-            row, pos = ax.pos, ax.pos + 1
-        else:
-            row, pos = ax.row, ax.pos
+        flattened value's dim ``ax.pos`` holds entry ``(b·L + t)·k + s`` (:meth:`_layout`)."""
+        shape, row, pos = self._layout(x, ax)
         where = torch.zeros(shape, dtype=torch.bool, device=x.device)
         index = [slice(None)] * len(shape)
         index[pos] = slice(from_pos, None)
@@ -325,13 +320,19 @@ class _Probe:
         out = dict(self.values)
         for a, ax in self.token_inputs.items():
             x = self.values[a]
-            if ax.flat:
-                shape = list(x.shape)
-                shape[ax.pos:ax.pos + 1] = [self.ctx.B, self.ctx.L, ax.flat]
-                out[a] = x.reshape(shape).roll(1, ax.pos).reshape(x.shape)
-            elif ax.row is not None:
-                out[a] = x.roll(1, ax.row)
+            shape, row, _ = self._layout(x, ax)
+            if row is not None:
+                out[a] = x.reshape(shape).roll(1, row).reshape(x.shape)
         return out
+
+    def _layout(self, x: torch.Tensor, ax) -> tuple[list, Optional[int], int]:
+        """(shape, row dim, position dim) of token input ``x`` with a flattened dim ``ax.pos`` (entry
+        ``(b·L + t)·k + s``, passes/rules/moe.py) unflattened to ``[B, L, k]``; ``x``'s own otherwise."""
+        shape = list(x.shape)
+        if ax.flat:
+            shape[ax.pos:ax.pos + 1] = [self.ctx.B, self.ctx.L, ax.flat]
+            return shape, ax.pos, ax.pos + 1
+        return shape, ax.row, ax.pos
 
 
 def _whole_at_example(ctx: AxesContext, a: fx.Node, ax) -> bool:

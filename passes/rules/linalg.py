@@ -87,6 +87,19 @@ def _product(ctx: AxesContext, node, a, b):
     return token(R, None if tok.row is None else tdims[tok.row], tdims[tok.pos], tok.window)
 
 
+def _addmm_operands(args, kwargs) -> list:
+    """``[c, a, b, beta, alpha]`` of ``addmm(c, a, b, beta=, alpha=)`` / ``baddbmm(c, batch1, batch2, …)`` in any
+    spelling (``c.baddbmm(a, b)`` has the same positions: the receiver is the addend); None where absent."""
+    names = (("input",), ("mat1", "batch1"), ("mat2", "batch2"), ("beta",), ("alpha",))
+    out = []
+    for i, keys in enumerate(names):
+        v = args[i] if len(args) > i else None
+        for k in keys:
+            v = kwargs.get(k, v)
+        out.append(v)
+    return out
+
+
 def emit_addmm(pk, node):
     """``addmm`` as is; ``baddbmm(c, a, b, beta=β, alpha=α)`` as ``β·c + α·bmm(a, b)`` on the packed
     operands: the same sum (a reassociation at most), but torch's ``baddbmm`` kernel needs concrete sizes under
@@ -95,12 +108,7 @@ def emit_addmm(pk, node):
                                          lambda a: pk.packed(a) if isinstance(a, fx.Node) else a)
     if node.target not in spellings("baddbmm"):
         return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
-    names = ("input", "batch1", "batch2", "beta", "alpha")
-    c, a, b, beta, alpha = [kwargs.get(k, args[i] if len(args) > i else None) for i, k in enumerate(names)]
-    if node.op == "call_method":  # c.baddbmm(a, b): the receiver is the addend
-        c, a, b = args[0], kwargs.get("batch1", args[1] if len(args) > 1 else None), \
-            kwargs.get("batch2", args[2] if len(args) > 2 else None)
-        beta, alpha = kwargs.get("beta"), kwargs.get("alpha")
+    c, a, b, beta, alpha = _addmm_operands(args, kwargs)
     g = pk.graph
     prod = g.call_function(torch.bmm, (a, b))
     if alpha not in (None, 1):
@@ -120,11 +128,7 @@ def addmm(ctx: AxesContext, node):
     when ``c`` is a constant with extent 1 along the product's token dims (a bias ``[m]``) or a TOKEN value
     with the product's own token dims and window (a residual). β and α must be constants: they scale every
     element alike. Anything else is materialised."""
-    c, a, b = (list(node.args) + [None] * 3)[:3]
-    c = node.kwargs.get("input", c)
-    a = node.kwargs.get("mat1", node.kwargs.get("batch1", a))
-    b = node.kwargs.get("mat2", node.kwargs.get("batch2", b))
-    scalars = [node.kwargs.get(k, node.args[i] if len(node.args) > i else None) for i, k in ((3, "beta"), (4, "alpha"))]
+    c, a, b, *scalars = _addmm_operands(node.args, node.kwargs)
     if any(not get_axes(s).is_const for s in scalars):
         return dense_fallback(ctx, node, "addmm with a per-token beta or alpha")
     prod = _product(ctx, node, a, b)
