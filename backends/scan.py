@@ -20,7 +20,9 @@ root to ``index[b, t]``:
 All are exact up to reassociation of the sums (the dense op adds the same terms in another order). Nothing
 loops over tokens: the path sums use pointer jumping (Hillis–Steele along the paths: after round r each
 token holds the sum over its 2^r nearest ancestors-or-self; ``ceil(log2(depth))`` rounds of O(N) gathers),
-the subtree sums the transposed rounds (scatter-adds), the conv W-1 gathers of ``parent``.
+the subtree sums the transposed rounds (scatter-adds), the conv W-1 gathers of ``parent``. The four
+doubling loops (path / subtree sums, the linear scan and its transpose) are one, :func:`ancestor_doubling`,
+with a direction and an optional multiplier.
 
 ``parent`` is not a tree array of the packed graph; ``tree_parent(end)`` derives it from the subtree ends
 (the preorder property ``j is an ancestor-or-self of k  <=>  j <= k < end[j]``), once per emitted scan.
@@ -122,35 +124,62 @@ def _bcast(mask: Tensor, like: Tensor) -> Tensor:
     return mask.reshape(mask.shape + (1,) * (like.dim() - 1))
 
 
-def path_sum(x: Tensor, parent: Tensor) -> Tensor:
-    """``out[k] = sum over the ancestors-or-self j of k of x[j]`` along dim 0 (pointer jumping).
+#: Directions of :func:`ancestor_doubling`: each token pulls from its 2^r-th ancestor (path scans) or pushes
+#: to it (subtree scans, the transpose).
+PATH, SUBTREE = "path", "subtree"
 
-    Invariant after round r: ``out[k]`` sums the 2^r nearest ancestors-or-self of k (fewer near a root)
-    and ``anc[k]`` is k's 2^r-th ancestor; ``out[k] += out[anc[k]]`` and ``anc[k] = anc[anc[k]]`` double
-    both. Each term is added once: the result is the dense prefix sum up to reassociation."""
-    out = x.clone()
+
+def _combine(B: Tensor, A: Optional[Tensor], anc: Tensor, direction: str) -> Tensor:
+    """One round's combine along the current ancestor links ``anc`` (-1: none), ``A = None`` meaning 1:
+
+    - PATH: ``B[k] += A[k] * B[anc[k]]`` (a gather from each token's ancestor);
+    - SUBTREE: ``B[anc[d]] += A[d] * B[d]`` (a scatter-add from each token to its ancestor: the transpose).
+
+    Out of place; reads the round's old ``B`` only."""
+    has = anc >= 0
+    if direction == PATH:
+        got = B[anc.clamp(min=0)]
+        return torch.where(_bcast(has, B), (got if A is None else A * got) + B, B)
+    src = has.nonzero().squeeze(1)
+    return B.index_add(0, anc[src], B[src] if A is None else A[src] * B[src])
+
+
+def ancestor_doubling(values: Tensor, parent: Tensor, A: Optional[Tensor] = None, direction: str = PATH) -> Tensor:
+    """Pointer doubling of the affine maps ``h -> A[k] * h + values[k]`` along the tree paths (dim 0; ``A =
+    None`` means 1, plain sums), ``ceil(log2(depth))`` rounds of :func:`_combine` with ``A[k] *= A[anc[k]]``
+    and ``anc[k] = anc[anc[k]]`` after each, starting from ``anc = parent``:
+
+    - PATH: ``out[k] = sum over the ancestors-or-self j of k of P(k, j) * values[j]``, ``P(k, j)`` the product
+      of A over the path from k up to j, j excluded — the recurrence ``h[k] = A[k] * h[parent[k]] +
+      values[k]`` (the path sum when A is None). Invariant after round r: ``out[k]`` holds the terms of the
+      2^r nearest ancestors-or-self of k and ``A[k] = P(k, anc[k])``; a round composes k's map with its
+      ancestor's, ``(A, B)∘(A', B') = (A * A', A * B' + B)``.
+    - SUBTREE (the transpose): ``out[j] = sum over the descendants-or-self d of j of P(d, j) * values[d]``.
+      Invariant after round r: ``out[j]`` holds the descendants of j at distance < 2^r; the descendants at
+      distance [2^r, 2^(r+1)) lie below exactly one d at distance 2^r (``P(e, j) = P(e, d) P(d, j)``), so
+      each d pushes ``A[d] * out[d]`` to its 2^r-th ancestor once.
+
+    Each term is formed once: the sequential recurrence up to reassociation."""
+    out = values.clone()
     anc = parent
     while bool((anc >= 0).any()):
-        has = anc >= 0
-        out = out + torch.where(_bcast(has, out), out[anc.clamp(min=0)], torch.zeros((), dtype=out.dtype,
-                                                                                      device=out.device))
+        out = _combine(out, A, anc, direction)
+        if A is not None:
+            A = torch.where(_bcast(anc >= 0, A), A * A[anc.clamp(min=0)], A)
         anc = _jump(anc, anc)
     return out
+
+
+def path_sum(x: Tensor, parent: Tensor) -> Tensor:
+    """``out[k] = sum over the ancestors-or-self j of k of x[j]`` along dim 0 (pointer jumping: after round
+    r ``out[k]`` sums the 2^r nearest ancestors-or-self of k)."""
+    return ancestor_doubling(x, parent, None, PATH)
 
 
 def subtree_sum(g: Tensor, parent: Tensor) -> Tensor:
     """``out[j] = sum over the descendants-or-self k of j of g[k]`` along dim 0: the transpose of
-    :func:`path_sum`. Invariant after round r: ``out[j]`` sums the descendants of j at distance < 2^r;
-    each node d pushes its sum to its 2^r-th ancestor, which adds the descendants at distance
-    [2^r, 2^(r+1)) exactly once (they lie below exactly one node at distance 2^r)."""
-    out = g.clone()
-    anc = parent
-    while bool((anc >= 0).any()):
-        has = anc >= 0
-        src = has.nonzero().squeeze(1)
-        out = out.index_add(0, anc[src], out[src])
-        anc = _jump(anc, anc)
-    return out
+    :func:`path_sum`."""
+    return ancestor_doubling(g, parent, None, SUBTREE)
 
 
 def _check_cumsum(x: Tensor, parent: Tensor, dim: int) -> int:
@@ -319,42 +348,16 @@ def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent
 
 
 def path_linear_scan(a: Tensor, b: Tensor, parent: Tensor) -> Tensor:
-    """``h[k] = a[k] * h[parent[k]] + b[k]`` along dim 0 (``h = b`` at a root), by pointer doubling.
-
-    Token k holds an affine map ``(A[k], B[k])`` and an ancestor ``anc[k]`` with ``h[k] = A[k] * h[anc[k]] +
-    B[k]`` (``h[-1] = 0``: past a root the map's constant is the value). Start ``(a, b, parent)``; a round
-    composes k's map with its ancestor's, ``(A, B)∘(A', B') = (A * A', A * B' + B)`` at ``anc``, and
-    ``anc[k] = anc[anc[k]]``: after round r the map spans the 2^r nearest ancestors-or-self, so
-    ``ceil(log2(depth))`` rounds leave ``anc = -1`` everywhere and ``h = B``. Each product of a along the path
-    is formed once: the dense recurrence up to reassociation."""
-    A, B = a.clone(), b.clone()
-    anc = parent
-    while bool((anc >= 0).any()):
-        has = _bcast(anc >= 0, B)
-        at = anc.clamp(min=0)
-        A, B = torch.where(has, A * A[at], A), torch.where(has, A * B[at] + B, B)
-        anc = _jump(anc, anc)
-    return B
+    """``h[k] = a[k] * h[parent[k]] + b[k]`` along dim 0 (``h = b`` at a root), by pointer doubling over the
+    composed affine maps (:func:`ancestor_doubling`, PATH): ``ceil(log2(depth))`` rounds."""
+    return ancestor_doubling(b, parent, a, PATH)
 
 
 def subtree_linear_scan(g: Tensor, a: Tensor, parent: Tensor) -> Tensor:
     """``gb[k] = g[k] + sum over the children c of k of a[c] * gb[c]`` along dim 0: the transpose of
     :func:`path_linear_scan` (``gb[j] = sum over the descendants-or-self d of j of g[d] * P(d, j)``, ``P(d, j)``
-    the product of ``a`` over the path from d up to j, j excluded).
-
-    Invariant after round r: ``S[j]`` sums the descendants of j at distance < 2^r, ``W[d] = P(d, anc[d])``
-    with ``anc[d]`` d's 2^r-th ancestor. A round pushes ``W[d] * S[d]`` from each d to ``anc[d]`` (the
-    descendants of j at distance [2^r, 2^(r+1)) lie below exactly one d at distance 2^r, with ``P(e, j) =
-    P(e, d) P(d, j)``), then ``W[d] = W[d] * W[anc[d]]`` and ``anc[d] = anc[anc[d]]``."""
-    S, W = g.clone(), a.clone()
-    anc = parent
-    while bool((anc >= 0).any()):
-        has = anc >= 0
-        src = has.nonzero().squeeze(1)
-        S = S.index_add(0, anc[src], W[src] * S[src])
-        W = torch.where(_bcast(has, W), W * W[anc.clamp(min=0)], W)
-        anc = _jump(anc, anc)
-    return S
+    the product of ``a`` over the path from d up to j, j excluded; :func:`ancestor_doubling`, SUBTREE)."""
+    return ancestor_doubling(g, parent, a, SUBTREE)
 
 
 def _check_linear_scan(a: Tensor, b: Tensor, parent: Tensor, dim: int) -> tuple[torch.Size, int]:
