@@ -24,21 +24,29 @@ the subtree sums the transposed rounds (scatter-adds), the conv W-1 gathers of `
 doubling loops (path / subtree sums, the linear scan and its transpose) are one, :func:`ancestor_doubling`,
 with a direction and an optional multiplier.
 
+These are the ``"torch"`` implementations (any device, any floating dtype). ``tree_linear_scan`` and its
+backward take an ``impl`` name (default ``"auto"``) looked up in :data:`SCAN_IMPLS`, a
+:class:`~brcompile.backends.registry.Registry` of :class:`ScanImpl`: ``"torch"`` (here) and ``"triton"``
+(``backends/triton/scan.py``, imported on first use); ``"auto"`` is triton on CUDA, torch elsewhere.
+
 ``parent`` is not a tree array of the packed graph; ``tree_parent(end)`` derives it from the subtree ends
 (the preorder property ``j is an ancestor-or-self of k  <=>  j <= k < end[j]``), once per emitted scan.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from brcompile.backends.registry import Impl, Registry
+
 log = logging.getLogger(__name__)
 
-__all__ = ["ScanError", "tree_parent", "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan",
+__all__ = ["SCAN_IMPLS", "ScanError", "ScanImpl", "get_scan_impl", "register_scan_impl", "tree_parent", "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan",
            "path_ancestors", "TREE_PATH_OPS", "reference_cumsum", "reference_causal_conv1d",
            "reference_linear_scan"]
 
@@ -382,65 +390,134 @@ def _scan_layout(x: Tensor, shape: torch.Size, d: int) -> Tensor:
     return x.expand(shape).movedim(d, 0)
 
 
-@torch.library.custom_op("brcompile::tree_linear_scan", mutates_args=())
-def _tree_linear_scan_op(a: Tensor, b: Tensor, parent: Tensor, dim: int) -> Tensor:
-    """See :func:`tree_linear_scan`."""
-    shape, d = _check_linear_scan(a, b, parent, dim)
+# ------------------------------------------------------------------------------------------- impls
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanImpl(Impl):
+    """An implementation of ``tree_linear_scan`` and its backward (the op checks the arguments first).
+
+    linear_scan(a, b, parent, d) -> h
+        ``h[k] = a[k] * h[parent[k]] + b[k]`` along dim ``d`` of the broadcast shape of ``a`` and ``b``
+        (either may be broadcast; ``d`` normalised); ``h`` contiguous in that shape, ``a``'s dtype.
+    linear_scan_backward(grad, a, h, parent, d) -> (grad_a, grad_b)
+        both in the shape of ``h`` (contiguous): ``grad_b = gb``, the reverse scan over the subtrees,
+        ``grad_a[k] = gb[k] * h[parent[k]]`` (0 at a root); ``grad`` and ``a`` may be broadcast.
+
+    ``device_types`` / ``dtypes`` (keyword): where the impl runs (None: anywhere).
+    """
+
+    Error = ScanError
+    op = "tree_linear_scan"
+
+    linear_scan: Callable
+    linear_scan_backward: Callable
+
+
+def _triton_on_cuda_else_torch(device: torch.device) -> tuple[str, ...]:
+    """``"auto"``: triton on CUDA (when it imports and takes the inputs), else torch."""
+    return ("triton", "torch") if device.type == "cuda" else ("torch",)
+
+
+#: The tree_linear_scan impls: torch (below) and triton (imported on first use).
+SCAN_IMPLS = Registry("tree_linear_scan", ScanImpl, builtins={"triton": "brcompile.backends.triton.scan"},
+                      auto=_triton_on_cuda_else_torch)
+
+
+def register_scan_impl(impl: ScanImpl) -> None:
+    """Register (or replace) a tree_linear_scan implementation under ``impl.name``."""
+    SCAN_IMPLS.register(impl)
+
+
+def get_scan_impl(name: str, device, dtype: Optional[torch.dtype] = None) -> ScanImpl:
+    """The implementation ``name`` for inputs on ``device`` (of ``dtype``); ``"auto"`` is triton on CUDA
+    (when it imports and takes the dtype), else torch. Raises ScanError when it is unknown or does not run
+    there."""
+    return SCAN_IMPLS.get(name, device, dtype)
+
+
+def _torch_linear_scan(a: Tensor, b: Tensor, parent: Tensor, d: int) -> Tensor:
+    """:func:`path_linear_scan` on the token-first layout (``ScanImpl.linear_scan``)."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
     h = path_linear_scan(_scan_layout(a, shape, d), _scan_layout(b, shape, d), parent)
     return h.movedim(0, d).contiguous()
 
 
-@_tree_linear_scan_op.register_fake
-def _tree_linear_scan_fake(a, b, parent, dim):
-    shape, _ = _check_linear_scan(a, b, parent, dim)
-    return a.new_empty(shape)
-
-
-@torch.library.custom_op("brcompile::tree_linear_scan_backward", mutates_args=())
-def _tree_linear_scan_backward_op(grad: Tensor, a: Tensor, h: Tensor, parent: Tensor,
-                                  dim: int) -> tuple[Tensor, Tensor]:
-    """``(grad_a, grad_b)`` in the output's shape: ``gb = subtree_linear_scan(grad, a)``, ``grad_a[k] = gb[k] *
-    h[parent[k]]`` (0 at a root), ``grad_b = gb``."""
-    shape, d = _check_linear_scan(a, h, parent, dim)
+def _torch_linear_scan_backward(grad: Tensor, a: Tensor, h: Tensor, parent: Tensor, d: int) -> tuple[Tensor, Tensor]:
+    """``gb = subtree_linear_scan(grad, a)``, ``grad_a[k] = gb[k] * h[parent[k]]`` (0 at a root)
+    (``ScanImpl.linear_scan_backward``)."""
+    shape = h.shape
     gb = subtree_linear_scan(_scan_layout(grad, shape, d), _scan_layout(a, shape, d), parent)
     hp = _scan_layout(h, shape, d)[parent.clamp(min=0)]
     ga = torch.where(_bcast(parent >= 0, gb), gb * hp, torch.zeros((), dtype=gb.dtype, device=gb.device))
     return ga.movedim(0, d).contiguous(), gb.movedim(0, d).contiguous()
 
 
+register_scan_impl(ScanImpl("torch", _torch_linear_scan, _torch_linear_scan_backward))
+
+
+# ------------------------------------------------------------------------------------------- the op
+
+
+@torch.library.custom_op("brcompile::tree_linear_scan", mutates_args=())
+def _tree_linear_scan_op(a: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str = "auto") -> Tensor:
+    """See :func:`tree_linear_scan`."""
+    _, d = _check_linear_scan(a, b, parent, dim)
+    return get_scan_impl(impl, a.device, a.dtype).linear_scan(a, b, parent, d)
+
+
+@_tree_linear_scan_op.register_fake
+def _tree_linear_scan_fake(a, b, parent, dim, impl="auto"):
+    shape, _ = _check_linear_scan(a, b, parent, dim)
+    SCAN_IMPLS.check_name(impl)
+    return a.new_empty(shape)
+
+
+@torch.library.custom_op("brcompile::tree_linear_scan_backward", mutates_args=())
+def _tree_linear_scan_backward_op(grad: Tensor, a: Tensor, h: Tensor, parent: Tensor,
+                                  dim: int, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """``(grad_a, grad_b)`` in the output's shape: ``gb`` the reverse scan of ``grad`` over the subtrees,
+    ``grad_a[k] = gb[k] * h[parent[k]]`` (0 at a root), ``grad_b = gb`` (``ScanImpl.linear_scan_backward``)."""
+    _, d = _check_linear_scan(a, h, parent, dim)
+    return get_scan_impl(impl, h.device, h.dtype).linear_scan_backward(grad, a, h, parent, d)
+
+
 @_tree_linear_scan_backward_op.register_fake
-def _tree_linear_scan_backward_fake(grad, a, h, parent, dim):
+def _tree_linear_scan_backward_fake(grad, a, h, parent, dim, impl="auto"):
     shape, _ = _check_linear_scan(a, h, parent, dim)
+    SCAN_IMPLS.check_name(impl)
     return grad.new_empty(shape), grad.new_empty(shape)
 
 
 def _linear_scan_setup(ctx, inputs, output):
-    a, b, parent, dim = inputs
+    a, b, parent, dim, impl = inputs
     ctx.save_for_backward(a, output, parent)
     ctx.dim = dim
+    ctx.impl = impl
     ctx.shapes = (a.shape, b.shape)
 
 
 def _linear_scan_grad(ctx, grad):
     """Exact: the backward op's full-shape gradients summed back to a's and b's shapes (broadcasting)."""
     a, h, parent = ctx.saved_tensors
-    ga, gb = torch.ops.brcompile.tree_linear_scan_backward(grad, a, h, parent, ctx.dim)
+    ga, gb = torch.ops.brcompile.tree_linear_scan_backward(grad, a, h, parent, ctx.dim, ctx.impl)
     a_shape, b_shape = ctx.shapes
-    return ga.sum_to_size(a_shape), gb.sum_to_size(b_shape), None, None
+    return ga.sum_to_size(a_shape), gb.sum_to_size(b_shape), None, None, None
 
 
 torch.library.register_autograd("brcompile::tree_linear_scan", _linear_scan_grad, setup_context=_linear_scan_setup)
 
 
-def tree_linear_scan(a: Tensor, b: Tensor, parent: Tensor, dim: int) -> Tensor:
+def tree_linear_scan(a: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str = "auto") -> Tensor:
     """``brcompile::tree_linear_scan``: ``h[k] = a[k] * h[parent[k]] + b[k]`` (``h = b`` at a root) along the
     packed token dim ``dim`` of ``a`` and ``b`` broadcast together — the dense ``h_t = a_t h_{t-1} + b_t``
     along a row (``h_{-1} = 0``), computed along the tree paths.
 
     Backward (exact): with ``g = dL/dh``, ``gb[k] = g[k] + sum over the children c of k of a[c] * gb[c]`` (a
     reverse scan over the subtrees, the transpose of the forward), ``dL/da[k] = gb[k] * h[parent[k]]`` (0 at a
-    root), ``dL/db = gb``; each summed back to its input's shape where it was broadcast."""
-    return torch.ops.brcompile.tree_linear_scan(a, b, parent, dim)
+    root), ``dL/db = gb``; each summed back to its input's shape where it was broadcast. ``impl`` names a
+    :class:`ScanImpl` in :data:`SCAN_IMPLS` (``"auto"``: triton on CUDA, torch elsewhere)."""
+    return torch.ops.brcompile.tree_linear_scan(a, b, parent, dim, impl)
 
 
 def chain_parent(length: int, device=None) -> Tensor:

@@ -40,6 +40,9 @@ class Options:
     min_dedup: run the original graph for a batch whose logical/executed token ratio is below this.
     attention: tree-attention implementation: "auto" (triton on CUDA, cpu otherwise), "cpu",
         "reference", "triton".
+    scan: implementation of the linear scans along the tree paths (``brcompile::tree_linear_scan``, Mamba's
+        selective scan): "auto" (triton on CUDA, torch otherwise), "torch" (pointer doubling, any device),
+        "triton" (backends/triton/scan.py).
     compiler: how the packed graph runs: "inductor" (compiled once with dynamic shapes: one compile
         serves every batch), "aot_eager" (AOTAutograd, no codegen), or "eager" (the FX graph as is).
     fuse_logprob: compute next-token log-probs (log_softmax -> gather, cross_entropy, and the entropy)
@@ -68,6 +71,7 @@ class Options:
 
     min_dedup: float = 1.05
     attention: str = "auto"
+    scan: str = "auto"
     compiler: str = "inductor"
     fuse_logprob: bool = True
     dump_dir: Optional[str] = None
@@ -83,6 +87,8 @@ class Options:
             raise ValueError(f"compiler={self.compiler!r}; choose one of {COMPILERS}")
         if self.attention not in ("auto", "cpu", "reference", "triton"):
             raise ValueError(f"attention={self.attention!r}; choose auto, cpu, reference or triton")
+        if self.scan not in ("auto", "torch", "triton"):
+            raise ValueError(f"scan={self.scan!r}; choose auto, torch or triton")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}; choose one of {MODES}")
         if self.mode == "auto" and (self.memory_budget is None or self.memory_budget <= 0):
@@ -142,8 +148,9 @@ class BranchReplayBackend:
         try:
             an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
             packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
-                                                        drop_padding=opts.drop_padding))
+                                                        drop_padding=opts.drop_padding, scan=opts.scan))
             _check_attention_support(packed, example_inputs, opts.attention)
+            _check_scan_support(packed, example_inputs, opts.scan)
             example_args = _packed_example_args(an, example_inputs)
             check_packed_graph(packed, example_args)
         except CannotReplay as e:
@@ -277,6 +284,21 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
             check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi)
         except AttentionImplError as e:
             raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
+
+
+def _check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> None:
+    """CannotReplay when the packed graph has a linear scan along the tree paths and the scan impl ``scan``
+    does not run on the inputs' device (``scan="triton"`` without triton or a GPU): the original graph runs,
+    with the reason."""
+    from brcompile.backends.scan import ScanError, get_scan_impl
+
+    if not any(n.target is torch.ops.brcompile.tree_linear_scan.default for n in packed.graph.nodes):
+        return
+    device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    try:
+        get_scan_impl(scan, device)
+    except ScanError as e:
+        raise CannotReplay(f"{e} (scan={scan!r} on {device.type})") from e
 
 
 _DEFAULT = BranchReplayBackend()

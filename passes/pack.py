@@ -55,6 +55,7 @@ class PackOptions:
     attention: str = "auto"
     fuse_logprob: bool = True  # LM head -> log_softmax -> gather/cross_entropy as brcompile::packed_logprob
     drop_padding: bool = False  # the index may hold -1 (padding left out of the tree): reads check it
+    scan: str = "auto"  # the impl of brcompile::tree_linear_scan (backends/scan.py: SCAN_IMPLS)
 
 
 @dataclasses.dataclass

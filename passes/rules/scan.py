@@ -383,11 +383,13 @@ def _linear_scan_args(node: fx.Node) -> tuple[Any, Any, Any]:
 
 
 def emit_linear_scan(pk, node: fx.Node):
-    """``tree_linear_scan(a, b, tree_parent(end), pos)`` on the packed operands (a broadcast operand as is)."""
+    """``tree_linear_scan(a, b, tree_parent(end), pos, impl)`` on the packed operands (a broadcast operand as
+    is); ``impl`` is the backend's ``scan`` option."""
     _refuse_dropped_padding(pk, node, "linear scan")
     a, b, _ = _linear_scan_args(node)
     return pk.graph.call_function(torch.ops.brcompile.tree_linear_scan.default,
-                                  (pk.packed(a), pk.packed(b), _emit_parent(pk), get_axes(node).pos))
+                                  (pk.packed(a), pk.packed(b), _emit_parent(pk), get_axes(node).pos,
+                                   pk.options.scan))
 
 
 @register_rule([_scan_ops.linear_scan], emit=emit_linear_scan)

@@ -298,7 +298,7 @@ def test_linear_scan_gradcheck_and_opcheck():
     a1 = torch.rand(N, 1, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: scan.tree_linear_scan(a, b, tree.parent, 0), (a1, b))
     torch.library.opcheck(torch.ops.brcompile.tree_linear_scan.default, (a, b, tree.parent, 0))
-    torch.library.opcheck(torch.ops.brcompile.tree_linear_scan.default, (a1, b, tree.parent, 0))
+    torch.library.opcheck(torch.ops.brcompile.tree_linear_scan.default, (a1, b, tree.parent, 0, "torch"))
 
 
 def test_linear_scan_bad_arguments():
