@@ -1,0 +1,262 @@
+"""Triton kernels for ``brcompile::tree_linear_scan`` and its backward (GPU; on CPU with TRITON_INTERPRET=1).
+Registers the scan impl ``"triton"`` (backends/scan.py, ``SCAN_IMPLS``).
+
+The op: ``h[k] = a[k] * h[parent[k]] + b[k]`` along the packed token dim (``h = b`` at a root), ``a`` and ``b``
+broadcast together; backward ``gb[k] = g[k] + sum over the children c of k of a[c] * gb[c]``, ``ga[k] = gb[k] *
+h[parent[k]]`` (0 at a root).
+
+Design: a **depth-ordered sequential kernel per feature block**, not one launch per pointer-doubling round.
+The packed tokens are in DFS preorder, a topological order of the tree (``parent[k] < k``), so one pass over
+k = 0..N-1 meets every parent before its children (forward) and the reverse pass every child before its
+parent (backward). A program owns BLOCK_F features (the flattened non-token dims of the broadcast shape)
+and walks all N tokens: O(N·F) work and one read of each operand and one write of each output — the
+minimum — in a single launch, with no host sync per round. Pointer doubling would make ``ceil(log2
+depth)`` launches that each read and write every (token, feature) element twice over (O(N·F·log depth)
+traffic) and need a grid-wide barrier between rounds, which Triton has only as separate launches. The
+price is N dependent steps per program, so the GPU is filled by the feature blocks: the selective scan's
+``B'·D·S`` features per token (thousands) are many blocks; a scan with a handful of features is latency
+bound (the torch impl's doubling rounds suit it better).
+
+The state stays in registers along a chain (``parent[k] == k - 1``, every token of a segment but its
+first). Only a branch point needs memory: a token with a child other than k+1 (``slot[k] >= 0``, one of
+the tree's S branch points) stores its state, in the accumulation dtype, into a small ``[S', F]`` stash,
+and such a child (``link[k] >= 0``) reads its parent's state from there. The backward mirrors it: the
+children's contributions ``a[c] * gb[c]`` flow to ``k`` through a register carry from k+1 and, from the
+other children, through the stash slot of k (added there, read when k is reached). A
+``tl.debug_barrier()`` precedes each stash access, so a state stored by one thread of the program is
+visible to another (once per branch point, not per token).
+
+Per-token arrays built in torch by the launcher (O(N)): ``link[k]`` = -2 (chain: the state in registers),
+-1 (a root: state 0), s >= 0 (read stash slot s); ``slot[k]`` = the stash slot k writes (-1: none).
+Broadcasting and any strides: each operand is read at ``base + k * token_stride + offset[f]``, with an
+int64 offset table per operand over the F features (stride 0 where an operand is broadcast, as Mamba's
+decay over the state dims), so nothing is expanded in memory.
+
+Dtypes: float32 / float16 / bfloat16 accumulate in float32 (the stored outputs are rounded to the input
+dtype, the carried state and the stash are not), float64 in float64. Layout follows the Liger-Kernel /
+Triton tutorial style: ``@triton.jit`` kernels, a small launcher, strides passed explicitly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from brcompile.backends.scan import ScanImpl, register_scan_impl
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ScanConfig", "is_interpreter", "linear_scan", "linear_scan_backward", "tree_links"]
+
+#: ``link`` value of a token whose parent is the previous token (its state is the register state)
+CHAIN = -2
+
+
+@triton.jit
+def _tree_linear_scan_fwd(a_ptr, b_ptr, h_ptr, stash_ptr, link_ptr, slot_ptr,
+                          a_off_ptr, b_off_ptr, h_off_ptr, N, F, stride_a, stride_b, stride_h,
+                          ACC: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Features [pid * BLOCK_F, +BLOCK_F) of every token, k = 0..N-1 in preorder:
+    ``h[k] = a[k] * prev + b[k]`` with prev the register state (chain), 0 (root) or the stash slot
+    ``link[k]``; the state is stashed at ``slot[k]`` when k has a child other than k+1."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = offs < F
+    a_off = tl.load(a_off_ptr + offs, mask=fmask, other=0)
+    b_off = tl.load(b_off_ptr + offs, mask=fmask, other=0)
+    h_off = tl.load(h_off_ptr + offs, mask=fmask, other=0)
+    stash_off = offs.to(tl.int64)
+    a_row = a_ptr + a_off
+    b_row = b_ptr + b_off
+    h_row = h_ptr + h_off
+    state = tl.zeros([BLOCK_F], dtype=ACC)
+    for k in range(0, N):
+        link = tl.load(link_ptr + k)
+        a = tl.load(a_row, mask=fmask, other=0.0).to(ACC)
+        b = tl.load(b_row, mask=fmask, other=0.0).to(ACC)
+        prev = tl.where(link == -2, state, tl.zeros([BLOCK_F], dtype=ACC))
+        if link >= 0:
+            tl.debug_barrier()
+            prev = tl.load(stash_ptr + link * F + stash_off, mask=fmask, other=0.0)
+        state = a * prev + b
+        tl.store(h_row, state.to(h_ptr.dtype.element_ty), mask=fmask)
+        slot = tl.load(slot_ptr + k)
+        if slot >= 0:
+            tl.debug_barrier()
+            tl.store(stash_ptr + slot * F + stash_off, state, mask=fmask)
+        a_row += stride_a
+        b_row += stride_b
+        h_row += stride_h
+
+
+@triton.jit
+def _tree_linear_scan_bwd(g_ptr, a_ptr, h_ptr, parent_ptr, ga_ptr, gb_ptr, stash_ptr, link_ptr, slot_ptr,
+                          g_off_ptr, a_off_ptr, h_off_ptr, o_off_ptr, N, F,
+                          stride_g, stride_a, stride_h, stride_o,
+                          ACC: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Features [pid * BLOCK_F, +BLOCK_F), k = N-1..0 (every child before its parent):
+    ``gb[k] = g[k] + carry + stash[slot[k]]`` (carry = ``a[k+1] * gb[k+1]`` when k+1 is k's chain child,
+    the stash slot the sum of the other children's ``a[c] * gb[c]``), ``ga[k] = gb[k] * h[parent[k]]``
+    (0 at a root); then ``a[k] * gb[k]`` goes to the carry (chain) or is added to the parent's slot."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = offs < F
+    g_off = tl.load(g_off_ptr + offs, mask=fmask, other=0)
+    a_off = tl.load(a_off_ptr + offs, mask=fmask, other=0)
+    h_off = tl.load(h_off_ptr + offs, mask=fmask, other=0)
+    o_off = tl.load(o_off_ptr + offs, mask=fmask, other=0)
+    stash_off = offs.to(tl.int64)
+    last = tl.full([], 0, tl.int64) + (N - 1)  # int64: last * stride may pass 2^31
+    g_row = g_ptr + g_off + last * stride_g
+    a_row = a_ptr + a_off + last * stride_a
+    ga_row = ga_ptr + o_off + last * stride_o
+    gb_row = gb_ptr + o_off + last * stride_o
+    carry = tl.zeros([BLOCK_F], dtype=ACC)
+    for i in range(0, N):
+        k = last - i
+        link = tl.load(link_ptr + k)
+        slot = tl.load(slot_ptr + k)
+        p = tl.load(parent_ptr + k)
+        gb = tl.load(g_row, mask=fmask, other=0.0).to(ACC) + carry
+        if slot >= 0:
+            tl.debug_barrier()
+            gb += tl.load(stash_ptr + slot * F + stash_off, mask=fmask, other=0.0)
+        tl.store(gb_row, gb.to(gb_ptr.dtype.element_ty), mask=fmask)
+        hp = tl.load(h_ptr + h_off + tl.maximum(p, 0) * stride_h, mask=fmask, other=0.0).to(ACC)
+        hp = tl.where(p >= 0, hp, tl.zeros([BLOCK_F], dtype=ACC))
+        tl.store(ga_row, (gb * hp).to(ga_ptr.dtype.element_ty), mask=fmask)
+        push = tl.load(a_row, mask=fmask, other=0.0).to(ACC) * gb
+        carry = tl.where(link == -2, push, tl.zeros([BLOCK_F], dtype=ACC))
+        if link >= 0:
+            tl.debug_barrier()
+            dst = stash_ptr + link * F + stash_off
+            tl.store(dst, tl.load(dst, mask=fmask, other=0.0) + push, mask=fmask)
+        g_row -= stride_g
+        a_row -= stride_a
+        ga_row -= stride_o
+        gb_row -= stride_o
+
+
+# --------------------------------------------------------------------------------------------------
+# launch
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanConfig:
+    """Launch settings: features per program (a power of two in [16, 4096]) and warps (1, 2, 4, 8, 16)."""
+
+    block_f: int = 128
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_f < 16 or self.block_f > 4096 or self.block_f & (self.block_f - 1):
+            raise ValueError(f"block_f must be a power of two in [16, 4096], got {self.block_f}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+    def for_features(self, F: int) -> "ScanConfig":
+        """The same config with block_f no wider than F needs."""
+        return dataclasses.replace(self, block_f=max(16, min(self.block_f, triton.next_power_of_2(max(F, 1)))))
+
+
+DEFAULT_CONFIG = ScanConfig()
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import time)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_tree_linear_scan_fwd, InterpretedFunction)
+
+
+def tree_links(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(link [N], slot [N], S')`` (int64) for the kernels (module docstring): a token k is a branch point
+    when some child of k is not k+1; branch points get stash slots 0..S'-1 in preorder; ``link[k]`` is CHAIN
+    when ``parent[k] == k - 1``, -1 at a root, else the parent's slot."""
+    n = parent.shape[0]
+    ids = torch.arange(n, device=parent.device)
+    chain = (parent >= 0) & (parent == ids - 1)
+    far = (parent >= 0) & ~chain
+    branch = torch.zeros(n, dtype=torch.bool, device=parent.device)
+    branch[parent[far]] = True
+    slot = torch.where(branch, torch.cumsum(branch, 0) - 1, -1)
+    link = torch.where(chain, CHAIN, torch.where(far, slot[parent.clamp(min=0)], -1))
+    return link, slot, int(branch.sum())
+
+
+def _token_layout(x: torch.Tensor, shape: torch.Size, d: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """``(x expanded to shape, its stride along d, offsets [F] int64)``: element (k, f) of the token-first
+    flattening of ``shape`` lies at ``k * stride + offsets[f]`` from x's data (stride 0 where broadcast)."""
+    full = x.expand(shape)
+    off = torch.zeros((), dtype=torch.int64, device=x.device)
+    for i, (size, stride) in enumerate(zip(full.shape, full.stride())):
+        if i != d:
+            off = off.unsqueeze(-1) + torch.arange(size, device=x.device) * stride
+    return full, full.stride(d), off.reshape(-1)
+
+
+def _acc_dtype(dtype: torch.dtype):
+    """The accumulation dtype: float64 for float64 inputs, else float32."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _stash(rows: int, F: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The branch points' states (zeros: the backward adds into them); one element when there are none."""
+    return torch.zeros(max(rows * F, 1), dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                       device=device)
+
+
+def linear_scan(a: torch.Tensor, b: torch.Tensor, parent: torch.Tensor, d: int,
+                config: Optional[ScanConfig] = None) -> torch.Tensor:
+    """``h`` (contiguous, the broadcast shape of a and b, a's dtype): the forward kernel (``ScanImpl.linear_scan``)."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    h = torch.empty(shape, dtype=a.dtype, device=a.device)
+    N = shape[d]
+    F = h.numel() // N if N else 0
+    if N == 0 or F == 0:
+        return h
+    cfg = (config or DEFAULT_CONFIG).for_features(F)
+    link, slot, branches = tree_links(parent)
+    af, sa, a_off = _token_layout(a, shape, d)
+    bf, sb, b_off = _token_layout(b, shape, d)
+    _, sh, h_off = _token_layout(h, shape, d)
+    stash = _stash(branches, F, a.dtype, a.device)
+    grid = (triton.cdiv(F, cfg.block_f),)
+    _tree_linear_scan_fwd[grid](af, bf, h, stash, link, slot, a_off, b_off, h_off, N, F, sa, sb, sh,
+                                ACC=_acc_dtype(a.dtype), BLOCK_F=cfg.block_f, num_warps=cfg.num_warps)
+    return h
+
+
+def linear_scan_backward(grad: torch.Tensor, a: torch.Tensor, h: torch.Tensor, parent: torch.Tensor, d: int,
+                         config: Optional[ScanConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_a, grad_b)`` in h's shape (contiguous): the reverse kernel (``ScanImpl.linear_scan_backward``)."""
+    shape = h.shape
+    ga = torch.empty(shape, dtype=h.dtype, device=h.device)
+    gb = torch.empty_like(ga)
+    N = shape[d]
+    F = h.numel() // N if N else 0
+    if N == 0 or F == 0:
+        return ga, gb
+    cfg = (config or DEFAULT_CONFIG).for_features(F)
+    link, slot, branches = tree_links(parent)
+    gf, sg, g_off = _token_layout(grad, shape, d)
+    af, sa, a_off = _token_layout(a, shape, d)
+    hf, sh, h_off = _token_layout(h, shape, d)
+    _, so, o_off = _token_layout(ga, shape, d)
+    stash = _stash(branches, F, h.dtype, h.device)
+    grid = (triton.cdiv(F, cfg.block_f),)
+    _tree_linear_scan_bwd[grid](gf, af, hf, parent, ga, gb, stash, link, slot, g_off, a_off, h_off, o_off, N, F,
+                                sg, sa, sh, so, ACC=_acc_dtype(h.dtype), BLOCK_F=cfg.block_f,
+                                num_warps=cfg.num_warps)
+    return ga, gb
+
+
+register_scan_impl(ScanImpl(
+    "triton", linear_scan, linear_scan_backward,
+    device_types=None if is_interpreter() else frozenset({"cuda"}),
+    dtypes=frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16}),
+))
