@@ -24,10 +24,11 @@ the subtree sums the transposed rounds (scatter-adds), the conv W-1 gathers of `
 doubling loops (path / subtree sums, the linear scan and its transpose) are one, :func:`ancestor_doubling`,
 with a direction and an optional multiplier.
 
-These are the ``"torch"`` implementations (any device, any floating dtype). ``tree_linear_scan`` and its
-backward take an ``impl`` name (default ``"auto"``) looked up in :data:`SCAN_IMPLS`, a
-:class:`~brcompile.backends.registry.Registry` of :class:`ScanImpl`: ``"torch"`` (here) and ``"triton"``
-(``backends/triton/scan.py``, imported on first use); ``"auto"`` is triton on CUDA, torch elsewhere.
+These are the ``"torch"`` implementations (any device, any floating dtype). ``tree_linear_scan``,
+``tree_causal_conv1d`` and their backwards take an ``impl`` name (default ``"auto"``) looked up in
+:data:`SCAN_IMPLS`, a :class:`~brcompile.backends.registry.Registry` of :class:`ScanImpl`: ``"torch"`` (here)
+and ``"triton"`` (``backends/triton/scan.py``, imported on first use); ``"auto"`` is triton on CUDA, torch
+elsewhere. ``tree_cumsum`` (integer position ids, mostly: a handful of features) runs here only.
 
 ``parent`` is not a tree array of the packed graph; ``tree_parent(end)`` derives it from the subtree ends
 (the preorder property ``j is an ancestor-or-self of k  <=>  j <= k < end[j]``), once per emitted scan.
@@ -122,6 +123,60 @@ def path_ancestors(parent: Tensor, width: int) -> Tensor:
     for _ in range(width - 1):
         anc.append(_jump(anc[-1], parent))
     return torch.stack(anc) if anc else parent.new_empty(0, parent.shape[0])
+
+
+# ------------------------------------------------------------------------------------------- impls
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanImpl(Impl):
+    """An implementation of the tree scans ``tree_linear_scan`` and ``tree_causal_conv1d`` and their backwards
+    (the ops check the arguments first).
+
+    linear_scan(a, b, parent, d) -> h
+        ``h[k] = a[k] * h[parent[k]] + b[k]`` along dim ``d`` of the broadcast shape of ``a`` and ``b``
+        (either may be broadcast; ``d`` normalised); ``h`` contiguous in that shape, ``a``'s dtype.
+    linear_scan_backward(grad, a, h, parent, d) -> (grad_a, grad_b)
+        both in the shape of ``h`` (contiguous): ``grad_b = gb``, the reverse scan over the subtrees,
+        ``grad_a[k] = gb[k] * h[parent[k]]`` (0 at a root); ``grad`` and ``a`` may be broadcast.
+    causal_conv1d(x, weight, bias, parent) -> out
+        ``out[:, c, k] = bias[c] + sum_i weight[c, 0, W-1-i] * x[:, c, anc_i(k)]``, contiguous ``[B', C, N]``.
+    causal_conv1d_backward(grad, x, weight, parent) -> (dx, dweight, dbias)
+        in the shapes of x, weight and ``[C]`` (:func:`causal_conv1d_backward`).
+
+    ``device_types`` / ``dtypes`` (keyword): where the impl runs (None: anywhere).
+    """
+
+    Error = ScanError
+    op = "tree scan"
+
+    linear_scan: Callable
+    linear_scan_backward: Callable
+    causal_conv1d: Callable
+    causal_conv1d_backward: Callable
+
+
+def _triton_on_cuda_else_torch(device: torch.device) -> tuple[str, ...]:
+    """``"auto"``: triton on CUDA (when it imports and takes the inputs), else torch."""
+    return ("triton", "torch") if device.type == "cuda" else ("torch",)
+
+
+#: The tree scan impls: torch (registered below, after the op bodies) and triton (imported on first use).
+SCAN_IMPLS = Registry("tree scan", ScanImpl, builtins={"triton": "brcompile.backends.triton.scan"},
+                      auto=_triton_on_cuda_else_torch)
+
+
+def register_scan_impl(impl: ScanImpl) -> None:
+    """Register (or replace) a tree scan implementation under ``impl.name``."""
+    SCAN_IMPLS.register(impl)
+
+
+def get_scan_impl(name: str, device, dtype: Optional[torch.dtype] = None) -> ScanImpl:
+    """The implementation ``name`` for inputs on ``device`` (of ``dtype``); ``"auto"`` is triton on CUDA
+    (when it imports and takes the dtype), else torch. Raises ScanError when it is unknown or does not run
+    there."""
+    return SCAN_IMPLS.get(name, device, dtype)
+
 
 
 # ----------------------------------------------------------------------------------------- cumsum
@@ -305,51 +360,57 @@ def causal_conv1d_backward(grad: Tensor, x: Tensor, weight: Tensor, parent: Tens
 
 
 @torch.library.custom_op("brcompile::tree_causal_conv1d", mutates_args=())
-def _tree_causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor) -> Tensor:
+def _tree_causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor,
+                           impl: str = "auto") -> Tensor:
     """See :func:`tree_causal_conv1d`."""
     _check_conv(x, weight, bias, parent)
-    return causal_conv1d_forward(x, weight, bias, parent)
+    return get_scan_impl(impl, x.device, x.dtype).causal_conv1d(x, weight, bias, parent)
 
 
 @_tree_causal_conv1d_op.register_fake
-def _tree_causal_conv1d_fake(x, weight, bias, parent):
+def _tree_causal_conv1d_fake(x, weight, bias, parent, impl="auto"):
     _check_conv(x, weight, bias, parent)
+    SCAN_IMPLS.check_name(impl)
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("brcompile::tree_causal_conv1d_backward", mutates_args=())
-def _tree_causal_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor,
-                                    parent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _tree_causal_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, parent: Tensor,
+                                    impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """d(tree_causal_conv1d)/d(x, weight, bias); see :func:`causal_conv1d_backward`."""
     _check_conv(x, weight, None, parent)
-    return causal_conv1d_backward(grad, x, weight, parent)
+    return get_scan_impl(impl, x.device, x.dtype).causal_conv1d_backward(grad, x, weight, parent)
 
 
 @_tree_causal_conv1d_backward_op.register_fake
-def _tree_causal_conv1d_backward_fake(grad, x, weight, parent):
+def _tree_causal_conv1d_backward_fake(grad, x, weight, parent, impl="auto"):
     _check_conv(x, weight, None, parent)
+    SCAN_IMPLS.check_name(impl)
     return torch.empty_like(x), torch.empty_like(weight), x.new_empty(x.shape[1])
 
 
 def _conv_setup(ctx, inputs, output):
-    x, weight, bias, parent = inputs
+    x, weight, bias, parent, impl = inputs
     ctx.save_for_backward(x, weight, parent)
     ctx.has_bias = bias is not None
+    ctx.impl = impl
 
 
 def _conv_grad(ctx, grad):
     x, weight, parent = ctx.saved_tensors
-    dx, dw, db = torch.ops.brcompile.tree_causal_conv1d_backward(grad, x, weight, parent)
-    return dx, dw, (db if ctx.has_bias else None), None
+    dx, dw, db = torch.ops.brcompile.tree_causal_conv1d_backward(grad, x, weight, parent, ctx.impl)
+    return dx, dw, (db if ctx.has_bias else None), None, None
 
 
 torch.library.register_autograd("brcompile::tree_causal_conv1d", _conv_grad, setup_context=_conv_setup)
 
 
-def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor) -> Tensor:
+def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor,
+                       impl: str = "auto") -> Tensor:
     """``brcompile::tree_causal_conv1d``: the dense causal depthwise conv (``nn.Conv1d(C, C, W, groups=C,
-    padding=W-1)`` then ``[..., :L]``) of a packed ``[B', C, N]`` value along the tree paths."""
-    return torch.ops.brcompile.tree_causal_conv1d(x, weight, bias, parent)
+    padding=W-1)`` then ``[..., :L]``) of a packed ``[B', C, N]`` value along the tree paths. ``impl`` names a
+    :class:`ScanImpl` in :data:`SCAN_IMPLS` (``"auto"``: triton on CUDA, torch elsewhere)."""
+    return torch.ops.brcompile.tree_causal_conv1d(x, weight, bias, parent, impl)
 
 
 # ----------------------------------------------------------------------------------------- linear scan
@@ -390,52 +451,6 @@ def _scan_layout(x: Tensor, shape: torch.Size, d: int) -> Tensor:
     return x.expand(shape).movedim(d, 0)
 
 
-# ------------------------------------------------------------------------------------------- impls
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanImpl(Impl):
-    """An implementation of ``tree_linear_scan`` and its backward (the op checks the arguments first).
-
-    linear_scan(a, b, parent, d) -> h
-        ``h[k] = a[k] * h[parent[k]] + b[k]`` along dim ``d`` of the broadcast shape of ``a`` and ``b``
-        (either may be broadcast; ``d`` normalised); ``h`` contiguous in that shape, ``a``'s dtype.
-    linear_scan_backward(grad, a, h, parent, d) -> (grad_a, grad_b)
-        both in the shape of ``h`` (contiguous): ``grad_b = gb``, the reverse scan over the subtrees,
-        ``grad_a[k] = gb[k] * h[parent[k]]`` (0 at a root); ``grad`` and ``a`` may be broadcast.
-
-    ``device_types`` / ``dtypes`` (keyword): where the impl runs (None: anywhere).
-    """
-
-    Error = ScanError
-    op = "tree_linear_scan"
-
-    linear_scan: Callable
-    linear_scan_backward: Callable
-
-
-def _triton_on_cuda_else_torch(device: torch.device) -> tuple[str, ...]:
-    """``"auto"``: triton on CUDA (when it imports and takes the inputs), else torch."""
-    return ("triton", "torch") if device.type == "cuda" else ("torch",)
-
-
-#: The tree_linear_scan impls: torch (below) and triton (imported on first use).
-SCAN_IMPLS = Registry("tree_linear_scan", ScanImpl, builtins={"triton": "brcompile.backends.triton.scan"},
-                      auto=_triton_on_cuda_else_torch)
-
-
-def register_scan_impl(impl: ScanImpl) -> None:
-    """Register (or replace) a tree_linear_scan implementation under ``impl.name``."""
-    SCAN_IMPLS.register(impl)
-
-
-def get_scan_impl(name: str, device, dtype: Optional[torch.dtype] = None) -> ScanImpl:
-    """The implementation ``name`` for inputs on ``device`` (of ``dtype``); ``"auto"`` is triton on CUDA
-    (when it imports and takes the dtype), else torch. Raises ScanError when it is unknown or does not run
-    there."""
-    return SCAN_IMPLS.get(name, device, dtype)
-
-
 def _torch_linear_scan(a: Tensor, b: Tensor, parent: Tensor, d: int) -> Tensor:
     """:func:`path_linear_scan` on the token-first layout (``ScanImpl.linear_scan``)."""
     shape = torch.broadcast_shapes(a.shape, b.shape)
@@ -453,7 +468,8 @@ def _torch_linear_scan_backward(grad: Tensor, a: Tensor, h: Tensor, parent: Tens
     return ga.movedim(0, d).contiguous(), gb.movedim(0, d).contiguous()
 
 
-register_scan_impl(ScanImpl("torch", _torch_linear_scan, _torch_linear_scan_backward))
+register_scan_impl(ScanImpl("torch", _torch_linear_scan, _torch_linear_scan_backward, causal_conv1d_forward,
+                            causal_conv1d_backward))
 
 
 # ------------------------------------------------------------------------------------------- the op

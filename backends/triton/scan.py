@@ -1,5 +1,5 @@
-"""Triton kernels for ``brcompile::tree_linear_scan`` and its backward (GPU; on CPU with TRITON_INTERPRET=1).
-Registers the scan impl ``"triton"`` (backends/scan.py, ``SCAN_IMPLS``).
+"""Triton kernels for ``brcompile::tree_linear_scan``, ``brcompile::tree_causal_conv1d`` and their backwards (GPU;
+on CPU with TRITON_INTERPRET=1). Registers the scan impl ``"triton"`` (backends/scan.py, ``SCAN_IMPLS``).
 
 The op: ``h[k] = a[k] * h[parent[k]] + b[k]`` along the packed token dim (``h = b`` at a root), ``a`` and ``b``
 broadcast together; backward ``gb[k] = g[k] + sum over the children c of k of a[c] * gb[c]``, ``ga[k] = gb[k] *
@@ -32,6 +32,13 @@ Broadcasting and any strides: each operand is read at ``base + k * token_stride 
 int64 offset table per operand over the F features (stride 0 where an operand is broadcast, as Mamba's
 decay over the state dims), so nothing is expanded in memory.
 
+The causal conv ``out[:, c, k] = bias[c] + sum_{i<W} weight[c, 0, W-1-i] * x[:, c, anc_i(k)]`` has no
+dependence between tokens: one program per (token block, channel block, row) walks the W ancestors of its
+tokens (W-1 vector gathers of ``parent``), reading x at each and accumulating the taps — one pass instead
+of the torch impl's W. Backward per tile: ``dx[anc_i(k)] += weight[c, W-1-i] * grad[k]`` by atomic adds
+(siblings share ancestors; order-dependent rounding only), ``dweight[c, W-1-i] += sum_k grad[k] *
+x[anc_i(k)]`` per tile by atomic adds, both into float32 / float64 buffers; ``dbias`` is a torch sum.
+
 Dtypes: float32 / float16 / bfloat16 accumulate in float32 (the stored outputs are rounded to the input
 dtype, the carried state and the stash are not), float64 in float64. Layout follows the Liger-Kernel /
 Triton tutorial style: ``@triton.jit`` kernels, a small launcher, strides passed explicitly.
@@ -50,7 +57,8 @@ from brcompile.backends.scan import ScanImpl, register_scan_impl
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ScanConfig", "is_interpreter", "linear_scan", "linear_scan_backward", "tree_links"]
+__all__ = ["ConvConfig", "ScanConfig", "causal_conv1d", "causal_conv1d_backward", "is_interpreter", "linear_scan",
+           "linear_scan_backward", "tree_links"]
 
 #: ``link`` value of a token whose parent is the previous token (its state is the register state)
 CHAIN = -2
@@ -139,6 +147,70 @@ def _tree_linear_scan_bwd(g_ptr, a_ptr, h_ptr, parent_ptr, ga_ptr, gb_ptr, stash
         a_row -= stride_a
         ga_row -= stride_o
         gb_row -= stride_o
+
+
+@triton.jit
+def _conv_tile(pid_n, pid_c, N, C, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(tokens [BLOCK_N] int64 with -1 past N, channels [BLOCK_C], channel mask) of a program's tile."""
+    toks = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    anc = tl.where(toks < N, toks, -1).to(tl.int64)
+    return anc, chans, chans < C
+
+
+@triton.jit
+def _tree_causal_conv1d_fwd(x_ptr, w_ptr, bias_ptr, parent_ptr, out_ptr, N, C,
+                            stride_xb, stride_xc, stride_xn, stride_wc, stride_wk,
+                            stride_ob, stride_oc, stride_on,
+                            W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Tile (tokens, channels) of row ``program_id(2)``: ``out = bias + sum_i w[:, W-1-i] * x[:, anc_i]``,
+    ``anc_0`` the tokens, ``anc_{i+1} = parent[anc_i]`` (-1 past a root: the tap reads 0)."""
+    row = tl.program_id(2).to(tl.int64)
+    toks, chans, cmask = _conv_tile(tl.program_id(0), tl.program_id(1), N, C, BLOCK_N, BLOCK_C)
+    x_rows = x_ptr + row * stride_xb + chans[:, None].to(tl.int64) * stride_xc
+    acc = tl.zeros([BLOCK_C, BLOCK_N], dtype=ACC)
+    anc = toks
+    for i in tl.static_range(W):
+        live = anc >= 0
+        xv = tl.load(x_rows + tl.maximum(anc, 0)[None, :] * stride_xn, mask=cmask[:, None] & live[None, :],
+                     other=0.0).to(ACC)
+        wv = tl.load(w_ptr + chans * stride_wc + (W - 1 - i) * stride_wk, mask=cmask, other=0.0).to(ACC)
+        acc += wv[:, None] * xv
+        if i + 1 < W:
+            anc = tl.load(parent_ptr + tl.maximum(anc, 0), mask=live, other=-1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + chans, mask=cmask, other=0.0).to(ACC)[:, None]
+    out = out_ptr + row * stride_ob + chans[:, None].to(tl.int64) * stride_oc + tl.maximum(toks, 0)[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask[:, None] & (toks >= 0)[None, :])
+
+
+@triton.jit
+def _tree_causal_conv1d_bwd(grad_ptr, x_ptr, w_ptr, parent_ptr, dx_ptr, dw_ptr, N, C,
+                            stride_gb, stride_gc, stride_gn, stride_xb, stride_xc, stride_xn,
+                            stride_wc, stride_wk,
+                            W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Tile (tokens, channels) of row ``program_id(2)``; for each tap i: ``dx[:, anc_i] += w[:, W-1-i] *
+    grad`` and ``dw[:, W-1-i] += sum over the tile's tokens of grad * x[:, anc_i]`` (atomic adds into the
+    accumulation-dtype buffers ``dx [B', C, N]`` and ``dw [C, W]``, contiguous)."""
+    row = tl.program_id(2).to(tl.int64)
+    toks, chans, cmask = _conv_tile(tl.program_id(0), tl.program_id(1), N, C, BLOCK_N, BLOCK_C)
+    ACC = dw_ptr.dtype.element_ty
+    c64 = chans[:, None].to(tl.int64)
+    g = tl.load(grad_ptr + row * stride_gb + c64 * stride_gc + tl.maximum(toks, 0)[None, :] * stride_gn,
+                mask=cmask[:, None] & (toks >= 0)[None, :], other=0.0).to(ACC)
+    x_rows = x_ptr + row * stride_xb + c64 * stride_xc
+    dx_rows = dx_ptr + (row * C + c64) * N
+    anc = toks
+    for i in tl.static_range(W):
+        live = anc >= 0
+        m = cmask[:, None] & live[None, :]
+        wv = tl.load(w_ptr + chans * stride_wc + (W - 1 - i) * stride_wk, mask=cmask, other=0.0).to(ACC)
+        tl.atomic_add(dx_rows + tl.maximum(anc, 0)[None, :], wv[:, None] * g, mask=m)
+        xv = tl.load(x_rows + tl.maximum(anc, 0)[None, :] * stride_xn, mask=m, other=0.0).to(ACC)
+        tl.atomic_add(dw_ptr + chans * W + (W - 1 - i), tl.sum(g * xv, axis=1), mask=cmask)
+        if i + 1 < W:
+            anc = tl.load(parent_ptr + tl.maximum(anc, 0), mask=live, other=-1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -255,8 +327,66 @@ def linear_scan_backward(grad: torch.Tensor, a: torch.Tensor, h: torch.Tensor, p
     return ga, gb
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+    """Conv launch settings: tokens and channels per tile (powers of two in [16, 1024]) and warps."""
+
+    block_n: int = 64
+    block_c: int = 32
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_c"):
+            v = getattr(self, name)
+            if v < 16 or v > 1024 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two in [16, 1024], got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+
+DEFAULT_CONV_CONFIG = ConvConfig()
+
+
+def _conv_grid(x: torch.Tensor, cfg: ConvConfig) -> tuple[int, int, int]:
+    B, C, N = x.shape
+    return triton.cdiv(N, cfg.block_n), triton.cdiv(C, cfg.block_c), B
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], parent: torch.Tensor,
+                  config: Optional[ConvConfig] = None) -> torch.Tensor:
+    """``out`` (x's layout and dtype): the forward kernel (``ScanImpl.causal_conv1d``)."""
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    cfg = config or DEFAULT_CONV_CONFIG
+    _tree_causal_conv1d_fwd[_conv_grid(x, cfg)](
+        x, weight, weight if bias is None else bias, parent, out, x.shape[2], x.shape[1],
+        *x.stride(), weight.stride(0), weight.stride(2), *out.stride(),
+        W=weight.shape[2], HAS_BIAS=bias is not None, ACC=_acc_dtype(x.dtype), BLOCK_N=cfg.block_n,
+        BLOCK_C=cfg.block_c, num_warps=cfg.num_warps)
+    return out
+
+
+def causal_conv1d_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, parent: torch.Tensor,
+                           config: Optional[ConvConfig] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)`` in the layouts of x, weight and ``[C]``: the backward kernel
+    (``ScanImpl.causal_conv1d_backward``)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    B, C, N = x.shape
+    W = weight.shape[2]
+    dx = torch.zeros((B, C, N), dtype=acc, device=x.device)
+    dw = torch.zeros((C, W), dtype=acc, device=x.device)
+    if x.numel():
+        cfg = config or DEFAULT_CONV_CONFIG
+        _tree_causal_conv1d_bwd[_conv_grid(x, cfg)](
+            grad, x, weight, parent, dx, dw, N, C, *grad.stride(), *x.stride(), weight.stride(0), weight.stride(2),
+            W=W, BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps)
+    return (torch.empty_like(x).copy_(dx), torch.empty_like(weight).copy_(dw.view(C, 1, W)),
+            grad.sum((0, 2)))
+
+
 register_scan_impl(ScanImpl(
-    "triton", linear_scan, linear_scan_backward,
+    "triton", linear_scan, linear_scan_backward, causal_conv1d, causal_conv1d_backward,
     device_types=None if is_interpreter() else frozenset({"cuda"}),
     dtypes=frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16}),
 ))

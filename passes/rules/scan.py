@@ -254,8 +254,9 @@ def _slice_users_problem(conv: fx.Node, length: Any, pad: int) -> Optional[str]:
 
 
 def emit_conv1d(pk, node: fx.Node):
-    """``tree_causal_conv1d(x, weight, bias, tree_parent(end))`` on the packed ``[1, C, N]`` input (the
-    unpadded one: a left pad of W-1 is the tree path's own zeros before the root)."""
+    """``tree_causal_conv1d(x, weight, bias, tree_parent(end), impl)`` on the packed ``[1, C, N]`` input (the
+    unpadded one: a left pad of W-1 is the tree path's own zeros before the root); ``impl`` is the backend's
+    ``scan`` option."""
     if node not in pk.notes:
         return pk.copy(node)
     _refuse_dropped_padding(pk, node, "causal conv1d")
@@ -264,7 +265,7 @@ def emit_conv1d(pk, node: fx.Node):
     if is_op(x, "pad"):
         x = x.args[0]
     return pk.graph.call_function(torch.ops.brcompile.tree_causal_conv1d.default, (
-        pk.packed(x), pk.packed(a["weight"]), pk.packed(a["bias"]), _emit_parent(pk)))
+        pk.packed(x), pk.packed(a["weight"]), pk.packed(a["bias"]), _emit_parent(pk), pk.options.scan))
 
 
 @register_rule(spellings("conv1d"), emit=emit_conv1d)

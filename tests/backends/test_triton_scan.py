@@ -1,5 +1,5 @@
-"""The Triton tree linear scan (backends/triton/scan.py) against the torch impl (backends/scan.py), on CPU through
-TRITON_INTERPRET=1 when no GPU exists.
+"""The Triton tree linear scan and causal conv (backends/triton/scan.py) against the torch impl (backends/scan.py),
+on CPU through TRITON_INTERPRET=1 when no GPU exists.
 
 Multi-level trees (prompt groups branching at several depths, several roots after left padding), forward and
 backward, with the operands broadcast as state-space layers do (a decay shared over the state dims, Mamba2's
@@ -42,11 +42,11 @@ FULL = ((1, 3, "N", 4), (1, 3, "N", 4), 2)
 SHARED_STATES = ((1, 3, "N", 1), (1, 3, "N", 4), 2)
 MAMBA2_HEADS = ((1, "N", 2, 1, 1), (1, "N", 2, 3, 2), 1)
 SCALAR = (("N", 1), ("N", 5), 0)
-#: every layout in float32 (the tolerance the task holds the kernels to), two in float64 and float16
-CASES = [(FULL, F32), (SHARED_STATES, F32), (MAMBA2_HEADS, F32), (SCALAR, F32), (SHARED_STATES, F64),
-         (MAMBA2_HEADS, F64), (FULL, F16), (MAMBA2_HEADS, F16)]
-CASE_IDS = ["f32-full", "f32-shared_states", "f32-mamba2_heads", "f32-scalar", "f64-shared_states",
-            "f64-mamba2_heads", "f16-full", "f16-mamba2_heads"]
+#: every layout in float32, broadcast ones in float64 and float16
+CASES = [(FULL, F32), (SHARED_STATES, F32), (MAMBA2_HEADS, F32), (SCALAR, F32), (MAMBA2_HEADS, F64),
+         (SHARED_STATES, F16)]
+CASE_IDS = ["f32-full", "f32-shared_states", "f32-mamba2_heads", "f32-scalar", "f64-mamba2_heads",
+            "f16-shared_states"]
 
 
 def _shape(spec, n):
@@ -161,15 +161,67 @@ def test_registry_auto_and_errors():
     assert auto == ("triton" if DEVICE == "cuda" else "torch")
     assert scan.get_scan_impl("triton", DEVICE, F16).linear_scan is tscan.linear_scan
     assert set(scan.SCAN_IMPLS.names()) >= {"torch", "triton"}
-    with pytest.raises(scan.ScanError, match="unknown tree_linear_scan impl"):
+    with pytest.raises(scan.ScanError, match="unknown tree scan impl"):
         scan.get_scan_impl("fast", "cpu")
-    with pytest.raises(scan.ScanError, match="unknown tree_linear_scan impl"):
+    with pytest.raises(scan.ScanError, match="unknown tree scan impl"):
         scan.tree_linear_scan(torch.ones(3), torch.ones(3), torch.tensor([-1, 0, 1]), 0, impl="fast")
     with pytest.raises(scan.ScanError, match="does not run on"):
         scan.get_scan_impl("triton", DEVICE, torch.int64)
 
 
-#: Compiles both kernels for sm_90 (to cubin) in a process without the interpreter: the interpreter does not
+# ------------------------------------------------------------------------------------------ causal conv
+
+
+@pytest.mark.parametrize("dtype,bias", [(F32, True), (F32, False), (F64, True), (F16, True)],
+                         ids=["f32", "f32-nobias", "f64", "f16"])
+def test_conv_kernels_match_torch_impl(dtype, bias):
+    """Forward and backward of the conv against the torch impl (float16 against it in float32) on a
+    multi-level tree with several roots; tiles of 16 tokens x 16 channels so siblings in one tile share an
+    ancestor (the atomic adds meet at one address); x not contiguous (a transposed view)."""
+    _, _, tree = tree_of(0, groups=2, rows=3, length=9)
+    n = tree.end.shape[0]
+    parent = tree.parent.to(DEVICE)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 18, 2, generator=g, dtype=F64).permute(2, 1, 0).to(DEVICE, dtype)  # [2, 18, N], strided
+    w = torch.randn(18, 1, 4, generator=g, dtype=F64).to(DEVICE, dtype)
+    b = torch.randn(18, generator=g, dtype=F64).to(DEVICE, dtype) if bias else None
+    cfg = tscan.ConvConfig(block_n=16, block_c=16, num_warps=1)
+    ref = F32 if dtype == F16 else dtype
+    up = (lambda t: None if t is None else t.to(ref))
+    out = tscan.causal_conv1d(x, w, b, parent, cfg)
+    assert out.dtype == dtype and out.stride() == torch.empty_like(x).stride()
+    check_close(out, scan.causal_conv1d_forward(up(x), up(w), up(b), parent), dtype, "conv out")
+    gr = torch.randn(x.shape, generator=g, dtype=F64).to(DEVICE, dtype)
+    got = tscan.causal_conv1d_backward(gr, x, w, parent, cfg)
+    want = scan.causal_conv1d_backward(up(gr), up(x), up(w), parent)
+    for name, u, v in zip(("dx", "dweight", "dbias"), got, want):
+        assert u.shape == v.shape and u.dtype == dtype
+        check_close(u, v, dtype, name)
+
+
+def test_conv_op_with_triton_impl_is_the_dense_conv_per_row():
+    """The op (impl="triton") through autograd: each dense row read through ``index`` is the dense causal
+    conv (``conv1d(padding=W-1, groups=C)[..., :L]``), forward and every gradient (float64)."""
+    _, _, tree = tree_of(3, groups=2, rows=3, length=8)
+    n = tree.end.shape[0]
+    g = torch.Generator().manual_seed(11)
+    xp = torch.randn(1, 3, n, generator=g, dtype=F64).to(DEVICE).requires_grad_()
+    w = torch.randn(3, 1, 3, generator=g, dtype=F64).to(DEVICE).requires_grad_()
+    b = torch.randn(3, generator=g, dtype=F64).to(DEVICE).requires_grad_()
+    index = tree.index.to(DEVICE)
+    out = scan.tree_causal_conv1d(xp, w, b, tree.parent.to(DEVICE), impl="triton")
+    dense_x = xp[0][:, index].permute(1, 0, 2)  # [B, C, L]: each row read from its packed tokens
+    ref = torch.nn.functional.conv1d(dense_x, w, b, padding=2, groups=3)[..., :index.shape[1]]
+    got_rows = out[0][:, index].permute(1, 0, 2)
+    assert_exact(got_rows, ref, EXACT, "tree_causal_conv1d (triton)")
+    wt = torch.randn(ref.shape, generator=g, dtype=F64).to(DEVICE)
+    got = torch.autograd.grad((got_rows * wt).sum(), (xp, w, b))
+    want = torch.autograd.grad((ref * wt).sum(), (xp, w, b))
+    for name, u, v in zip(("x", "weight", "bias"), got, want):
+        assert_exact(u, v, EXACT, f"grad of {name}")
+
+
+#: Compiles the kernels for sm_90 (to cubin) in a process without the interpreter: the interpreter does not
 #: type-check what the compiler does (a branch that redefines a value with another dtype, say).
 COMPILE_SM90 = r"""
 import triton, triton.language as tl
@@ -177,12 +229,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from brcompile.backends.triton import scan as tscan
 
+CONSTEXPRS = ("ACC", "BLOCK_F", "W", "HAS_BIAS", "BLOCK_N", "BLOCK_C")
+
 def signature(fn, dtype, acc):
     out = {}
     for name in fn.arg_names:
-        if name in ("ACC", "BLOCK_F"):
+        if name in CONSTEXPRS:
             out[name] = "constexpr"
-        elif name == "stash_ptr":
+        elif name in ("stash_ptr", "dx_ptr", "dw_ptr"):
             out[name] = "*" + acc
         elif name in ("link_ptr", "slot_ptr", "parent_ptr") or name.endswith("_off_ptr"):
             out[name] = "*i64"
@@ -190,18 +244,25 @@ def signature(fn, dtype, acc):
             out[name] = "*" + dtype if name.endswith("_ptr") else "i32"
     return out
 
-for dtype, acc, tl_acc in (("fp16", "fp32", tl.float32), ("fp64", "fp64", tl.float64)):
+def build(fn, dtype, acc, constexprs):
+    src = ASTSource(fn, signature(fn, dtype, acc), constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+for dtype, acc, tl_acc in (("fp16", "fp32", tl.float32),):  # float64 differs in ACC only; each build is slow
     for fn in (tscan._tree_linear_scan_fwd, tscan._tree_linear_scan_bwd):
-        src = ASTSource(fn, signature(fn, dtype, acc), constexprs={"ACC": tl_acc, "BLOCK_F": 128})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        assert "bar.sync" in kernel.asm["ptx"], (fn, dtype)  # the branch points' barriers
+        assert "bar.sync" in build(fn, dtype, acc, {"ACC": tl_acc, "BLOCK_F": 128}), (fn, dtype)  # branch points
+    build(tscan._tree_causal_conv1d_fwd, dtype, acc,
+          {"W": 4, "HAS_BIAS": True, "ACC": tl_acc, "BLOCK_N": 64, "BLOCK_C": 32})
+    assert "atom" in build(tscan._tree_causal_conv1d_bwd, dtype, acc, {"W": 4, "BLOCK_N": 64, "BLOCK_C": 32})
 print("compiled")
 """
 
 
+@pytest.mark.slow  # a fresh process and four CUDA compiles (~25 s)
 def test_kernels_compile_for_sm90():
-    """The kernels (float16 and float64 inputs) go through Triton's whole CUDA pipeline (ttir, ttgir,
-    llir, ptx, cubin for sm_90), which the interpreter skips; the branch-point barriers are in the PTX."""
+    """The kernels (float16 inputs, float32 accumulation) go through Triton's whole CUDA pipeline (ttir, ttgir,
+    llir, ptx, cubin for sm_90), which the interpreter skips; the scans' branch-point barriers and the conv
+    backward's atomics are in the PTX."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
@@ -238,8 +299,8 @@ def test_backend_scan_option_runs_the_triton_kernels_exactly():
 def test_backend_refuses_a_scan_impl_that_does_not_run_here():
     """A scan impl that does not run on the inputs' device is a CannotReplay naming it (the original graph
     runs, exactly), not an error at run time."""
-    cuda_only = scan.ScanImpl("triton", tscan.linear_scan, tscan.linear_scan_backward,
-                              device_types=frozenset({"cuda"}))
+    cuda_only = scan.ScanImpl("triton", tscan.linear_scan, tscan.linear_scan_backward, tscan.causal_conv1d,
+                              tscan.causal_conv1d_backward, device_types=frozenset({"cuda"}))
     model = scan_lm(layers=1, form="hop")  # the higher-order op traces faster than the inlined scan
     fn = functools.partial(token_loss, model)
     args = grpo_like_batch()
