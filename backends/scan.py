@@ -47,7 +47,8 @@ from brcompile.backends.registry import Impl, Registry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SCAN_IMPLS", "ScanError", "ScanImpl", "get_scan_impl", "register_scan_impl", "tree_parent", "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan",
+__all__ = ["SCAN_IMPLS", "ScanError", "ScanImpl", "get_scan_impl", "register_scan_impl", "tree_parent",
+           "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan", "ancestor_doubling",
            "path_ancestors", "TREE_PATH_OPS", "reference_cumsum", "reference_causal_conv1d",
            "reference_linear_scan"]
 
@@ -140,9 +141,9 @@ class ScanImpl(Impl):
         both in the shape of ``h`` (contiguous): ``grad_b = gb``, the reverse scan over the subtrees,
         ``grad_a[k] = gb[k] * h[parent[k]]`` (0 at a root); ``grad`` and ``a`` may be broadcast.
     causal_conv1d(x, weight, bias, parent) -> out
-        ``out[:, c, k] = bias[c] + sum_i weight[c, 0, W-1-i] * x[:, c, anc_i(k)]``, contiguous ``[B', C, N]``.
+        ``out[:, c, k] = bias[c] + sum_i weight[c, 0, W-1-i] * x[:, c, anc_i(k)]``, ``[B', C, N]`` in x's dtype.
     causal_conv1d_backward(grad, x, weight, parent) -> (dx, dweight, dbias)
-        in the shapes of x, weight and ``[C]`` (:func:`causal_conv1d_backward`).
+        in the shapes and dtypes of x, weight and bias ``[C]`` (:func:`causal_conv1d_backward`).
 
     ``device_types`` / ``dtypes`` (keyword): where the impl runs (None: anywhere).
     """
@@ -176,7 +177,6 @@ def get_scan_impl(name: str, device, dtype: Optional[torch.dtype] = None) -> Sca
     (when it imports and takes the dtype), else torch. Raises ScanError when it is unknown or does not run
     there."""
     return SCAN_IMPLS.get(name, device, dtype)
-
 
 
 # ----------------------------------------------------------------------------------------- cumsum

@@ -86,7 +86,7 @@ def _tree_linear_scan_fwd(a_ptr, b_ptr, h_ptr, stash_ptr, link_ptr, slot_ptr,
         link = tl.load(link_ptr + k)
         a = tl.load(a_row, mask=fmask, other=0.0).to(ACC)
         b = tl.load(b_row, mask=fmask, other=0.0).to(ACC)
-        prev = tl.where(link == -2, state, tl.zeros([BLOCK_F], dtype=ACC))
+        prev = tl.where(link == -2, state, tl.zeros([BLOCK_F], dtype=ACC))  # -2: CHAIN
         if link >= 0:
             tl.debug_barrier()
             prev = tl.load(stash_ptr + link * F + stash_off, mask=fmask, other=0.0)
