@@ -29,11 +29,12 @@ refused with the op named.
 
 **Attention by meaning, not by one spelling.** Ops are matched through :mod:`..spellings` (every spelling
 of a family). The scores may be ``einsum("bhqd,bhkd->bhqk", q, k)`` and the output
-``einsum("bhqk,bhkd->bhqd", p, v)``; a scale applied to q (or k) before the scores is part of q (the SDPA
+``einsum("bhqk,bhkd->bhqd", p, v)``; k^T may be any permute of a 4-D value (:func:`_key_of`); a scale applied to q (or k) before the scores is part of q (the SDPA
 scale is then 1). Between the scores and the softmax, mask and scale steps may come in any order
 (:func:`_mask_or_scale_step`): ``s + M``; ``s.masked_fill(C, v)`` / ``where(C, v, s)`` (nanoGPT's
 ``att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))``); ``where(C, s, v)`` (GPT-J); ``s * c``,
-``s / c`` with a number ``c``. A fill value ``v`` must be a large negative constant: at most ``BLOCKING``
+``s / c`` with a number ``c``; a blend ``s * B + A`` (OpenAI-GPT's ``w * b + -1e4 * (1 - b)``,
+:func:`_blended_scores`). A fill value ``v`` must be a large negative constant: at most ``BLOCKING``
 (``-1e4``) as the softmax sees it (times the positive scales after it) — ``-1e9``, ``finfo.min``, ``-inf``.
 Then a masked score's probability is exactly 0, as it is in tree attention, provided the visible scores
 of its row lie within the exp underflow range above ``v`` (745 in float64, 104 in float32; scores of
@@ -105,8 +106,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, normalize_dim
+from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, is_static_input, normalize_dim
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
+from brcompile.passes.masks import ancestors
 from brcompile.passes.rules.attention import SDPA, _sdpa_args
 from brcompile.passes.spellings import is_op, spellings
 
@@ -161,6 +163,7 @@ class EagerChain:
     v: fx.Node
     scale: Any  # number or a scalar node (resolved later)
     masks: list  # mask steps, softmax-side first: ("add", M, post) | ("fill"/"keep", C, value, post) | ("floor", c, post)
+    #              | ("blend", B, A, post): s * B + A (:func:`_blended_scores`)
     #              | ("bias", M, H, post): a baddbmm input M of a 3-D attention, [B*H | 1, ...] read as [B, H, ...]
     dropout_p: Any
     dropout_training: Any
@@ -171,6 +174,7 @@ class EagerChain:
     sinks: Optional[fx.Node] = None  # the [H] sink logits joined to the softmax (attention sinks)
     heads: Optional[int] = None  # H of a 3-D attention (bmm / baddbmm on [B*H, ...] views)
     merged_out: bool = False  # ``out`` is the [B*H, Lq, D] product: the SDPA output is flattened for its users
+    k_dims: Optional[tuple] = None  # the SDPA key is ``k.permute(k_dims)`` (:func:`_key_of`)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,6 +349,7 @@ class Scores:
     beta: Any = 1.0
     heads: Optional[int] = None
     folded: bool = False  # the scores are the [B*H, Lq, Lk] product itself, not its [B, H, Lq, Lk] view
+    k_dims: Optional[tuple] = None  # the key is ``k.permute(k_dims)`` (k^T was another permute of k: :func:`_key_of`)
 
 
 def _scores_op(n: Any) -> Optional[Scores]:
@@ -364,11 +369,55 @@ def _scores_op(n: Any) -> Optional[Scores]:
     if n.target not in MATMUL or len(n.args) != 2 or n.kwargs:
         return None
     q, kt = n.args
-    k = _transposed_last_two(kt)
+    key = _key_of(kt)
     tq = _tensor(q)
-    if k is None or tq is None or tq.dim() != 4:
+    if key is None or tq is None or tq.dim() != 4:
         return None
-    return Scores(q, k, [n])
+    return Scores(q, key[0], [n], k_dims=key[1])
+
+
+def _key_of(kt: Any) -> Optional[tuple[fx.Node, Optional[tuple]]]:
+    """(k, dims) when ``kt`` is k^T for a key ``k.permute(dims)`` (dims None: ``k`` itself): ``k.transpose(-2, -1)``
+    (any spelling), or any permute / transpose of a 4-D value ``x`` (OpenAI-GPT splits the key heads straight into
+    k^T, ``x.permute(0, 2, 3, 1)`` of x [B, L, H, D]): ``x.permute(p)`` with its last two dims swapped back is the
+    key, ``x.permute(p[0], p[1], p[3], p[2])``. Whether its dim 2 is the tokens is the attention rule's to check."""
+    k = _transposed_last_two(kt)
+    if k is not None:
+        return k, None
+    p = _permutation(kt)
+    if p is None:
+        return None
+    return kt.args[0], (p[0], p[1], p[3], p[2])
+
+
+def _permutation(n: Any) -> Optional[list[int]]:
+    """The dims ``p`` when ``n`` is ``x.permute(p)`` or ``x.transpose(a, b)`` (any spelling) of a 4-D ``x``, else
+    None."""
+    if not _call_in(n, TRANSPOSE) or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    t = _tensor(n.args[0])
+    if t is None or t.dim() != 4:
+        return None
+    if is_op(n, "permute"):
+        dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+        dims = dims or n.kwargs.get("dims", ())
+    else:
+        ab = list(n.args[1:3]) or [n.kwargs.get("dim0"), n.kwargs.get("dim1")]
+        if len(ab) != 2 or not all(isinstance(d, int) for d in ab):
+            return None
+        dims = list(range(4))
+        a, b = (normalize_dim(d, 4) for d in ab)
+        dims[a], dims[b] = dims[b], dims[a]
+    if len(dims) != 4 or not all(isinstance(d, int) for d in dims):
+        return None
+    dims = [normalize_dim(d, 4) for d in dims]
+    return dims if sorted(dims) == [0, 1, 2, 3] else None
+
+
+def _key_value(sc: "Scores") -> Optional[torch.Tensor]:
+    """The example value of the [B, H, Lk, D] key of ``sc`` (``k.permute(k_dims)`` where the dims are given)."""
+    t = _tensor(sc.k)
+    return t.permute(sc.k_dims) if t is not None and sc.k_dims is not None else t
 
 
 def _scores_folded(n: fx.Node, q: fx.Node, k: fx.Node, bias: Any, beta: Any, alpha: Any) -> Optional[Scores]:
@@ -494,6 +543,56 @@ def _looks_like_attention(start: Any) -> bool:
     return False
 
 
+CONTRACTIONS = MATMUL + BMM + BADDBMM + EINSUM
+
+
+def unrecognised_attention(gm: fx.GraphModule) -> Optional[tuple[fx.Node, str]]:
+    """(contraction, reason) for a graph in which no attention was recognised but a softmax reads, within a few
+    nodes, a contraction (matmul, bmm, baddbmm, einsum) of two values computed from the batch (not parameters
+    alone): the shape of an attention whose scores are not one this module matches (:func:`_scores_op`). The reason
+    names the chain and the operands' shapes; None when there is no such softmax (a router's softmax reads a
+    product with a weight)."""
+    for sm in (n for n in gm.graph.nodes if _is_softmax(n)):
+        x = _softmax_args(sm)[0]
+        found = _contraction_path(x) if isinstance(x, fx.Node) else None
+        if found is None:
+            continue
+        c, path = found
+        shapes = " and ".join(f"[{', '.join(str(d) for d in _tensor(o).shape)}]" for o in _batch_operands(c))
+        chain = " <- ".join([_op_name(sm), *path])
+        return c, (f"a softmax over a contraction of two batch values (`{chain}`, operands {shapes}) is not "
+                   "recognised as an attention: its scores are not q @ k^T of 4-D [B, H, Lq, D] and [B, H, Lk, D] "
+                   "values (k^T a transpose or permute of a 4-D value; einsum 'bhqd,bhkd->bhqk'; bmm / baddbmm of "
+                   "merged-head [B*H, L, D] views)")
+    return None
+
+
+def _contraction_path(start: fx.Node) -> Optional[tuple[fx.Node, list[str]]]:
+    """(contraction, op names from ``start`` to it) for the nearest contraction of two batch values within
+    ``_SEARCH_DEPTH`` nodes upstream of ``start``."""
+    frontier = [(start, [])]
+    for _ in range(_SEARCH_DEPTH):
+        nxt = []
+        for n, path in frontier:
+            if _call_in(n, CONTRACTIONS) and len(_batch_operands(n)) >= 2:
+                return n, path + [_op_name(n)]
+            nxt.extend((a, path + [_op_name(n)]) for a in n.all_input_nodes)
+        frontier = nxt
+    return None
+
+
+def _batch_operands(c: fx.Node) -> list[fx.Node]:
+    """The tensor operands of ``c`` computed from a graph input that is not a parameter or a buffer."""
+    out = []
+    for a in c.all_input_nodes:
+        t = _tensor(a)
+        if t is not None and t.dim() >= 2 and any(
+                p.op == "placeholder" and not is_static_input(p) and isinstance(_tensor(p), torch.Tensor)
+                for p in ancestors(a)):
+            out.append(a)
+    return out
+
+
 def _op_name(n: fx.Node) -> str:
     t = n.target
     return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
@@ -536,7 +635,7 @@ def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Opti
     if gate is not None:
         sinks, out = _lse_sink_output(sm, gate, out, merged_out, dead)
     return EagerChain(sc.q, sc.k, v, scale, masks, p, training, out, dead, softcap, sinks,
-                      _heads(sc) if merged_out else sc.heads, merged_out)
+                      _heads(sc) if merged_out else sc.heads, merged_out, sc.k_dims)
 
 
 def _softmax_input_cast(x: fx.Node, dtype: Any) -> tuple[fx.Node, Any, list]:
@@ -584,19 +683,20 @@ def _match_mask_steps(sm: fx.Node, x: fx.Node, dead: list) -> tuple[list, float,
     masked_fill / where with a large negative value) and numeric scales in any order: each mask step with
     the product of the scales between it and the softmax; ``post`` the product of all of them; ``node`` the
     first node that is neither (a soft-cap, the scale, the scores)."""
-    masks: list[tuple] = []  # ("add", M, post) | ("fill", C, v, post) | ("keep", C, v, post)
+    masks: list[tuple] = []  # ("add", M, post) | ("fill", C, v, post) | ("keep", C, v, post) | ("blend", B, A, post)
     post = 1.0
     cur = x
     while True:
         step = _mask_or_scale_step(sm, cur)
         if step is None:
             return masks, post, cur
-        kind, payload, nxt = step
+        kind, payload, nxt, *inner = step  # inner: a blend's product s * B
         if kind == "scale":
             post *= payload
         else:
             masks.append((kind, *payload, post))
         dead.append(cur)
+        dead.extend(inner)
         cur = nxt
 
 
@@ -665,7 +765,7 @@ def _refuse_scores(sm: fx.Node, cur: Any):
 def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list, dtype: Any) -> None:
     """Shapes and dtypes: the masks do not enlarge the scores and are float of the scores' dtype, q and k
     have the same heads, and the softmax runs in the scores' precision or higher."""
-    tq, tk, ts = _tensor(sc.q), _tensor(sc.k), _tensor(cur)
+    tq, tk, ts = _tensor(sc.q), _key_value(sc), _tensor(cur)
     if tuple(_tensor(x).shape) != tuple(ts.shape):
         _refuse(sm, x, "the attention mask enlarges the scores")
     if sc.folded and any(m[0] not in ("bias", "floor") for m in masks):
@@ -673,8 +773,8 @@ def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list
                 "[B, H, Lq, Lk] view is read per head")
     _check_mask_steps(sm, x, masks)
     for m in masks:
-        if m[0] == "add":
-            tm = _tensor(m[1])
+        if m[0] in ("add", "blend"):
+            tm = _tensor(_added(m))
             if tm is None or not tm.is_floating_point():
                 _refuse(sm, x, "the value added to the scores is not a float tensor (a bool mask added is a bias)")
     if tq.shape[:2] != tk.shape[:2]:
@@ -695,16 +795,25 @@ def _check_mask_precision(sm: fx.Node, x: fx.Node, cur: fx.Node, masks: list) ->
     softmax in lower precision than the scores is named first."""
     ts = _tensor(cur)
     for m in masks:
-        tm = _tensor(m[1]) if m[0] == "add" else None
+        tb = _tensor(m[1]) if m[0] == "blend" else None
+        if tb is not None and tb.is_floating_point() and tb.dtype.itemsize > ts.dtype.itemsize:
+            _refuse(sm, x, f"the scores are multiplied by a {tb.dtype} mask, the scores are {ts.dtype}: the product "
+                    f"promotes the scores to {tb.dtype} (build the mask in {ts.dtype})")
+        tm = _tensor(_added(m)) if m[0] in ("add", "blend") else None
         if tm is None or tm.dtype == ts.dtype:
             continue
         if tm.dtype.itemsize > ts.dtype.itemsize:
             _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}: the mask promotes the "
                     f"scores to {tm.dtype} (mixed-precision attention; compute the scores in {tm.dtype} or "
                     f"build the mask in {ts.dtype})")
-        if _per_head(m[1]):
+        if _per_head(_added(m)):
             _refuse(sm, x, f"a {tm.dtype} per-head bias (ALiBi) added to {ts.dtype} scores: tree attention "
                     f"does not reproduce its {tm.dtype} rounding (build the bias in {ts.dtype})")
+
+
+def _added(m: tuple) -> Any:
+    """The operand a mask step adds to the scores: M of ``("add", M, post)``, A of ``("blend", B, A, post)``."""
+    return m[2] if m[0] == "blend" else m[1]
 
 
 def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead: list, folded: bool,
@@ -794,7 +903,7 @@ def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: b
     when that is its only user (``merged`` False), else the [B*H, Lq, D] product itself (``merged`` True: the
     SDPA output is flattened for its users). Checks that no chain node has a user outside the chain (``gated``
     included)."""
-    tq, tk = _tensor(sc.q), _tensor(sc.k)
+    tq, tk = _tensor(sc.q), _key_value(sc)
     nxt = _only_user(probs)
     if nxt is None:
         _refuse(sm, probs, "the attention probabilities have other users (output_attentions=True?)")
@@ -1004,11 +1113,27 @@ def _drops_last_column(n: Optional[fx.Node], probs: fx.Node) -> bool:
 TANH = spellings("tanh")
 
 
+def _blended_scores(n: Any) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(s, B) when ``n`` is ``s * B`` (either order) with ``s`` from the scores and ``B`` a tensor that is not: the
+    scores side of a blend ``s * B + A`` (OpenAI-GPT's ``w * b + -1e4 * (1 - b)``). Where B is 1 that is ``s + A``,
+    where B is 0 it is ``A``, which drops the score: a mask with fill ``A`` there when A blocks
+    (:func:`_canonical_mask` marks every other entry for the classification to refuse)."""
+    if not (_call_in(n, MUL) and len(n.args) == 2 and not n.kwargs):
+        return None
+    x, y = n.args
+    for s, B in ((x, y), (y, x)):
+        if isinstance(s, fx.Node) and isinstance(B, fx.Node) and _tensor(B) is not None \
+                and _looks_like_attention(s) and not _looks_like_attention(B):
+            return s, B
+    return None
+
+
 def _mask_or_scale_step(sm: fx.Node, cur: Any):
     """One step between the scores and the softmax, walking towards the scores: ``("scale", c, s)`` for
     ``s * c`` / ``c * s`` / ``s / c`` with a number ``c``; ``("add", (M,), s)`` for ``s + M``;
     ``("fill", (C, v), s)`` for ``s.masked_fill(C, v)`` / ``where(C, v, s)``; ``("keep", (C, v), s)`` for
-    ``where(C, s, v)`` / ``s.where(C, v)``; None for anything else. ``s`` is the operand that comes from
+    ``where(C, s, v)`` / ``s.where(C, v)``; ``("blend", (B, A), s, s * B)`` for ``s * B + A``
+    (:func:`_blended_scores`); None for anything else. ``s`` is the operand that comes from
     the scores; the mask values are checked by the caller."""
     if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
         return None
@@ -1023,7 +1148,11 @@ def _mask_or_scale_step(sm: fx.Node, cur: Any):
             _refuse(sm, cur, "an addition to the scores where the mask operand cannot be told apart "
                     "(both operands come from q @ k^T)")
         if len(side) == 1:
-            return "add", (a[1] if side[0] is a[0] else a[0],), side[0]
+            M = a[1] if side[0] is a[0] else a[0]
+            blend = _blended_scores(side[0])
+            if blend is not None:
+                return "blend", (blend[1], M), blend[0], side[0]
+            return "add", (M,), side[0]
         return None
     if _call_in(cur, MUL + DIV) and len(a) == 2 and not cur.kwargs:
         s, c = a
@@ -1097,7 +1226,7 @@ def _check_mask_steps(sm: fx.Node, x: fx.Node, masks: list) -> None:
         kind, post = m[0], m[-1]
         if post <= 0:
             _refuse(sm, x, f"an attention mask followed by a non-positive scale {post}")
-        if kind in ("add", "bias"):
+        if kind in ("add", "bias", "blend"):
             continue
         if kind == "floor":
             if not m[1] * post <= BLOCKING:
@@ -1225,11 +1354,12 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> lis
     p = ch.dropout_p if ch.dropout_training is not False else 0.0
     with graph.inserting_before(ch.out):
         mask = _canonical_mask(graph, ch)
+        k = ch.k if ch.k_dims is None else _call(graph, "permute", (ch.k, *ch.k_dims))
     kwargs = {"attn_mask": mask, "dropout_p": p, "is_causal": False, "scale": scale}
     if ch.sinks is not None:  # read by attention.emit_sdpa; the canonical copy is analysed, never run
         kwargs["br_sinks"] = ch.sinks
     with graph.inserting_after(ch.out):
-        node = graph.call_function(F.scaled_dot_product_attention, (ch.q, ch.k, ch.v), kwargs)
+        node = graph.call_function(F.scaled_dot_product_attention, (ch.q, k, ch.v), kwargs)
     node.meta.update(ch.out.meta)
     node.meta["br_canonical"] = "eager attention"
     if ch.softcap:
@@ -1255,7 +1385,7 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
     one blocks it (a masked score's probability is exactly 0 either way, ``BLOCKING``): an additive mask
     ``M`` (seen as ``M * post``) keeps 0 and turns values <= ``BLOCKING`` into ``-inf``, leaving any other
     value for the mask classification to refuse as a bias; a ``masked_fill``/``where`` condition becomes
-    ``where(C, -inf, 0)`` (or its complement). None without mask steps. The nodes only build the mask: the
+    ``where(C, -inf, 0)`` (or its complement); a blend ``s * B + A`` is :func:`_blend_part`. None without mask steps. The nodes only build the mask: the
     classification (:mod:`..masks`) evaluates them on probes, the packed graph never runs them."""
     steps = [m for m in ch.masks if m[0] != "floor"]  # a floor at a blocking value leaves the mask as it is
     if not steps:
@@ -1266,11 +1396,9 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
         if kind in ("add", "bias"):
             M, post = (rest[0], rest[-1]) if kind == "add" else (_split_heads_operand(graph, rest[0], rest[1]),
                                                                  rest[-1])
-            if _tensor(M) is not None and _tensor(M).dtype != dtype:  # a lower-precision mask: the sum promotes
-                M = _call(graph, "to", (M, dtype))                    # it exactly (_check_scores)
-            m = M if post == 1.0 else _call(graph, operator.mul, (M, post))
-            if not _per_head(M):  # a per-head operand is a bias (ALiBi): kept as is for the classification
-                m = _call(graph, "masked_fill", (m, _call(graph, operator.le, (m, BLOCKING)), float("-inf")))
+            m = _additive_part(graph, M, post, dtype)
+        elif kind == "blend":
+            m = _blend_part(graph, *rest, dtype)
         else:
             C, _, _ = rest
             inf = float("-inf")
@@ -1281,6 +1409,30 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
     for m in parts[1:]:
         total = _call(graph, operator.add, (total, m))
     return total
+
+
+def _additive_part(graph: fx.Graph, M: fx.Node, post: float, dtype: torch.dtype) -> fx.Node:
+    """``M * post`` in ``dtype`` (a lower-precision mask is promoted exactly by the sum, :func:`_check_scores`) with
+    values <= ``BLOCKING`` as ``-inf``; a per-head operand is a bias (ALiBi), kept as it is for the classification."""
+    if _tensor(M) is not None and _tensor(M).dtype != dtype:
+        M = _call(graph, "to", (M, dtype))
+    m = M if post == 1.0 else _call(graph, operator.mul, (M, post))
+    if not _per_head(M):
+        m = _call(graph, "masked_fill", (m, _call(graph, operator.le, (m, BLOCKING)), float("-inf")))
+    return m
+
+
+def _blend_part(graph: fx.Graph, B: fx.Node, A: fx.Node, post: float, dtype: torch.dtype) -> fx.Node:
+    """The mask of a blend ``s * B + A`` (:func:`_blended_scores`): where B is 1 the scores get ``A`` added (its
+    :func:`_additive_part`); where B is 0 the score is dropped for ``A``, a mask when ``A * post <= BLOCKING``
+    (``-inf``); every other entry (B neither 0 nor 1, or 0 where A does not block) scales the scores or keeps a
+    finite value without them: NaN, which the classification refuses (:func:`..masks.split_bias`)."""
+    m = _additive_part(graph, A, post, dtype)
+    dropped = _call(graph, operator.eq, (B, 0))
+    blocked = _call(graph, operator.and_, (dropped, _call(graph, operator.le, (m, BLOCKING))))
+    kept = _call(graph, operator.eq, (B, 1))
+    m = _call(graph, "masked_fill", (m, _call(graph, operator.invert, (kept,)), float("nan")))
+    return _call(graph, "masked_fill", (m, blocked, float("-inf")))
 
 
 def _split_heads_operand(graph: fx.Graph, M: Any, heads: int) -> Any:
@@ -1391,4 +1543,4 @@ def _set_sdpa_arg(node: fx.Node, name: str, value) -> None:
         node.kwargs = kwargs
 
 
-__all__ = ["Canonical", "EagerChain", "canonicalize", "mask_guards", "match_eager_attention"]
+__all__ = ["Canonical", "EagerChain", "canonicalize", "mask_guards", "match_eager_attention", "unrecognised_attention"]

@@ -212,7 +212,9 @@ def split_bias(mask: torch.Tensor, node: fx.Node) -> tuple[torch.Tensor, Optiona
     blocked = (mask == float("-inf")) | (mask <= lowest)
     vis = ~blocked
     if not bool(torch.isfinite(mask.masked_fill(blocked, 0.0)).all()):
-        raise CannotReplay("float attention mask holds NaN or +inf", node)
+        raise CannotReplay("float attention mask holds NaN or +inf (NaN also marks a blend s * B + A of the scores "
+                           "where B is not 0 or 1, or where B is 0 and A does not block: the scores are scaled "
+                           "or replaced by a finite value, not masked)", node)
     bias = mask.masked_fill(blocked, 0.0)
     return vis, (bias if bool((bias != 0).any()) else None)
 

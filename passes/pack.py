@@ -158,6 +158,9 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         scans = scan_rules.scan_candidates(gm)
         left = "".join(f"; {n}" for n in scan_notes if linear_scans.LEFT in n)  # scans not rewritten, named
         if not scans:
+            unrecognised = eager_attention.unrecognised_attention(gm)
+            if unrecognised is not None:
+                raise CannotReplay(unrecognised[1], unrecognised[0])
             raise CannotReplay(f"no scaled_dot_product_attention in the graph (nothing to share; it runs "
                                f"unchanged){left}")
         return _analyse_scans(gm, scans, token_ids, placeholders, values, canon, training, left)

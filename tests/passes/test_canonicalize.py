@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+import brcompile
 from brcompile.passes.axes import CannotReplay
 from brcompile.passes.canonicalize import canonicalize
 from brcompile.passes.rules.attention import SDPA
@@ -234,9 +235,20 @@ def float32_mask(q, k, v, causal):
     return F.softmax(q @ k.transpose(-1, -2) + additive(causal, torch.float32), -1) @ v
 
 
+def openai_gpt(q, k, v, causal, scale=1.0, fill=-1e4):
+    """OpenAI-GPT: k^T made by one permute of the [B, L, H, D] key (``permute(0, 2, 3, 1)``), the multiplicative
+    causal mask ``w * b + fill * (1 - b)`` with a 0/1 float ``b`` (times ``scale``), then a padding mask added."""
+    w = torch.matmul(q, k.transpose(1, 2).permute(0, 2, 3, 1)) / 2.0
+    b = causal.to(q.dtype)[None, None] * scale
+    w = w * b + fill * (1 - b)
+    w = w + additive(causal)[..., -1:, :]  # a [1, 1, 1, L] additive mask of zeros on top
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1), p=0.0, training=False), v)
+
+
 @pytest.mark.parametrize("attn", [
     bart, lambda *a: bart(*a, floor=True, twice=True), neox_japanese, folded_bias, row_max_shift, cpmant,
-    float32_mask], ids=["bart", "xglm", "neox_japanese", "folded_bias", "row_max_shift", "cpmant", "float32_mask"])
+    float32_mask, openai_gpt], ids=["bart", "xglm", "neox_japanese", "folded_bias", "row_max_shift", "cpmant",
+                                    "float32_mask", "openai_gpt"])
 def test_eager_spelling_replays_exactly(attn):
     """Loss and every gradient equal eager's in float64; the call replayed, the attention as tree attention."""
     backend = replay_exact(EagerLM(attn), vocab=V)
@@ -290,3 +302,39 @@ def test_eager_spelling_refused_with_reason(attn, reason):
     gm, inputs = capture(EagerLM(attn).double(), torch.randint(1, V, (3, 7)))
     with pytest.raises(CannotReplay, match=reason):
         canonicalize(gm, inputs)
+
+
+def fallback_reasons(model) -> str:
+    """Compile ``model`` (ids -> scalar) in float64 on a batch sharing a prefix: the loss equals eager's and the
+    call fell back; returns the reasons."""
+    model = model.double()
+    ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
+    want = model(ids)
+    got = torch.compile(model, backend=brcompile.backend(compiler="eager"))(ids)
+    assert torch.equal(got, want)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    return " | ".join(s.fallback_reasons)
+
+
+@pytest.mark.parametrize("scale,fill,reason", [
+    (0.5, -1e4, "B is not 0 or 1"), (1.0, -10.0, "A does not block")], ids=["scaled", "finite_fill"])
+def test_multiplicative_mask_that_is_not_a_mask_is_refused(scale, fill, reason):
+    """``s * B + A`` is a mask only where B is 0/1 and A blocks where B is 0: a B of 0.5 scales the scores, a fill
+    of -10 keeps them a finite bias: both are refused on the probes, naming the blend."""
+    assert reason in fallback_reasons(EagerLM(lambda q, k, v, c: openai_gpt(q, k, v, c, scale, fill)))
+
+
+def single_head_3d(q, k, v, causal):
+    """A softmax over ``q @ k^T`` of [B, L, D] values (no head dim): no attention spelling this backend matches."""
+    q3, k3, v3 = (t[:, 0] for t in (q, k, v))
+    s = torch.matmul(q3, k3.transpose(1, 2)).masked_fill(~causal, float("-inf"))
+    return (F.softmax(s, dim=-1) @ v3).unsqueeze(1).expand(-1, H, -1, -1)
+
+
+def test_unrecognised_attention_is_named():
+    """A graph with no recognised attention but a softmax over a product of two batch values is refused naming
+    that chain, not as a graph without attention."""
+    reasons = fallback_reasons(EagerLM(single_head_3d))
+    assert "softmax <- masked_fill <- matmul" in reasons and "not recognised as an attention" in reasons, reasons
+    assert "no scaled_dot_product_attention" not in reasons

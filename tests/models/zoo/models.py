@@ -1151,6 +1151,67 @@ class Bart(Decoder):
         return (mask,)
 
 
+# --------------------------------------------------------------------------------------------------
+# OpenAI GPT-1 (HF modeling_openai.py): the key split straight into k^T by permute(0, 2, 3, 1), a multiplicative
+# causal mask ``w * b + -1e4 * (1 - b)`` with b a [1, 1, T, T] 0/1 tril buffer, post-norm blocks
+
+
+class OpenAIGPTAttention(nn.Module):
+    def __init__(self, fill=-1e4):
+        super().__init__()
+        self.fill = fill
+        self.c_attn = nn.Linear(DIM, 3 * DIM)
+        self.c_proj = nn.Linear(DIM, DIM)
+        self.register_buffer("bias", torch.tril(torch.ones(MAX_SEQ, MAX_SEQ)).view(1, 1, MAX_SEQ, MAX_SEQ),
+                             persistent=False)
+
+    def split_heads(self, x, k=False):
+        x = x.view(*x.size()[:-1], HEADS, x.size(-1) // HEADS)
+        return x.permute(0, 2, 3, 1) if k else x.permute(0, 2, 1, 3)
+
+    def forward(self, x):
+        query, key, value = self.c_attn(x).split(DIM, dim=2)
+        q, k, v = self.split_heads(query), self.split_heads(key, k=True), self.split_heads(value)
+        w = torch.matmul(q, k)
+        w = w / math.sqrt(v.size(-1))
+        b = self.bias[:, :, : w.size(-2), : w.size(-1)]
+        w = w * b + self.fill * (1 - b)
+        w = nn.functional.softmax(w, dim=-1)
+        w = nn.functional.dropout(w, p=0.0, training=self.training)
+        a = torch.matmul(w, v).permute(0, 2, 1, 3).contiguous()
+        return self.c_proj(a.view(*a.size()[:-2], DIM))
+
+
+class OpenAIGPTBlock(nn.Module):
+    def __init__(self, fill=-1e4):
+        super().__init__()
+        self.attn = OpenAIGPTAttention(fill)
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.fc, self.proj = nn.Linear(DIM, 64), nn.Linear(64, DIM)
+
+    def forward(self, x):  # post-norm, as GPT-1
+        n = self.ln_1(x + self.attn(x))
+        return self.ln_2(n + self.proj(F.gelu(self.fc(n))))
+
+
+class OpenAIGPT(Decoder):
+    """GPT-1: learned positions, the multiplicative causal mask, no final norm."""
+
+    def __init__(self, fill=-1e4):
+        super().__init__(lambda: OpenAIGPTBlock(fill), norm=nn.Identity)
+        self.positions = nn.Embedding(MAX_SEQ, DIM)
+
+    def embed(self, input_ids):
+        return self.wte(input_ids) + self.positions(torch.arange(input_ids.shape[1]))
+
+
+class SoftMultiplicativeMask(OpenAIGPT):
+    """GPT-1's blend ``w * b + c * (1 - b)`` with a fill ``c = -10`` that does not block: a bias, not a mask."""
+
+    def __init__(self):
+        super().__init__(fill=-10.0)
+
+
 #: style name -> model class (replays: exact and shared)
 REPLAY = {
     "nanogpt_flash": NanoGPT,
@@ -1170,12 +1231,14 @@ REPLAY = {
     "attention_sinks": AttentionSinks,
     "bmm_3d": Bmm3D,
     "hf_bart": Bart,
+    "openai_gpt": OpenAIGPT,
 }
 
 #: style name -> (model class, a phrase the fallback reason must contain)
 FALLBACK = {
     "quadratic_bias": (QuadraticBias, "not ALiBi"),
     "learned_alibi_slopes": (LearnedSlopes, "trainable"),
+    "soft_multiplicative_mask": (SoftMultiplicativeMask, "does not block"),
 }
 
 
