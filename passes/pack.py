@@ -161,8 +161,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
             unrecognised = eager_attention.unrecognised_attention(gm)
             if unrecognised is not None:
                 raise CannotReplay(unrecognised[1], unrecognised[0])
-            raise CannotReplay(f"no scaled_dot_product_attention in the graph (nothing to share; it runs "
-                               f"unchanged){left}")
+            return _analyse_token_local(gm, token_ids, placeholders, values, canon, training, left)
         return _analyse_scans(gm, scans, token_ids, placeholders, values, canon, training, left)
     mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
     if token_ids is not None:
@@ -231,6 +230,43 @@ def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional
         raise CannotReplay(f"no scaled_dot_product_attention in the graph and no scan along the tree (nothing to "
                            f"share; it runs unchanged): {why}{left}")
     return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards), canon.notes)
+
+
+def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeholders: list, values: dict, canon,
+                         training: bool, left: str = "") -> Analysis:
+    """A graph without attention and without scans (a piece of a model between graph breaks: norms, MLPs, MoE
+    routing, the LM head, the loss; a bag-of-tokens model). (B, L) are the token ids' or else those of the first
+    [B, L, D] float input that is not a parameter (hidden states); the tree inputs are every per-token [B, L, ...]
+    input. The facts are propagated as for any graph: a token-local op of TOKEN values is TOKEN (its value at
+    (b, t) reads the inputs at (b, t) only, so rows whose keys agree up to column t share it), an op that mixes
+    tokens is dense or refused by its rule. Rows sharing a prefix then share the work of its tokens. When no op
+    computes on packed values (everything went dense), nothing is shared: CannotReplay with the first reason."""
+    nothing = f"no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged){left}"
+    if token_ids is not None:
+        B, L = hint(tuple(example_value(token_ids).shape))
+    else:
+        floats = [p for p in placeholders if isinstance(example_value(p), torch.Tensor)
+                  and example_value(p).dim() == 3 and example_value(p).is_floating_point() and not is_static_input(p)]
+        if not floats:
+            raise CannotReplay(f"{nothing}: no token ids and no [B, L, D] float input (hidden states)")
+        B, L = hint(tuple(example_value(floats[0]).shape[:2]))
+    tree_inputs = [p for p in placeholders if _is_token_shaped(p, B, L)]
+    position_inputs = {p: d for p in placeholders if p not in tree_inputs
+                       for d in [_position_dim(p, B, L)] if d is not None}
+    ctx = AxesContext(gm, B, L, tree_inputs, set(), training=training, position_inputs=position_inputs,
+                      values=values, sequences=False)
+    propagate(ctx)
+    if not any(_computes_packed(n) for n in gm.graph.nodes):
+        why = ctx.first_materialisation() or "no op computes on the per-token inputs"
+        raise CannotReplay(f"{nothing}: {why}")
+    log.debug("token-local graph: tree inputs %s, (B, L) = (%d, %d)", [p.name for p in tree_inputs], B, L)
+    return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards), canon.notes)
+
+
+def _computes_packed(n: fx.Node) -> bool:
+    """``n`` computes (not a view, cast or index: :data:`_CHEAP`) a TOKEN value: work the packed graph does once
+    per tree node."""
+    return n.op in ("call_function", "call_method") and n.target not in _CHEAP and get_axes(n).is_token
 
 
 def _analysis_copy(gm: fx.GraphModule) -> fx.GraphModule:

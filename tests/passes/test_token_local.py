@@ -1,0 +1,116 @@
+"""Graphs without attention and without scans whose ops are token-local (passes/pack.py: _analyse_token_local):
+the pieces of a model between graph breaks (norms, MoE routing, the LM head, the loss) and bag-of-tokens
+models. A token-local op's value at (b, t) reads the inputs at (b, t) only, so rows whose per-token inputs agree
+up to column t share it: the tree comes from the inputs themselves (token ids, or the rows of a [B, L, D] float
+input such as hidden states). Loss and every gradient equal eager's in float64, and the call replayed; a graph
+whose ops mix the tokens computes nothing packed and runs unchanged with the reason."""
+import functools
+
+import torch
+import torch.nn as nn
+
+import brcompile
+from brcompile.testing import assert_exact
+from tests.passes.test_scan_rules import grpo_like_batch, run_exact, token_loss
+
+F64 = torch.float64
+
+
+class TokenMLP(nn.Module):
+    """Per-token ops only over the token ids: embedding, tanh, LM head."""
+
+    def __init__(self, V=23, D=6):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids, am):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def test_bag_of_tokens_model_replays_exactly():
+    """Token ids -> embedding -> tanh -> head -> masked NLL: each prefix token's work done once."""
+    torch.manual_seed(0)
+    model = TokenMLP().to(F64)
+    run_exact(model, functools.partial(token_loss, model), grpo_like_batch())
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
+
+
+class MoEPiece(nn.Module):
+    """What a graph break around an MoE block leaves: RMSNorm of the hidden states, a top-2 softmax router over
+    4 experts, the experts' outputs weighted per token (dense experts, the routing weights gathered)."""
+
+    def __init__(self, D=8, E=4):
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(D) + 0.5)
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = nn.Parameter(torch.randn(E, D, D) / D ** 0.5)
+
+    def forward(self, h, cm):
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
+        gates = torch.zeros_like(self.router(x)).scatter(-1, idx, w / w.sum(-1, keepdim=True))
+        y = torch.einsum("bld,edf->blef", x, self.experts)
+        out = h + (gates.unsqueeze(-1) * y).sum(-2)
+        return (out.pow(2).sum(-1) * cm).sum()
+
+
+def prefix_rows(B=4, L=7, shared=4, V=13):
+    """[B, L] token ids whose rows agree on their first ``shared`` columns, and a 0/1 [B, L] float mask."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, V, (1, L)).repeat(B, 1)
+    ids[:, shared:] = torch.randint(0, V, (B, L - shared))
+    cm = torch.ones(B, L, dtype=F64)
+    cm[:, :2] = 0
+    return ids, cm
+
+
+def run_on_hidden_states(model, ids, cm, V=13, D=8):
+    """Eager vs ``model(h, cm)`` compiled alone on hidden states ``h = emb(ids)`` made upstream, eagerly (a graph
+    break before the piece): the loss and every gradient, the upstream embedding's included. (The gradient with
+    respect to a float tree key is each tree node's sum at its representative position, docs/ARCHITECTURE.md §5:
+    the upstream parameters get the dense gradient, positions merged by value being the same function of them.)"""
+    torch.manual_seed(2)
+    emb = nn.Embedding(V, D).to(F64)
+    model = model.to(F64)
+    names = ["embedding", *(n for n, _ in model.named_parameters())]
+    params = [emb.weight, *model.parameters()]
+    want = model(emb(ids), cm)
+    gw = torch.autograd.grad(want, params)
+    got = torch.compile(model, backend=brcompile.backend(compiler="eager"))(emb(ids), cm)
+    gg = torch.autograd.grad(got, params)
+    assert_exact(got, want, F64, "loss")
+    for name, a, b in zip(names, gg, gw):
+        assert_exact(a, b, F64, f"grad of {name}")
+
+
+def test_hidden_state_graph_without_attention_replays_exactly():
+    """The tree comes from the rows of the [B, L, D] float input: rows agreeing up to column t share the routed
+    MLP's work there; loss and every gradient (the upstream embedding's too) equal eager's in float64."""
+    torch.manual_seed(0)
+    run_on_hidden_states(MoEPiece(), *prefix_rows())
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
+    assert s.executed_tokens < s.logical_tokens, str(s)
+
+
+class MixesPositions(nn.Module):
+    """A softmax over the positions (dim 1) of the hidden states: each token's value reads every other token."""
+
+    def __init__(self, D=8):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+
+    def forward(self, h, cm):
+        return (h.softmax(1) * self.w * cm.unsqueeze(-1)).pow(2).sum()
+
+
+def test_graph_that_mixes_tokens_runs_unchanged():
+    """Without attention, an op that mixes the tokens of a row from the start leaves nothing packed: the
+    original graph runs, the reason names the value made dense."""
+    run_on_hidden_states(MixesPositions(), *prefix_rows())
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    reasons = " | ".join(s.fallback_reasons)
+    assert "nothing to share" in reasons and "made dense" in reasons, reasons
