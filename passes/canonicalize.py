@@ -448,24 +448,24 @@ def _reshape_of(n: Any, src_dim: int, dst_dim: int) -> Optional[tuple[fx.Node, A
     return x, tx.shape, tn.shape
 
 
+def _merges_dims_01(four: Any, three: Any) -> bool:
+    """Whether the 3-D shape ``three`` is the 4-D shape ``four`` [B, H, L, D] with dims 0 and 1 merged,
+    [B*H, L, D] (in row-major order a reshape between them moves no element: [b, h, l, d] <-> [b*H + h, l, d])."""
+    return _same(three[0], four[0] * four[1]) and _same(three[1], four[2]) and _same(three[2], four[3])
+
+
 def _merged_heads(n: Any) -> Optional[fx.Node]:
     """``x`` when ``n`` is a reshape of a 4-D ``x`` [B, H, L, D] to [B*H, L, D]. In row-major order that
     shape merges exactly dims 0 and 1: element [b, h, l, d] lands at [b*H + h, l, d]."""
     r = _reshape_of(n, 4, 3)
-    if r is None:
-        return None
-    x, sx, sn = r
-    return x if _same(sn[0], sx[0] * sx[1]) and _same(sn[1], sx[2]) and _same(sn[2], sx[3]) else None
+    return r[0] if r is not None and _merges_dims_01(r[1], r[2]) else None
 
 
 def _split_heads(n: Any) -> Optional[fx.Node]:
     """``x`` when ``n`` is a reshape of a 3-D ``x`` [B*H, L, D] to [B, H, L, D], which splits exactly dim 0:
     element [i, l, d] lands at [i // H, i % H, l, d] (the inverse of :func:`_merged_heads`)."""
     r = _reshape_of(n, 3, 4)
-    if r is None:
-        return None
-    x, sx, sn = r
-    return x if _same(sx[0], sn[0] * sn[1]) and _same(sx[1], sn[2]) and _same(sx[2], sn[3]) else None
+    return r[0] if r is not None and _merges_dims_01(r[2], r[1]) else None
 
 
 def _merged_key(kt: Any) -> Optional[fx.Node]:
