@@ -58,7 +58,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.backends.scan import linear_scan
-from brcompile.passes.axes import example_value
+from brcompile.passes.axes import example_value, hint
 from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,14 @@ def canonicalize_ssd_scans(gm: fx.GraphModule, batch: Optional[tuple[int, int]])
 
 
 def _shape(n: Any) -> Optional[tuple]:
+    """The example shape, SymInts as their hints (comparing them would add guards to the user's graph)."""
     v = example_value(n)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+    return hint(tuple(v.shape)) if isinstance(v, torch.Tensor) else None
+
+
+def _symbolic(n: Any) -> bool:
+    v = example_value(n)
+    return isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape)
 
 
 def _on_layout(n: fx.Node, batch: tuple[int, int]) -> bool:
@@ -184,7 +190,7 @@ def _regions(graph: fx.Graph, batch: tuple[int, int]) -> list[_Region]:
 def _role_assignments(region: _Region, batch: tuple[int, int]) -> list[dict[str, fx.Node]]:
     """Every assignment of the region's inputs to the roles that fits their shapes (module docstring)."""
     shapes = {a: _shape(a) for a in region.inputs}
-    if any(s is None or not all(isinstance(d, int) for d in s) for s in shapes.values()):
+    if any(s is None for s in shapes.values()):
         return []
     la = [a for a in region.inputs if _on_layout(a, batch) and len(shapes[a]) == 3]
     four = [a for a in region.inputs if _on_layout(a, batch) and len(shapes[a]) == 4]
@@ -255,6 +261,8 @@ def _proves(fn: fx.GraphModule, region: _Region, roles: dict[str, fx.Node]) -> b
 
 def _prove_roles(region: _Region, batch: tuple[int, int]) -> tuple[Optional[dict[str, fx.Node]], str]:
     """(the roles of the first assignment the probes prove, "") or (None, why not)."""
+    if any(_symbolic(n) for n in region.inputs + region.nodes):
+        return None, "its sizes are symbolic (the pad and the chunk count are proved at one length only)"
     assignments = _role_assignments(region, batch)
     if not assignments:
         shapes = ", ".join(f"{a.name} {list(_shape(a) or ['?'])}" for a in region.inputs)
