@@ -103,8 +103,15 @@ def canonicalize_ssd_scans(gm: fx.GraphModule, batch: Optional[tuple[int, int]])
     nothing is recognised). Returns one note per candidate region."""
     if batch is None:
         return []
-    notes = [_rewrite(gm.graph, r, roles) if roles else f"{r.output.name}: a chunked scan {LEFT}: {why}"
-             for r in _regions(gm.graph, batch) for roles, why in [_prove_roles(r, batch)]]
+    notes, replaced = [], {}
+    for r in _regions(gm.graph, batch):
+        r.inputs = [replaced.get(a, a) for a in r.inputs]  # an earlier region's output, rewritten
+        roles, why = _prove_roles(r, batch)
+        if roles is None:
+            notes.append(f"{r.output.name}: a chunked scan {LEFT}: {why}")
+            continue
+        replaced[r.output], note = _rewrite(gm.graph, r, roles)
+        notes.append(note)
     if notes:
         gm.graph.lint()
         gm.recompile()
@@ -279,8 +286,9 @@ def _prove_roles(region: _Region, batch: tuple[int, int]) -> tuple[Optional[dict
 # the rewrite
 
 
-def _rewrite(graph: fx.Graph, region: _Region, roles: dict[str, fx.Node]) -> str:
-    """Replace the region's output by :func:`reference_ssd`'s ops on its inputs; erase the region."""
+def _rewrite(graph: fx.Graph, region: _Region, roles: dict[str, fx.Node]) -> tuple[fx.Node, str]:
+    """Replace the region's output by :func:`reference_ssd`'s ops on its inputs; erase the region. Returns
+    the node now standing for the output, and the note."""
     o = region.output
     want = example_value(o)
     with graph.inserting_before(o):
@@ -293,7 +301,7 @@ def _rewrite(graph: fx.Graph, region: _Region, roles: dict[str, fx.Node]) -> str
         if not n.users:
             graph.erase_node(n)
     names = ", ".join(f"{k}={v.name}" for k, v in roles.items())
-    return f"{o.name}: a chunked state-space scan ({names}) -> linear_scan"
+    return node, f"{o.name}: a chunked state-space scan ({names}) -> linear_scan"
 
 
 class _Emitter:
