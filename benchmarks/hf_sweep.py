@@ -78,6 +78,13 @@ TINY = dict(
     # encoder-style models with a causal-LM head run as decoders (BERT's is_decoder)
     is_decoder=True, add_cross_attention=False,
 )
+#: per model type, on top of TINY: the state-space head layout its config validates (Mamba-2: hidden_size *
+#: expand = num_heads * head_dim, the groups dividing the heads; Falcon-H1: mamba_d_ssm = mamba_n_heads *
+#: mamba_d_head)
+TINY_BY_TYPE = {
+    "mamba2": dict(head_dim=16, n_groups=1),
+    "falcon_h1": dict(mamba_d_ssm=64),
+}
 #: substrings of config keys zeroed (dropout makes eager and compiled draw different masks)
 DROPOUT_KEYS = ("dropout", "pdrop", "drop_rate", "dropout_rate")
 
@@ -173,6 +180,7 @@ def tiny_config(model_type: str, impl: str, depth: int = 0):
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     kw = _tiny_config_kwargs(cls, default)
+    kw.update(TINY_BY_TYPE.get(model_type, {}))
     for name in getattr(cls, "sub_configs", {}) or {}:
         sub = getattr(default, name, None)
         if isinstance(sub, PretrainedConfig) and depth < 3:

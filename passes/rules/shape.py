@@ -573,10 +573,11 @@ def stack(ctx: AxesContext, node):
     return token(f.ndim + 1, sh(f.row), sh(f.pos), f.window)
 
 
-@register_rule(["split", torch.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split], local="carry")
+@register_rule(["split", torch.split, torch.Tensor.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split],
+               local="carry")
 def split(ctx: AxesContext, node):
     """split/chunk along a non-token dim: every piece keeps the token dims (the tuple's fact is the
-    pieces' fact)."""
+    pieces' fact). ``torch.Tensor.split`` is how Dynamo records ``x.split([sizes], dim)`` (a Python method)."""
     ax = get_axes(node.args[0])
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
     if normalize_dim(dim, ax.ndim) in ax.token_dims():

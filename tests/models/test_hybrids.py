@@ -1,11 +1,13 @@
-"""Hybrid models (attention + state-space / linear-attention / short-conv layers) replay: HF Bamba and
-Nemotron-H (Mamba-2 mixers), Jamba (Mamba-1 selective scan), Qwen3-Next (gated DeltaNet, chunked delta rule)
+"""Hybrid models (attention + state-space / linear-attention / short-conv layers) replay: HF Bamba, Nemotron-H
+and Zamba2 (Mamba-2 mixers), Jamba (Mamba-1 selective scan), Qwen3-Next (gated DeltaNet, chunked delta rule)
 and LFM2 (gated short convolution), tiny, float64, one attention layer and one other layer each.
 
-The chunked scan layers (Bamba, Nemotron-H, Qwen3-Next) have no token-axis rule: they run densely on the B·L
-positions, and what they compute is packed again (passes/repack.py) because the probes prove it row-independent
-and causal; the attentions, projections and MLPs run on the tree. Jamba's selective scan (an associative scan of
-affine maps, passes/linear_scans.py) and LFM2's short conv are tree scans themselves. The batch is a three-level tree with padding on both sides: two
+The Mamba-2 mixers' chunked SSD (Bamba, Nemotron-H, Zamba2) is proved on probes to be the per-head recurrence
+and rewritten as a ``linear_scan`` (passes/ssd_scans.py): a tree scan, like Jamba's selective scan (an
+associative scan of affine maps, passes/linear_scans.py) and the causal convs (LFM2's short conv, the mixers').
+Qwen3-Next's chunked delta rule has no token-axis rule: it runs densely on the B·L positions, and what it
+computes is packed again (passes/repack.py) because the probes prove it row-independent and causal; the
+attentions, projections and MLPs run on the tree. The batch is a three-level tree with padding on both sides: two
 prompts (left-padded) × three responses (right-padded), two responses of the first prompt sharing their
 first tokens. Loss and every parameter gradient are compared with the eager model in float64 (1e-10)
 inside ``KeepFloat64``, which keeps the mixers' float32 upcasts in float64 (otherwise the bound is
@@ -33,6 +35,8 @@ HYBRIDS = {
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3),
     "nemotron_h": dict(layers_block_type=["mamba", "attention"], mamba_num_heads=4, mamba_head_dim=16,
                        ssm_state_size=8, n_groups=1, chunk_size=8, head_dim=8),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=4, mamba_headdim=16, mamba_d_state=8,
+                   mamba_ngroups=1, chunk_size=8, num_mem_blocks=1, use_mamba_kernels=False),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_value_heads=4,
                        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=0,
                        mlp_only_layers=[0, 1]),
@@ -85,7 +89,8 @@ def test_hybrid_replays_exactly(family):
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
     backend = replay_float64(model)
     code = "\n".join(r.packed_code or "" for r in backend.records)
-    if family == "jamba":  # Mamba-1's selective scan is an affine associative scan: a tree scan, like its conv
+    if family in ("jamba", "bamba", "nemotron_h", "zamba2"):  # Mamba-1's selective scan, Mamba-2's chunked SSD
         assert "brcompile.tree_linear_scan" in code and "brcompile.tree_causal_conv1d" in code, code
-    elif family != "lfm2":  # LFM2's short conv has a rule (a tree scan); the Mamba-2 mixers are dense regions
+        assert not any(r.repacked for r in backend.records), backend.records  # nothing left dense to pack again
+    elif family != "lfm2":  # LFM2's short conv has a rule (a tree scan); the chunked delta rule is a dense region
         assert any(r.repacked for r in backend.records), backend.records
