@@ -27,7 +27,10 @@ count of attention-mask tokens up to k (BLOOM's ``cumsum(attention_mask) - 1``, 
 0/1 tree input X). The slopes are read off a trial without padding and the form is then checked on every
 trial (up to the rounding of the mask's dtype); the result is ``MaskInfo.alibi`` (the slopes) and
 ``MaskInfo.alibi_count`` (X, or None for the columns), tree attention's ``alibi`` feature. A bias that
-depends on a trainable tensor (its gradient would be lost), or on the packed-sequence layout, is refused.
+depends on a trainable tensor (its gradient would be lost), or on the packed-sequence layout, is refused; the
+refusal says whether the bias also follows the values of a token input (it changes when only that input is
+reordered on a probe: a per-token bias such as a projection of the hidden states) or is a learned position
+bias (trained slopes, a relative-position table).
 
 **Probe sizes.** A mask is [B, 1, L, L]: evaluating it on the example batch costs B·L² (73 GB at
 B = 16, L = 16,896). So the subgraph is evaluated at small synthetic sizes (B', L') instead, with every
@@ -575,8 +578,15 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
     for n in ancestors(mask):
         v = values.get(n) if n.op == "placeholder" else None
         if isinstance(v, torch.Tensor) and v.requires_grad:
-            raise CannotReplay(f"{what} computed from the trainable tensor {n.name} (ALiBi slopes that are learned: "
-                               "their gradient is not supported)", attn)
+            x = _followed_input(attn, mask, inputs, trials)
+            if x is not None:
+                raise CannotReplay(f"{what} computed from the values of {x.name} through the trainable tensor "
+                                   f"{n.name} (a per-token bias, e.g. a projection of the hidden states: tree "
+                                   "attention's only bias is ALiBi, a fixed per-head slope times the position "
+                                   "distance)", attn)
+            raise CannotReplay(f"{what} computed from the trainable tensor {n.name} (a learned position bias, e.g. "
+                               "trained ALiBi slopes or a relative-position table: its gradient is not supported)",
+                               attn)
     hq = _query_heads(attn)
     slopes = _alibi_slopes(attn, mask, trials, hq)
     if slopes is None:
@@ -594,6 +604,41 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
             return dataclasses.replace(info, alibi=tuple(slopes), alibi_count=count)
     raise CannotReplay(f"{what} that is not ALiBi (a per-head slope times the key position minus the query "
                        "position, over the columns or the count of attention-mask tokens)", attn)
+
+
+def _followed_input(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node],
+                    trials: Sequence[_Trial]) -> Optional[fx.Node]:
+    """The [B, L] tree input, not 0/1 (token ids), whose values the mask's bias follows, else None: on a
+    trial, that input alone reversed along the length (the same values and sizes in another order; the 0/1
+    inputs, hence the padding and the ALiBi positions, stay), the bias re-evaluated and compared. A bias that
+    is a function of the positions and the padding alone is unchanged. Both evaluations see the trainable
+    tensors perturbed (:func:`_perturbed_parameters`): at its initial values a learned bias may not show what
+    it follows (Doge's ``exp(A * ...)`` with ``A = 0`` is 1 everywhere)."""
+    params = _perturbed_parameters(mask, trials[0].values) if trials else {}
+    for x in inputs:
+        for t in trials:
+            v = t.values.get(x)
+            if not isinstance(v, torch.Tensor) or v.dim() != 2 or _binary(v) or torch.equal(v.flip(-1), v):
+                continue
+            base = {**t.values, **params}
+            a = _Trial(base, t.literal, t.size, t.unpadded).bias(mask, attn)
+            b = _Trial({**base, x: v.flip(-1)}, t.literal, t.size, t.unpadded).bias(mask, attn)
+            if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b))):
+                return x
+            break
+    return None
+
+
+def _perturbed_parameters(mask: fx.Node, values: dict) -> dict:
+    """Every trainable floating placeholder of the mask's subgraph, plus a fixed pseudo-random offset
+    (seeded, 0.25 * N(0, 1)): generic values for the probes of :func:`_followed_input`."""
+    gen, out = torch.Generator().manual_seed(0), {}
+    for n in ancestors(mask):
+        v = values.get(n) if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
+            noise = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(device=v.device, dtype=v.dtype)
+            out[n] = v.detach() + 0.25 * noise
+    return out
 
 
 def _query_heads(attn: fx.Node) -> Optional[int]:

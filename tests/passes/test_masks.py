@@ -280,3 +280,50 @@ def test_sequence_positions_are_well_formed():
     for p in masks.SEQUENCE_PATTERNS:
         pos = masks.sequence_positions(3, 17, p, g)
         assert (pos[:, 0] == 0).all() and ((pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)).all()
+
+
+class BiasLM(nn.Module):
+    """One attention layer with a float mask that adds a trainable bias: ``bias="slopes"``, ALiBi with learned
+    per-head slopes ``m[h] * (k - q)``; ``bias="per_key"``, Doge's ``exp(A[h] * softplus(proj(v[b, h, k])))``
+    (the same for every query, different per token) with Doge's initial ``A = 0``, where the bias is 1
+    everywhere and shows what it follows only for other values of ``A``."""
+
+    def __init__(self, bias, vocab=37, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.bias = heads, bias
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        if bias == "slopes":
+            self.slopes = nn.Parameter(torch.tensor([-0.5, -0.25]))
+        else:
+            self.key_bias = nn.Linear(dim // heads, 1)
+            self.A = nn.Parameter(torch.zeros(heads))
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids, am):
+        B, L = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        i = torch.arange(L, device=ids.device)
+        if self.bias == "slopes":
+            b = self.slopes[None, :, None, None] * (i[None, :] - i[:, None])[None, None]
+        else:
+            u = torch.exp(self.A[None, :, None] * F.softplus(self.key_bias(v)[..., 0]))
+            b = u[:, :, None, :].expand(-1, -1, L, -1)
+        visible = (i[:, None] >= i[None, :])[None, None] & am[:, None, None, :].bool()
+        m = b.masked_fill(~visible, torch.finfo(b.dtype).min)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return self.out(o.transpose(1, 2).reshape(B, L, -1))
+
+
+@pytest.mark.parametrize("bias, reason", [
+    ("slopes", "a learned position bias"),
+    ("per_key", "computed from the values of"),
+])
+def test_trainable_bias_is_refused_naming_its_kind(bias, reason):
+    """A bias computed from a parameter falls back (its gradient would be lost) exactly, and the reason tells a
+    learned position bias (unchanged when only the token ids are reordered) from a per-token one."""
+    model = BiasLM(bias).double()
+    run_exact(model, [shared_batch(3, 5, 4, right_pad=2)], dynamic=False)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    assert any("trainable tensor" in r and reason in r for r in s.fallback_reasons), str(s)
