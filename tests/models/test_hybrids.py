@@ -2,9 +2,10 @@
 Nemotron-H (Mamba-2 mixers), Jamba (Mamba-1 selective scan), Qwen3-Next (gated DeltaNet, chunked delta rule)
 and LFM2 (gated short convolution), tiny, float64, one attention layer and one other layer each.
 
-The chunked scan layers (Bamba, Nemotron-H, Qwen3-Next) have no token-axis rule: they run densely on the B·L
-positions, and what they compute is packed again (passes/repack.py) because the probes prove it row-independent
-and causal; the attentions, projections and MLPs run on the tree. Jamba's selective scan (an associative scan of
+The chunked Mamba-2 scans (Bamba, Nemotron-H) have no token-axis rule: they run densely on the B·L positions, and
+what they compute is packed again (passes/repack.py) because the probes prove it row-independent and causal; the
+attentions, projections and MLPs run on the tree. Qwen3-Next's chunked gated delta rule is proved to be its
+matrix recurrence (passes/delta_rule.py) and runs on the tree as ``brcompile::tree_matrix_scan``. Jamba's selective scan (an associative scan of
 affine maps, passes/linear_scans.py) and LFM2's short conv are tree scans themselves. The batch is a three-level tree with padding on both sides: two
 prompts (left-padded) × three responses (right-padded), two responses of the first prompt sharing their
 first tokens. Loss and every parameter gradient are compared with the eager model in float64 (1e-10)
@@ -87,5 +88,7 @@ def test_hybrid_replays_exactly(family):
     code = "\n".join(r.packed_code or "" for r in backend.records)
     if family == "jamba":  # Mamba-1's selective scan is an affine associative scan: a tree scan, like its conv
         assert "brcompile.tree_linear_scan" in code and "brcompile.tree_causal_conv1d" in code, code
+    elif family == "qwen3_next":  # the gated delta rule is a matrix recurrence along the tree paths, not repacked
+        assert "brcompile.tree_matrix_scan" in code and not any(r.repacked for r in backend.records), code
     elif family != "lfm2":  # LFM2's short conv has a rule (a tree scan); the Mamba-2 mixers are dense regions
         assert any(r.repacked for r in backend.records), backend.records
