@@ -21,8 +21,9 @@ chunked loop's unused final state is dead and goes with it). Its inputs are the 
 
 **The proof obligation.** Roles are assigned by shape (q and k ``[B, H, L, dk]``, v ``[B, H, L, dv]``, β and g
 ``[B, H, L]``); every assignment the shapes allow is tried. The region, copied with its floating dtypes made
-float64, is evaluated on two random float64 probes at the graph's own shapes (the chunk padding is a constant of
-the captured graph: another length is another graph, proved anew) — k and q unit vectors as the layer's
+float64 and its devices the CPU, is evaluated on two random float64 probes at the graph's own shapes (the chunk
+padding is a constant of the captured graph: another length is another graph, proved anew) — k and q unit
+vectors as the layer's
 l2-normalisation makes them, β in (0, 1), g in (-1, 0) — and must equal the emitted replacement (the very nodes
 inserted, run on the same probes) within ``_PROBE_TOL`` relative. An assignment that passes is the rewrite. A
 region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the region's
@@ -194,9 +195,12 @@ def _replacement(shapes: dict, dtype: torch.dtype, device: Any) -> Callable:
 
 
 def _f64(x: Any) -> Any:
-    """A floating dtype argument made float64 (the probe's copy of the region computes in float64)."""
+    """A floating dtype argument made float64 and a device the CPU (the probe's copy of the region computes in
+    float64 on the CPU, whatever the graph's dtype and device)."""
     if isinstance(x, torch.dtype) and x.is_floating_point:
         return torch.float64
+    if isinstance(x, torch.device):
+        return torch.device("cpu")
     return x
 
 
@@ -325,7 +329,7 @@ def canonicalize_delta_rules(gm: fx.GraphModule) -> list[str]:
         if region is None:
             done.add(anchor)
             notes.append(f"{anchor.name}: a triangular solve without a closed region from sequence pads of q, k, "
-                         f"v [B, H, L, d], beta, g [B, H, L] to one [B, H, L, dv] output {LEFT}")
+                         f"v [B, H, L, d], beta, g [B, H, L] to one [B, H, L, dv] output (static shapes) {LEFT}")
             continue
         done.update(n for n in region.nodes if _is_anchor(n))
         role, why = _prove(region)
