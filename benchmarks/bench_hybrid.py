@@ -1,7 +1,8 @@
 """Hybrid models (attention + state-space / short-conv layers) under branch_replay: executed FLOPs, bytes saved
 for backward and wall-clock of one GRPO-style forward+backward, dense eager vs branch_replay, side by side.
 
-HF Bamba (Mamba-2 mixer), Jamba (Mamba-1 selective scan) and LFM2 (gated short conv), Mamba (no attention:
+HF Bamba (Mamba-2 mixer), Jamba (Mamba-1 selective scan), LFM2 (gated short conv), Qwen3-Next (gated DeltaNet:
+the chunked delta rule, a tree matrix scan after passes/delta_rule.py), Mamba (no attention:
 every layer a mixer, ``use_associative_scan=True``), and Llama as the all-attention control, built random from
 configs: ``--layers`` layers alternating mixer / attention, hidden
 ``--dim``; one prompt of ``--prompt`` tokens and ``--group`` responses of ``--tail`` tokens. The Mamba mixers
@@ -45,6 +46,10 @@ def config_overrides(family: str, layers: int) -> dict:
         return dict(state_size=16, expand=2, conv_kernel=4, use_associative_scan=True, use_mambapy=False)
     if family == "lfm2":
         return dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)], conv_L_cache=3)
+    if family == "qwen3_next":  # gated DeltaNet layers (the chunked delta rule: a tree matrix scan), dense MLPs
+        return dict(layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                    linear_value_head_dim=32, num_experts=0, mlp_only_layers=list(range(layers)))
     return {}
 
 

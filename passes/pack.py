@@ -32,7 +32,7 @@ from brcompile.passes.axes import (
 from brcompile.passes.functionalize import functionalize
 from brcompile.passes.guards import BatchGuard
 from brcompile.passes import canonicalize as eager_attention
-from brcompile.passes import linear_scans, ssd_scans
+from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import SDPA
 from brcompile.runtime.tree import GRAPH_ARGS
@@ -146,6 +146,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     ids = _find_token_ids_or_none(gm)
     scan_notes += ssd_scans.canonicalize_ssd_scans(  # chunked state-space scans -> linear_scan
         gm, hint(tuple(example_value(ids).shape)) if ids is not None else None)
+    scan_notes += delta_rule.canonicalize_delta_rules(gm)  # chunked gated delta rules -> matrix_scan
     canon.notes.extend(scan_notes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # SymInt inputs (dynamic capture) become their example ints: evaluating the mask subgraph on them

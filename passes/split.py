@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.backends.ops import attention_extras, attention_scores_extras
+from brcompile.backends.matrix_scan import MATRIX_PATH_OPS
 from brcompile.backends.scan import TREE_PATH_OPS
 from brcompile.passes.repack import repack_tokens
 from brcompile.passes.axes import CannotReplay
@@ -104,7 +105,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     token_side = _descendants(tok_nodes)
     trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
-    scan = next((n for n in trunk if n.target in TREE_PATH_OPS), None)
+    scan = next((n for n in trunk if n.target in TREE_PATH_OPS + MATRIX_PATH_OPS), None)
     if scan is not None:  # a chunk's tree arrays hold its own tokens only, not their ancestors in the prefix
         raise CannotReplay("streaming replay: a scan along the tree paths (cumsum, causal conv1d) reads each "
                            "tail token's ancestors in the prefix (the packed mode runs)", scan)

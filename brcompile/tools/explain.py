@@ -27,8 +27,10 @@ formula over the whole s_q x s_k score matrix (no causal discount). Everything b
 MLP, LM head) costs the same per position, so over N tokens it costs N/(B*L) of the dense run: the limit is
 the cost of computing each distinct tree node once. Only matmul-like ops and attention are counted, as torch's
 flop counter does. Bytes saved for backward: distinct storages packed by ``saved_tensors_hooks`` during the
-forward, storages of inputs that require grad (parameters) excluded. A graph that mutates its inputs in place
-is not re-run (the measurement would apply the mutation again); its calls say so.
+forward, storages of inputs that require grad (parameters) excluded. A graph whose writes are all into fresh
+values (HF's ``out[:, :, i] = ...`` into a ``zeros_like``) is measured as its functionalized copy
+(passes/functionalize.py: the same values, no write); a graph that mutates its inputs in place is not re-run
+(the measurement would apply the mutation again); its calls say so.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ import torch.fx as fx
 from brcompile import runtime
 from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
 from brcompile.passes.axes import is_inplace
+from brcompile.passes.functionalize import functionalize
 from brcompile.tools.measure import limit_flops, measure_fwd_bwd
 
 log = logging.getLogger(__name__)
@@ -533,6 +536,9 @@ class _LoggedRuntime:
         if original is None:
             return {"skipped": "the runtime has no original graph to re-run"}
         gm = getattr(original, "__self__", None)
+        if isinstance(gm, fx.GraphModule) and mutating_node(gm) is not None:
+            gm = functionalize(gm)  # writes into fresh values made pure: the same values, nothing mutated
+            original = gm.forward
         mutation = mutating_node(gm) if isinstance(gm, fx.GraphModule) else None
         if mutation is not None:
             return {"skipped": f"the graph mutates a tensor in place (`{mutation}`); it is not run again"}

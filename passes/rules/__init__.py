@@ -8,5 +8,5 @@ Each rule proves that its op keeps a TOKEN value causal and row-independent (and
 dims go), or hands the value to the dense side. See the docstring of each rule for its math.
 """
 from brcompile.passes.rules import (  # noqa: F401
-    attention, linalg, moe, pointwise, positions, reduce, scan, shape,
+    attention, linalg, matrix_scan, moe, pointwise, positions, reduce, scan, shape,
 )

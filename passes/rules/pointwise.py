@@ -184,8 +184,11 @@ def complex_pair(ctx: AxesContext, node):
 
 
 def _is_dtype_cast(node) -> bool:
+    """``Tensor.to`` / ``type`` with a dtype, a device, flags or a ``memory_format`` (strides only: the same
+    elements at the same coordinates, HF's ``x.to(torch.float32, memory_format=torch.contiguous_format)``)."""
     rest = list(node.args[1:]) + list(node.kwargs.values())
-    return all(isinstance(a, (torch.dtype, bool)) or a is None or isinstance(a, torch.device) for a in rest)
+    return all(isinstance(a, (torch.dtype, bool, torch.memory_format)) or a is None or isinstance(a, torch.device)
+               for a in rest)
 
 
 @register_rule([*spellings("dropout"), F.alpha_dropout], local="carry")

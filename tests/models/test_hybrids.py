@@ -5,9 +5,9 @@ and LFM2 (gated short convolution), tiny, float64, one attention layer and one o
 The Mamba-2 mixers' chunked SSD (Bamba, Nemotron-H, Zamba2) is proved on probes to be the per-head recurrence
 and rewritten as a ``linear_scan`` (passes/ssd_scans.py): a tree scan, like Jamba's selective scan (an
 associative scan of affine maps, passes/linear_scans.py) and the causal convs (LFM2's short conv, the mixers').
-Qwen3-Next's chunked delta rule has no token-axis rule: it runs densely on the B·L positions, and what it
-computes is packed again (passes/repack.py) because the probes prove it row-independent and causal; the
-attentions, projections and MLPs run on the tree. The batch is a three-level tree with padding on both sides: two
+Qwen3-Next's chunked gated delta rule is proved to be its matrix recurrence (passes/delta_rule.py) and runs on
+the tree as ``brcompile::tree_matrix_scan``. Nothing is left as a dense region packed again (passes/repack.py
+is tested on its own); the attentions, projections and MLPs run on the tree. The batch is a three-level tree with padding on both sides: two
 prompts (left-padded) × three responses (right-padded), two responses of the first prompt sharing their
 first tokens. Loss and every parameter gradient are compared with the eager model in float64 (1e-10)
 inside ``KeepFloat64``, which keeps the mixers' float32 upcasts in float64 (otherwise the bound is
@@ -92,5 +92,7 @@ def test_hybrid_replays_exactly(family):
     if family in ("jamba", "bamba", "nemotron_h", "zamba2"):  # Mamba-1's selective scan, Mamba-2's chunked SSD
         assert "brcompile.tree_linear_scan" in code and "brcompile.tree_causal_conv1d" in code, code
         assert not any(r.repacked for r in backend.records), backend.records  # nothing left dense to pack again
-    elif family != "lfm2":  # LFM2's short conv has a rule (a tree scan); the chunked delta rule is a dense region
-        assert any(r.repacked for r in backend.records), backend.records
+    elif family == "qwen3_next":  # the gated delta rule is a matrix recurrence along the tree paths, not repacked
+        assert "brcompile.tree_matrix_scan" in code and not any(r.repacked for r in backend.records), code
+    else:  # LFM2's short conv: a tree scan
+        assert "brcompile.tree_causal_conv1d" in code and not any(r.repacked for r in backend.records), code

@@ -237,6 +237,22 @@ def test_mutating_node_detection():
     assert "setitem" in mutating_node(setitem)
 
 
+def test_a_write_into_a_fresh_value_is_measured():
+    """A graph whose only write is into a fresh value (HF's chunked loops: ``out[:, :, i] = ...`` into a
+    ``zeros_like``) is measured as its functionalized copy: the FLOPs of the matmul forward and backward."""
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        y = torch.zeros_like(x)
+        y[:, 0] = x[:, 0] @ w
+        return y.sum()
+
+    report = brcompile.explain(f, torch.randn(3, 2, 4, dtype=torch.float64))
+    cost = report.calls[0]["cost"]
+    assert "skipped" not in cost, cost
+    assert cost["dense_flops"] == 2 * 3 * 4 * 4 * 2, cost  # [3, 4] @ [4, 4] forward, and dW backward
+
+
 def test_explain_cli_runs_a_script_and_reports_at_exit(tmp_path, capsys):
     """``python -m brcompile explain script.py``: the script's torch.compile runs branch_replay, other backends
     are left alone and listed, the report comes at exit (also through sys.exit), nothing stays patched."""

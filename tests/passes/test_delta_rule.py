@@ -1,0 +1,118 @@
+"""passes/delta_rule.py on the real HF Qwen3-Next gated DeltaNet layer graph (``torch_chunk_gated_delta_rule``).
+
+The Dynamo graph of the layer, float64 throughout (``KeepFloat64``), at lengths that pad the last chunk (12, 70:
+two chunks) and that fill it exactly (64): the region is found, proved and rewritten as one ``matrix_scan``, and
+the rewritten graph computes the layer's output and its gradient as the original (1e-10). A region perturbed so
+that it is no longer the recurrence fails the proof and stays as it was, named.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+from brcompile.backends.matrix_scan import matrix_scan
+from brcompile.passes import delta_rule
+from brcompile.passes.functionalize import functionalize
+from brcompile.passes.pack import _analysis_copy
+from brcompile.testing import assert_exact
+from tests.helpers import KeepFloat64, transformers_or_skip
+from tests.models.test_hybrids import HYBRIDS, TINY
+
+
+@functools.lru_cache(maxsize=1)
+def layer():
+    """Layer 0 of the tiny float64 Qwen3-Next of tests/models/test_hybrids.py: the gated DeltaNet (2 key heads,
+    4 value heads, head dims 8)."""
+    transformers = transformers_or_skip()
+    cfg = transformers.AutoConfig.for_model("qwen3_next", **TINY, **HYBRIDS["qwen3_next"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+    return model.model.layers[0].linear_attn
+
+
+@functools.lru_cache(maxsize=None)
+def captured(length: int):
+    """(the Dynamo graph of the layer on ``[2, length, 32]`` hidden states, its example inputs, those states)."""
+    h = torch.randn(2, length, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
+    return (*capture(layer(), h), h)
+
+
+def capture(mod, h):
+    """(the Dynamo graph of ``mod(h)`` in float64, its example inputs)."""
+    got = []
+
+    def backend(gm, example_inputs):
+        got.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with KeepFloat64():
+        torch.compile(lambda x: mod(x), backend=backend, dynamic=False)(h)
+    assert len(got) == 1
+    return got[0]
+
+
+def calls(gm, name):
+    return [n for n in gm.graph.nodes if getattr(n.target, "__name__", str(n.target)) == name]
+
+
+def output_and_grad(gm, inputs, h):
+    """The graph's output on ``inputs`` (``h`` the hidden states among them) and d(sum(out * w))/dh."""
+    h = h.detach().clone().requires_grad_()
+    args = [h if x is inputs[0] else x for x in inputs]
+    out = gm(*args)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    w = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+    return out.detach(), torch.autograd.grad((out * w).sum(), h)[0]
+
+
+@pytest.mark.parametrize("length", [12, 64, 70])
+def test_chunked_delta_rule_becomes_one_matrix_scan(length):
+    gm, inputs, h = captured(length)
+    assert inputs[0].shape == h.shape
+    work = functionalize(_analysis_copy(gm))
+    assert calls(work, "linalg_solve_triangular")
+    notes = delta_rule.canonicalize_delta_rules(work)
+    assert len(notes) == 1 and notes[0].endswith("-> matrix_scan"), notes
+    assert not calls(work, "linalg_solve_triangular")
+    assert [n for n in work.graph.nodes if n.target is matrix_scan]
+    want, gwant = output_and_grad(gm, inputs, h)
+    got, ggot = output_and_grad(work, inputs, h)
+    assert_exact(got, want, 1e-10, "layer output")
+    assert_exact(ggot, gwant, 1e-10, "grad of the hidden states")
+
+
+def test_a_perturbed_region_fails_the_proof():
+    """The intra-chunk decay mask ``triu(1)`` made ``triu(0)`` (the diagonal masked too: each token's own update
+    no longer reaches its output): not the recurrence, left as is, the reason named."""
+    gm, _, _ = captured(12)
+    work = functionalize(_analysis_copy(gm))
+    triu = [n for n in work.graph.nodes if n.target == "triu"]
+    assert len(triu) == 1
+    triu[0].args = (triu[0].args[0], 0)
+    work.recompile()
+    notes = delta_rule.canonicalize_delta_rules(work)
+    assert len(notes) == 1 and delta_rule.LEFT in notes[0] and "does not equal" in notes[0], notes
+    assert calls(work, "linalg_solve_triangular")
+    assert not [n for n in work.graph.nodes if n.target is matrix_scan]
+
+
+def test_a_region_read_outside_is_not_closed():
+    """An intermediate of the chunked loop (the UT system) read by the graph's output as well: no closed region
+    (rewriting would drop a value something else needs), left as is."""
+    gm, _, _ = captured(12)
+    work = functionalize(_analysis_copy(gm))
+    solve = calls(work, "linalg_solve_triangular")[0]
+    out = next(n for n in work.graph.nodes if n.op == "output")
+    with work.graph.inserting_before(out):
+        extra = work.graph.call_function(operator.getitem, (solve, 0))
+    out.args = ((*fx.node.map_aggregate(out.args[0], lambda x: x), extra),) \
+        if isinstance(out.args[0], (tuple, list)) else ((out.args[0], extra),)
+    work.recompile()
+    notes = delta_rule.canonicalize_delta_rules(work)
+    assert notes and all(delta_rule.LEFT in n and "closed region" in n for n in notes), notes
+    assert not [n for n in work.graph.nodes if n.target is matrix_scan]
