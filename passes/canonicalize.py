@@ -73,6 +73,11 @@ after it), so the mask's finite values carry it. :mod:`..masks` then splits the 
 bias on its probes and accepts the bias only where it is exactly ALiBi, ``m[h] * (pos[k] - pos[q])`` up to a
 per-query shift (the tree attention ``alibi`` feature); anything else is refused there as a bias.
 
+**Per-key bias** (HF Doge). An additive operand ``M`` (an eager chain's, or a native SDPA node's ``attn_mask``)
+built from a value ``u`` [B, Hu, 1, Lk] of the key tokens computed from a trainable tensor is one more q/k
+feature: ``q' = cat(q, 1)``, ``k' = cat(k, post / c * T(u)^T)``, ``v' = cat(v, 0)``, and ``M - T(u)`` the mask
+(:func:`_key_feature`); the mask classification proves on its probes that this is a mask, or refuses the bias.
+
 **Attention sinks** (GPT-OSS): ``combined = cat([s, S.reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)], -1)``,
 optionally ``combined - combined.max(-1, keepdim=True).values`` (a per-row shift: the softmax is the same),
 ``softmax(combined)[..., :-1]`` — one value-less logit ``S[h]`` per query row (:func:`_match_sinks`; sink logits
@@ -194,10 +199,12 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical
     for sm in [n for n in graph.nodes if _is_softmax(n)]:
         chain = match_eager_attention(sm, lambda n: _guarded_scalar(n, placeholders, values, canon))
         if chain is not None:
-            canon.additive.extend(_replace_with_sdpa(graph, chain, canon))
+            canon.additive.extend(_replace_with_sdpa(graph, chain, canon, values))
     _resolve_softcaps(graph, placeholders, values, canon)
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA]:
         _specialise_scalars(node, placeholders, values, canon)
+        if node.meta.get("br_canonical") is None:
+            _key_bias_sdpa(graph, node, values, canon)
     for node in [n for n in graph.nodes if _call_in(n, DROPOUT)]:
         _specialise_dropout(node, placeholders, values, canon)
     removed += _remove_dead_code(graph)
@@ -1340,9 +1347,11 @@ def _path_to_scores(n: fx.Node) -> list[str]:
 # rewriting
 
 
-def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> list[fx.Node]:
+def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
+                       values: Optional[dict] = None) -> list[fx.Node]:
     """Insert ``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c, dropout_p=p)`` after the
-    chain's output matmul, redirect its users, erase the chain. Returns the node if it has a mask."""
+    chain's output matmul, redirect its users, erase the chain. Returns the node if it has a mask. A per-key
+    bias computed from trainable tensors (:func:`_key_bias`) becomes one more q/k feature."""
     scale = ch.scale
     if isinstance(scale, tuple):  # division by c
         c = scale[1]
@@ -1352,20 +1361,32 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> lis
         else:
             scale = 1.0 / c
     p = ch.dropout_p if ch.dropout_training is not False else 0.0
+    q, v, width = ch.q, ch.v, None
     with graph.inserting_before(ch.out):
-        mask = _canonical_mask(graph, ch)
         k = ch.k if ch.k_dims is None else _call(graph, "permute", (ch.k, *ch.k_dims))
+        keyed = _key_bias(graph, ch, k, scale, values or {})
+        if keyed is not None:
+            (q, k, v), masks, width, _ = keyed
+            ch = dataclasses.replace(ch, masks=masks)
+        mask = _canonical_mask(graph, ch)
     kwargs = {"attn_mask": mask, "dropout_p": p, "is_causal": False, "scale": scale}
     if ch.sinks is not None:  # read by attention.emit_sdpa; the canonical copy is analysed, never run
         kwargs["br_sinks"] = ch.sinks
     with graph.inserting_after(ch.out):
-        node = graph.call_function(F.scaled_dot_product_attention, (ch.q, k, ch.v), kwargs)
+        node = graph.call_function(F.scaled_dot_product_attention, (q, k, v), kwargs)
     node.meta.update(ch.out.meta)
     node.meta["br_canonical"] = "eager attention"
     if ch.softcap:
         node.meta["br_softcap"] = ch.softcap
     chain = " -> ".join(n.name for n in reversed(ch.dead))
     result = node
+    if width is not None:  # the values carry one zero feature for the key bias: drop it from the output
+        out = example_value(ch.out)
+        node.meta["example_value"] = torch.cat([out, out[..., :1]], -1) if out is not None else None
+        with graph.inserting_after(node):
+            result = graph.call_function(operator.getitem, (node, (Ellipsis, slice(None, width))))
+        result.meta["example_value"] = out
+        canon.notes.append(f"{node.name}: per-key bias {keyed[3].name} as one more q/k feature")
     if ch.merged_out:  # the users read the [B*H, Lq, D] product: the [B, H, Lq, D] output with (B, H) merged
         node.meta["example_value"] = example_value(ch.out).unflatten(0, (-1, ch.heads))
         with graph.inserting_after(node):
@@ -1378,6 +1399,134 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical) -> lis
     canon.notes.append(f"{node.name}: eager attention {chain} -> scaled_dot_product_attention")
     log.debug("canonical attention %s from eager chain %s", node.name, chain)
     return [node] if mask is not None else []
+
+
+#: How far back from an additive mask operand its per-key bias is searched (:func:`_key_bias_source`).
+_KEY_BIAS_DEPTH = 12
+
+
+def _key_bias(graph: fx.Graph, ch: EagerChain, k: fx.Node, scale: Any, values: dict) -> Optional[tuple]:
+    """An eager chain's additive mask step with a per-key bias (:func:`_key_feature`), as one more q/k feature:
+    ((q', k', v'), the mask steps with that step's operand replaced, D, u), or None. Not for soft-capped
+    scores (the bias is added after the cap) or 3-D attention."""
+    if ch.softcap or ch.heads is not None or ch.merged_out:
+        return None
+    for i, step in enumerate(ch.masks):
+        if step[0] != "add":
+            continue
+        found = _key_feature(graph, ch.q, k, ch.v, step[1], scale, step[-1], values)
+        if found is not None:
+            qkv, rest, width, u = found
+            masks = list(ch.masks)
+            masks[i] = ("add", rest, step[-1])
+            return qkv, masks, width, u
+    return None
+
+
+def _key_bias_sdpa(graph: fx.Graph, node: fx.Node, values: dict, canon: Canonical) -> None:
+    """The same for an SDPA node whose float ``attn_mask`` carries a per-key bias (HF Doge under ``sdpa``):
+    its q, k, v and mask are replaced in place and its users read the output without the extra feature."""
+    a = _sdpa_args(node)
+    M, q, k, v = a["attn_mask"], a["query"], a["key"], a["value"]
+    if not isinstance(M, fx.Node) or a["is_causal"] is not False or node.meta.get("br_softcap") \
+            or any(_tensor(x) is None for x in (q, M)) or not _tensor(M).is_floating_point():
+        return
+    scale = a["scale"] if a["scale"] is not None else float(hint(_tensor(q).shape[-1])) ** -0.5
+    with graph.inserting_before(node):
+        found = _key_feature(graph, q, k, v, M, scale, 1.0, values)
+    if found is None:
+        return
+    (q2, k2, v2), rest, width, u = found
+    for name, x in (("query", q2), ("key", k2), ("value", v2), ("attn_mask", rest), ("scale", scale)):
+        _set_sdpa_arg(node, name, x)
+    out = example_value(node)
+    with graph.inserting_after(node):
+        sliced = graph.call_function(operator.getitem, (node, (Ellipsis, slice(None, width))))
+    node.replace_all_uses_with(sliced, delete_user_cb=lambda n: n is not sliced)
+    sliced.meta["example_value"] = out
+    node.meta["example_value"] = torch.cat([out, out[..., :1]], -1) if out is not None else None
+    canon.notes.append(f"{node.name}: per-key bias {u.name} as one more q/k feature")
+
+
+def _key_feature(graph: fx.Graph, q: Any, k: Any, v: Any, M: Any, scale: Any, post: float,
+                 values: dict) -> Optional[tuple]:
+    """A per-key bias ``u[b, h, k]`` in the additive mask operand ``M`` as one more q/k feature, or None.
+
+    When ``M`` (added to the [B, H, Lq, Lk] scores, times ``post``) is built from a value ``u`` of shape
+    [B, Hu, 1, Lk] (constant along the queries: :func:`_key_bias_source`) computed from a trainable tensor (a
+    projection of the hidden states, HF Doge's ``exp(A * softplus(dt_proj(v)))``), then, with ``c`` the SDPA
+    scale,
+
+        ``c * q k^T + post * M  =  c * q' k'^T + post * (M - T(u))``,
+        ``q' = cat(q, 1)``, ``k' = cat(k, post / c * T(u)^T)``, ``v' = cat(v, 0)``
+
+    where ``T`` maps u's heads onto the H query heads (as repeat_kv: query head h reads u head
+    ``h // (H / Hu)``). ``M - T(u)`` replaces ``M``: exactly 0 where ``M`` was ``T(u)``, blocking where ``M``
+    blocked, so the mask classification proves on its probes (trainable tensors perturbed,
+    :func:`..masks.classify`) that the bias was ``T(u)`` wherever a key is visible, and refuses it as a bias
+    otherwise. v gets a zero feature so that q, k, v share one head dim (the tree-attention kernels); the output
+    drops it. Gradients reach u through k' (exact up to the reassociation of one product). Returns
+    ((q', k', v'), ``M - T(u)``, D (v's head dim), u); None when there is no such u, the scale is not a
+    number, q, k, v are not 4-D with one head count, Hu does not divide H, or u, M, q, k, v differ in dtype."""
+    if not isinstance(scale, numbers.Number) or not scale:
+        return None
+    tq, tk, tv = (_tensor(x) if isinstance(x, fx.Node) else None for x in (q, k, v))
+    if tq is None or tk is None or tv is None or tq.dim() != 4 or tk.dim() != 4 or tv.dim() != 4 \
+            or not _same(tq.shape[1], tk.shape[1]) or not _same(tk.shape[1], tv.shape[1]):
+        return None
+    H = int(hint(tq.shape[1]))
+    u = _key_bias_source(M, tq, tk, values)
+    if u is None:
+        return None
+    hu = int(hint(_tensor(u).shape[1]))
+    if H % hu or len({_tensor(x).dtype for x in (u, M, q, k, v)}) != 1:  # one dtype: no rounding to reproduce
+        return None
+    tu = u if hu in (1, H) else _call(graph, "repeat_interleave", (u, H // hu, 1))  # [B, H | 1, 1, Lk]
+    rest = _call(graph, operator.sub, (M, tu))
+    col = _call(graph, "transpose", (tu, -1, -2))  # [B, H | 1, Lk, 1]
+    col = _call(graph, operator.mul, (col, post / scale))
+    if hu == 1 and H != 1:
+        col = _call(graph, "expand", (col, -1, H, -1, -1))
+    col = _call(graph, "to", (col, tk.dtype))
+    q2 = _call(graph, torch.cat, ([q, _call(graph, torch.ones_like, (_call(graph, operator.getitem, (
+        q, (Ellipsis, slice(None, 1)))),))], -1))
+    k2 = _call(graph, torch.cat, ([k, col], -1))
+    v2 = _call(graph, torch.cat, ([v, _call(graph, torch.zeros_like, (_call(graph, operator.getitem, (
+        v, (Ellipsis, slice(None, 1)))),))], -1))
+    log.debug("per-key bias %s of %s: one more q/k feature", u.name, M.name)
+    return (q2, k2, v2), rest, int(hint(tv.shape[-1])), u
+
+
+def _key_bias_source(M: Any, tq: torch.Tensor, tk: torch.Tensor, values: dict) -> Optional[fx.Node]:
+    """The value ``u`` of shape [B, Hu, 1, Lk] (B and Lk the key's, Lq > 1) that the additive mask operand
+    ``M`` is built from along its first tensor operand (through views, expands, casts, ``masked_fill``,
+    ``where``: any op, the probes check the result), when u depends on a trainable tensor; else None."""
+    n = M
+    for _ in range(_KEY_BIAS_DEPTH):
+        if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+            return None
+        t = _tensor(n)
+        if t is not None and t.dim() == 4 and t.is_floating_point() and _same(t.shape[2], 1) \
+                and not _same(tq.shape[2], 1) and _same(t.shape[3], tk.shape[2]) and _same(t.shape[0], tk.shape[0]) \
+                and _trainable(n, values):
+            return n
+        n = _carried_operand(n)
+    return None
+
+
+def _carried_operand(n: fx.Node) -> Optional[fx.Node]:
+    """The operand an op carries along: ``where``'s first non-bool tensor value, else the first tensor argument."""
+    ops = [a for a in n.args if isinstance(a, fx.Node)]
+    if _call_in(n, WHERE):
+        ops = [a for a in ops[1:] if _tensor(a) is not None and _tensor(a).dtype != torch.bool] \
+            if n.op == "call_function" else ops[:1]
+    return ops[0] if ops else None
+
+
+def _trainable(n: fx.Node, values: dict) -> bool:
+    """Whether ``n`` depends on a graph input that requires grad (a parameter)."""
+    return any(p.op == "placeholder" and isinstance(values.get(p), torch.Tensor) and values[p].requires_grad
+               for p in ancestors(n))
 
 
 def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
@@ -1458,7 +1607,7 @@ def _call(graph: fx.Graph, target, args) -> fx.Node:
     op = "call_method" if isinstance(target, str) else "call_function"
     node = graph.create_node(op, target, args, {})
     try:
-        vals = [example_value(a) if isinstance(a, fx.Node) else a for a in args]
+        vals = list(fx.node.map_arg(tuple(args), example_value))
         node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:]) if op == "call_method"
                                       else target(*vals))
     except Exception:  # pragma: no cover - metadata is best effort; the probes evaluate the real thing

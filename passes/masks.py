@@ -30,7 +30,10 @@ trial (up to the rounding of the mask's dtype); the result is ``MaskInfo.alibi``
 depends on a trainable tensor (its gradient would be lost), or on the packed-sequence layout, is refused; the
 refusal says whether the bias also follows the values of a token input (it changes when only that input is
 reordered on a probe: a per-token bias such as a projection of the hidden states) or is a learned position
-bias (trained slopes, a relative-position table).
+bias (trained slopes, a relative-position table). The probes evaluate the subgraph with every trainable tensor
+perturbed (:func:`_perturbed_parameters`; the example batch keeps the real values), so a learned value cannot hide
+behind its initial value; a per-key bias has been moved into the keys by the canonicalisation before (what is left
+must be a mask on every probe).
 
 **Probe sizes.** A mask is [B, 1, L, L]: evaluating it on the example batch costs B·L² (73 GB at
 B = 16, L = 16,896). So the subgraph is evaluated at small synthetic sizes (B', L') instead, with every
@@ -399,15 +402,16 @@ def _probe_value(x: torch.Tensor, binary: bool, B: int, L: int, gen: torch.Gener
 class _Probes:
     """Builds the trials of one mask (see the module docstring)."""
 
-    def __init__(self, inputs: Sequence[fx.Node], values: dict, scaling: Scaling):
+    def __init__(self, inputs: Sequence[fx.Node], values: dict, scaling: Scaling, perturbed: Optional[dict] = None):
         self.inputs, self.values, self.sc = list(inputs), values, scaling
+        self.perturbed = perturbed or {}  # trainable tensors at generic values, for the probes (not the example)
         self.binary = {t: _binary(values[t]) for t in self.inputs}
         self.gen = torch.Generator().manual_seed(0)
 
     def trials(self, Bp: int, Lp: int, patterns: Iterable[int]) -> list[_Trial]:
         """Trials at (Bp, Lp), one per key-padding ``pattern`` (:func:`_probe_value`)."""
         sc, out = self.sc, []
-        v0 = dict(self.values)
+        v0 = {**self.values, **self.perturbed}
         syms = sc.symbol_values(Bp, Lp)
         if syms is None:
             raise ValueError(f"no integer size symbol gives the probe size ({Bp}, {Lp})")
@@ -464,12 +468,12 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
     inputs = [t for t in tree_inputs if t in anc_set]
     for n in anc:
         if n.op == "placeholder" and n not in tree_inputs and isinstance(values.get(n), torch.Tensor) \
-                and not is_static_input(n):
+                and values[n].dim() > 0 and not is_static_input(n):  # 0-dim: a lifted scalar, guarded by pack
             raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
     sc = Scaling.of(tree_inputs[0], values, anc)
     dynamic = _is_symbolic_length(tree_inputs[0])
     small = sc.B * sc.L * sc.L <= MAX_PROBE_ELEMENTS
-    probes = _Probes(inputs, values, sc)
+    probes = _Probes(inputs, values, sc, _perturbed_parameters(mask, values))
     trials = probes.example_trials() if small else []
     limit: Optional[tuple[int, str]] = None
     if dynamic or not small:

@@ -30,7 +30,7 @@ from brcompile.passes.axes import (
     node_args, propagate, rule_for, shape_of,
 )
 from brcompile.passes.functionalize import functionalize
-from brcompile.passes.guards import BatchGuard
+from brcompile.passes.guards import BatchGuard, scalar_equals
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.rules import scan as scan_rules
@@ -204,6 +204,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         _check_column_free(gm, mask_nodes, sequences)
     guards = canon.guards + _mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences,
                                          mask_keys, placeholders, example_inputs)
+    guards += _mask_scalar_guards([m for a, m in zip(attentions, mask_args) if a not in outside], placeholders, values)
     return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
                     guards, canon.notes, sequences, input_mask)
 
@@ -423,6 +424,23 @@ def _attention_batch_dims(attn: fx.Node) -> tuple[int, int]:
     return hint(q.shape[0]), hint(q.shape[-2])
 
 
+def _mask_scalar_guards(mask_args, placeholders: list, values: dict) -> list:
+    """A per-call ``scalar_equals`` guard for every 0-dim tensor input a mask is computed from (a float module
+    attribute Dynamo lifts under ``dynamic=True``, e.g. an embedding's ``norm_type`` on the way to a per-key
+    bias projected from the hidden states): the mask's meaning is proven at its example value only."""
+    seen, guards = set(), []
+    for m in mask_args:
+        if not isinstance(m, fx.Node):
+            continue
+        for n in masks_mod.ancestors(m):
+            v = values.get(n) if n.op == "placeholder" else None
+            if n in seen or not isinstance(v, torch.Tensor) or v.dim() != 0 or is_static_input(n):
+                continue
+            seen.add(n)
+            guards.append(scalar_equals(placeholders.index(n), v.item(), f"mask scalar {n.name}"))
+    return guards
+
+
 def _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders) -> None:
     """An attention mask must be computed inside the graph from [B, L] tree inputs (or be absent, with
     ``is_causal``): a mask that is itself a graph input, or is built from one (a [B, 1, L, L] mask made
@@ -434,7 +452,7 @@ def _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders) 
             if n.op != "placeholder" or is_static_input(n):
                 continue
             v = example_value(n)
-            if not isinstance(v, torch.Tensor):
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:  # a lifted scalar: guarded (_mask_scalar_guards)
                 continue
             if n not in tree_inputs:
                 raise CannotReplay(

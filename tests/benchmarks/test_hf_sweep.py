@@ -1,5 +1,5 @@
-"""benchmarks/hf_sweep.py: the per-architecture function classifies (llama replays exactly, Doge falls back
-because its attention bias is projected from the value states) and the summary normalises reasons into classes. Classifications, not timings."""
+"""benchmarks/hf_sweep.py: the per-architecture function classifies (llama and Doge replay exactly, Inkling falls
+back because each query mixes a trained bank of relative-position bias profiles, a bias of the query and key tokens) and the summary normalises reasons into classes. Classifications, not timings."""
 import pytest
 
 pytest.importorskip("transformers", minversion="5.0")
@@ -18,12 +18,21 @@ def test_llama_replays_exactly():
     assert row["loss_err"] <= row["bound"] and row["grad_err"] <= row["bound"]
 
 
-def test_doge_falls_back_with_reason():
+def test_doge_replays_exactly():
+    # Doge adds exp(A[h]·softplus(dt_proj(v[b, k]))) per key: one more q/k feature (the per-key bias)
     row = hf_sweep.run_arch("doge")
+    assert row["status"] == "replayed", row
+    assert row["replayed_calls"] >= 1 and row["fallback_calls"] == 0
+    assert row["executed_tokens"] < row["logical_tokens"]
+    assert row["loss_err"] <= row["bound"] and row["grad_err"] <= row["bound"]
+
+
+def test_inkling_falls_back_with_reason():
+    row = hf_sweep.run_arch("inkling_text")
     assert row["status"] == "fell back", row
     assert row["replayed_calls"] == 0 and row["fallback_calls"] >= 1
     reasons = hf_sweep.row_reasons(row)
-    # Doge adds exp(A[h]·softplus(dt_proj(v[b, k]))) per key: a per-token bias through trainable tensors
+    # each query mixes trained bias-vs-distance profiles projected from its hidden state: per query and key token
     assert any("trainable tensor" in r and "a per-token bias" in r for r in reasons), reasons
     assert row["loss_err"] <= row["bound"] and row["grad_err"] <= row["bound"]  # the original graph ran
 

@@ -284,11 +284,12 @@ def test_sequence_positions_are_well_formed():
 
 class BiasLM(nn.Module):
     """One attention layer with a float mask that adds a trainable bias: ``bias="slopes"``, ALiBi with learned
-    per-head slopes ``m[h] * (k - q)``; ``bias="per_key"``, Doge's ``exp(A[h] * softplus(proj(v[b, h, k])))``
+    per-head slopes ``m[h] * (k - q)``; ``bias="per_key"``, Doge's ``u = exp(A[h] * softplus(proj(v[b, h, k])))``
     (the same for every query, different per token) with Doge's initial ``A = 0``, where the bias is 1
-    everywhere and shows what it follows only for other values of ``A``."""
+    everywhere and shows what it follows only for other values of ``A``; ``bias="query_key"``, ``u[q] * u[k]``
+    (per token in both the query and the key)."""
 
-    def __init__(self, bias, vocab=37, dim=16, heads=2):
+    def __init__(self, bias, vocab=37, dim=16, heads=2, A=0.0):
         super().__init__()
         self.heads, self.bias = heads, bias
         self.emb = nn.Embedding(vocab, dim)
@@ -297,7 +298,7 @@ class BiasLM(nn.Module):
             self.slopes = nn.Parameter(torch.tensor([-0.5, -0.25]))
         else:
             self.key_bias = nn.Linear(dim // heads, 1)
-            self.A = nn.Parameter(torch.zeros(heads))
+            self.A = nn.Parameter(torch.full((heads,), A))
         self.out = nn.Linear(dim, vocab)
 
     def forward(self, ids, am):
@@ -308,7 +309,7 @@ class BiasLM(nn.Module):
             b = self.slopes[None, :, None, None] * (i[None, :] - i[:, None])[None, None]
         else:
             u = torch.exp(self.A[None, :, None] * F.softplus(self.key_bias(v)[..., 0]))
-            b = u[:, :, None, :].expand(-1, -1, L, -1)
+            b = u[:, :, None, :].expand(-1, -1, L, -1) if self.bias == "per_key" else u[:, :, None, :] * u[..., None]
         visible = (i[:, None] >= i[None, :])[None, None] & am[:, None, None, :].bool()
         m = b.masked_fill(~visible, torch.finfo(b.dtype).min)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
@@ -317,7 +318,7 @@ class BiasLM(nn.Module):
 
 @pytest.mark.parametrize("bias, reason", [
     ("slopes", "a learned position bias"),
-    ("per_key", "computed from the values of"),
+    ("query_key", "computed from the values of"),
 ])
 def test_trainable_bias_is_refused_naming_its_kind(bias, reason):
     """A bias computed from a parameter falls back (its gradient would be lost) exactly, and the reason tells a
@@ -327,3 +328,19 @@ def test_trainable_bias_is_refused_naming_its_kind(bias, reason):
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     assert any("trainable tensor" in r and reason in r for r in s.fallback_reasons), str(s)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("A", [0.0, 0.7])
+def test_per_key_bias_replays_exactly(A, dynamic):
+    """A trainable bias of the key token alone, ``u[b, h, k]`` added to every query's scores, replays as one
+    more q/k feature (canonicalize's per-key bias): loss and every gradient (A's and the projection's through
+    u included) exact, with key padding, at Doge's initial ``A = 0`` and at another ``A``."""
+    model = BiasLM("per_key", A=A).double()
+    batches = [shared_batch(3, 5, 4, right_pad=2)] + ([shared_batch(4, 7, 3, seed=2, right_pad=1)] if dynamic else [])
+    backend = run_exact(model, batches, dynamic=dynamic)
+    s = brcompile.stats()
+    assert s.replayed_calls == len(batches) and s.fallback_calls == 0, str(s)
+    assert s.executed_tokens < s.logical_tokens, str(s)
+    code = backend.records[-1].packed_code  # q gets a ones feature, v a zeros one (the bias rides on k)
+    assert "torch.ones_like" in code and "torch.zeros_like" in code, code

@@ -1212,6 +1212,74 @@ class SoftMultiplicativeMask(OpenAIGPT):
         super().__init__(fill=-10.0)
 
 
+# --------------------------------------------------------------------------------------------------
+# Per-key bias (HF Doge's "dynamic mask"): the scores get ``u[b, h, k] = exp(A[h] * softplus(dt(v[b, k])))``,
+# a projection of the value states of the key token (one per kv head, repeated to the query heads with the
+# mask), merged into the causal mask by ``masked_fill``. A bias of the query and the key token stays refused.
+
+
+class KeyBiasAttention(HFAttention):
+    def __init__(self):
+        super().__init__()
+        self.A = nn.Parameter(0.5 * torch.randn(2))
+        self.dt_proj = nn.Linear(2 * HS, 2)
+
+    def forward(self, hidden_states, cos, sin, attention_mask):
+        bsz, q_len, _ = hidden_states.size()
+        query_states = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        query_states, key_states = hf_apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        dt = self.dt_proj(value_states.transpose(1, 2).reshape(bsz, q_len, -1))
+        dt = torch.exp(self.A * F.softplus(dt)).transpose(-1, -2)  # [B, Hkv, L]
+        mask = self.bias_mask(dt, query_states, attention_mask)
+        mask = hf_repeat_kv(mask, self.num_key_value_groups)
+        key_states = hf_repeat_kv(key_states, self.num_key_value_groups)
+        value_states = hf_repeat_kv(value_states, self.num_key_value_groups)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.head_dim ** -0.5
+        attn_weights = attn_weights + mask
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+        attn_output = torch.matmul(attn_weights, value_states)
+        attn_output = attn_output.transpose(1, 2).contiguous().reshape(bsz, q_len, -1)
+        return self.o_proj(attn_output)
+
+    def bias_mask(self, dt, query_states, attention_mask):
+        mask = dt[:, :, None, :].expand(-1, -1, dt.shape[-1], -1)
+        return mask.masked_fill(attention_mask != 0, torch.finfo(dt.dtype).min)
+
+
+class QueryKeyBiasAttention(KeyBiasAttention):
+    """The per-key bias times a function of the query token: not constant along the queries."""
+
+    def bias_mask(self, dt, query_states, attention_mask):
+        mask = dt[:, :, None, :] * dt[:, :, :, None]
+        return mask.masked_fill(attention_mask != 0, torch.finfo(dt.dtype).min)
+
+
+class KeyBiasLayer(HFLayer):
+    attention = KeyBiasAttention
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = self.attention()
+
+
+class QueryKeyBiasLayer(KeyBiasLayer):
+    attention = QueryKeyBiasAttention
+
+
+class KeyBias(HFLlama):
+    layer = KeyBiasLayer
+
+    def __init__(self):
+        Decoder.__init__(self, self.layer, norm=HFRMSNorm)
+        self.rotary_emb = HFRotaryEmbedding()
+
+
+class QueryKeyBias(KeyBias):
+    layer = QueryKeyBiasLayer
+
+
 #: style name -> model class (replays: exact and shared)
 REPLAY = {
     "nanogpt_flash": NanoGPT,
@@ -1232,6 +1300,7 @@ REPLAY = {
     "bmm_3d": Bmm3D,
     "hf_bart": Bart,
     "openai_gpt": OpenAIGPT,
+    "key_bias": KeyBias,
 }
 
 #: style name -> (model class, a phrase the fallback reason must contain)
@@ -1239,6 +1308,7 @@ FALLBACK = {
     "quadratic_bias": (QuadraticBias, "not ALiBi"),
     "learned_alibi_slopes": (LearnedSlopes, "trainable"),
     "soft_multiplicative_mask": (SoftMultiplicativeMask, "does not block"),
+    "query_key_bias": (QueryKeyBias, "per-token bias"),
 }
 
 
