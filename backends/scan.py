@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SCAN_IMPLS", "ScanError", "ScanImpl", "get_scan_impl", "register_scan_impl", "tree_parent",
            "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan", "ancestor_doubling",
-           "path_ancestors", "TREE_PATH_OPS", "reference_cumsum", "reference_causal_conv1d",
+           "path_ancestors", "TREE_PATH_OPS", "tree_linear_scan_cached", "tree_cumsum_cached",
+           "tree_causal_conv1d_cached", "reference_cumsum", "reference_causal_conv1d",
            "reference_linear_scan"]
 
 
@@ -577,9 +578,57 @@ def _linear_scan_backward_flop(grad, a, h, parent, dim, *args, out_val=None, **k
 
 
 #: Ops whose output at a token reads its ancestors along the tree path (not token-local): the streaming
-#: split must not run them on a chunk of tails cut from its prefix (passes/split.py).
+#: split runs them on a chunk of tails with the cached values of the chunk's ancestors in the prefix (the
+#: ``*_cached`` functions below; passes/split.py).
 TREE_PATH_OPS = (torch.ops.brcompile.tree_cumsum.default, torch.ops.brcompile.tree_causal_conv1d.default,
                  torch.ops.brcompile.tree_linear_scan.default)
+
+
+# ----------------------------------------------------------------------------- against a cached prefix
+#
+# Streaming replay (passes/split.py) runs a scan on a chunk of tail tokens whose local tree (``parent``)
+# holds the chunk's own tokens only: a chunk token whose path leaves the chunk continues in the prefix,
+# which ran before. ``ancestors [R, n]`` (brcompile.runtime.streaming.Chunk.ancestors) holds, row i-1, the
+# prefix-local id of the chunk token's i-th ancestor when that is a prefix token, else -1; along a path
+# the chunk's tokens come first, then prefix tokens only. Each function adds the prefix's part to the
+# local scan with ordinary (differentiable) ops, so the gradient of the cached prefix values is exact and
+# flows back into the prefix like the cached K/V's.
+
+
+def _prefix_rows(cache: Tensor, ids: Tensor, dim: int) -> Tensor:
+    """``cache`` gathered along ``dim`` at the prefix-local ``ids`` (zeros where ``ids == -1``)."""
+    got = cache.index_select(dim, ids.clamp(min=0))
+    keep = ids.ge(0).view([-1 if d == dim else 1 for d in range(got.dim())])
+    return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
+
+
+def tree_linear_scan_cached(a: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str, h_cache: Tensor,
+                            ancestors: Tensor) -> Tensor:
+    """``h[k] = a[k] * h[parent(k)] + b[k]`` where the parent of a chunk root may be a prefix token: its
+    state is the prefix scan's output ``h_cache`` there. The chunk's scan with ``b[k] + a[k] *
+    h_cache[p(k)]`` at those roots (``p(k) = ancestors[0, k]``; 0 added elsewhere): the root's recurrence
+    step, then the local recurrence unchanged."""
+    b = b + a * _prefix_rows(h_cache, ancestors[0], dim % h_cache.dim())
+    return torch.ops.brcompile.tree_linear_scan(a, b, parent, dim, impl)
+
+
+def tree_cumsum_cached(x: Tensor, parent: Tensor, dim: int, out_cache: Tensor, ancestors: Tensor) -> Tensor:
+    """The path sum where a chunk root's parent may be a prefix token: ``x[k] + out_cache[p(k)]`` at those
+    roots (the prefix's path sum at the parent, ``p(k) = ancestors[0, k]``), then the local path sum."""
+    x = x + _prefix_rows(out_cache, ancestors[0], dim % out_cache.dim())
+    return torch.ops.brcompile.tree_cumsum(x, parent, dim)
+
+
+def tree_causal_conv1d_cached(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor, impl: str,
+                              x_cache: Tensor, ancestors: Tensor) -> Tensor:
+    """The causal conv where the last W-1 ancestors of a chunk token may be prefix tokens: the local conv
+    (taps past the chunk are zero there) plus ``sum_{1<=i<W} weight[c, 0, W-1-i] * x_cache[:, c,
+    ancestors[i-1, k]]`` (zero where that ancestor is not a prefix token) — the taps the local tree misses."""
+    out = torch.ops.brcompile.tree_causal_conv1d(x, weight, bias, parent, impl)
+    W = weight.shape[2]
+    for i in range(1, W):  # W-1 taps (a handful), not tokens
+        out = out + weight[:, 0, W - 1 - i].view(1, -1, 1) * _prefix_rows(x_cache, ancestors[i - 1], 2)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- oracles

@@ -8,13 +8,23 @@ token-local part between the two:
             that do not depend on tree_index
 
 Every trunk value carries the token dim N exactly once (checked on a fake-tensor run with a symbolic N),
-and the only op that mixes tokens is tree attention; so the trunk can run on any token subset whose
+and the only ops that mix tokens are tree attention and the scans along the tree paths (backends/scan.py:
+``TREE_PATH_OPS``), both reading a token's ancestors only; so the trunk can run on any token subset whose
 ancestors it can see. :func:`split_for_replay` emits three graphs:
 
-- **prefix**: the trunk on the prefix tokens; outputs the frontier (trunk values the outer graph reads)
-  and, per attention, its K and V: the **cached replay nodes**;
+- **prefix**: the trunk on the prefix tokens; outputs the frontier (trunk values the outer graph reads),
+  per attention its K and V, and per scan what a tail token reads of its ancestors (a linear scan's state
+  h, a cumsum's path sum — both the scan's output, read at the parent —, a causal conv1d's input x, read
+  at the last W-1 ancestors): the **cached replay nodes**. None costs memory: each is kept for the
+  prefix's own backward anyway;
 - **tail**: the trunk on one chunk of tail tokens; each ``tree_attention_forward`` becomes
-  ``tree_attention_cached_forward`` that also attends the cached K/V (backends/cached.py);
+  ``tree_attention_cached_forward`` that also attends the cached K/V (backends/cached.py); each scan runs
+  on the chunk's own paths (``tree_parent`` of the chunk's ``end``) plus the cached values gathered at the
+  chunk tokens' prefix ancestors (``cache_ancestors``: ``Chunk.ancestors``, brcompile/runtime/streaming.py),
+  by ``tree_linear_scan_cached`` / ``tree_cumsum_cached`` / ``tree_causal_conv1d_cached`` (backends/scan.py):
+  ordinary differentiable ops around the scan, so the cached values' gradients flow back into the prefix
+  as the cached K/V's do. A chunk is made of leaf segments, whose ancestors outside the chunk are all
+  prefix tokens (never another chunk's);
 - **outer**: the packed graph with the trunk replaced by one call of ``replay_trunk`` (a
   brcompile.runtime.streaming.ReplayTrunk submodule) that returns the frontier at all N tokens.
 
@@ -33,7 +43,9 @@ import torch.fx as fx
 
 from brcompile.backends.ops import attention_extras, attention_scores_extras
 from brcompile.backends.matrix_scan import MATRIX_PATH_OPS
-from brcompile.backends.scan import TREE_PATH_OPS
+from brcompile.backends.scan import (
+    TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
+)
 from brcompile.passes.repack import repack_tokens
 from brcompile.passes.axes import CannotReplay
 from brcompile.passes.check import symbolic_run, token_positions
@@ -45,6 +57,9 @@ __all__ = ["ReplaySplit", "split_for_replay"]
 
 #: Per-token tree arrays of the packed graph that the trunk reads (in the trunk graphs' order).
 _ATTENTION = torch.ops.brcompile.tree_attention_forward.default
+_CONV = torch.ops.brcompile.tree_causal_conv1d.default
+_LINEAR_SCAN = torch.ops.brcompile.tree_linear_scan.default
+_PARENT = torch.ops.brcompile.tree_parent.default
 _AUTOCAST_REGION = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
 
 
@@ -60,6 +75,8 @@ class ReplaySplit:
     cached: tuple[str, ...]  # attention nodes whose K/V the prefix caches
     trunk_nodes: int
     bytes_per_token: int  # bytes per packed token of the trunk's non-view values (a bound on what is saved)
+    cached_scans: tuple[str, ...] = ()  # tree scans whose prefix values the prefix caches (_scan_cache)
+    scan_depth: int = 0  # ancestors a tail token's scans read along its path (the chunks' ``ancestors`` rows)
 
 
 def _token_dims(val, n) -> list[int]:
@@ -105,12 +122,17 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     token_side = _descendants(tok_nodes)
     trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
-    scan = next((n for n in trunk if n.target in TREE_PATH_OPS + MATRIX_PATH_OPS), None)
-    if scan is not None:  # a chunk's tree arrays hold its own tokens only, not their ancestors in the prefix
-        raise CannotReplay("streaming replay: a scan along the tree paths (cumsum, causal conv1d) reads each "
-                           "tail token's ancestors in the prefix (the packed mode runs)", scan)
-    if not any(n.target is _ATTENTION for n in trunk):
-        raise CannotReplay("streaming replay: no tree attention in the token-local part of the graph")
+    matrix = next((n for n in trunk if n.target in MATRIX_PATH_OPS), None)
+    if matrix is not None:  # its state at a chunk's prefix ancestors is not cached (not done)
+        raise CannotReplay("streaming replay: a matrix scan along the tree paths (the gated delta rule) reads "
+                           "each tail token's ancestors' state in the prefix, which is not cached (the packed "
+                           "mode runs)", matrix)
+    scans = [n for n in trunk if n.target in TREE_PATH_OPS]
+    for n in scans:
+        _check_scan(n, tok_nodes)
+    if not scans and not any(n.target is _ATTENTION for n in trunk):
+        raise CannotReplay("streaming replay: no tree attention and no tree scan in the token-local part of the "
+                           "graph (nothing reads a prefix token from a tail token)")
     bytes_per_token = 0
     for n in trunk:
         val = n.meta.get("val")
@@ -137,16 +159,56 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
         if a.args[4] not in (tok_nodes.valid, tok_nodes.all_valid):
             raise CannotReplay("streaming replay: an attention's key validity is not a tree array", a)
     dims = tuple(_token_dims(n.meta["val"], n_sym)[0] for n in frontier)
-    prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, cached=False)
-    tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, cached=True)
+    prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, cached=False)
+    tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, cached=True)
     outer = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
     return ReplaySplit(outer, prefix, tail, tuple(n.name for n in ext),
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
-                       len(trunk), bytes_per_token)
+                       len(trunk), bytes_per_token, tuple(n.name for n in scans),
+                       max((_scan_depth(n) for n in scans), default=0))
 
 
-def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached: bool) -> fx.GraphModule:
-    """The trunk as a graph of (*ext, *token arrays[, *cache, cache_valid, cache_all_valid, cross])."""
+def _scan_depth(scan: fx.Node) -> int:
+    """How many ancestors along its path a token's value of ``scan`` reads: the parent (the state or path
+    sum there) for a linear scan or cumsum, the W-1 previous taps for a causal conv1d of width W."""
+    if scan.target is _CONV:
+        return int(scan.args[1].meta["val"].shape[2]) - 1
+    return 1
+
+
+def _check_scan(scan: fx.Node, tok_nodes) -> None:
+    """A scan the tail graph can run against the cache: its parents are ``tree_parent(end)`` of the tree
+    (the chunk's own ``end`` gives the chunk's local paths)."""
+    parent = scan.args[{_CONV: 3, _LINEAR_SCAN: 2}.get(scan.target, 1)]
+    if not (parent.op == "call_function" and parent.target is _PARENT and parent.args[0] is tok_nodes.end):
+        raise CannotReplay("streaming replay: a scan along the tree paths whose parents are not the tree's "
+                           "(the packed mode runs)", scan)
+
+
+def _cached_scan(g: fx.Graph, scan: fx.Node, env: dict, cache: fx.Node, ancestors: fx.Node) -> fx.Node:
+    """``scan`` on a chunk against its cached prefix values (backends/scan.py: ``*_cached``)."""
+    args = tuple(env[a] if isinstance(a, fx.Node) else a for a in scan.args)
+    if scan.target is _CONV:
+        x, w, b, parent = args[:4]
+        impl = args[4] if len(args) > 4 else "auto"
+        return g.call_function(tree_causal_conv1d_cached, (x, w, b, parent, impl, cache, ancestors))
+    if scan.target is _LINEAR_SCAN:
+        a, b, parent, dim = args[:4]
+        impl = args[4] if len(args) > 4 else "auto"
+        return g.call_function(tree_linear_scan_cached, (a, b, parent, dim, impl, cache, ancestors))
+    x, parent, dim = args
+    return g.call_function(tree_cumsum_cached, (x, parent, dim, cache, ancestors))
+
+
+def _scan_cache(scan: fx.Node) -> fx.Node:
+    """The prefix value a scan's tail tokens read: a conv's input x (its taps), a linear scan's state h or a
+    cumsum's path sum (the scan's output at the parent)."""
+    return scan.args[0] if scan.target is _CONV else scan
+
+
+def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, *, cached: bool) -> fx.GraphModule:
+    """The trunk as a graph of (*ext, *token arrays[, *cache, cache_valid, cache_all_valid, cross,
+    cache_position, cache_ancestors]); the cache is every attention's K and V, then one value per scan."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in ext:
@@ -155,12 +217,16 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached:
         env[n] = g.placeholder(f"tree_{name}")
     if cached:
         cache = {a: (g.placeholder(f"cache_k_{a.name}"), g.placeholder(f"cache_v_{a.name}")) for a in attentions}
+        scan_cache = {n: g.placeholder(f"cache_{n.name}") for n in scans}
         cache_valid = {tok_nodes.valid: g.placeholder("cache_valid"),
                        tok_nodes.all_valid: g.placeholder("cache_all_valid")}
         cross = g.placeholder("cross")
         cache_position = g.placeholder("cache_position")
+        ancestors = g.placeholder("cache_ancestors")
     for n in trunk:
-        if cached and n.target is _ATTENTION:
+        if cached and n in scan_cache:
+            new = _cached_scan(g, n, env, scan_cache[n], ancestors)
+        elif cached and n.target is _ATTENTION:
             q, k, v, end, valid, segments, scale, impl = n.args[:8]
             window, position, softcap = attention_extras(n.args)
             kc, vc = cache[n]
@@ -184,6 +250,7 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, *, cached:
     outs = [env[n] for n in frontier]
     if not cached:
         outs += [env[x] for a in attentions for x in (a.args[1], a.args[2])]
+        outs += [env[_scan_cache(n)] for n in scans]
     g.output(tuple(outs))
     g.lint()
     gm = fx.GraphModule(packed, g, class_name="ReplayTail" if cached else "ReplayPrefix")

@@ -6,14 +6,15 @@ The packed tree is cut in two (:func:`plan_replay`):
   at any depth). It is closed under ancestors, so it is a forest of its own, in the same DFS order;
 - the **tails**: the leaf segments (a chain that ends in a leaf — one rollout's own suffix). A leaf
   segment's ancestors are all prefix tokens, so a chunk of leaf segments needs, besides its own tokens,
-  only the prefix's K/V ("everything above the chunk is cached").
+  only the prefix's K/V and scan values ("everything above the chunk is cached"); ``Chunk.ancestors``
+  says where along each chunk token's path the prefix starts (for the scans).
 
 :class:`ReplayFunction` is one autograd node around the token-local part of the packed graph (the
 "trunk", split off by :mod:`brcompile.passes.split`):
 
 forward
     run the prefix graph once with grad (its activations are the only ones kept; it also returns every
-    attention's K/V: the cached replay nodes), then each tail chunk under ``no_grad`` against the
+    attention's K/V and every tree scan's prefix values: the cached replay nodes), then each tail chunk under ``no_grad`` against the
     detached cache, writing the chunk's outputs into the full [.., N, ..] outputs.
 backward
     re-run each chunk with grad against the cache (leaves), pull the chunk's share of the upstream
@@ -52,6 +53,7 @@ class Chunk:
     end: Tensor  # [n] local subtree ends (a chunk is a set of leaf chains)
     segments: Tensor  # [s, 3] local (start, stop, subtree_end)
     cross: Tensor  # [C, 4] (q_start, q_stop, k_start, k_stop): chunk queries x prefix keys
+    ancestors: Tensor  # [R, n] prefix-local id of each token's i-th ancestor (row i-1) when it is a prefix token, else -1
 
     @property
     def tokens(self) -> int:
@@ -88,9 +90,10 @@ def _count_before(mask: Tensor) -> Tensor:
     return c
 
 
-def plan_replay(end: Tensor, segments: Tensor, chunk_tokens: int) -> ReplaySchedule:
+def plan_replay(end: Tensor, segments: Tensor, chunk_tokens: int, depth: int = 0) -> ReplaySchedule:
     """Cut a packed tree into prefix + chunks of leaf segments of at most ``chunk_tokens`` tokens each
-    (a leaf segment longer than that is a chunk of its own).
+    (a leaf segment longer than that is a chunk of its own). ``depth``: how many ancestors along its path
+    each chunk token's tree scans read (``Chunk.ancestors``; 0 without scans).
 
     A segment (s0, s1, e) is a leaf chain iff s1 == e. Prefix = all other segments; in prefix-local ids a
     token's subtree end is the number of prefix tokens before its end. For a chunk with sorted packed ids
@@ -111,6 +114,7 @@ def plan_replay(end: Tensor, segments: Tensor, chunk_tokens: int) -> ReplaySched
     prefix_segments = torch.stack([before[psegs[:, 0]], before[psegs[:, 1]], before[psegs[:, 2]]], 1)
     prefix_end = before[end[prefix_ids]]
 
+    anc = _prefix_ancestors(end, in_prefix, before, depth)
     leaves = segments[leaf]
     chunks = []
     sizes = (leaves[:, 1] - leaves[:, 0]).tolist()
@@ -120,13 +124,29 @@ def plan_replay(end: Tensor, segments: Tensor, chunk_tokens: int) -> ReplaySched
         while stop < len(sizes) and total + sizes[stop] <= chunk_tokens:
             total += sizes[stop]
             stop += 1
-        chunks.append(_chunk(leaves[start:stop], psegs, before))
+        chunks.append(_chunk(leaves[start:stop], psegs, before, anc))
         start = stop
     return ReplaySchedule(prefix_ids, prefix_end, prefix_segments, tuple(chunks), n)
 
 
-def _chunk(leaves: Tensor, psegs: Tensor, before: Tensor) -> Chunk:
-    """The chunk made of leaf segments ``leaves`` [s, 3] (packed ids), with its cross rows."""
+def _prefix_ancestors(end: Tensor, in_prefix: Tensor, before: Tensor, depth: int) -> Tensor:
+    """``[depth, N]``: row i-1 holds the prefix-local id of ``anc_i(k)``, the i-th ancestor of k along its
+    path, when that is a prefix token, else -1 (past a root, or an ancestor in k's own leaf segment). A
+    leaf segment's ancestors outside it are prefix tokens, so a chunk token reads along its path first
+    tokens of its own chunk (the chunk's local tree), then cached prefix tokens (these ids)."""
+    from brcompile.backends.scan import parent_from_end, path_ancestors
+
+    if depth == 0:
+        return end.new_empty(0, end.shape[0], dtype=torch.int64)
+    anc = path_ancestors(parent_from_end(end), depth + 1)[1:]
+    hit = anc >= 0
+    hit[hit.clone()] = in_prefix[anc[hit]]
+    return torch.where(hit, before[anc.clamp(min=0)], -1)
+
+
+def _chunk(leaves: Tensor, psegs: Tensor, before: Tensor, anc: Tensor) -> Chunk:
+    """The chunk made of leaf segments ``leaves`` [s, 3] (packed ids), with its cross rows and its tokens'
+    prefix ancestors (columns ``ids`` of ``anc``, :func:`_prefix_ancestors`)."""
     lens = leaves[:, 1] - leaves[:, 0]
     total = int(lens.sum())
     stops = lens.cumsum(0)
@@ -138,7 +158,7 @@ def _chunk(leaves: Tensor, psegs: Tensor, before: Tensor) -> Chunk:
     q1 = torch.searchsorted(ids, psegs[:, 2].contiguous())
     hit = q1 > q0
     cross = torch.stack([q0[hit], q1[hit], before[psegs[hit, 0]], before[psegs[hit, 1]]], 1)
-    return Chunk(ids, end, segments, cross)
+    return Chunk(ids, end, segments, cross, anc[:, ids])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +166,11 @@ class TrunkGraphs:
     """The two compiled halves of a trunk (see brcompile.passes.split.ReplaySplit)."""
 
     prefix: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments) -> (*frontier, *kv)
-    tail: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments, *kv_cache, cache_valid,
-    #                 cache_all_valid, cross, cache_position) -> (*frontier)
+    tail: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments, *cache, cache_valid,
+    #                 cache_all_valid, cross, cache_position, cache_ancestors) -> (*frontier)
     frontier_dims: tuple[int, ...]  # the token dim of each frontier output
-    n_cached: int  # number of cached tensors (2 per attention: K and V)
+    n_cached: int  # number of cached tensors (2 per attention: K and V; 1 per tree scan)
+    scan_depth: int = 0  # ancestors a tail token's scans read along its path (Chunk.ancestors' rows)
 
 
 def _leaf(x):
@@ -208,23 +229,24 @@ class ReplayFunction(torch.autograd.Function):
         wrt = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad]
         acc: list[Optional[Tensor]] = [None] * len(leaves)
         cache_grads = [torch.zeros_like(c) for c in ctx.cache]
+        cwrt = [j for j, c in enumerate(ctx.cache) if c.requires_grad]
         dims = graphs.frontier_dims
         for chunk in schedule.chunks:
             ids = chunk.ids.to(dev)
             g_out = [None if g is None else g.index_select(d, ids) for g, d in zip(grads, dims)]
             if all(g is None for g in g_out):
                 continue
-            cache = [c.detach().requires_grad_() for c in ctx.cache]
+            cache = [c.detach().requires_grad_(c.requires_grad) for c in ctx.cache]  # integer caches: no grad
             with torch.enable_grad(), _autocast_as(ctx.autocast):  # the forward's autocast, as checkpointing
                 part = _run_tail(graphs, leaves, chunk, rep_row, position, valid, cache, pre_valid, pre_position)
                 used = [(t, g) for t, g in zip(part, g_out) if g is not None and t.requires_grad]
-                got = torch.autograd.grad([t for t, _ in used], [leaves[i] for i in wrt] + cache,
+                got = torch.autograd.grad([t for t, _ in used], [leaves[i] for i in wrt] + [cache[j] for j in cwrt],
                                           [g for _, g in used], allow_unused=True) if used else ()
             for i, g in zip(wrt, got[:len(wrt)]):
                 _accumulate(acc, i, g)
-            for cg, g in zip(cache_grads, got[len(wrt):]):
+            for j, g in zip(cwrt, got[len(wrt):]):
                 if g is not None:
-                    cg.add_(g)
+                    cache_grads[j].add_(g)
         pid = schedule.prefix_ids.to(dev)
         outs, gouts = [], []
         for t, g, d in zip(ctx.pre_front, grads, dims):
@@ -280,7 +302,7 @@ def _run_tail(graphs: TrunkGraphs, ext: Sequence, chunk: Chunk, rep_row: Tensor,
     tree = TokenArrays(rep_row=_take(rep_row, ids), position=_take(position, ids), end=chunk.end.to(dev),
                        valid=v, all_valid=torch.ones_like(v), segments=chunk.segments.to(dev))
     out = graphs.tail(*ext, *tree, *cache, pre_valid, torch.ones_like(pre_valid), chunk.cross.to(dev),
-                      pre_position)
+                      pre_position, chunk.ancestors.to(dev))
     return tuple(out)
 
 
@@ -298,7 +320,7 @@ class ReplayTrunk(torch.nn.Module):
     @torch._dynamo.disable
     def forward(self, *args):
         tree = TokenArrays(*args[self.n_ext:])
-        schedule = plan_replay(tree.end, tree.segments, self.chunk_tokens)
+        schedule = plan_replay(tree.end, tree.segments, self.chunk_tokens, self.graphs.scan_depth)
         self.last_schedule = schedule
         log.debug("branch_replay streaming: %s", schedule.summary())
         need_grad = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad

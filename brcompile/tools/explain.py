@@ -368,11 +368,13 @@ class ExplainReport:
                 continue
             budget = "-" if r["memory_budget"] is None else fmt_bytes(r["memory_budget"])
             rows.append([str(g.graph_id), r["mode"], str(r["trunk_nodes"]),
-                         "\n".join(f"K/V of {a}" for a in r["cached"]), "\n".join(r["frontier"]),
+                         "\n".join([f"K/V of {a}" for a in r["cached"]]
+                                   + [f"prefix values of {s}" for s in r.get("cached_scans", ())]),
+                         "\n".join(r["frontier"]),
                          fmt_bytes(r["bytes_per_token"]), str(r["chunk_tokens"]), budget])
-        tables = [Table("streaming replay: prefix graph (shared segments, records the cached K/V) + tail graph "
+        tables = [Table("streaming replay: prefix graph (shared segments, records the cached K/V and scan values) + tail graph "
                         "(one chunk of leaf chains against the cache)",
-                        ["graph", "mode", "trunk nodes", "cached K/V (replay nodes)", "frontier (read by the loss)",
+                        ["graph", "mode", "trunk nodes", "cached K/V, scan values (replay nodes)", "frontier (read by the loss)",
                          "activations/token", "chunk_tokens", "memory_budget"], rows, notes)]
         srows = []
         for i, c in list(enumerate(self.calls))[:max_calls]:

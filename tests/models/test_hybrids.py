@@ -96,3 +96,14 @@ def test_hybrid_replays_exactly(family):
         assert "brcompile.tree_matrix_scan" in code and not any(r.repacked for r in backend.records), code
     else:  # LFM2's short conv: a tree scan
         assert "brcompile.tree_causal_conv1d" in code and not any(r.repacked for r in backend.records), code
+
+
+@pytest.mark.slow
+def test_mamba2_hybrid_streams_exactly():
+    """mode="replay" for Bamba on the three-level tree cut into several chunks: the Mamba-2 mixer's linear scan
+    and causal conv read the chunk tokens' ancestors from the cached prefix values; loss and every gradient
+    equal eager's and the packed mode's (tests/runtime/test_streaming_scans.py)."""
+    from tests.runtime.test_streaming_scans import hf_run
+
+    scans = hf_run("bamba", chunk_tokens=8).records[-1].replay["cached_scans"]
+    assert any("linear_scan" in s for s in scans) and any("causal_conv1d" in s for s in scans), scans

@@ -53,3 +53,13 @@ def test_loop_scan_ssm_replays_with_the_loop_dense():
     code = "\n".join(r.packed_code for r in backend.records)
     assert "brcompile.tree_causal_conv1d" in code and "brcompile.tree_linear_scan" not in code, code
     assert any("integer index on a token dim" in why for r in backend.records for *_, why in r.materialisations)
+
+
+@pytest.mark.slow
+def test_ssm_without_attention_streams_exactly():
+    """mode="replay" for pure Mamba: nothing but the scans reads a prefix token from a tail token, no K/V is
+    cached; loss and every gradient equal eager's and the packed mode's (tests/runtime/test_streaming_scans.py)."""
+    from tests.runtime.test_streaming_scans import hf_run
+
+    rec = hf_run("mamba", chunk_tokens=2).records[-1]
+    assert rec.replay["cached"] == () and len(rec.replay["cached_scans"]) == 2, rec.replay
