@@ -108,6 +108,13 @@ def tree_parent(end: Tensor) -> Tensor:
     return torch.ops.brcompile.tree_parent(end)
 
 
+def _in_layout_of(out: Tensor, like: Tensor) -> Tensor:
+    """``out`` with the strides of ``torch.empty_like(like)`` (what the ops' fake kernels promise; a compiled
+    graph checks them), copied only when they differ."""
+    ref = torch.empty_like(like)
+    return out if out.stride() == ref.stride() else ref.copy_(out)
+
+
 def _check_tree_array(a: Tensor, name: str) -> None:
     if a.dim() != 1 or a.dtype != torch.int64:
         raise ScanError(f"{name} must be a 1-D int64 tensor, got {tuple(a.shape)} {a.dtype}")
@@ -260,7 +267,7 @@ def _check_cumsum(x: Tensor, parent: Tensor, dim: int) -> int:
 def _tree_cumsum_op(x: Tensor, parent: Tensor, dim: int) -> Tensor:
     """See :func:`tree_cumsum`."""
     d = _check_cumsum(x, parent, dim)
-    return path_sum(x.movedim(d, 0), parent).movedim(0, d).contiguous()
+    return _in_layout_of(path_sum(x.movedim(d, 0), parent).movedim(0, d), x)
 
 
 @_tree_cumsum_op.register_fake
@@ -273,7 +280,7 @@ def _tree_cumsum_fake(x, parent, dim):
 def _tree_cumsum_backward_op(grad: Tensor, parent: Tensor, dim: int) -> Tensor:
     """d(tree_cumsum)/dx for ``grad``: the subtree sums of ``grad`` along ``dim``."""
     d = _check_cumsum(grad, parent, dim)
-    return subtree_sum(grad.movedim(d, 0), parent).movedim(0, d).contiguous()
+    return _in_layout_of(subtree_sum(grad.movedim(d, 0), parent).movedim(0, d), grad)
 
 
 @_tree_cumsum_backward_op.register_fake
@@ -365,7 +372,7 @@ def _tree_causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], pa
                            impl: str = "auto") -> Tensor:
     """See :func:`tree_causal_conv1d`."""
     _check_conv(x, weight, bias, parent)
-    return get_scan_impl(impl, x.device, x.dtype).causal_conv1d(x, weight, bias, parent)
+    return _in_layout_of(get_scan_impl(impl, x.device, x.dtype).causal_conv1d(x, weight, bias, parent), x)
 
 
 @_tree_causal_conv1d_op.register_fake
@@ -380,7 +387,8 @@ def _tree_causal_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, par
                                     impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """d(tree_causal_conv1d)/d(x, weight, bias); see :func:`causal_conv1d_backward`."""
     _check_conv(x, weight, None, parent)
-    return get_scan_impl(impl, x.device, x.dtype).causal_conv1d_backward(grad, x, weight, parent)
+    dx, dw, db = get_scan_impl(impl, x.device, x.dtype).causal_conv1d_backward(grad, x, weight, parent)
+    return _in_layout_of(dx, x), _in_layout_of(dw, weight), db.contiguous()
 
 
 @_tree_causal_conv1d_backward_op.register_fake

@@ -204,6 +204,23 @@ def test_causal_conv1d_gradcheck_and_opcheck():
     torch.library.opcheck(torch.ops.brcompile.tree_causal_conv1d.default, (xp, w, None, tree.parent))
 
 
+def test_scans_return_the_layout_their_fake_kernels_promise():
+    """On strided inputs (a transposed view, as a chunk's gathered values are under streaming replay) the ops
+    return ``empty_like(x)``'s strides, as the fake kernels say: a compiled graph asserts them."""
+    _, _, tree = tree_of(8, groups=2, rows=3, length=7)
+    n = tree.end.shape[0]
+    x = torch.randn(n, 3, 1, dtype=F64).permute(2, 1, 0).requires_grad_()  # [1, 3, N], strided
+    w, b = torch.randn(3, 1, 4, dtype=F64), torch.randn(3, dtype=F64)
+    y = torch.randn(3, n, dtype=F64).T.requires_grad_()  # [N, 3], strided
+    conv = torch.ops.brcompile.tree_causal_conv1d.default
+    assert conv(x, w, b, tree.parent).stride() == torch.empty_like(x).stride()
+    dx, dw, _ = torch.ops.brcompile.tree_causal_conv1d_backward.default(x.detach(), x, w, tree.parent)
+    assert dx.stride() == torch.empty_like(x).stride() and dw.stride() == torch.empty_like(w).stride()
+    assert torch.ops.brcompile.tree_cumsum.default(y, tree.parent, 0).stride() == torch.empty_like(y).stride()
+    torch.library.opcheck(conv, (x, w, b, tree.parent))
+    torch.library.opcheck(torch.ops.brcompile.tree_cumsum.default, (y, tree.parent, 0))
+
+
 def test_causal_conv1d_bad_arguments():
     parent = torch.tensor([-1, 0, 1])
     with pytest.raises(scan.ScanError, match="depthwise"):

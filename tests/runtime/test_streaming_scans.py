@@ -126,7 +126,7 @@ def test_cached_scans_equal_the_full_scans_values_and_gradients(chunk_tokens):
 # ------------------------------------------------------------------------------------------ end to end
 
 
-def run_modes(fn, args, params, names, chunk_tokens, guard=contextlib.nullcontext):
+def run_modes(fn, args, params, names, chunk_tokens, guard=contextlib.nullcontext, compiler="eager"):
     """Eager, packed and streaming (each inside ``guard()``): loss and every gradient of the compiled runs
     against eager, and the streaming run against the packed one (1e-10); returns the streaming backend after
     asserting it streamed in at least two chunks."""
@@ -137,7 +137,7 @@ def run_modes(fn, args, params, names, chunk_tokens, guard=contextlib.nullcontex
     for mode in ("packed", "replay"):
         torch._dynamo.reset()
         brcompile.reset_stats()
-        backend = brcompile.backend(compiler="eager", mode=mode, chunk_tokens=chunk_tokens)
+        backend = brcompile.backend(compiler=compiler, mode=mode, chunk_tokens=chunk_tokens)
         with guard():
             got = torch.compile(fn, backend=backend)(*args)
         gg = torch.autograd.grad(got, params)
@@ -157,9 +157,11 @@ def run_modes(fn, args, params, names, chunk_tokens, guard=contextlib.nullcontex
     return backend
 
 
-@pytest.mark.parametrize("chunk_tokens", [1, 8])
-def test_cumsum_conv_attention_model_streams_exactly(chunk_tokens):
-    """ScanGPT: cumsum positions (an integer scan), two gated short convs (width 4) and attention per block."""
+@pytest.mark.parametrize("chunk_tokens,compiler", [(1, "eager"), (8, "eager"),
+                                                   pytest.param(8, "inductor", marks=pytest.mark.slow)])
+def test_cumsum_conv_attention_model_streams_exactly(chunk_tokens, compiler):
+    """ScanGPT: cumsum positions (an integer scan), two gated short convs (width 4) and attention per block;
+    compiled by inductor too (the tail graph's scans on strided chunk values)."""
     from tests.passes.test_scan_rules import scan_model, token_loss
 
     model = scan_model()
@@ -167,7 +169,7 @@ def test_cumsum_conv_attention_model_streams_exactly(chunk_tokens):
                         response_len=(4, 7), shared_response_prefix=2, left_pad_prompts=True, pad_id=0)
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     backend = run_modes(functools.partial(token_loss, model), (b["input_ids"], b["attention_mask"],
-                        b["completion_mask"]), params, names, chunk_tokens)
+                        b["completion_mask"]), params, names, chunk_tokens, compiler=compiler)
     rec = backend.records[-1]
     scans = rec.replay["cached_scans"]
     assert sum("cumsum" in s for s in scans) == 1 and sum("causal_conv1d" in s for s in scans) == 2, scans
