@@ -107,3 +107,27 @@ def test_mamba2_hybrid_streams_exactly():
 
     scans = hf_run("bamba", chunk_tokens=8).records[-1].replay["cached_scans"]
     assert any("linear_scan" in s for s in scans) and any("causal_conv1d" in s for s in scans), scans
+
+
+@pytest.mark.slow
+def test_matrix_scan_hybrid_is_not_streamed_with_the_reason():
+    """Qwen3-Next's gated delta rule (``tree_matrix_scan``) has no cached variant: mode="replay" runs the packed
+    mode, exactly, and the record says why."""
+    transformers = transformers_or_skip()
+    cfg = transformers.AutoConfig.for_model("qwen3_next", **TINY, **HYBRIDS["qwen3_next"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+    args = tree_batch()
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    with KeepFloat64():
+        want = next_token_loss(model, *args)
+    gw = torch.autograd.grad(want, params)
+    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=2)
+    with KeepFloat64():
+        got = torch.compile(next_token_loss, backend=backend)(model, *args)
+    assert_exact(got, want, torch.float64, "loss")
+    assert_grads_exact(torch.autograd.grad(got, params), gw, names, torch.float64)
+    assert_replayed()
+    assert brcompile.stats().streamed_calls == 0, str(brcompile.stats())
+    assert any("matrix scan along the tree paths" in (r.replay_reason or "") for r in backend.records), \
+        [r.replay_reason for r in backend.records]
