@@ -42,6 +42,7 @@ import torch.fx as fx
 
 from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes.axes import example_value
+from brcompile.passes.masks import ancestors, descendants
 from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
@@ -96,14 +97,7 @@ class _Region:
 
 def _live(graph: fx.Graph) -> set:
     """Nodes the graph's output depends on."""
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    live, todo = {out}, [out]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in live:
-                live.add(a)
-                todo.append(a)
-    return live
+    return set(ancestors(next(n for n in reversed(graph.nodes) if n.op == "output")))
 
 
 def _closure(x: fx.Node) -> Optional[tuple[set, list]]:
@@ -127,12 +121,7 @@ def _closure(x: fx.Node) -> Optional[tuple[set, list]]:
 
 def _region_at(anchor: fx.Node, order: dict, live: set) -> Optional[_Region]:
     """The closed region around ``anchor`` (module docstring), or None."""
-    seen, todo = {anchor}, [anchor]
-    while todo:
-        for u in todo.pop().users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
+    seen = descendants([anchor]) | {anchor}
     for x in sorted(seen, key=order.__getitem__):
         v = example_value(x)
         if not isinstance(v, torch.Tensor) or v.dim() != 4 or x not in live:
@@ -143,21 +132,11 @@ def _region_at(anchor: fx.Node, order: dict, live: set) -> Optional[_Region]:
         nodes, inputs = got
         if not _closed(nodes, x, live):
             continue
-        dead = {u for n in nodes for u in _descendants(n) if u not in live}
+        dead = {u for n in nodes for u in descendants([n]) if u not in live}
         region = _Region(sorted(nodes, key=order.__getitem__), sorted(inputs, key=order.__getitem__), x, dead)
         if _assignments(region):
             return region
     return None
-
-
-def _descendants(n: fx.Node) -> set:
-    out, todo = set(), [n]
-    while todo:
-        for u in todo.pop().users:
-            if u not in out:
-                out.add(u)
-                todo.append(u)
-    return out
 
 
 def _closed(nodes: set, output: fx.Node, live: set) -> bool:

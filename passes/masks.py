@@ -120,6 +120,18 @@ def ancestors(node: fx.Node, inside: Callable[[fx.Node], bool] = lambda n: True)
     return [n for n in node.graph.nodes if n in seen]
 
 
+def descendants(roots: Sequence[fx.Node]) -> set[fx.Node]:
+    """All nodes that depend on one of ``roots`` (the roots themselves only when another root reaches them)."""
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
 def mask_only_nodes(gm: fx.GraphModule, mask_args: Sequence[fx.Node]) -> set[fx.Node]:
     """Nodes used only to build attention masks (so they need no token-axis rule)."""
     roots = set(mask_args)

@@ -49,6 +49,7 @@ from brcompile.backends.scan import (
 from brcompile.passes.repack import repack_tokens
 from brcompile.passes.axes import CannotReplay
 from brcompile.passes.check import symbolic_run, token_positions
+from brcompile.passes.masks import descendants
 from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
 
 log = logging.getLogger(__name__)
@@ -86,18 +87,6 @@ def _token_dims(val, n) -> list[int]:
             if isinstance(s, torch.SymInt) and env.simplify(s.node.expr) == env.simplify(sym)]
 
 
-def _descendants(roots: Sequence[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
 def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> ReplaySplit:
     """Split a packed graph (see module docstring); ``example_args`` are its inputs for one real batch
     (the original inputs followed by the tree arrays). Raises CannotReplay when the trunk is not a
@@ -118,8 +107,8 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     tree = tree_placeholders(packed)
     tok_nodes = tree.tokens
     n_sym = symbolic_run(packed, example_args, token_positions(packed))
-    outer_side = _descendants([tree.index]) | {tree.index}
-    token_side = _descendants(tok_nodes)
+    outer_side = descendants([tree.index]) | {tree.index}
+    token_side = descendants(tok_nodes)
     trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
     matrix = next((n for n in trunk if n.target in MATRIX_PATH_OPS), None)
@@ -269,7 +258,7 @@ def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> fx.GraphModule:
     read the frontier are emitted after the call, all others (ext inputs among them) before it."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    after = _descendants(frontier) - trunk_set
+    after = descendants(frontier) - trunk_set
     nodes = [n for n in packed.graph.nodes if n not in trunk_set and n.op != "output"]
     for n in nodes:
         if n not in after:
