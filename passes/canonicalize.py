@@ -1124,12 +1124,15 @@ def _blended_scores(n: Any) -> Optional[tuple[fx.Node, fx.Node]]:
     """(s, B) when ``n`` is ``s * B`` (either order) with ``s`` from the scores and ``B`` a tensor that is not: the
     scores side of a blend ``s * B + A`` (OpenAI-GPT's ``w * b + -1e4 * (1 - b)``). Where B is 1 that is ``s + A``,
     where B is 0 it is ``A``, which drops the score: a mask with fill ``A`` there when A blocks
-    (:func:`_canonical_mask` marks every other entry for the classification to refuse)."""
+    (:func:`_canonical_mask` marks every other entry for the classification to refuse). B must vary along the key
+    dim (its last dim not broadcast): a factor constant over the keys (a per-head or per-query scale such as a
+    learned ``[H, 1, 1]`` temperature) scales the scores, it does not mask them, and is refused as a scale."""
     if not (_call_in(n, MUL) and len(n.args) == 2 and not n.kwargs):
         return None
     x, y = n.args
     for s, B in ((x, y), (y, x)):
-        if isinstance(s, fx.Node) and isinstance(B, fx.Node) and _tensor(B) is not None \
+        tb = _tensor(B) if isinstance(B, fx.Node) else None
+        if isinstance(s, fx.Node) and tb is not None and tb.dim() >= 1 and tb.shape[-1] != 1 \
                 and _looks_like_attention(s) and not _looks_like_attention(B):
             return s, B
     return None
