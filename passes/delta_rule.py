@@ -25,7 +25,7 @@ float64 and its devices the CPU, is evaluated on two random float64 probes at th
 padding is a constant of the captured graph: another length is another graph, proved anew) — k and q unit
 vectors as the layer's
 l2-normalisation makes them, β in (0, 1), g in (-1, 0) — and must equal the emitted replacement (the very nodes
-inserted, run on the same probes) within ``_PROBE_TOL`` relative. An assignment that passes is the rewrite. A
+inserted, run on the same probes) within ``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`). An assignment that passes is the rewrite. A
 region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the region's
 output again), with a note naming why.
 """
@@ -43,16 +43,13 @@ import torch.fx as fx
 from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes.axes import example_value
 from brcompile.passes.masks import ancestors, descendants
+from brcompile.passes.linear_scans import LEFT, probes_agree
 from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LEFT", "canonicalize_delta_rules", "emit_delta_rule"]
+__all__ = ["canonicalize_delta_rules", "emit_delta_rule"]
 
-#: the words of a note on a region that is not rewritten
-LEFT = "left as is"
-#: relative agreement the probes require (the chunked float64 solve against the scan: ~1e-14)
-_PROBE_TOL = 1e-9
 _SOLVE_TRIANGULAR = ("solve_triangular", "linalg_solve_triangular")
 _ROLES = ("q", "k", "v", "beta", "g")
 
@@ -252,8 +249,7 @@ def _prove(region: _Region) -> tuple[Optional[dict], str]:
             except Exception:  # noqa: BLE001  (a region that does not run on the probe is not proved)
                 ok = False
                 break
-            if not isinstance(got, torch.Tensor) or got.shape != w.shape or not bool(
-                    ((got - w).abs().max() <= _PROBE_TOL * max(1.0, w.abs().max().item())).item()):
+            if not probes_agree(got, w):
                 ok = False
                 break
         if ok:

@@ -59,16 +59,13 @@ import torch.fx as fx
 
 from brcompile.backends.scan import linear_scan
 from brcompile.passes.axes import example_value, hint
+from brcompile.passes.linear_scans import LEFT, probes_agree
 from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LEFT", "canonicalize_ssd_scans", "reference_ssd"]
+__all__ = ["canonicalize_ssd_scans", "reference_ssd"]
 
-#: the words of a note on a region that is not rewritten
-LEFT = "left as is"
-#: relative agreement the probes require
-_PROBE_TOL = 1e-9
 #: the roles of the region's inputs (module docstring)
 _ROLES = ("la", "u", "B", "C", "x", "d")
 
@@ -244,12 +241,6 @@ def _region_fn(region: _Region) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), sub)
 
 
-def _close(x: Any, y: torch.Tensor) -> bool:
-    if not isinstance(x, torch.Tensor) or x.shape != y.shape or x.dtype != y.dtype:
-        return False
-    return bool(((x - y).abs().max() <= _PROBE_TOL * max(1.0, y.abs().max().item())).item())
-
-
 def _proves(fn: fx.GraphModule, region: _Region, roles: dict[str, fx.Node]) -> bool:
     """Whether the region equals :func:`reference_ssd` under ``roles`` on two random float64 probes."""
     by_node = {v: k for k, v in roles.items()}
@@ -261,7 +252,7 @@ def _proves(fn: fx.GraphModule, region: _Region, roles: dict[str, fx.Node]) -> b
         except Exception as e:  # noqa: BLE001  (a region that does not run on the probe is not proved)
             log.debug("%s: probe failed (%s: %s)", region.output.name, type(e).__name__, e)
             return False
-        if not _close(got, reference_ssd(**vals)):
+        if not probes_agree(got, reference_ssd(**vals)):
             return False
     return True
 
