@@ -143,9 +143,9 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     canon = eager_attention.canonicalize(gm, example_inputs)
     gm = canon.gm
     scan_notes = linear_scans.canonicalize_linear_scans(gm)  # affine associative scans -> linear_scan
-    ids = _find_token_ids_or_none(gm)
+    token_ids = _find_token_ids_or_none(gm)  # a placeholder: the scan rewrites below keep it
     scan_notes += ssd_scans.canonicalize_ssd_scans(  # chunked state-space scans -> linear_scan
-        gm, hint(tuple(example_value(ids).shape)) if ids is not None else None)
+        gm, hint(tuple(example_value(token_ids).shape)) if token_ids is not None else None)
     scan_notes += delta_rule.canonicalize_delta_rules(gm)  # chunked gated delta rules -> matrix_scan
     canon.notes.extend(scan_notes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -153,7 +153,6 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     # must not add guards to the user's graph.
     values = {p: hint(v) for p, v in zip(placeholders, example_inputs)}
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
-    token_ids = _find_token_ids_or_none(gm)
     if not attentions:  # e.g. the loss after a graph break: each row's values are its own, nothing to share
         hop = checkpoints.body_with_attention(gm, SDPA)
         if hop is not None:
