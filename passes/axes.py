@@ -296,6 +296,8 @@ class AxesContext:
     repacked_nodes: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
     repack_refused: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
     repacked: list = dataclasses.field(default_factory=list)
+    # per-call guards a rule relied on (passes/guards.py), checked with the analysis's other guards
+    guards: list = dataclasses.field(default_factory=list)
 
     def axes(self, arg: Any) -> TokenAxes:
         return get_axes(arg)

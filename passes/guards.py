@@ -13,12 +13,14 @@ records the guard's reason — a fallback, never a wrong number. Examples:
   only the outputs at padded positions differ: with ``drop_padding=True`` (outputs there are 0 by
   contract) this guard is dropped (``padding_only``).
 
-A guard reads only the graph's inputs (by placeholder position) and costs O(B * L) at most.
+A guard reads only the graph's inputs (by placeholder position) and costs O(B * L) at most, or, for a constant
+table the graph reads (a buffer), O(table) once per new version of the table.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -85,6 +87,29 @@ def no_query_without_keys(position: int, what: str, window: int = 0) -> BatchGua
     return BatchGuard(f"{what}: no left padding (input {position}[:, 0] != 0)", check, padding_only=True)
 
 
+def integers_in_range(position: int, bins: int, what: str) -> BatchGuard:
+    """Every entry of the integer input at ``position`` (a table the graph indexes, such as a hash router's
+    token-to-expert buffer) lies in ``[0, bins)``. Checked once per version of the tensor (the same tensor
+    object, storage, shape and in-place version counter): a buffer that nobody writes is read once, not on every
+    call."""
+    seen: dict = {}
+
+    def check(args):
+        x = args[position]
+        key = (x.data_ptr(), tuple(x.shape), x._version)
+        ref = seen.get("tensor")
+        if ref is not None and ref() is x and seen.get("key") == key:
+            return None
+        if x.numel() and not bool(((x >= 0) & (x < bins)).all()):
+            lo, hi = int(x.min()), int(x.max())
+            return (f"{what} holds values in [{lo}, {hi}], not all in [0, {bins}): the group counts would not "
+                    "be the runs of equal keys")
+        seen.update(tensor=weakref.ref(x), key=key)
+        return None
+
+    return BatchGuard(f"{what}: entries in [0, {bins}) (input {position})", check)
+
+
 def first_failure(guards: Sequence[BatchGuard], args: Sequence[object]) -> Optional[str]:
     """The reason of the first failing guard, or None when all hold."""
     for g in guards:
@@ -95,4 +120,4 @@ def first_failure(guards: Sequence[BatchGuard], args: Sequence[object]) -> Optio
     return None
 
 
-__all__ = ["BatchGuard", "scalar_equals", "no_query_without_keys", "first_failure"]
+__all__ = ["BatchGuard", "scalar_equals", "no_query_without_keys", "integers_in_range", "first_failure"]

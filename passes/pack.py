@@ -204,6 +204,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     guards = canon.guards + _mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences,
                                          mask_keys, placeholders, example_inputs)
     guards += _mask_scalar_guards([m for a, m in zip(attentions, mask_args) if a not in outside], placeholders, values)
+    guards += ctx.guards
     return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
                     guards, canon.notes, sequences, input_mask)
 
@@ -233,7 +234,8 @@ def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional
         why = ctx.first_materialisation() or "no scan runs along the positions of the tokens"
         raise CannotReplay(f"no scaled_dot_product_attention in the graph and no scan along the tree (nothing to "
                            f"share; it runs unchanged): {why}{left}")
-    return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards), canon.notes)
+    return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
+                    canon.notes)
 
 
 def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeholders: list, values: dict, canon,
@@ -264,7 +266,8 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
         why = ctx.first_materialisation() or "no op computes on the per-token inputs"
         raise CannotReplay(f"{nothing}: {why}")
     log.debug("token-local graph: tree inputs %s, (B, L) = (%d, %d)", [p.name for p in tree_inputs], B, L)
-    return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards), canon.notes)
+    return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
+                    canon.notes)
 
 
 def _computes_packed(n: fx.Node) -> bool:

@@ -39,6 +39,7 @@ tokens) is materialised exactly (``packed[index]`` per entry, ``pack.materialize
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from brcompile.passes.axes import (
     AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule, shape_of, token,
 )
+from brcompile.passes.guards import integers_in_range
 from brcompile.passes.rules import reduce as _reduce
 
 _CASTS = {"to", "long", "int", "float", "double", "type", "type_as"}
@@ -238,15 +240,31 @@ def region_op(ctx: AxesContext, node):
     ctx.fail(node, f"{name} of a value of a token-local region ({what}) would read the batch's token order")
 
 
-def _key_range(node: fx.Node, depth: int = 0):
+def _lookup_table(node: fx.Node) -> Optional[fx.Node]:
+    """``table[i]`` with ``table`` an integer graph input that is no token value (a buffer: a hash router's
+    token-to-expert map ``tid2eid[input_ids]``): the table, whose entries are the key's values; else None."""
+    table = node.args[0]
+    v = example_value(table)
+    if not (isinstance(table, fx.Node) and table.op == "placeholder" and isinstance(v, torch.Tensor)
+            and v.dtype in _INT_DTYPES and not v.requires_grad and get_axes(table).is_const):
+        return None
+    return table
+
+
+def _key_range(node: fx.Node, depth: int = 0, tables: Optional[list] = None):
     """Bound E on an integer key's values (all in ``[0, E)``), from its origin: the indices of ``topk``/``sort``
     along a dim of extent E, or of ``max``/``min``/``argmax``/``argmin`` over it, through views and integer
-    casts; a concatenation of such keys takes the largest of their bounds; else None."""
+    casts; a concatenation of such keys takes the largest of their bounds; else None. A lookup in an integer
+    table input (:func:`_lookup_table`) bounds nothing by itself (0): the table goes to ``tables``, and the
+    caller guards its entries per call (passes/guards.py ``integers_in_range``)."""
     seen = 0
     while isinstance(node, fx.Node) and seen < 32 and depth < 8:
         seen += 1
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             src = node.args[0]
+            if tables is not None and _lookup_table(node) is not None:
+                tables.append(_lookup_table(node))
+                return 0
             tname = src.target if isinstance(src.target, str) else getattr(src.target, "__name__", "")
             if tname in ("topk", "sort", "max", "min") and node.args[1] == 1:
                 dim = _dim(src, 2 if tname == "topk" else 1, -1)
@@ -267,7 +285,7 @@ def _key_range(node: fx.Node, depth: int = 0):
             return shp[normalize_dim(_dim(node, 1), len(shp))]
         if tname in ("cat", "concat", "concatenate"):  # each part's values in [0, E_i): all in [0, max E_i)
             parts = node.args[0] if node.args else node.kwargs.get("tensors")
-            bounds = [_key_range(p, depth + 1) for p in parts] if isinstance(parts, (list, tuple)) else [None]
+            bounds = [_key_range(p, depth + 1, tables) for p in parts] if isinstance(parts, (list, tuple)) else [None]
             return None if not bounds or None in bounds else max(bounds)
         if tname in ("reshape", "view", "flatten", "contiguous", "clone", "detach") or tname in _CASTS:
             node = node.args[0]
@@ -293,10 +311,14 @@ def histc(ctx: AxesContext, node):
     descending = srt.kwargs.get("descending", srt.args[2] if len(srt.args) > 2 else False)
     if descending is not False:
         ctx.fail(node, "group counts of keys sorted in descending order")
-    E = _key_range(x)
+    tables: list[fx.Node] = []
+    E = _key_range(x, tables=tables)
     if not (isinstance(bins, int) and bins >= 2 and lo == 0 and hi == bins - 1 and E is not None and E <= bins):
         ctx.fail(node, f"histc(bins={bins}, min={lo}, max={hi}) of keys not proved to be integers in [0, bins) "
                        f"(their origin gives {E} values): the counts need not be the runs of equal keys")
+    placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
+    for t in dict.fromkeys(tables):  # keys looked up in a table input: its entries are guarded per call
+        ctx.guards.append(integers_in_range(placeholders.index(t), bins, f"the key table {t.name} of {node.name}"))
     return token(1, None, None, ax.window, groups=("counts", srt, bins))
 
 

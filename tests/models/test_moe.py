@@ -102,7 +102,7 @@ def _check(m, loss_fn):
     ids = _ids()
     want = torch.compile(loss_fn, backend="eager")(m, ids)
     want.backward()
-    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
     torch._dynamo.reset()
     brcompile.reset_stats()
@@ -114,6 +114,9 @@ def _check(m, loss_fn):
     assert (got - want).abs().item() <= TOL * want.abs().item()
     for n, p in m.named_parameters():
         g = grads[n]
+        if g is None:  # a parameter the loss does not reach (eager leaves its grad None too)
+            assert p.grad is None, n
+            continue
         assert p.grad is not None, n
         err = (p.grad - g).abs().max().item() / max(g.abs().max().item(), 1e-30)
         assert err <= TOL, (n, err)
@@ -177,3 +180,41 @@ def test_phimoe_training_routing_is_random_and_refused():
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls >= 1, str(s)
     assert any("random draw exponential_" in r for r in s.fallback_reasons), s.fallback_reasons
+
+
+def _deepseek_v4():
+    """A tiny DeepSeek-V4 (one layer) whose MoE layer routes by hash (``tid2eid[input_ids]``), the table filled with
+    expert ids in [0, 4) (HF initialises it to zeros: every token to expert 0)."""
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, q_lora_rank=16, num_experts_per_tok=2,
+        n_routed_experts=4, max_position_embeddings=64, mlp_layer_types=["hash_moe"],
+        layer_types=["heavily_compressed_attention"], pad_token_id=0,
+        qk_rope_head_dim=4)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").double()
+    g = torch.Generator().manual_seed(3)
+    for layer in m.model.layers:
+        layer.mlp.gate.tid2eid.copy_(torch.randint(0, 4, layer.mlp.gate.tid2eid.shape, generator=g))
+    return m
+
+
+@pytest.mark.slow
+def test_hash_routing_replays_with_its_table_guarded():
+    """DeepSeek-V4's hash router picks a token's experts by a table lookup of its id, ``tid2eid[input_ids]``:
+    a function of the token, so shared tokens route alike. The sort → ``histc`` → grouped matmuls that follow
+    need the keys in [0, E): a table's entries are no static fact, so the rewrite keeps a per-call guard on
+    them (checked once per version of the buffer). Float64 throughout."""
+    m = _deepseek_v4()
+    with KeepFloat64():
+        _check(m, _loss)
+    # an entry out of range (as a corrupted checkpoint could hold): the guard sends the call to the original
+    # graph, with the table named, instead of trusting group counts that would drop that token; the original
+    # graph then fails as the model does eagerly (it indexes its expert weights with the id)
+    m.model.layers[0].mlp.gate.tid2eid[5, 0] = 7
+    brcompile.reset_stats()
+    with KeepFloat64(), pytest.raises(RuntimeError, match="out of bounds"):
+        torch.compile(_loss, backend=brcompile.backend(compiler="eager"))(m, _ids())
+    s = brcompile.stats()
+    assert s.fallback_calls == 1 and s.replayed_calls == 0, str(s)
+    assert any("tid2eid" in r and "not all in [0, 4)" in r for r in s.fallback_reasons), s.fallback_reasons
