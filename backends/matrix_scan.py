@@ -29,12 +29,12 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.scan import ScanError, chain_parent
+from brcompile.backends.scan import SCAN_IMPLS, ScanError, _in_layout_of, chain_parent, get_scan_impl
 
 log = logging.getLogger(__name__)
 
-__all__ = ["tree_matrix_scan", "matrix_scan", "path_matrix_scan", "subtree_matrix_scan",
-           "reference_matrix_scan", "MATRIX_PATH_OPS"]
+__all__ = ["tree_matrix_scan", "matrix_scan", "path_matrix_scan", "subtree_matrix_scan", "torch_matrix_scan",
+           "torch_matrix_scan_backward", "reference_matrix_scan", "MATRIX_PATH_OPS"]
 
 
 def _jump(anc: Tensor, parent_like: Tensor) -> Tensor:
@@ -107,25 +107,14 @@ def _check(M: Tensor, b: Tensor, parent: Tensor, dim: int) -> int:
     return d
 
 
-@torch.library.custom_op("brcompile::tree_matrix_scan", mutates_args=())
-def _tree_matrix_scan_op(M: Tensor, b: Tensor, parent: Tensor, dim: int) -> Tensor:
-    """See :func:`tree_matrix_scan`."""
-    d = _check(M, b, parent, dim)
+def torch_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, d: int) -> Tensor:
+    """:func:`path_matrix_scan` along batch dim ``d`` (the torch ``ScanImpl.matrix_scan``, backends/scan.py)."""
     return path_matrix_scan(M.movedim(d, 0), b.movedim(d, 0), parent).movedim(0, d).contiguous()
 
 
-@_tree_matrix_scan_op.register_fake
-def _tree_matrix_scan_fake(M, b, parent, dim):
-    _check(M, b, parent, dim)
-    return torch.empty_like(b)
-
-
-@torch.library.custom_op("brcompile::tree_matrix_scan_backward", mutates_args=())
-def _tree_matrix_scan_backward_op(grad: Tensor, M: Tensor, h: Tensor, parent: Tensor,
-                                  dim: int) -> tuple[Tensor, Tensor]:
+def torch_matrix_scan_backward(grad: Tensor, M: Tensor, h: Tensor, parent: Tensor, d: int) -> tuple[Tensor, Tensor]:
     """``(grad_M, grad_b)``: ``gb = subtree_matrix_scan(grad, M)``, ``grad_M[k] = gb[k] @ h[parent[k]]ᵀ`` (0 at
-    a root), ``grad_b = gb``."""
-    d = _check(M, h, parent, dim)
+    a root), ``grad_b = gb`` (the torch ``ScanImpl.matrix_scan_backward``)."""
     gb = subtree_matrix_scan(grad.movedim(d, 0), M.movedim(d, 0), parent)
     hp = h.movedim(d, 0)[parent.clamp(min=0)]
     gM = torch.where(_rows(parent >= 0, gb[..., :1]), gb @ hp.transpose(-1, -2),
@@ -133,31 +122,59 @@ def _tree_matrix_scan_backward_op(grad: Tensor, M: Tensor, h: Tensor, parent: Te
     return gM.movedim(0, d).contiguous(), gb.movedim(0, d).contiguous()
 
 
+@torch.library.custom_op("brcompile::tree_matrix_scan", mutates_args=())
+def _tree_matrix_scan_op(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str = "auto") -> Tensor:
+    """See :func:`tree_matrix_scan`."""
+    d = _check(M, b, parent, dim)
+    return _in_layout_of(get_scan_impl(impl, M.device, M.dtype).matrix_scan(M, b, parent, d), b)
+
+
+@_tree_matrix_scan_op.register_fake
+def _tree_matrix_scan_fake(M, b, parent, dim, impl="auto"):
+    _check(M, b, parent, dim)
+    SCAN_IMPLS.check_name(impl)
+    return torch.empty_like(b)
+
+
+@torch.library.custom_op("brcompile::tree_matrix_scan_backward", mutates_args=())
+def _tree_matrix_scan_backward_op(grad: Tensor, M: Tensor, h: Tensor, parent: Tensor,
+                                  dim: int, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """``(grad_M, grad_b)``: ``gb[k] = grad[k] + sum over the children c of k of M[c]ᵀ gb[c]``, ``grad_M[k] =
+    gb[k] @ h[parent[k]]ᵀ`` (0 at a root), ``grad_b = gb`` (``ScanImpl.matrix_scan_backward``)."""
+    d = _check(M, h, parent, dim)
+    gM, gb = get_scan_impl(impl, M.device, M.dtype).matrix_scan_backward(grad, M, h, parent, d)
+    return _in_layout_of(gM, M), _in_layout_of(gb, h)
+
+
 @_tree_matrix_scan_backward_op.register_fake
-def _tree_matrix_scan_backward_fake(grad, M, h, parent, dim):
+def _tree_matrix_scan_backward_fake(grad, M, h, parent, dim, impl="auto"):
     _check(M, h, parent, dim)
+    SCAN_IMPLS.check_name(impl)
     return torch.empty_like(M), torch.empty_like(h)
 
 
 def _setup(ctx, inputs, output):
-    M, b, parent, dim = inputs
+    M, b, parent, dim, impl = inputs
     ctx.save_for_backward(M, output, parent)
     ctx.dim = dim
+    ctx.impl = impl
 
 
 def _grad(ctx, grad):
     M, h, parent = ctx.saved_tensors
-    gM, gb = torch.ops.brcompile.tree_matrix_scan_backward(grad.contiguous(), M, h, parent, ctx.dim)
-    return gM, gb, None, None
+    gM, gb = torch.ops.brcompile.tree_matrix_scan_backward(grad.contiguous(), M, h, parent, ctx.dim, ctx.impl)
+    return gM, gb, None, None, None
 
 
 torch.library.register_autograd("brcompile::tree_matrix_scan", _grad, setup_context=_setup)
 
 
-def tree_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, dim: int) -> Tensor:
+def tree_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str = "auto") -> Tensor:
     """``brcompile::tree_matrix_scan``: ``h[k] = M[k] @ h[parent[k]] + b[k]`` (``h = b`` at a root) along the
-    batch dim ``dim`` of ``M [..., d, d]`` and ``b [..., d, e]`` (module docstring)."""
-    return torch.ops.brcompile.tree_matrix_scan(M, b, parent, dim)
+    batch dim ``dim`` of ``M [..., d, d]`` and ``b [..., d, e]`` (module docstring). ``impl`` names a
+    :class:`~brcompile.backends.scan.ScanImpl` in ``SCAN_IMPLS`` (``"auto"``: triton on CUDA, torch
+    elsewhere)."""
+    return torch.ops.brcompile.tree_matrix_scan(M, b, parent, dim, impl)
 
 
 def matrix_scan(M: Tensor, b: Tensor, dim: int) -> Tensor:

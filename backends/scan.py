@@ -25,7 +25,8 @@ doubling loops (path / subtree sums, the linear scan and its transpose) are one,
 with a direction and an optional multiplier.
 
 These are the ``"torch"`` implementations (any device, any floating dtype). ``tree_linear_scan``,
-``tree_causal_conv1d`` and their backwards take an ``impl`` name (default ``"auto"``) looked up in
+``tree_causal_conv1d``, ``tree_matrix_scan`` (backends/matrix_scan.py) and their backwards take an ``impl``
+name (default ``"auto"``) looked up in
 :data:`SCAN_IMPLS`, a :class:`~brcompile.backends.registry.Registry` of :class:`ScanImpl`: ``"torch"`` (here)
 and ``"triton"`` (``backends/triton/scan.py``, imported on first use); ``"auto"`` is triton on CUDA, torch
 elsewhere. ``tree_cumsum`` (integer position ids, mostly: a handful of features) runs here only.
@@ -139,8 +140,8 @@ def path_ancestors(parent: Tensor, width: int) -> Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class ScanImpl(Impl):
-    """An implementation of the tree scans ``tree_linear_scan`` and ``tree_causal_conv1d`` and their backwards
-    (the ops check the arguments first).
+    """An implementation of the tree scans ``tree_linear_scan``, ``tree_causal_conv1d`` and
+    ``tree_matrix_scan`` (backends/matrix_scan.py) and their backwards (the ops check the arguments first).
 
     linear_scan(a, b, parent, d) -> h
         ``h[k] = a[k] * h[parent[k]] + b[k]`` along dim ``d`` of the broadcast shape of ``a`` and ``b``
@@ -152,6 +153,12 @@ class ScanImpl(Impl):
         ``out[:, c, k] = bias[c] + sum_i weight[c, 0, W-1-i] * x[:, c, anc_i(k)]``, ``[B', C, N]`` in x's dtype.
     causal_conv1d_backward(grad, x, weight, parent) -> (dx, dweight, dbias)
         in the shapes and dtypes of x, weight and bias ``[C]`` (:func:`causal_conv1d_backward`).
+    matrix_scan(M, b, parent, d) -> h
+        ``h[k] = M[k] @ h[parent[k]] + b[k]`` along batch dim ``d`` (normalised) of ``M [..., dd, dd]`` and
+        ``b [..., dd, e]``; ``h`` in b's shape and dtype.
+    matrix_scan_backward(grad, M, h, parent, d) -> (grad_M, grad_b)
+        in the shapes of ``M`` and ``h``: ``grad_b = gb``, ``gb[k] = grad[k] + sum over the children c of k
+        of M[c]ᵀ @ gb[c]``, ``grad_M[k] = gb[k] @ h[parent[k]]ᵀ`` (0 at a root).
 
     ``device_types`` / ``dtypes`` (keyword): where the impl runs (None: anywhere).
     """
@@ -163,6 +170,8 @@ class ScanImpl(Impl):
     linear_scan_backward: Callable
     causal_conv1d: Callable
     causal_conv1d_backward: Callable
+    matrix_scan: Callable
+    matrix_scan_backward: Callable
 
 
 def _triton_on_cuda_else_torch(device: torch.device) -> tuple[str, ...]:
@@ -477,8 +486,23 @@ def _torch_linear_scan_backward(grad: Tensor, a: Tensor, h: Tensor, parent: Tens
     return ga.movedim(0, d).contiguous(), gb.movedim(0, d).contiguous()
 
 
+def _torch_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, d: int) -> Tensor:
+    """``path_matrix_scan`` of backends/matrix_scan.py on the token-first layout (``ScanImpl.matrix_scan``;
+    imported when called: that module imports this one)."""
+    from brcompile.backends.matrix_scan import torch_matrix_scan
+
+    return torch_matrix_scan(M, b, parent, d)
+
+
+def _torch_matrix_scan_backward(grad: Tensor, M: Tensor, h: Tensor, parent: Tensor, d: int) -> tuple[Tensor, Tensor]:
+    """``subtree_matrix_scan`` of backends/matrix_scan.py and ``grad_M`` (``ScanImpl.matrix_scan_backward``)."""
+    from brcompile.backends.matrix_scan import torch_matrix_scan_backward
+
+    return torch_matrix_scan_backward(grad, M, h, parent, d)
+
+
 register_scan_impl(ScanImpl("torch", _torch_linear_scan, _torch_linear_scan_backward, causal_conv1d_forward,
-                            causal_conv1d_backward))
+                            causal_conv1d_backward, _torch_matrix_scan, _torch_matrix_scan_backward))
 
 
 # ------------------------------------------------------------------------------------------- the op

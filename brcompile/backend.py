@@ -41,7 +41,8 @@ class Options:
     attention: tree-attention implementation: "auto" (triton on CUDA, cpu otherwise), "cpu",
         "reference", "triton".
     scan: implementation of the scans along the tree paths (``brcompile::tree_linear_scan``, Mamba's
-        selective scan, and ``tree_causal_conv1d``, its short conv): "auto" (triton on CUDA, torch
+        selective scan, ``tree_causal_conv1d``, its short conv, and ``tree_matrix_scan``, the gated delta
+        rule): "auto" (triton on CUDA, torch
         otherwise), "torch" (pointer doubling and gathers, any device), "triton" (backends/triton/scan.py).
     compiler: how the packed graph runs: "inductor" (compiled once with dynamic shapes: one compile
         serves every batch), "aot_eager" (AOTAutograd, no codegen), or "eager" (the FX graph as is).
@@ -289,12 +290,13 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
 
 
 def _check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> None:
-    """CannotReplay when the packed graph has a linear scan or causal conv along the tree paths and the scan
-    impl ``scan`` does not run on the inputs' device (``scan="triton"`` without triton or a GPU): the original
-    graph runs, with the reason."""
+    """CannotReplay when the packed graph has a linear or matrix scan or a causal conv along the tree paths and
+    the scan impl ``scan`` does not run on the inputs' device (``scan="triton"`` without triton or a GPU): the
+    original graph runs, with the reason."""
     from brcompile.backends.scan import ScanError, get_scan_impl
 
-    ops = (torch.ops.brcompile.tree_linear_scan.default, torch.ops.brcompile.tree_causal_conv1d.default)
+    ops = (torch.ops.brcompile.tree_linear_scan.default, torch.ops.brcompile.tree_causal_conv1d.default,
+           torch.ops.brcompile.tree_matrix_scan.default)
     if not any(n.target in ops for n in packed.graph.nodes):
         return
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))

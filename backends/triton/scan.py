@@ -57,8 +57,9 @@ from brcompile.backends.scan import ScanImpl, register_scan_impl
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConvConfig", "ScanConfig", "causal_conv1d", "causal_conv1d_backward", "is_interpreter", "linear_scan",
-           "linear_scan_backward", "tree_links"]
+__all__ = ["ConvConfig", "MatrixScanConfig", "ScanConfig", "causal_conv1d", "causal_conv1d_backward",
+           "is_interpreter", "linear_scan", "linear_scan_backward", "matrix_scan", "matrix_scan_backward",
+           "tree_links"]
 
 #: ``link`` value of a token whose parent is the previous token (its state is the register state)
 CHAIN = -2
@@ -211,6 +212,86 @@ def _tree_causal_conv1d_bwd(grad_ptr, x_ptr, w_ptr, parent_ptr, dx_ptr, dw_ptr, 
         tl.atomic_add(dw_ptr + chans * W + (W - 1 - i), tl.sum(g * xv, axis=1), mask=cmask)
         if i + 1 < W:
             anc = tl.load(parent_ptr + tl.maximum(anc, 0), mask=live, other=-1)
+
+
+@triton.jit
+def _tree_matrix_scan_fwd(M_ptr, b_ptr, h_ptr, link_ptr, parent_ptr, m_off_ptr, b_off_ptr, h_off_ptr, N, D, E,
+                          stride_mk, stride_mi, stride_mj, stride_bk, stride_bi, stride_bj,
+                          stride_hk, stride_hi, stride_hj,
+                          BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Columns [pid_e * BLOCK_E, +BLOCK_E) of the state of batch entry ``program_id(0)``, k = 0..N-1 in
+    preorder: ``h[k] = M[k] @ prev + b[k]`` with prev the register state (chain), 0 (root) or, for a child
+    other than k+1 (``link[k] >= 0``), ``h[parent[k]]`` read back from the output (written earlier by this
+    program; ``h_ptr`` holds the accumulation dtype). Rows and columns past D and E are zeros."""
+    rows = tl.arange(0, BLOCK_D)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    mm = (rows < D)[:, None] & (rows < D)[None, :]
+    bm = (rows < D)[:, None] & (cols < E)[None, :]
+    M_tile = M_ptr + tl.load(m_off_ptr + tl.program_id(0)) + rows[:, None] * stride_mi + rows[None, :] * stride_mj
+    b_tile = b_ptr + tl.load(b_off_ptr + tl.program_id(0)) + rows[:, None] * stride_bi + cols[None, :] * stride_bj
+    h_tile = h_ptr + tl.load(h_off_ptr + tl.program_id(0)) + rows[:, None] * stride_hi + cols[None, :] * stride_hj
+    ACC = h_ptr.dtype.element_ty
+    state = tl.zeros([BLOCK_D, BLOCK_E], dtype=ACC)
+    first = tl.full([], 0, tl.int64)  # int64: k * stride may pass 2^31
+    for i in range(0, N):
+        k = first + i
+        link = tl.load(link_ptr + k)
+        prev = tl.where(link == -2, state, tl.zeros([BLOCK_D, BLOCK_E], dtype=ACC))  # -2: CHAIN
+        if link >= 0:
+            tl.debug_barrier()
+            prev = tl.load(h_tile + tl.load(parent_ptr + k) * stride_hk, mask=bm, other=0.0)
+        Mk = tl.load(M_tile + k * stride_mk, mask=mm, other=0.0).to(ACC)
+        bk = tl.load(b_tile + k * stride_bk, mask=bm, other=0.0).to(ACC)
+        state = tl.dot(Mk, prev, input_precision="ieee") + bk
+        tl.store(h_tile + k * stride_hk, state, mask=bm)
+
+
+@triton.jit
+def _tree_matrix_scan_bwd(g_ptr, M_ptr, h_ptr, gM_ptr, gb_ptr, link_ptr, slot_ptr, parent_ptr,
+                          g_off_ptr, m_off_ptr, h_off_ptr, gm_off_ptr, gb_off_ptr, N, D, E,
+                          stride_gk, stride_gi, stride_gj, stride_mk, stride_mi, stride_mj,
+                          stride_hk, stride_hi, stride_hj, stride_gmk, stride_gmi, stride_gmj,
+                          stride_gbk, stride_gbi, stride_gbj,
+                          BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Columns [pid_e * BLOCK_E, +BLOCK_E) of batch entry ``program_id(0)``, k = N-1..0 (every child before
+    its parent): ``gb[k] = g[k] + carry (+ gb_buf[k] when k has a child other than k+1, slot[k] >= 0)``,
+    stored to ``gb_buf[k]``; ``grad_M[k] += gb[k] @ h[parent[k]]ᵀ`` over this column block (an atomic add
+    into the zeroed accumulation-dtype ``gM_ptr``; 0 at a root); ``M[k]ᵀ @ gb[k]`` goes to the carry
+    (chain, ``link[k] == -2``) or is added to ``gb_buf[parent[k]]`` (``link[k] >= 0``)."""
+    rows = tl.arange(0, BLOCK_D)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rmask = rows < D
+    mm = rmask[:, None] & rmask[None, :]
+    bm = rmask[:, None] & (cols < E)[None, :]
+    bm_t = (cols < E)[:, None] & rmask[None, :]
+    pid = tl.program_id(0)
+    g_tile = g_ptr + tl.load(g_off_ptr + pid) + rows[:, None] * stride_gi + cols[None, :] * stride_gj
+    # M[k]ᵀ and h[p]ᵀ read through swapped strides
+    Mt_tile = M_ptr + tl.load(m_off_ptr + pid) + rows[:, None] * stride_mj + rows[None, :] * stride_mi
+    ht_tile = h_ptr + tl.load(h_off_ptr + pid) + cols[:, None] * stride_hj + rows[None, :] * stride_hi
+    gM_tile = gM_ptr + tl.load(gm_off_ptr + pid) + rows[:, None] * stride_gmi + rows[None, :] * stride_gmj
+    gb_tile = gb_ptr + tl.load(gb_off_ptr + pid) + rows[:, None] * stride_gbi + cols[None, :] * stride_gbj
+    ACC = gb_ptr.dtype.element_ty
+    last = tl.full([], 0, tl.int64) + (N - 1)  # int64: k * stride may pass 2^31
+    carry = tl.zeros([BLOCK_D, BLOCK_E], dtype=ACC)
+    for i in range(0, N):
+        k = last - i
+        link = tl.load(link_ptr + k)
+        p = tl.load(parent_ptr + k)
+        gb = tl.load(g_tile + k * stride_gk, mask=bm, other=0.0).to(ACC) + carry
+        if tl.load(slot_ptr + k) >= 0:
+            tl.debug_barrier()
+            gb += tl.load(gb_tile + k * stride_gbk, mask=bm, other=0.0)
+        tl.store(gb_tile + k * stride_gbk, gb, mask=bm)
+        hpt = tl.load(ht_tile + tl.maximum(p, 0) * stride_hk, mask=bm_t, other=0.0).to(ACC)
+        hpt = tl.where(p >= 0, hpt, tl.zeros([BLOCK_E, BLOCK_D], dtype=ACC))  # a root adds 0
+        tl.atomic_add(gM_tile + k * stride_gmk, tl.dot(gb, hpt, input_precision="ieee"), mask=mm)
+        push = tl.dot(tl.load(Mt_tile + k * stride_mk, mask=mm, other=0.0).to(ACC), gb, input_precision="ieee")
+        carry = tl.where(link == -2, push, tl.zeros([BLOCK_D, BLOCK_E], dtype=ACC))
+        if link >= 0:
+            tl.debug_barrier()
+            dst = gb_tile + p * stride_gbk
+            tl.store(dst, tl.load(dst, mask=bm, other=0.0) + push, mask=bm)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -385,8 +466,88 @@ def causal_conv1d_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Te
             grad.sum((0, 2)))
 
 
+@dataclasses.dataclass(frozen=True)
+class MatrixScanConfig:
+    """Matrix scan launch settings: state columns per program (a power of two in [16, 256]) and warps; the
+    state rows are d padded to a power of two (at least 16, tl.dot's smallest)."""
+
+    block_e: int = 32
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_e < 16 or self.block_e > 256 or self.block_e & (self.block_e - 1):
+            raise ValueError(f"block_e must be a power of two in [16, 256], got {self.block_e}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+    def blocks(self, D: int, E: int) -> tuple[int, int]:
+        """``(BLOCK_D, BLOCK_E)`` for a ``[D, E]`` state."""
+        return max(16, triton.next_power_of_2(D)), max(16, min(self.block_e, triton.next_power_of_2(E)))
+
+
+DEFAULT_MATRIX_CONFIG = MatrixScanConfig()
+
+
+def _matrix_layout(x: torch.Tensor, d: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``(offsets [G] int64, (token, row, column) strides)`` of ``x [..., r, c]`` with the token at batch dim
+    ``d``: matrix ``(k, g)`` starts at ``k * token_stride + offsets[g]`` (g over the other batch dims, in order;
+    stride 0 where broadcast)."""
+    off = torch.zeros((), dtype=torch.int64, device=x.device)
+    for i, (size, stride) in enumerate(zip(x.shape[:-2], x.stride()[:-2])):
+        if i != d:
+            off = off.unsqueeze(-1) + torch.arange(size, device=x.device) * stride
+    return off.reshape(-1), (x.stride(d), x.stride(-2), x.stride(-1))
+
+
+def _acc_torch_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype as a torch dtype (:func:`_acc_dtype`)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def matrix_scan(M: torch.Tensor, b: torch.Tensor, parent: torch.Tensor, d: int,
+                config: Optional[MatrixScanConfig] = None) -> torch.Tensor:
+    """``h`` (contiguous, b's shape and dtype): the forward kernel (``ScanImpl.matrix_scan``); the kernel
+    writes the accumulation dtype, so a branch point's state is read back unrounded."""
+    h = torch.empty(b.shape, dtype=_acc_torch_dtype(b.dtype), device=b.device)
+    N, D, E = b.shape[d], b.shape[-2], b.shape[-1]
+    if h.numel():
+        cfg = config or DEFAULT_MATRIX_CONFIG
+        block_d, block_e = cfg.blocks(D, E)
+        link, _, _ = tree_links(parent)
+        m_off, sm = _matrix_layout(M, d)
+        b_off, sb = _matrix_layout(b, d)
+        h_off, sh = _matrix_layout(h, d)
+        grid = (m_off.shape[0], triton.cdiv(E, block_e))
+        _tree_matrix_scan_fwd[grid](M, b, h, link, parent, m_off, b_off, h_off, N, D, E, *sm, *sb, *sh,
+                                    BLOCK_D=block_d, BLOCK_E=block_e, num_warps=cfg.num_warps)
+    return h.to(b.dtype)
+
+
+def matrix_scan_backward(grad: torch.Tensor, M: torch.Tensor, h: torch.Tensor, parent: torch.Tensor, d: int,
+                         config: Optional[MatrixScanConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_M, grad_b)`` (contiguous, the shapes and dtype of M and h): the reverse kernel
+    (``ScanImpl.matrix_scan_backward``), into zeroed accumulation-dtype buffers (``grad_M`` sums the column
+    blocks' atomic adds; ``grad_b`` doubles as the branch points' accumulator)."""
+    acc = _acc_torch_dtype(h.dtype)
+    gM = torch.zeros(M.shape, dtype=acc, device=M.device)
+    gb = torch.zeros(h.shape, dtype=acc, device=h.device)
+    N, D, E = h.shape[d], h.shape[-2], h.shape[-1]
+    if h.numel():
+        cfg = config or DEFAULT_MATRIX_CONFIG
+        block_d, block_e = cfg.blocks(D, E)
+        link, slot, _ = tree_links(parent)
+        layouts = [_matrix_layout(x, d) for x in (grad.expand(h.shape), M, h, gM, gb)]
+        grid = (layouts[0][0].shape[0], triton.cdiv(E, block_e))
+        _tree_matrix_scan_bwd[grid](grad.expand(h.shape), M, h, gM, gb, link, slot, parent,
+                                    *(off for off, _ in layouts), N, D, E,
+                                    *(s for _, strides in layouts for s in strides),
+                                    BLOCK_D=block_d, BLOCK_E=block_e, num_warps=cfg.num_warps)
+    return gM.to(M.dtype), gb.to(h.dtype)
+
+
 register_scan_impl(ScanImpl(
-    "triton", linear_scan, linear_scan_backward, causal_conv1d, causal_conv1d_backward,
+    "triton", linear_scan, linear_scan_backward, causal_conv1d, causal_conv1d_backward, matrix_scan,
+    matrix_scan_backward,
     device_types=None if is_interpreter() else frozenset({"cuda"}),
     dtypes=frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16}),
 ))

@@ -4,10 +4,11 @@
 (``h_{-1} = 0``) — what passes/delta_rule.py makes of a chunked gated delta rule. Along the position dim of
 TOKEN operands the dense value at (b, t) is the recurrence over columns 0..t of row b, i.e. over the tree path
 of node ``index[b, t]`` (the rows holding a node agree on every column before it, §4): TOKEN, computed by
-``brcompile::tree_matrix_scan(M, b, tree_parent(end), pos)``. Causal and row-independent: the invariant of §3.4
-holds. Anything else (another dim, operands of different layouts, a sliced or dense operand, a padding-free
-batch) is a dense fallback naming what failed; ``drop_padding`` is refused (a kept token's path skips the
-padding the dense recurrence reads), as for the other tree scans (passes/rules/scan.py).
+``brcompile::tree_matrix_scan(M, b, tree_parent(end), pos, impl)`` (``impl``: the backend's ``scan`` option).
+Causal and row-independent: the invariant of §3.4 holds. Anything else (another dim, operands of different
+layouts, a sliced or dense operand, a padding-free batch) is a dense fallback naming what failed;
+``drop_padding`` is refused (a kept token's path skips the padding the dense recurrence reads), as for the
+other tree scans (passes/rules/scan.py).
 """
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ def _args(node: fx.Node) -> tuple[Any, Any, Any]:
 
 
 def emit_matrix_scan(pk, node: fx.Node):
-    """``tree_matrix_scan(M, b, tree_parent(end), pos)`` on the packed operands."""
+    """``tree_matrix_scan(M, b, tree_parent(end), pos, impl)`` on the packed operands; ``impl`` is the
+    backend's ``scan`` option."""
     _refuse_dropped_padding(pk, node, "matrix scan")
     M, b, _ = _args(node)
     return pk.graph.call_function(_ops.MATRIX_PATH_OPS[0], (pk.packed(M), pk.packed(b), _emit_parent(pk),
-                                                            get_axes(node).pos))
+                                                            get_axes(node).pos, pk.options.scan))
 
 
 @register_rule([_ops.matrix_scan], emit=emit_matrix_scan)

@@ -229,14 +229,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from brcompile.backends.triton import scan as tscan
 
-CONSTEXPRS = ("ACC", "BLOCK_F", "W", "HAS_BIAS", "BLOCK_N", "BLOCK_C")
+CONSTEXPRS = ("ACC", "BLOCK_F", "W", "HAS_BIAS", "BLOCK_N", "BLOCK_C", "BLOCK_D", "BLOCK_E")
 
-def signature(fn, dtype, acc):
+def signature(fn, dtype, acc, acc_ptrs=("stash_ptr", "dx_ptr", "dw_ptr")):
     out = {}
     for name in fn.arg_names:
         if name in CONSTEXPRS:
             out[name] = "constexpr"
-        elif name in ("stash_ptr", "dx_ptr", "dw_ptr"):
+        elif name in acc_ptrs:
             out[name] = "*" + acc
         elif name in ("link_ptr", "slot_ptr", "parent_ptr") or name.endswith("_off_ptr"):
             out[name] = "*i64"
@@ -244,8 +244,8 @@ def signature(fn, dtype, acc):
             out[name] = "*" + dtype if name.endswith("_ptr") else "i32"
     return out
 
-def build(fn, dtype, acc, constexprs):
-    src = ASTSource(fn, signature(fn, dtype, acc), constexprs=constexprs)
+def build(fn, dtype, acc, constexprs, **kw):
+    src = ASTSource(fn, signature(fn, dtype, acc, **kw), constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 for dtype, acc, tl_acc in (("fp16", "fp32", tl.float32),):  # float64 differs in ACC only; each build is slow
@@ -254,15 +254,20 @@ for dtype, acc, tl_acc in (("fp16", "fp32", tl.float32),):  # float64 differs in
     build(tscan._tree_causal_conv1d_fwd, dtype, acc,
           {"W": 4, "HAS_BIAS": True, "ACC": tl_acc, "BLOCK_N": 64, "BLOCK_C": 32})
     assert "atom" in build(tscan._tree_causal_conv1d_bwd, dtype, acc, {"W": 4, "BLOCK_N": 64, "BLOCK_C": 32})
+    # the matrix scan: the outputs in the accumulation dtype; small blocks (the float32 dot unrolls d*d*e FMAs)
+    blocks = {"BLOCK_D": 32, "BLOCK_E": 16}
+    assert "bar.sync" in build(tscan._tree_matrix_scan_fwd, dtype, acc, blocks, acc_ptrs=("h_ptr",))
+    ptx = build(tscan._tree_matrix_scan_bwd, dtype, acc, blocks, acc_ptrs=("gM_ptr", "gb_ptr"))
+    assert "bar.sync" in ptx and "atom" in ptx
 print("compiled")
 """
 
 
-@pytest.mark.slow  # a fresh process and four CUDA compiles (~25 s)
+@pytest.mark.slow  # a fresh process and six CUDA compiles (~30 s)
 def test_kernels_compile_for_sm90():
     """The kernels (float16 inputs, float32 accumulation) go through Triton's whole CUDA pipeline (ttir, ttgir,
     llir, ptx, cubin for sm_90), which the interpreter skips; the scans' branch-point barriers and the conv
-    backward's atomics are in the PTX."""
+    and matrix scan backwards' atomics are in the PTX."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
@@ -300,7 +305,8 @@ def test_backend_refuses_a_scan_impl_that_does_not_run_here():
     """A scan impl that does not run on the inputs' device is a CannotReplay naming it (the original graph
     runs, exactly), not an error at run time."""
     cuda_only = scan.ScanImpl("triton", tscan.linear_scan, tscan.linear_scan_backward, tscan.causal_conv1d,
-                              tscan.causal_conv1d_backward, device_types=frozenset({"cuda"}))
+                              tscan.causal_conv1d_backward, tscan.matrix_scan, tscan.matrix_scan_backward,
+                              device_types=frozenset({"cuda"}))
     model = scan_lm(layers=1, form="hop")  # the higher-order op traces faster than the inlined scan
     fn = functools.partial(token_loss, model)
     args = grpo_like_batch()
