@@ -9,13 +9,20 @@ v_tᵀ``. The matrix counterpart of ``tree_linear_scan`` (backends/scan.py), whe
 In the prefix tree (§4) a token's earlier positions in every row that holds it are its ancestors, so the dense
 recurrence ``h_t = M_t h_{t-1} + b_t`` along a row (``h_{-1} = 0``) is this one along the token's path.
 
-* Forward by pointer doubling of affine maps (:func:`path_matrix_scan`): token k holds ``(A[k], B[k])`` and an
-  ancestor ``anc[k]`` with ``h[k] = A[k] h[anc[k]] + B[k]``; a round composes k's map with its ancestor's,
-  ``(A, B)∘(A', B') = (A A', A B' + B)``, and doubles ``anc``. ``ceil(log2(depth))`` rounds of batched d×d
-  matmuls; nothing loops over tokens.
-* Backward (its own op, :func:`subtree_matrix_scan`): with ``g = dL/dh``, ``gb[k] = g[k] + sum over the children
-  c of k of M[c]ᵀ gb[c]`` (the transposed rounds: scatter-adds to the 2^r-th ancestor), ``dL/dM[k] = gb[k]
-  h[parent[k]]ᵀ`` (0 at a root), ``dL/db = gb``.
+The op and its backward take an ``impl`` name (last, default ``"auto"``; the emitter passes the backend's
+``scan`` option) looked up in the tree scans' ``SCAN_IMPLS`` (backends/scan.py, ``ScanImpl.matrix_scan`` /
+``matrix_scan_backward``): ``"auto"`` is triton on CUDA, torch elsewhere.
+
+* ``"torch"`` (here, any device and dtype). Forward by pointer doubling of affine maps
+  (:func:`path_matrix_scan`): token k holds ``(A[k], B[k])`` and an ancestor ``anc[k]`` with ``h[k] = A[k]
+  h[anc[k]] + B[k]``; a round composes k's map with its ancestor's, ``(A, B)∘(A', B') = (A A', A B' + B)``,
+  and doubles ``anc``. ``ceil(log2(depth))`` rounds of batched d×d matmuls, O(N·d³·log depth); nothing loops
+  over tokens. Backward (its own op, :func:`subtree_matrix_scan`): with ``g = dL/dh``, ``gb[k] = g[k] + sum
+  over the children c of k of M[c]ᵀ gb[c]`` (the transposed rounds: scatter-adds to the 2^r-th ancestor),
+  ``dL/dM[k] = gb[k] h[parent[k]]ᵀ`` (0 at a root), ``dL/db = gb``.
+* ``"triton"`` (backends/triton/scan.py): the same recurrences token by token, one program per (batch entry,
+  block of e columns) walking the tokens in preorder (forward) or reverse preorder (backward): O(N·d²·e), one
+  launch each.
 
 Exact up to the reassociation of the matrix products (the dense loop multiplies the same factors in another
 grouping). ``matrix_scan(M, b, dim)`` is the dense form (every row its own chain), what the passes recognise

@@ -1,5 +1,6 @@
-"""Triton kernels for ``brcompile::tree_linear_scan``, ``brcompile::tree_causal_conv1d`` and their backwards (GPU;
-on CPU with TRITON_INTERPRET=1). Registers the scan impl ``"triton"`` (backends/scan.py, ``SCAN_IMPLS``).
+"""Triton kernels for ``brcompile::tree_linear_scan``, ``brcompile::tree_causal_conv1d``,
+``brcompile::tree_matrix_scan`` and their backwards (GPU; on CPU with TRITON_INTERPRET=1). Registers the scan
+impl ``"triton"`` (backends/scan.py, ``SCAN_IMPLS``).
 
 The op: ``h[k] = a[k] * h[parent[k]] + b[k]`` along the packed token dim (``h = b`` at a root), ``a`` and ``b``
 broadcast together; backward ``gb[k] = g[k] + sum over the children c of k of a[c] * gb[c]``, ``ga[k] = gb[k] *
@@ -38,6 +39,19 @@ tokens (W-1 vector gathers of ``parent``), reading x at each and accumulating th
 of the torch impl's W. Backward per tile: ``dx[anc_i(k)] += weight[c, W-1-i] * grad[k]`` by atomic adds
 (siblings share ancestors; order-dependent rounding only), ``dweight[c, W-1-i] += sum_k grad[k] *
 x[anc_i(k)]`` per tile by atomic adds, both into float32 / float64 buffers; ``dbias`` is a torch sum.
+
+The matrix scan ``h[k] = M[k] @ h[parent[k]] + b[k]`` (``M [..., d, d]``, ``b [..., d, e]``; backends/matrix_scan.py)
+is the same walk with a ``[d, BLOCK_E]`` state: one program per (batch entry g over the flattened non-token
+batch dims, block of BLOCK_E columns of h; the columns are independent), ``state = tl.dot(M[k], prev) + b[k]``
+with d padded to a power of two of at least 16 (tl.dot's smallest; the padding is zeros, so a small d is
+exact). No stash: the output is written in the accumulation dtype, so a child other than k+1 re-reads its
+parent's state from ``h[parent[k]]`` unrounded (a barrier first; half inputs get the output cast once at the
+end). Backward in reverse preorder: ``gb[k] = g[k] + carry (+ gb_buf[k] at a branch point)``, ``M[k]ᵀ gb[k]``
+carried in registers to k-1 (chain) or added into the parent's row of the zeroed accumulation-dtype ``gb``
+buffer (which is also the output); ``grad_M[k] = gb[k] h[parent[k]]ᵀ`` summed over the column blocks by atomic
+adds (order-dependent rounding only; exact when one block covers e). M[k]ᵀ and h[p]ᵀ are read through swapped
+strides. The products are ``input_precision="ieee"`` (no TF32: float32 stays within 1e-5); O(N·d²·e) work,
+each program loading M[k] once per token.
 
 Dtypes: float32 / float16 / bfloat16 accumulate in float32 (the stored outputs are rounded to the input
 dtype, the carried state and the stash are not), float64 in float64. Layout follows the Liger-Kernel /
