@@ -154,8 +154,8 @@ class ScanImpl(Impl):
     causal_conv1d_backward(grad, x, weight, parent) -> (dx, dweight, dbias)
         in the shapes and dtypes of x, weight and bias ``[C]`` (:func:`causal_conv1d_backward`).
     matrix_scan(M, b, parent, d) -> h
-        ``h[k] = M[k] @ h[parent[k]] + b[k]`` along batch dim ``d`` (normalised) of ``M [..., dd, dd]`` and
-        ``b [..., dd, e]``; ``h`` in b's shape and dtype.
+        ``h[k] = M[k] @ h[parent[k]] + b[k]`` along batch dim ``d`` (normalised) of ``M [..., s, s]`` and
+        ``b [..., s, e]``; ``h`` in b's shape and dtype.
     matrix_scan_backward(grad, M, h, parent, d) -> (grad_M, grad_b)
         in the shapes of ``M`` and ``h``: ``grad_b = gb``, ``gb[k] = grad[k] + sum over the children c of k
         of M[c]ᵀ @ gb[c]``, ``grad_M[k] = gb[k] @ h[parent[k]]ᵀ`` (0 at a root).
