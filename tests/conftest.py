@@ -1,6 +1,6 @@
-"""Shared test setup: strict mode (BRCOMPILE_STRICT=1), TRITON_INTERPRET=1 without a GPU, the repo root on
-sys.path (for ``examples`` / ``benchmarks`` / ``tests.helpers``), fresh Dynamo state and fresh brcompile counters in
-every test; the ``float64_norms`` fixture. Shared plain helpers are in tests/helpers.py."""
+"""Shared test setup: strict mode (BRCOMPILE_STRICT=1), TRITON_INTERPRET=1 without a GPU, threads per xdist
+worker, the repo root on sys.path (for ``examples`` / ``benchmarks`` / ``tests.helpers``), fresh Dynamo state and
+fresh brcompile counters in every test; the ``float64_norms`` fixture. Shared plain helpers are in tests/helpers.py."""
 import os
 import sys
 from pathlib import Path
@@ -20,6 +20,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+# Under pytest-xdist (README's test command runs ``-n auto``: one worker per core) each worker gets its share
+# of the cores for torch's intra-op threads and Inductor's compile pool, so workers do not oversubscribe them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    _share = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_share)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(_share))
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
