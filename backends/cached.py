@@ -24,8 +24,8 @@ runtime sums them over chunks before the prefix backward). The cached K/V is nev
 Cross pairs run through ``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU and by explicit
 float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
 
-Attention sinks (``sinks`` [Hq]) are merged once, after both parts (``ops.sink_merge``), and their gradient
-is ``ops.sink_grad`` of the merged out and lse, as for the uncached op. ALiBi is not supported against a
+Attention sinks (``sinks`` [Hq], or [Hq, n] per chunk query) are merged once, after both parts
+(``ops.sink_merge``), and their gradient is ``ops.sink_grad`` of the merged out and lse, as for the uncached op. ALiBi is not supported against a
 cached prefix (``TreeAttentionError``; the streaming split refuses such graphs, packed mode runs them).
 """
 from __future__ import annotations

@@ -29,20 +29,22 @@ ALiBi (``alibi``: per-query-head slopes m[Hq], numbers, with ``position``): the 
 gets ``+ m[h] * (position[k] - position[q])`` (after the soft-cap, if any). Softmax is invariant to a
 per-query shift, so this is also BLOOM's ``m[h] * position[k]``. The slopes are constants (no gradient).
 
-Attention sinks (``sinks``: a [Hq] tensor of logits s, differentiable): each query row's softmax has one
-more logit ``s[h]`` that carries no value::
+Attention sinks (``sinks``, differentiable): each query row's softmax has one more logit that carries no value,
+either one learned logit per head (GPT-OSS: a [Hq] tensor s, row (h, q) reads ``s[h]``) or a logit computed per
+query token (Inkling2: a [Hq, N] tensor s, row (h, q) reads ``s[h, q]``, e.g. a projection of the query's hidden
+state). Writing ``s[h, q]`` for either (the [Hq] case broadcast over the queries)::
 
-    lse'[h, q] = logaddexp(lse[h, q], s[h]),   out'[h, q] = out[h, q] * exp(lse[h, q] - lse'[h, q])
+    lse'[h, q] = logaddexp(lse[h, q], s[h, q]),   out'[h, q] = out[h, q] * exp(lse[h, q] - lse'[h, q])
 
-where (out, lse) are the attention without the sink (a query that sees no key: out' = 0, lse' = s[h]).
+where (out, lse) are the attention without the sink (a query that sees no key: out' = 0, lse' = s[h, q]).
 This is applied here, around every impl (impls never see a sink), and the backward of the keys is the
 impl's with the merged (out', lse'): ``ds = p (dp - delta)`` with ``p = exp(score - lse')`` and ``delta =
 rowsum(dout * out')`` is exactly the gradient of the softmax with the sink, restricted to the keys. The
-sink's own gradient: with ``p_s = exp(s[h] - lse'[h, q])``, ``d out'[q] / d s[h] = -p_s out'[q]``, so
+sink's own gradient: with ``p_s = exp(s[h, q] - lse'[h, q])``, ``d out'[q] / d s[h, q] = -p_s out'[q]``, so
 
-    d sinks[h] = - sum_q p_s[h, q] * delta[h, q],   delta[h, q] = sum_d dout[h, q, d] out'[h, q, d]
+    d s[h, q] = - p_s[h, q] * delta[h, q],   delta[h, q] = sum_d dout[h, q, d] out'[h, q, d]
 
-(:func:`sink_merge`, :func:`sink_grad`).
+summed over the queries q for a per-head [Hq] sink (:func:`sink_merge`, :func:`sink_grad`).
 
 The op bodies gather their arguments (all but ``impl``) into one :class:`TreeAttentionArgs`, check it once
 (:meth:`TreeAttentionArgs.check`) and hand it to the implementation named ``impl``, looked up in a registry
@@ -114,9 +116,9 @@ class TreeAttentionArgs:
     ``q [Hq, N, D]``, ``k``/``v [Hkv, N, D]``, the tree arrays ``end``/``valid``/``segments``, ``scale``;
     ``window`` W > 0 with ``position [N]``: the sliding window ``position[q] - position[k] < W``;
     ``softcap`` c > 0: scores ``c * tanh(scale * q.k / c)``; ``alibi`` (a tuple of Hq floats m, with
-    ``position``): scores ``+ m[h] * (position[k] - position[q])``; ``sinks`` ([Hq] tensor): one more logit
-    per query row without a value (applied by the op around the impl: impls ignore it, see the module
-    docstring). Neutral defaults (0, None, 0.0, None, None) mean off; a new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3). The field
+    ``position``): scores ``+ m[h] * (position[k] - position[q])``; ``sinks`` ([Hq] or per query
+    [Hq, N] tensor): one more logit per query row without a value (applied by the op around the impl: impls
+    ignore it, see the module docstring). Neutral defaults (0, None, 0.0, None, None) mean off; a new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3). The field
     order is the op's argument order (without ``impl``), so ``TreeAttentionArgs(q, k, v, end, valid,
     segments, scale, window, position, softcap, alibi, sinks)`` reads like the op call.
     """
@@ -178,7 +180,7 @@ class TreeAttentionArgs:
             raise TreeAttentionError(f"tree_attention: softcap must be a finite float >= 0 (0: no soft-cap), "
                                      f"got {self.softcap}")
         check_alibi(self.alibi, self.position, self.q.shape[0], n)
-        check_sinks(self.sinks, self.q.shape[0])
+        check_sinks(self.sinks, self.q.shape[0], n)
         return self
 
     def alibi_slopes(self) -> Optional[Tensor]:
@@ -258,32 +260,40 @@ def check_alibi(alibi: Optional[Sequence[float]], position: Optional[Tensor], hq
                                  f"got {got}")
 
 
-def check_sinks(sinks: Optional[Tensor], hq: int) -> None:
-    """Sinks are None (off) or a floating [Hq] tensor of logits."""
+def check_sinks(sinks: Optional[Tensor], hq: int, n: int) -> None:
+    """Sinks are None (off) or a floating tensor of logits: [Hq] (one per head) or [Hq, N] (one per head and
+    query token)."""
     if sinks is None:
         return
-    if not isinstance(sinks, Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (hq,):
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) not in ((hq,), (hq, n)):
         got = (sinks.dtype, tuple(sinks.shape)) if isinstance(sinks, Tensor) else type(sinks).__name__
-        raise TreeAttentionError(f"tree_attention: sinks must be a floating [Hq={hq}] tensor, got {got}")
+        raise TreeAttentionError(f"tree_attention: sinks must be a floating [Hq={hq}] or [Hq={hq}, N={n}] tensor, "
+                                 f"got {got}")
+
+
+def _sink_rows(sinks: Tensor, lse: Tensor) -> Tensor:
+    """The sink logit of every query row, [Hq, N] in lse's dtype and device: ``s[h]`` broadcast over the
+    queries for per-head sinks, ``s[h, q]`` for per-query ones."""
+    s = sinks.to(device=lse.device, dtype=lse.dtype)
+    return (s[:, None] if s.dim() == 1 else s).expand_as(lse)
 
 
 def sink_merge(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
-    """(out', lse') with one value-less logit ``sinks[h]`` per query row joined to the softmax:
-    ``lse' = logaddexp(lse, s)``, ``out' = out * exp(lse - lse')`` (0 where lse = -inf: a query that sees
-    no key keeps out' = 0 and gets lse' = s). Computed in lse's dtype."""
-    s = sinks.to(device=lse.device, dtype=lse.dtype)[:, None].expand_as(lse)
-    merged = torch.logaddexp(lse, s)
+    """(out', lse') with one value-less logit ``s[h, q]`` per query row joined to the softmax (``sinks[h]`` or
+    ``sinks[h, q]``): ``lse' = logaddexp(lse, s)``, ``out' = out * exp(lse - lse')`` (0 where lse = -inf: a
+    query that sees no key keeps out' = 0 and gets lse' = s). Computed in lse's dtype."""
+    merged = torch.logaddexp(lse, _sink_rows(sinks, lse))
     weight = torch.exp(lse - merged)  # exp(-inf - finite) = 0
     return (out.to(lse.dtype) * weight[..., None]).to(out.dtype), merged
 
 
 def sink_grad(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
-    """d loss / d sinks[h] = - sum_q exp(s[h] - lse'[h, q]) * sum_d dout[h, q, d] out'[h, q, d], from the merged
-    (out', lse') (module docstring); in sinks' dtype."""
+    """d loss / d s[h, q] = - exp(s[h, q] - lse'[h, q]) * sum_d dout[h, q, d] out'[h, q, d], from the merged
+    (out', lse') (module docstring), summed over the queries for per-head [Hq] sinks; in sinks' dtype."""
     acc = lse.dtype
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
-    p_sink = torch.exp(sinks.to(device=lse.device, dtype=acc)[:, None] - lse)
-    return -(p_sink * delta).sum(-1).to(sinks.dtype)
+    per_row = -torch.exp(_sink_rows(sinks, lse) - lse) * delta
+    return (per_row.sum(-1) if sinks.dim() == 1 else per_row).to(sinks.dtype)
 
 
 def attention_forward(fn: Callable) -> Callable:
@@ -650,8 +660,9 @@ def tree_attention(
     ``impl``: "auto" (triton on CUDA when available, else cpu), "cpu", "reference", "triton" or any
     registered name. ``window`` > 0: a sliding window over ``position`` (default: the tree's positions when
     ``tree`` is a PackedTree). ``softcap`` > 0: scores ``softcap * tanh(s / softcap)``. ``alibi``: Hq slopes m,
-    scores ``+ m[h] * (position[k] - position[q])`` (positions as for a window). ``sinks``: [Hq] sink logits.
-    Differentiable in q, k, v and the sinks.
+    scores ``+ m[h] * (position[k] - position[q])`` (positions as for a window).
+    ``sinks``: sink logits, [Hq] (one per head) or [Hq, N] (one per head and query token). Differentiable in
+    q, k, v and the sinks.
     """
     end, valid, segments = _tree_arrays(tree)
     if scale is None:

@@ -80,11 +80,14 @@ feature: ``q' = cat(q, 1)``, ``k' = cat(k, post / c * T(u)^T)``, ``v' = cat(v, 0
 
 **Attention sinks** (GPT-OSS): ``combined = cat([s, S.reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)], -1)``,
 optionally ``combined - combined.max(-1, keepdim=True).values`` (a per-row shift: the softmax is the same),
-``softmax(combined)[..., :-1]`` — one value-less logit ``S[h]`` per query row (:func:`_match_sinks`; sink logits
-computed per query token are refused by name). GraniteMoE-SWA applies the sink after the attention,
-``o * sigmoid(logsumexp(s, -1) - S.view(1, H, 1)).unsqueeze(-1)``: the same attention (:func:`_match_lse_sink`). The
-[H] node ``S`` becomes the SDPA node's ``br_sinks`` keyword (a dependency edge of the canonical copy, which
-is only analysed, never run) and the ``sinks`` argument of tree attention (it gets its gradient there).
+``softmax(combined)[..., :-1]`` — one value-less logit ``S[h]`` per query row (:func:`_match_sinks`); a sink
+column computed per query token (Inkling2: ``cat([s, proj(h).transpose(1, 2).unsqueeze(-1)], -1)``, a
+[B, H, Lq, 1] value) is the same softmax with ``S[b, h, i]``, and ``S`` is that column. GraniteMoE-SWA applies
+the sink after the attention, ``o * sigmoid(logsumexp(s, -1) - S.view(1, H, 1)).unsqueeze(-1)``: the same
+attention (:func:`_match_lse_sink`). The node ``S`` ([H], or the per-query column) becomes the SDPA node's
+``br_sinks`` keyword (a dependency edge of the canonical copy, which is only analysed, never run) and the
+``sinks`` argument of tree attention (it gets its gradient there; a per-query column is packed like any token
+value, and the SDPA rule refuses one that is not a value of the query token).
 
 A fully masked query row differs: the original's additive mask makes it uniform over all keys (or NaN
 when the lowest value overflows), tree attention makes it 0. Where the mask has key padding, the rewrite
@@ -176,7 +179,7 @@ class EagerChain:
     dead: list[fx.Node]  # chain nodes replaced by the SDPA node, output-side first
     softcap: Any = 0.0  # > 0: the scores were soft-capped, tanh(s / softcap) * softcap; or the two scalar
     #                     nodes (divisor, factor) read from inputs under dynamic=True, resolved by canonicalize
-    sinks: Optional[fx.Node] = None  # the [H] sink logits joined to the softmax (attention sinks)
+    sinks: Optional[fx.Node] = None  # the sink logits joined to the softmax: [H], or a [B, H, Lq, 1] column
     heads: Optional[int] = None  # H of a 3-D attention (bmm / baddbmm on [B*H, ...] views)
     merged_out: bool = False  # ``out`` is the [B*H, Lq, D] product: the SDPA output is flattened for its users
     k_dims: Optional[tuple] = None  # the SDPA key is ``k.permute(k_dims)`` (:func:`_key_of`)
@@ -958,9 +961,11 @@ def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], 
     maximum (``c - c.max(-1, keepdim=True).values`` / ``amax``: a per-row shift, the softmax is unchanged;
     stripped also without a concatenation: (None, c, shift); ``shift`` the nodes of the shift and the
     concatenation, output side first, [] without either),
-    with ``sinks`` a view/expand of a 1-D node S of the H heads' logits to ``[B, H, Lq, 1]`` (head h reads
-    S[h]: only reshape/view/unsqueeze/expand, which keep the element order); (None, x) when ``x`` is no
-    concatenation; raises CannotReplay for a concatenation onto attention scores that is not that."""
+    with ``sinks`` a ``[B, H, Lq, 1]`` column: a view/expand of a 1-D node S of the H heads' logits (head h
+    reads S[h]: only reshape/view/unsqueeze/expand, which keep the element order), or else the column itself
+    as S, one logit per query row (Inkling2's projection of the hidden states; the SDPA rule requires it to be
+    a value of the query token); (None, x) when ``x`` is no concatenation; raises CannotReplay for a
+    concatenation onto attention scores that is not that."""
     c, shift = x, []
     if _call_in(x, spellings("sub")) and len(x.args) == 2 and not x.kwargs:
         c0, m = x.args
@@ -982,20 +987,18 @@ def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], 
     if normalize_dim(cdim, 4) != 3 or dim is None or normalize_dim(dim, 4) != 3 or te is None or ts is None:
         _refuse(sm, c, "logits concatenated to the scores on a dim other than the key dim")
     H = ts.shape[1]
+    if te.dim() != 4 or tuple(te.shape) != (ts.shape[0], H, ts.shape[2], 1):
+        _refuse(sm, c, "logits concatenated to the scores that are not one sink logit per query row "
+                f"(a [B, H, Lq, 1] column; got {list(te.shape)} beside scores {list(ts.shape)})")
     source = _sink_source(sink)
-    base = sink
-    while _call_in(base, VIEWS):
-        base = base.args[0]
-    if source is None and _tensor(base) is not None and _tensor(base).numel() > H:
-        _refuse(sm, c, "sink logits computed per query token (a [B, H, Lq, 1] value, e.g. a projection of the "
-                "hidden states): tree attention's sinks are one learned logit per head")
-    if te.dim() != 4 or tuple(te.shape) != (ts.shape[0], H, ts.shape[2], 1) or source is None \
-            or _tensor(source).numel() != H or sum(int(d) != 1 for d in _tensor(source).shape) > 1:
-        _refuse(sm, c, "logits concatenated to the scores that are not one sink logit per head "
-                "(an [H] tensor viewed as [1, H, 1, 1] and expanded over the batch and the queries)")
+    if source is not None and (_tensor(source).numel() != H or sum(int(d) != 1 for d in _tensor(source).shape) > 1):
+        _refuse(sm, c, "logits concatenated to the scores that are a view of neither one logit per head "
+                "(an [H] tensor viewed as [1, H, 1, 1] and expanded) nor a [B, H, Lq, 1] value per query row")
     if len(c.users) != 1 and c is x:
         _refuse(sm, c, "the scores concatenated with the sink logits have other users")
-    return source, scores, shift + [c]
+    # per head: the [H] source; per query row: the [B, H, Lq, 1] column itself (attention.sdpa requires it to be
+    # a value of the query token, its token axis the queries')
+    return source if source is not None else sink, scores, shift + [c]
 
 
 LOGSUMEXP = (torch.logsumexp, "logsumexp")

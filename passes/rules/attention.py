@@ -9,7 +9,11 @@ padding) selects the same keys with the same values, and the softmax over them i
 An ALiBi bias ``m[h] * (pos[k] - pos[q])`` (classified by :mod:`..masks`) is tree attention's ``alibi`` over
 the tree positions (the columns), or over ``count(X)[rep_row, position]`` — the running count of a 0/1
 input X at the token's column, which depends only on the token's ancestors, like every tree value. Attention
-sinks (``br_sinks``, from the eager canonicalisation) are its ``sinks`` argument.
+sinks (``br_sinks``, from the eager canonicalisation) are its ``sinks`` argument: one learned logit per head
+([H], dense), or one logit per query row — a [B, H, L, 1] TOKEN value (row 0, position 2: the query's token
+axis, e.g. a projection of the query's hidden state), packed to tree attention's [H, N] like any token value
+(row (b, i) reads its token's logit, as q does). A sink column that is not such a value (it mixes rows, or
+positions other than the query's) is refused.
 
 ``gather(x, -1, idx)`` of a TOKEN ``x`` (log-probs) with a dense index (the targets) reads
 ``x.packed[index[b, t], idx[b, t, j]]`` — B·L·J scalars, never the dense [B, L, V] value.
@@ -91,10 +95,18 @@ def emit_sdpa(pk, node):
     if softcap or alibi or sinks is not None:
         args += (softcap,)
     if alibi or sinks is not None:
-        args += (list(alibi) if alibi else None, None if sinks is None else pk.dense(sinks))
+        args += (list(alibi) if alibi else None, None if sinks is None else _sinks(pk, sinks))
     out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     return pk.graph.call_method("unsqueeze", (out, 0))
+
+
+def _sinks(pk, sinks):
+    """The ``sinks`` argument of tree attention: a per-head node (dense, its H logits as [H]), a per-query
+    [B, H, L, 1] TOKEN column packed ([1, H, N, 1] -> [H, N])."""
+    if not get_axes(sinks).is_token:
+        return pk.graph.call_method("reshape", (pk.dense(sinks), -1))
+    return pk.graph.call_method("squeeze", (pk.graph.call_method("squeeze", (pk.packed(sinks), -1)), 0))
 
 
 def _positions(pk, info):
@@ -132,7 +144,29 @@ def sdpa(ctx: AxesContext, node):
                                   a["enable_gqa"])
     if why is not None:
         ctx.fail(node, why)
+    _check_sinks(ctx, node, a.get("br_sinks"))
     return facts[0]
+
+
+def _check_sinks(ctx: AxesContext, node, sinks) -> None:
+    """Sinks are absent, a dense per-head [H] value, or a per-query [B, H, L, 1] TOKEN value with the queries'
+    token axes (row 0, position 2, the full window): row (b, i)'s sink logit is its token's, so the packed
+    column is tree attention's [H, N] per-query sinks. Anything else (a column that mixes the rows or reads
+    other positions, made dense) is refused."""
+    if sinks is None:
+        return
+    f = get_axes(sinks)
+    shape = ctx.shape(sinks)
+    if not f.is_token:
+        if shape is not None and sum(int(d) != 1 for d in shape) <= 1:  # one logit per head
+            return
+        ctx.fail(node, "attention sink logits per query row that are not a value of the query token (they "
+                 "depend on other rows or positions): "
+                 + (ctx.first_materialisation() or "they depend on dense data"))
+    if (f.ndim, f.row, f.pos) != (4, 0, 2) or f.window != ctx.full_window() or f.local \
+            or shape is None or shape[-1] != 1:
+        ctx.fail(node, f"attention sink logits per query row are a token value {f} of shape {shape}, not a "
+                 "[B, H, L, 1] column along the queries' token axis")
 
 
 def head_counts_unsupported(hq: int, hk: int, hv: int, enable_gqa: bool) -> str | None:

@@ -294,14 +294,41 @@ def returned_weights(q, k, v, causal):
     (lambda q, k, v, c: F.softmax(q @ k.transpose(-1, -2) + additive(c) + torch.ones(1, H, 1, 1).float(), -1) @ v,
      "torch.float32 per-head bias"),
     (LseSink(torch.float32), "sink gate sigmoid"),
-    (lambda q, k, v, c: F.softmax(torch.cat([q @ k.transpose(-1, -2) + additive(c), q.sum(-1, keepdim=True)], -1),
-                                  -1)[..., :-1] @ v, "sink logits computed per query token"),
-], ids=["returned_weights", "float32_bias", "float32_lse_sink", "per_token_sinks"])
+    (lambda q, k, v, c: F.softmax(torch.cat([q @ k.transpose(-1, -2) + additive(c), q[..., :2]], -1),
+                                  -1)[..., :-2] @ v, "not one sink logit per query row"),
+], ids=["returned_weights", "float32_bias", "float32_lse_sink", "two_sink_columns"])
 def test_eager_spelling_refused_with_reason(attn, reason):
     """Attention weights read by the loss, and a lower-precision per-head bias, fall back with the reason."""
     gm, inputs = capture(EagerLM(attn).double(), torch.randint(1, V, (3, 7)))
     with pytest.raises(CannotReplay, match=reason):
         canonicalize(gm, inputs)
+
+
+def sink_column(q, k, v, causal, sink):
+    """Inkling2's attention sinks: a [B, H, Lq, 1] logit column joined to the scores, dropped after the
+    softmax."""
+    s = torch.cat([q @ k.transpose(-1, -2) * 0.5 + additive(causal), sink], -1)
+    return F.softmax(s, -1)[..., :-1] @ v
+
+
+def test_per_query_sinks_replay_exactly():
+    """A sink logit computed per query token (a function of the query's own q) is tree attention's [H, N]
+    per-query ``sinks``: loss and every gradient as eager in float64."""
+    backend = replay_exact(EagerLM(lambda q, k, v, c: sink_column(q, k, v, c, q.sum(-1, keepdim=True))), vocab=V)
+    code = backend.records[0].packed_code
+    assert "tree_attention_forward" in code and "squeeze" in code
+
+
+@pytest.mark.parametrize("sink,reason", [
+    (lambda q: q.sum(-1, keepdim=True).mean(0, keepdim=True).expand(q.shape[0], -1, -1, -1), "not a value of the "
+     "query token"),
+    (lambda q: q.sum(-1, keepdim=True).flip(2), "not a value of the query token"),
+    (lambda q: q.sum((-1, -2), keepdim=True).expand(-1, -1, q.shape[2], 1), "not a value of the query token"),
+], ids=["mean_over_rows", "later_positions", "all_positions"])
+def test_sinks_not_of_the_query_token_fall_back(sink, reason):
+    """A sink column that mixes the rows of the batch or reads other positions than the query's is refused."""
+    reasons = fallback_reasons(EagerLM(lambda q, k, v, c: sink_column(q, k, v, c, sink(q))))
+    assert reason in reasons, reasons
 
 
 def fallback_reasons(model) -> str:
