@@ -1,0 +1,90 @@
+"""HF Inkling2's attention sinks, computed per query token, replay through tree attention's per-query ``sinks``.
+
+Inkling2 (and Inkling2-Loop, the same attention) joins ``sink_proj(hidden_states).transpose(1, 2).unsqueeze(-1)``
+— one logit per head and query token, a [B, H, Lq, 1] column — to the scores before the softmax and drops it
+after. The tests run HF's own attention modules (the sliding one with its convolved key/value projections, the
+full one with its dynamic convolution weights, the gated output projection) in a tiny LM, float64 with their
+float32 casts kept in float64 (KeepFloat64): the loss and every parameter gradient (``sink_proj``'s included)
+equal eager's within 1e-10, and the packed attention takes the packed sink column.
+
+The whole models still fall back on another feature: their hidden-states-conditioned relative position bias
+(a per-query table indexed by the distance to the key) is not a tree-attention feature, so the module's bias is
+swapped for none here, as tests/models/test_alibi_sinks_hf.py swaps GPT-OSS's experts.
+"""
+import re
+
+import pytest
+import torch
+
+from tests.helpers import KeepFloat64, replay_exact
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+inkling2_loop = pytest.importorskip("transformers.models.inkling2_loop.modeling_inkling2_loop")
+
+V = 11
+
+
+def _config(model_type):
+    cfg = transformers.AutoConfig.for_model(
+        model_type, vocab_size=V, hidden_size=32, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+        swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4, rel_extent=16, sliding_window_size=16)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+class _NoBias(torch.nn.Module):
+    """The relative position bias swapped out (``position_bias=None``: the scores get no bias)."""
+
+    def forward(self, *args, **kwargs):
+        return None
+
+
+class _AttentionLM(torch.nn.Module):
+    """Embedding -> one HF Inkling2 attention module (causal additive mask) -> projection -> a scalar."""
+
+    def __init__(self, cls, model_type, layer_idx):
+        super().__init__()
+        cfg = _config(model_type)
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(V, cfg.hidden_size)
+        self.attn = cls(cfg, layer_idx)
+        self.attn.relative_position_bias = _NoBias()
+        self.out = torch.nn.Linear(cfg.hidden_size, V)
+        for p in self.parameters():  # HF initialises some of them to 0 (the convolutions, the sink projection)
+            torch.nn.init.normal_(p, std=0.3)
+        self.register_buffer("tril", torch.tril(torch.ones(16, 16, dtype=torch.bool)))
+        self.full = "FullAttention" in cls.__name__
+
+    def forward(self, ids):
+        B, L = ids.shape
+        h = self.emb(ids)
+        mask = torch.zeros(L, L, dtype=h.dtype).masked_fill(~self.tril[:L, :L], torch.finfo(h.dtype).min)
+        pos = torch.arange(L)[None].expand(B, -1)
+        dist = pos[0][:, None] - pos[0][None, :]
+        if self.full:
+            o, _ = self.attn(h, h, h, mask[None, None], dist, position_ids=pos)
+        else:
+            o, _ = self.attn(h, mask[None, None], dist, position_ids=pos)
+        return self.out(o).log_softmax(-1).pow(2).sum()
+
+
+@pytest.mark.parametrize("cls,model_type,layer_idx", [
+    (inkling2.Inkling2SlidingAttention, "inkling2_text", 0),
+    (inkling2_loop.Inkling2LoopFullAttention, "inkling2_loop_text", 1),
+], ids=["inkling2_sliding", "inkling2_loop_full"])
+def test_inkling2_per_query_sinks_replay_exactly(cls, model_type, layer_idx):
+    """Loss and every parameter gradient as eager in float64; the packed tree attention takes the packed
+    per-query sink column (``sink_proj`` of the tokens, not a per-head parameter)."""
+    torch._dynamo.reset()
+    import brcompile
+
+    brcompile.reset_stats()
+    with KeepFloat64():
+        backend = replay_exact(_AttentionLM(cls, model_type, layer_idx), vocab=V)
+    code = backend.records[0].packed_code
+    (call,) = [line for line in code.splitlines() if "tree_attention_forward.default(" in line]
+    sinks = re.search(r"tree_attention_forward\.default\((.*)\);", call).group(1).split(", ")[-1]
+    assert sinks != "None", call
+    assert re.search(rf"{sinks} = .*squeeze", code) and "sink_proj" in code, code
