@@ -83,8 +83,42 @@ def test_inkling2_per_query_sinks_replay_exactly(cls, model_type, layer_idx):
     brcompile.reset_stats()
     with KeepFloat64():
         backend = replay_exact(_AttentionLM(cls, model_type, layer_idx), vocab=V)
-    code = backend.records[0].packed_code
-    (call,) = [line for line in code.splitlines() if "tree_attention_forward.default(" in line]
-    sinks = re.search(r"tree_attention_forward\.default\((.*)\);", call).group(1).split(", ")[-1]
+    _assert_packed_sinks(backend.records[0].packed_code, "tree_attention_forward")
+
+
+def _assert_packed_sinks(code, op):
+    """The one ``op`` call of the graph ``code`` takes a sinks argument, a squeeze of a packed value, and the
+    graph computes ``sink_proj``."""
+    (call,) = [line for line in code.splitlines() if f"{op}.default(" in line]
+    sinks = re.search(rf"{op}\.default\((.*)\);", call).group(1).split(", ")[-1]
     assert sinks != "None", call
     assert re.search(rf"{sinks} = .*squeeze", code) and "sink_proj" in code, code
+
+
+def test_inkling2_per_query_sinks_streamed():
+    """Streaming replay: each tail chunk's tree attention takes its own queries' sink column against the cached
+    prefix K/V (``tree_attention_cached_forward``); loss and every gradient as eager in float64."""
+    import brcompile
+    from brcompile.testing import TOLERANCE, rel_err
+
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).double()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, V, (1, 9), generator=g).repeat(4, 1)
+    ids[1:, 5:] = torch.randint(1, V, (3, 4), generator=g)
+    params = list(model.parameters())
+    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=4)
+    with KeepFloat64():
+        want = model(ids)
+        gw = torch.autograd.grad(want, params)
+        got = torch.compile(model, backend=backend)(ids)
+        gg = torch.autograd.grad(got, params)
+    s = brcompile.stats()
+    assert s.streamed_calls == 1 and s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
+    rec = backend.records[-1]
+    assert rec.runtime.calls[-1].schedule["chunks"] >= 2
+    _assert_packed_sinks(rec.replay["tail_code"], "tree_attention_cached_forward")
+    assert rel_err(got.detach(), want.detach()) <= TOLERANCE[torch.float64]
+    for p, a, b in zip(params, gg, gw):
+        assert rel_err(a, b) <= TOLERANCE[torch.float64], (tuple(p.shape), rel_err(a, b))
