@@ -105,7 +105,8 @@ def _sinks(pk, sinks):
     """The ``sinks`` argument of tree attention: a per-head node (dense, its H logits as [H]), a per-query
     [B, H, L, 1] TOKEN column packed ([1, H, N, 1] -> [H, N])."""
     if not get_axes(sinks).is_token:
-        return pk.graph.call_method("reshape", (pk.dense(sinks), -1))
+        dense = pk.dense(sinks)
+        return dense if len(pk.static_shape(sinks)) == 1 else pk.graph.call_method("reshape", (dense, -1))
     return pk.graph.call_method("squeeze", (pk.graph.call_method("squeeze", (pk.packed(sinks), -1)), 0))
 
 
