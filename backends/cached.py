@@ -25,8 +25,9 @@ Cross pairs run through ``aten._scaled_dot_product_flash_attention_for_cpu`` on 
 float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
 
 Attention sinks (``sinks`` [Hq], or [Hq, n] per chunk query) are merged once, after both parts
-(``ops.sink_merge``), and their gradient is ``ops.sink_grad`` of the merged out and lse, as for the uncached op. ALiBi is not supported against a
-cached prefix (``TreeAttentionError``; the streaming split refuses such graphs, packed mode runs them).
+(``ops.sink_merge``), and their gradient is ``ops.sink_grad`` of the merged out and lse, as for the uncached
+op. ALiBi is not supported against a cached prefix (``TreeAttentionError``; the streaming split refuses such
+graphs, packed mode runs them).
 """
 from __future__ import annotations
 
