@@ -263,7 +263,7 @@ def _packed_example_args(an, example_inputs) -> list:
 
     args = [hint(a) for a in example_inputs]
     mask = an.key_padding(args)
-    tree = build_tree([args[i] for i in an.tree_input_positions], attention_mask=mask)
+    tree = build_tree(an.tree_keys(args), attention_mask=mask)
     return [*args, *tree.graph_args()]
 
 

@@ -298,6 +298,9 @@ class AxesContext:
     repacked: list = dataclasses.field(default_factory=list)
     # per-call guards a rule relied on (passes/guards.py), checked with the analysis's other guards
     guards: list = dataclasses.field(default_factory=list)
+    #: the tree inputs are [T, ...] rows (a token-local graph over flattened tokens): B = T, L = 1, each row one
+    #: token; their fact is the flattened layout (``flat=1``, position dim 0)
+    rows: bool = False
 
     def axes(self, arg: Any) -> TokenAxes:
         return get_axes(arg)
@@ -485,6 +488,8 @@ def propagate(ctx: AxesContext) -> None:
 
 
 def _placeholder_axes(ctx: AxesContext, node: fx.Node) -> TokenAxes:
+    if node in ctx.tree_inputs and ctx.rows:  # [T, ...] = [B·L, ...] with L = 1: the flattened tokens
+        return token(example_value(node).dim(), None, 0, ctx.full_window(), flat=1)
     if node in ctx.tree_inputs:  # [B, L, ...]: row 0, position 1 (trailing dims: features)
         return token(max(example_value(node).dim(), 2) if isinstance(example_value(node), torch.Tensor) else 2,
                      0, 1, ctx.full_window())

@@ -83,6 +83,11 @@ class Analysis:
     def tree_input_positions(self) -> list[int]:
         return [self.placeholders.index(p) for p in self.tree_inputs]
 
+    def tree_keys(self, args: Sequence[Any]) -> list:
+        """The call's tree keys: the tree inputs, ``[T, ...]`` rows as ``[T, 1, ...]`` (:func:`row_keys`)."""
+        keys = [args[i] for i in self.tree_input_positions]
+        return row_keys(keys) if self.ctx.rows else keys
+
     @property
     def keypad_position(self) -> Optional[int]:
         return None if self.keypad is None else self.placeholders.index(self.keypad)
@@ -108,6 +113,12 @@ class Analysis:
     @property
     def lazy_gathers(self) -> list[fx.Node]:
         return [n for n, v in self.ctx.notes.items() if v == "lazy_gather"]
+
+
+def row_keys(per_token: Sequence[Any]) -> list:
+    """``[T, ...]`` tree inputs of a graph over flattened tokens as ``[B, L, ...] = [T, 1, ...]`` tree keys: each
+    row a sequence of one token (``AxesContext.rows``)."""
+    return [x.unsqueeze(1) for x in per_token]
 
 
 def _strip_views(n: fx.Node) -> fx.Node:
@@ -246,21 +257,34 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     input. The facts are propagated as for any graph: a token-local op of TOKEN values is TOKEN (its value at
     (b, t) reads the inputs at (b, t) only, so rows whose keys agree up to column t share it), an op that mixes
     tokens is dense or refused by its rule. Rows sharing a prefix then share the work of its tokens. When no op
-    computes on packed values (everything went dense), nothing is shared: CannotReplay with the first reason."""
+    computes on packed values (everything went dense), nothing is shared: CannotReplay with the first reason.
+
+    Without either, the tokens may come flattened: the first 2-D float input that is not a parameter, ``[T, D]``
+    (``hidden.view(-1, D)`` made before a graph break), is T rows of one token each — (B, L) = (T, 1), the
+    tree inputs every ``[T, ...]`` input (:func:`_row_inputs`) with the flattened layout's fact (``flat=1``).
+    Rows whose inputs agree bitwise are one tree node (a prefix of length 1), whatever their place in the
+    batch: a token-local op's value at row i reads row i of the inputs only. Ops that mix rows (a reduction or
+    cumsum over dim 0, an index ``x[idx]`` by a per-batch index) are dense by their rules, as for
+    ``[B·L, D]`` values in a graph over ``[B, L, D]`` inputs."""
     nothing = f"no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged){left}"
+    rows = False
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
     else:
-        floats = [p for p in placeholders if isinstance(example_value(p), torch.Tensor)
-                  and example_value(p).dim() == 3 and example_value(p).is_floating_point() and not is_static_input(p)]
-        if not floats:
-            raise CannotReplay(f"{nothing}: no token ids and no [B, L, D] float input (hidden states)")
-        B, L = hint(tuple(example_value(floats[0]).shape[:2]))
-    tree_inputs = [p for p in placeholders if _is_token_shaped(p, B, L)]
-    position_inputs = {p: d for p in placeholders if p not in tree_inputs
-                       for d in [_position_dim(p, B, L)] if d is not None}
+        floats = [p for p in placeholders if _free_float(p, 3)]
+        if floats:
+            B, L = hint(tuple(example_value(floats[0]).shape[:2]))
+        else:
+            flat = [p for p in placeholders if _free_float(p, 2)]
+            if not flat:
+                raise CannotReplay(f"{nothing}: no token ids, no [B, L, D] float input (hidden states) and no "
+                                   f"[T, D] float input (flattened hidden states)")
+            B, L, rows = hint(example_value(flat[0]).shape[0]), 1, True
+    tree_inputs = _row_inputs(placeholders, B) if rows else [p for p in placeholders if _is_token_shaped(p, B, L)]
+    position_inputs = {} if rows else {p: d for p in placeholders if p not in tree_inputs
+                                       for d in [_position_dim(p, B, L)] if d is not None}
     ctx = AxesContext(gm, B, L, tree_inputs, set(), training=training, position_inputs=position_inputs,
-                      values=values, sequences=False)
+                      values=values, sequences=False, rows=rows)
     propagate(ctx)
     if not any(_computes_packed(n) for n in gm.graph.nodes):
         why = ctx.first_materialisation() or "no op computes on the per-token inputs"
@@ -268,6 +292,22 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     log.debug("token-local graph: tree inputs %s, (B, L) = (%d, %d)", [p.name for p in tree_inputs], B, L)
     return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
                     canon.notes)
+
+
+def _free_float(p: fx.Node, ndim: int) -> bool:
+    """A floating ``ndim``-D graph input that is not a parameter or buffer."""
+    v = example_value(p)
+    return isinstance(v, torch.Tensor) and v.dim() == ndim and v.is_floating_point() and not is_static_input(p)
+
+
+def _row_inputs(placeholders: list, T: int) -> list[fx.Node]:
+    """The per-row inputs of a graph over T flattened tokens: every input ``[T, ...]`` of 2 dims or more that
+    is not a parameter or buffer. Each is a tree key (rows merge when all of them agree at the row), so the
+    forward is exact whatever they hold; a 1-D input (``[n]`` expert token indices, even when n == T) is
+    dense."""
+    return [p for p in placeholders for v in [example_value(p)]
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and hint(v.shape[0]) == T
+            and not isinstance(v, torch.nn.Parameter) and not is_static_input(p)]
 
 
 def _computes_packed(n: fx.Node) -> bool:
@@ -566,7 +606,11 @@ class Packer:
         """An argument as the packed graph sees it inside a TOKEN computation."""
         if not isinstance(arg, fx.Node):
             return arg
-        if arg in self.an.tree_inputs and arg not in self.env:
+        if arg in self.an.tree_inputs and arg not in self.env and self.an.ctx.rows:
+            # [T, ...] rows (L = 1) -> the flattened layout [N, ...]: node k is row rep_row[k]
+            self.env[arg] = self.graph.call_function(operator.getitem, (self._placeholders[arg],
+                                                                        self._tree["rep_row"]))
+        elif arg in self.an.tree_inputs and arg not in self.env:
             x = self._placeholders[arg]  # [B, L, ...] -> [1, N, ...]
             g = self.graph.call_function(operator.getitem, (x, (self._tree["rep_row"], self._tree["position"])))
             self.env[arg] = self.graph.call_method("unsqueeze", (g, 0))
@@ -691,6 +735,7 @@ class Packer:
         new_gm.recompile()
         new_gm.br_token_outputs = self._token_outputs(out)
         new_gm.br_sequences = self.an.sequences_position  # padding-free: the tree is over sequences (runtime)
+        new_gm.br_rows = self.an.ctx.rows  # [T, ...] tree inputs: the runtime's keys are [T, 1, ...] (row_keys)
         return new_gm
 
     def _token_outputs(self, out: fx.Node) -> tuple[int, ...]:
@@ -736,4 +781,4 @@ def build_packed_graph(an: Analysis, options: Optional[PackOptions] = None) -> f
     return Packer(an, options or PackOptions()).build()
 
 
-__all__ = ["Analysis", "PackOptions", "analyse", "build_packed_graph", "materialize", "find_token_ids"]
+__all__ = ["Analysis", "PackOptions", "analyse", "build_packed_graph", "materialize", "find_token_ids", "row_keys"]

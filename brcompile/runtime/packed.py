@@ -157,6 +157,7 @@ class PackedRuntime:
         gm = getattr(eager_packed, "__self__", None)
         self.token_outputs: tuple = tuple(getattr(gm, "br_token_outputs", ()))
         self.sequences: Optional[int] = getattr(gm, "br_sequences", None)  # padding-free: position ids' arg
+        self.rows: bool = getattr(gm, "br_rows", False)  # [T, ...] tree inputs: keys [T, 1, ...] (one token a row)
         self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
 
     def _log_call(self, rec: CallRecord) -> None:
@@ -171,6 +172,8 @@ class PackedRuntime:
             if reason is not None:
                 return self._original(args, reason)
         per_token = [args[i] for i in self.tree_positions]
+        if self.rows:
+            per_token = [x.unsqueeze(1) for x in per_token]
         mask = None if self.key_padding is None else self.key_padding(args)
         tree, source = self._tree(args, per_token, mask)
         st = tree.stats

@@ -8,6 +8,7 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import brcompile
 from brcompile.testing import assert_exact
@@ -114,3 +115,86 @@ def test_graph_that_mixes_tokens_runs_unchanged():
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     reasons = " | ".join(s.fallback_reasons)
     assert "nothing to share" in reasons and "made dense" in reasons, reasons
+
+
+class RowMLP(nn.Module):
+    """A piece over flattened tokens ``[T, D]`` (what an experts loop's graph breaks leave): RMSNorm, a gated MLP,
+    a per-row loss weighted by a ``[T, 1]`` per-row input."""
+
+    def __init__(self, D=8, F=12):
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(D) + 0.5)
+        self.up = nn.Linear(D, 2 * F)
+        self.down = nn.Linear(F, D, bias=False)
+
+    def forward(self, h, w):
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        a, b = self.up(x).chunk(2, -1)
+        out = h + self.down(F.silu(a) * b)
+        return (out.pow(2).sum(-1, keepdim=True) * w).sum()
+
+
+class ExpertTokens(nn.Module):
+    """An expert over its token set ``h[idx]`` (``idx`` a [n] index into the rows, per batch), added back with
+    ``index_add``: the gathered rows are no rows of the graph's inputs."""
+
+    def __init__(self, D=8):
+        super().__init__()
+        self.w = nn.Linear(D, D)
+
+    def forward(self, h, idx):
+        y = torch.tanh(self.w(h[idx]))
+        return torch.zeros_like(h).index_add(0, idx, y).pow(2).sum()
+
+
+def flat_rows(B=4, L=7, shared=4, V=13, D=8):
+    """``[B·L, D]`` hidden states (an upstream embedding's, made eagerly) of rows that share their first
+    ``shared`` tokens, the embedding, and the ids."""
+    ids, _ = prefix_rows(B, L, shared, V)
+    torch.manual_seed(2)
+    emb = nn.Embedding(V, D).to(F64)
+    return emb, ids.reshape(-1)
+
+
+def run_on_rows(model, *extra):
+    """Eager vs ``model(emb(ids).view(-1, D), *extra)`` compiled alone: the loss and every gradient, the upstream
+    embedding's included (the gradient of a float tree key is summed at each node's representative row)."""
+    emb, ids = flat_rows()
+    model = model.to(F64)
+    names = ["embedding", *(n for n, _ in model.named_parameters())]
+    params = [emb.weight, *model.parameters()]
+    want = model(emb(ids), *extra)
+    gw = torch.autograd.grad(want, params)
+    backend = brcompile.backend(compiler="eager", strict=True)
+    got = torch.compile(model, backend=backend)(emb(ids), *extra)
+    gg = torch.autograd.grad(got, params)
+    assert_exact(got, want, F64, "loss")
+    for name, a, b in zip(names, gg, gw):
+        assert_exact(a, b, F64, f"grad of {name}")
+    return backend
+
+
+def test_flattened_rows_replay_exactly():
+    """[T, D] rows (no ids, no [B, L, D] input) are T sequences of one token: the copies of a shared prompt
+    token are one tree node; loss and every gradient (the upstream embedding's too) equal eager's."""
+    torch.manual_seed(0)
+    w = torch.rand(28, 1, dtype=F64)
+    w[::3] = 0  # the per-row weight is a tree key too: rows merge only where it agrees
+    run_on_rows(RowMLP(), w)
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
+    assert s.executed_tokens < s.logical_tokens, str(s)
+
+
+def test_rows_gathered_by_a_batch_index_stay_dense():
+    """``h[idx]`` by a per-batch index mixes the rows: its rule reads h densely (the index is no tree key and
+    points into no layout of the rows), so the expert and ``index_add`` run on the original values; loss and
+    every gradient equal eager's (only ``zeros_like(h)`` is per row)."""
+    torch.manual_seed(0)
+    idx = torch.tensor([3, 0, 7, 7, 12, 27, 5])
+    backend = run_on_rows(ExpertTokens(), idx)
+    (rec,) = backend.records
+    made_dense = {m[0]: m[3] for m in rec.materialisations}
+    h = rec.tree_inputs[0]
+    assert "does not point into their layout" in made_dense.get(h, ""), (rec.tree_inputs, rec.materialisations)
+    assert rec.tree_inputs == (h,), rec.tree_inputs  # the [n] index is no tree key
