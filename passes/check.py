@@ -32,13 +32,15 @@ def symbolic_run(gm: fx.GraphModule, args: Sequence[Any], token_positions: dict[
     """Fake-tensor propagation with the packed token count N symbolic; returns N's sympy symbol.
 
     Tree arrays get a dynamic dim 0; the shape environment gives equal sizes one symbol (duck sizing),
-    so every value's N-sized dims show as that symbol."""
+    so every value's N-sized dims show as that symbol. An example tree of one packed token (every row of a
+    graph over flattened tokens equal) keeps N a symbol too: sizes 0 and 1 are then not specialised."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    n = args[token_positions["position"]].shape[0]
+    mode = FakeTensorMode(shape_env=ShapeEnv(specialize_zero_one=n > 1), allow_non_fake_inputs=True)
     fakes = []
     for i, a in enumerate(args):
         if not isinstance(a, torch.Tensor):

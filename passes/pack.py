@@ -267,6 +267,11 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     cumsum over dim 0, an index ``x[idx]`` by a per-batch index) are dense by their rules, as for
     ``[B·L, D]`` values in a graph over ``[B, L, D]`` inputs."""
     nothing = f"no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged){left}"
+    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    if all(n.target in _CHEAP for n in ops):  # hidden.reshape(-1, D) alone between two graph breaks
+        what = ", ".join(dict.fromkeys(getattr(n.target, "__name__", str(n.target)) for n in ops)) or "nothing"
+        raise CannotReplay(f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
+                           f"compute")
     rows = False
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))

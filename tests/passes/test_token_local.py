@@ -198,3 +198,35 @@ def test_rows_gathered_by_a_batch_index_stay_dense():
     h = rec.tree_inputs[0]
     assert "does not point into their layout" in made_dense.get(h, ""), (rec.tree_inputs, rec.materialisations)
     assert rec.tree_inputs == (h,), rec.tree_inputs  # the [n] index is no tree key
+
+
+def test_rows_all_equal_replay_as_one_token():
+    """Every row the same token (an expert that only received copies of one shared token): a tree of one node,
+    which the packed graph's check (every N, sizes 0 and 1 not specialised) accepts; loss and gradients exact."""
+    torch.manual_seed(0)
+    emb, _ = flat_rows()
+    model = RowMLP().to(F64)
+    ids = torch.full((6,), 5)
+    params = [emb.weight, *model.parameters()]
+    want = model(emb(ids), torch.ones(6, 1, dtype=F64))
+    gw = torch.autograd.grad(want, params)
+    got = torch.compile(model, backend=brcompile.backend(compiler="eager", strict=True))(
+        emb(ids), torch.ones(6, 1, dtype=F64))
+    gg = torch.autograd.grad(got, params)
+    assert_exact(got, want, F64, "loss")
+    for a, b in zip(gg, gw):
+        assert_exact(a, b, F64, "grad")
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.executed_tokens == 1 and s.logical_tokens == 6, str(s)
+
+
+def test_graph_that_only_views_its_input_says_so():
+    """A graph of ``h.reshape(-1, D)`` alone (the entry of an experts loop before its graph break) has nothing
+    to compute: it runs unchanged, and the reason says so."""
+    emb, ids = flat_rows()
+    h = emb(ids).view(4, 7, -1)
+    backend = brcompile.backend(compiler="eager", strict=True)
+    out = torch.compile(lambda x: x.reshape(-1, x.shape[-1]), backend=backend)(h)
+    assert torch.equal(out, h.reshape(-1, h.shape[-1]))
+    (rec,) = backend.records
+    assert not rec.rewritten and "only views, casts or indexes its inputs (reshape)" in rec.reason, rec.reason
