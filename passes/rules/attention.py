@@ -14,6 +14,8 @@ sinks (``br_sinks``, from the eager canonicalisation) are its ``sinks`` argument
 axis, e.g. a projection of the query's hidden state), packed to tree attention's [H, N] like any token value
 (row (b, i) reads its token's logit, as q does). A sink column that is not such a value (it mixes rows, or
 positions other than the query's) is refused.
+A value head dim other than the query/key one (MLA) is zero-padded to one D and the output sliced back
+(:func:`pad_head_dims`).
 
 ``gather(x, -1, idx)`` of a TOKEN ``x`` (log-probs) with a dense index (the targets) reads
 ``x.packed[index[b, t], idx[b, t, j]]`` — B·L·J scalars, never the dense [B, L, V] value.
@@ -85,6 +87,7 @@ def emit_sdpa(pk, node):
         q, k, v = (pk.graph.call_method("to", (x, cast)) for x in (q, k, v))
     D = pk.static_shape(a["query"])[-1]
     scale = a["scale"] if a["scale"] is not None else D ** -0.5
+    q, k, v, dv = pad_head_dims(pk, q, k, v, D, pk.static_shape(a["value"])[-1])
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
     args = (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale), pk.options.attention)
     softcap = float(node.meta.get("br_softcap", 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
@@ -98,6 +101,8 @@ def emit_sdpa(pk, node):
         args += (list(alibi) if alibi else None, None if sinks is None else _sinks(pk, sinks))
     out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
+    if dv is not None:
+        out = pk.graph.call_function(operator.getitem, (out, (Ellipsis, slice(None, dv))))
     return pk.graph.call_method("unsqueeze", (out, 0))
 
 
@@ -108,6 +113,26 @@ def _sinks(pk, sinks):
         dense = pk.dense(sinks)
         return dense if len(pk.static_shape(sinks)) == 1 else pk.graph.call_method("reshape", (dense, -1))
     return pk.graph.call_method("squeeze", (pk.graph.call_method("squeeze", (pk.packed(sinks), -1)), 0))
+
+
+def pad_head_dims(pk, q, k, v, dk: int, dv: int):
+    """(q, k, v, None) when the q/k head dim ``dk`` equals v's ``dv``; else the three with one head dim, and
+    the ``dv`` to slice the output back to (None when it needs no slice). SDPA takes a value head dim of its
+    own (MLA: DeepSeek's qk 192 beside v 128); tree attention takes one D. Zero columns change nothing exactly:
+    appended to q and k (dv > dk) they add 0 to every score ``q . k`` (the scale is the original one, passed
+    explicitly); appended to v (dv < dk) they make output columns ``sum_j p_j * 0 = 0``, sliced away. The
+    padding's gradient is the slice of the incoming one, so every gradient is the unpadded attention's."""
+    if dk == dv:
+        return q, k, v, None
+    g = pk.graph
+
+    def pad(t, n):  # cat n zero columns; F.pad's symbolic shape rule would fix the packed token count N
+        zero = g.call_function(torch.zeros_like, (g.call_function(operator.getitem, (t, (Ellipsis, slice(None, 1)))),))
+        return g.call_function(torch.cat, ((t, g.call_method("expand", (zero, -1, -1, n))), -1))
+
+    if dv > dk:
+        return pad(q, dv - dk), pad(k, dv - dk), v, None
+    return q, k, pad(v, dk - dv), dv
 
 
 def _positions(pk, info):

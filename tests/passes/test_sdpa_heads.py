@@ -1,7 +1,8 @@
 """SDPA head counts without ``enable_gqa`` (passes/rules/attention.py: head_counts_unsupported): SDPA
 broadcasts the head dim like a batch dim, so a one-head k and/or v beside Hq query heads (multi-query
 attention: Falcon) is accepted and becomes tree attention with GQA grouping (or a one-head k/v expanded);
-head counts SDPA itself rejects are not reached, a one-head query against H kv heads is refused."""
+head counts SDPA itself rejects are not reached, a one-head query against H kv heads is refused. A value head
+dim other than the query/key one (MLA) is zero-padded to one head dim, the output sliced back."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,3 +52,36 @@ def test_head_counts_mirror_sdpa():
     assert head_counts_unsupported(1, 4, 4, False) is not None
     assert head_counts_unsupported(4, 2, 2, True) is None
     assert head_counts_unsupported(4, 3, 3, True) is not None
+
+
+class HeadDims(torch.nn.Module):
+    """Embedding -> q, k [B, H, L, dqk], v [B, H/2, L, dv] (GQA) -> causal SDPA (default scale dqk^-1/2, or an
+    explicit one) -> [B, L, H*dv] -> a projection -> sum of squares."""
+
+    def __init__(self, dqk, dv, scale=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.dqk, self.dv, self.scale = dqk, dv, scale
+        self.emb = torch.nn.Embedding(V, D)
+        self.q = torch.nn.Linear(D, H * dqk)
+        self.k = torch.nn.Linear(D, H // 2 * dqk)
+        self.v = torch.nn.Linear(D, H // 2 * dv)
+        self.o = torch.nn.Linear(H * dv, D)
+
+    def forward(self, ids):
+        B, L = ids.shape
+        x = self.emb(ids)
+        q = self.q(x).view(B, L, H, self.dqk).transpose(1, 2)
+        k = self.k(x).view(B, L, H // 2, self.dqk).transpose(1, 2)
+        v = self.v(x).view(B, L, H // 2, self.dv).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(B, L, H * self.dv)).pow(2).sum()
+
+
+@pytest.mark.parametrize("dqk,dv,scale", [(6, 4, None), (4, 6, None), (6, 4, 0.3), (3, 7, 0.7)])
+def test_value_head_dim_differs(dqk, dv, scale):
+    """MLA-style value head dims (smaller and larger than q/k's): loss and every gradient equal eager's in
+    float64, the call replayed as tree attention on zero-padded head dims."""
+    backend = replay_exact(HeadDims(dqk, dv, scale))
+    code = backend.records[0].packed_code
+    assert "tree_attention" in code and "zeros_like" in code
