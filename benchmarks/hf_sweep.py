@@ -2,8 +2,10 @@
 
 For each entry of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (model type -> model class) the sweep builds a tiny
 config (hidden 32, 2 layers, 4 heads / 2 KV heads, vocab 96, intermediate 64, 4 experts top-2 where the config
-has experts; every sub-config shrunk the same way), the model (``attn_implementation="sdpa"`` where supported,
-else ``"eager"``; float64 where it runs, else float32), a GRPO-style batch (2 prompts x 3 responses, right
+has experts; every sub-config shrunk the same way; per-layer overrides of a heterogeneous config scaled the
+same way, per layer kind; a causal-LM class that takes a composite config's text / decoder sub-config built
+from that sub-config; per-architecture overrides where the tiny shape breaks a constraint), the model
+(``attn_implementation="sdpa"`` where supported, else ``"eager"``; float64 where it runs, else float32), a GRPO-style batch (2 prompts x 3 responses, right
 padding, ``attention_mask``, ``use_cache=False``) and the masked next-token log-prob loss of the completion
 tokens. It runs the loss and every parameter gradient eagerly, then the same function through
 ``torch.compile(loss_fn, backend=brcompile.backend(compiler="eager", strict=False))``, compares them
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import datetime
 import functools
 import inspect
@@ -58,7 +61,7 @@ VOCAB = 96
 TINY = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=64, head_dim=8, max_position_embeddings=64, n_positions=64, n_ctx=64,
-    max_window_layers=2, ffn_dim=64, encoder_ffn_dim=64, decoder_ffn_dim=64, d_ff=64, n_inner=64,
+    max_window_layers=2, hidden_size_global=32, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, ffn_dim=64, encoder_ffn_dim=64, decoder_ffn_dim=64, d_ff=64, n_inner=64,
     decoder_layers=2, decoder_attention_heads=4, encoder_layers=2, encoder_attention_heads=4,
     d_model=32, num_layers=2, num_decoder_layers=2, num_heads=4, n_head=4, n_layer=2, n_embd=32,
     # mixture of experts
@@ -84,6 +87,45 @@ TINY = dict(
 TINY_BY_TYPE = {
     "mamba2": dict(head_dim=16, n_groups=1),
     "falcon_h1": dict(mamba_d_ssm=64),
+    # partial rotary: rotary_dim (64 by default) within the tiny head dim (8)
+    "codegen": dict(rotary_dim=4),
+    "gptj": dict(rotary_dim=4),
+    # one (global, local) pair of layers: attention_types expands to one kind per layer
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    # the released checkpoints give rope parameters per layer kind (the default config has none)
+    "cohere_compass_text": dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # a conv layer and an attention layer (the default config leaves layer_types unset), the second one a
+    # mixture of experts
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # KV sharing: the last layer reuses the first (sliding) layer's keys and values; every kind still produces
+    "gemma3n_text": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         num_kv_shared_layers=1, activation_sparsity_pattern=[0.95, 0.0, 0.0]),
+    # Zamba ties its shared transformer block across the hybrid layers: two of them
+    "zamba": dict(num_hidden_layers=3, layer_types=["linear_attention", "hybrid", "hybrid"],
+                  layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    # ZAYA routes each token to one expert
+    "zaya": dict(num_experts_per_tok=1),
+    # X-MOD's language adapters: the forward needs a language
+    "xmod": dict(default_language="en_XX"),
+    # dots3's sliding layers: head_dim = their qk_nope_head_dim (6, scaled from 192) + qk_rope_head_dim (4)
+    "dots3_note_text": dict(head_dim=10),
+    # BLT: byte patches of 4 (TINY's patch_size is a vision patch), a small hash-embedding vocabulary
+    "blt": dict(patch_size=4, encoder_hash_byte_group_vocab=64),
+    # MusicGen's decoder: one codebook (input rows are batch x codebooks)
+    "musicgen_decoder": dict(num_codebooks=1),
+    "musicgen_melody_decoder": dict(num_codebooks=1),
+    # Reformer: local attention layers (LSH hashes with random rotations), plain position embeddings (the axial
+    # ones fix the training sequence length)
+    "reformer": dict(attn_layers=["local", "local"], axial_pos_embds=False, local_attn_chunk_length=1),
+}
+#: per sub-config class (a sub-config without a model type of its own), on top of TINY: DBRX's attention reads
+#: attn_config.rope_theta, which its released configs carry and the class does not define; its FFN width
+#: (and its released clip_qkv: the class's None default fails torch.clamp)
+TINY_BY_CLASS = {
+    "DbrxAttentionConfig": dict(rope_theta=10000.0, kv_n_heads=2, clip_qkv=8.0),
+    "DbrxFFNConfig": dict(ffn_hidden_size=64, moe_top_k=2),
 }
 #: substrings of config keys zeroed (dropout makes eager and compiled draw different masks)
 DROPOUT_KEYS = ("dropout", "pdrop", "drop_rate", "dropout_rate")
@@ -93,19 +135,49 @@ DROPOUT_KEYS = ("dropout", "pdrop", "drop_rate", "dropout_rate")
 # the tiny model
 
 
-def _settable(cls, key: str) -> bool:
-    """False for a read-only property of the config class (derived from other fields)."""
+_MISSING = object()
+
+
+def _get(config, key: str, fallback=None):
+    """``getattr(config, key, fallback)``, also for a per-layer attribute of a heterogeneous config (transformers
+    5.x's ``per_layer_config``), whose global value a plain read refuses as ambiguous: the global value."""
+    raw = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    if raw is not None:
+        return raw(key, fallback)
+    return getattr(config, key, fallback)
+
+
+def _has(config, key: str) -> bool:
+    return _get(config, key, _MISSING) is not _MISSING
+
+
+def _settable(cls, key: str, default=None) -> bool:
+    """False for a read-only property of the config class (derived from other fields), or one whose setter
+    refuses every value (ProphetNet's num_hidden_layers, XLNet's max_position_embeddings: NotImplementedError)."""
     attr = inspect.getattr_static(cls, key, None)
-    return not (isinstance(attr, property) and attr.fset is None)
+    if not isinstance(attr, property):
+        return True
+    if attr.fset is None:
+        return False
+    if default is not None:
+        try:
+            attr.fset(copy.copy(default), _get(default, key))
+        except NotImplementedError:
+            return False
+        except Exception:  # noqa: BLE001  (a setter that validates: settable)
+            pass
+    return True
 
 
-def _tiny_config_kwargs(cls, default) -> dict:
+def _tiny_config_kwargs(cls, default, kinds: list | None = None) -> dict:
+    """TINY's keys where ``default`` has them (sub-configs aside), dropout zeroed, per-layer lists cut to the tiny
+    depth; ``kinds``: the tiny config's layer kinds, for its per-layer overrides (``_tiny_per_layer``)."""
     kw = {}
     for key, value in TINY.items():
-        if not _settable(cls, key):
+        if not _settable(cls, key, default):
             continue
-        if hasattr(default, key) or key in getattr(cls, "attribute_map", {}):
-            cur = getattr(default, key, None)
+        if _has(default, key) or key in getattr(cls, "attribute_map", {}):
+            cur = _get(default, key)
             if isinstance(cur, (list, tuple)) and not isinstance(value, (list, tuple)):
                 continue  # per-layer lists (e.g. intermediate_size per layer): keep the model's own shape
             kw[key] = value
@@ -113,14 +185,14 @@ def _tiny_config_kwargs(cls, default) -> dict:
         if isinstance(cur, float) and any(s in key for s in DROPOUT_KEYS):
             kw[key] = 0.0
     # MLA: the rotary head dim is the config's head_dim (DeepSeek-V3)
-    if "qk_rope_head_dim" in kw and getattr(default, "head_dim", None) == getattr(default, "qk_rope_head_dim", 0):
+    if "qk_rope_head_dim" in kw and _get(default, "head_dim") == _get(default, "qk_rope_head_dim", 0):
         kw["head_dim"] = kw["qk_rope_head_dim"]
-    if "kv_lora_rank" in kw and getattr(default, "num_key_value_heads", None) == getattr(default, "num_attention_heads", 0):
+    if "kv_lora_rank" in kw and _get(default, "num_key_value_heads") == _get(default, "num_attention_heads", 0):
         kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)  # MLA: as many K/V heads as query heads
     # per-layer lists sized for the default depth: cut to the tiny depth
     layers = kw.get("num_hidden_layers")
     for key in ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern", "block_types"):
-        cur = getattr(default, key, None)
+        cur = _get(default, key)
         if not _settable(cls, key):
             continue
         if layers and isinstance(cur, (list, tuple)) and len(cur) > layers:
@@ -136,7 +208,37 @@ def _tiny_config_kwargs(cls, default) -> dict:
             if target == hybrid[0]:
                 kw.pop(alias, None)
         kw[hybrid[0]] = hybrid[1] + hybrid[1][-1:] * (layers - 2)
+    per_layer = _tiny_per_layer(default, kw, kinds if kinds is not None else kw.get("layer_types"))
+    if per_layer is not None:
+        kw["per_layer_config"] = per_layer
     return kw
+
+
+def _tiny_per_layer(default, kw: dict, kinds: list | None) -> dict | None:
+    """The tiny per-layer overrides of a heterogeneous config (transformers 5.x ``per_layer_config``: Gemma 4's
+    wider head_dim on its full-attention layers, dots3's fewer heads on its sliding ones), None for a homogeneous
+    one. Tiny layer i takes the overrides of the default's first layer of its kind (``kinds[i]``; by index where
+    the config has no layer kinds), each integer override scaled as its global value was shrunk
+    (tiny * override / default, at least 1): the layers differ as the released model's do."""
+    spec = default.__dict__.get("_heterogeneity_spec")
+    if spec is None:
+        return None
+    layers = kw.get("num_hidden_layers") or _get(default, "num_hidden_layers")
+    src_kinds = list(_get(default, "layer_types") or [])
+    out = {}
+    for i in range(layers):
+        kind = kinds[i] if kinds is not None and i < len(kinds) else None
+        j = src_kinds.index(kind) if kind in src_kinds else i
+        over = {}
+        for attr, value in spec.per_layer_overrides.get(j, {}).items():
+            glob, tiny = _get(default, attr), kw.get(attr)
+            if (isinstance(value, int) and not isinstance(value, bool) and isinstance(glob, int) and glob
+                    and isinstance(tiny, int)):
+                value = max(1, round(tiny * value / glob))
+            over[attr] = value
+        if over:
+            out[i] = over
+    return out
 
 
 #: layer kinds that hold an attention (a hybrid's tiny depth keeps one of them)
@@ -165,9 +267,9 @@ def _hybrid_periods(cls, default, layers) -> dict:
     if not layers:
         return {}
     kw = {}
-    if _settable(cls, "attn_layer_period") and getattr(default, "attn_layer_period", None):
+    if _settable(cls, "attn_layer_period") and _get(default, "attn_layer_period"):
         kw.update(attn_layer_period=layers, attn_layer_offset=layers - 1)
-    if _settable(cls, "attn_layer_indices") and hasattr(default, "attn_layer_indices"):
+    if _settable(cls, "attn_layer_indices") and _has(default, "attn_layer_indices"):
         kw["attn_layer_indices"] = [layers - 1]
     return kw
 
@@ -189,9 +291,32 @@ def tiny_config(model_type: str, impl: str, depth: int = 0):
                 kw[name] = tiny_config(sub_type, impl, depth + 1)
             else:
                 sub_cls = type(sub)
-                kw[name] = sub_cls(**_tiny_config_kwargs(sub_cls, sub))
+                kw[name] = sub_cls(**{**_tiny_config_kwargs(sub_cls, sub), **TINY_BY_CLASS.get(sub_cls.__name__, {})})
     cfg = AutoConfig.for_model(model_type, **kw)
+    kinds = getattr(cfg, "layer_types", None)
+    if "per_layer_config" in kw and kinds is not None and list(kinds) != list(kw.get("layer_types") or []):
+        # the config set its own layer kinds (Gemma 4: the last layer is a full-attention one): the per-layer
+        # overrides follow those kinds
+        kw["per_layer_config"] = _tiny_per_layer(default, kw, list(kinds))
+        cfg = AutoConfig.for_model(model_type, **kw)
     return cfg
+
+
+def causal_lm_config(model_type: str, class_name: str, impl: str):
+    """The tiny config ``class_name`` is built from: ``tiny_config(model_type)``, or, where the causal-LM class
+    takes one of that composite config's sub-configs (Qwen3.5's, Llama 4's, MusicGen's text / decoder config:
+    ``model_cls.config_class``), the tiny config of that sub-config's model type."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    want = getattr(getattr(transformers, class_name), "config_class", None)
+    if want is not None and want is not cls and want in (getattr(cls, "sub_configs", {}) or {}).values():
+        sub_type = getattr(want, "model_type", None)
+        if sub_type in CONFIG_MAPPING and CONFIG_MAPPING[sub_type] is want:
+            return tiny_config(sub_type, impl)
+        return want(**{**_tiny_config_kwargs(want, want()), **TINY_BY_CLASS.get(want.__name__, {})})
+    return tiny_config(model_type, impl)
 
 
 def build_model(model_type: str, class_name: str):
@@ -203,7 +328,7 @@ def build_model(model_type: str, class_name: str):
     last = None
     for impl in ("sdpa", "eager"):
         try:
-            cfg = tiny_config(model_type, impl)
+            cfg = causal_lm_config(model_type, class_name, impl)
             torch.manual_seed(0)
             model = model_cls._from_config(cfg, attn_implementation=impl)
             return model, impl, cfg
@@ -292,6 +417,9 @@ def _line(e: BaseException, limit: int = 300) -> str:
 #: the refusal of an eager attention whose softmax runs in float32 inside a float64 model (that rounding is
 #: not a reassociation); the architecture is then run in float32, the precision its attention computes in
 SOFTMAX_FLOAT32 = "is computed in torch.float32"
+#: the refusal of an eager attention that casts q and k to float32 inside a float64 model (GPT-Neo) while its
+#: additive mask stays float64: mixed precision; the architecture is then run in float32, as for the softmax
+SCORES_FLOAT32 = "the mask promotes the scores to torch.float64"
 
 
 def run_arch(model_type: str, class_name: str | None = None, dtypes: tuple = ("float64", "float32")) -> dict:
@@ -301,9 +429,10 @@ def run_arch(model_type: str, class_name: str | None = None, dtypes: tuple = ("f
     row = _run_arch(model_type, class_name, dtypes)
     reasons = [g["reason"] or "" for g in row.get("graphs", []) if not g["rewritten"]]
     if row["dtype"] == "float64" and row["status"] in ("fell back", "partly") and any(
-            SOFTMAX_FLOAT32 in r for r in reasons):
+            SOFTMAX_FLOAT32 in r or SCORES_FLOAT32 in r for r in reasons):
+        what = "the softmax" if any(SOFTMAX_FLOAT32 in r for r in reasons) else "the scores"
         again = _run_arch(model_type, class_name, ("float32",))
-        again["bound_reason"] = ("model runs in float32: its eager attention computes the softmax in float32 "
+        again["bound_reason"] = (f"model runs in float32: its eager attention computes {what} in float32 "
                                  "(float64 weights are refused for that rounding)")
         return again
     if row["status"] == "wrong" and row["dtype"] == "float64" and (row["bound_reason"] or "").startswith(
