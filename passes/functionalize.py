@@ -22,6 +22,10 @@ experts): ``inv = empty_like(p); inv[p] = arange(n)`` with ``p`` the indices of 
 of n elements (a permutation of ``0..n-1``, so every element of ``inv`` is written exactly once) is
 ``argsort(p)``: both give the i with ``p[i] == j`` at each j.
 
+A layout view (permute, transpose, view, reshape, (un)squeeze, flatten) of a fresh value that is that value's
+only reader is as good as fresh: a write into it is seen only through it (Gemma 3n's AltUp ``predictions =
+matmul(…).permute(…); predictions += hidden_states``), so ``x.op_(…)`` on it becomes ``op`` as above.
+
 A fresh buffer filled by writes into slices of it that tile it along one dim (DeepSeek MLA's
 ``k = new_empty(...); k[..., :a].copy_(k_nope); k[..., a:].copy_(k_rot)``) becomes ``cat`` of the sources.
 An indexed write ``x[index] = v`` into a fresh, unaliased ``x`` becomes ``x.masked_fill(mask, v)`` for a bool
@@ -113,6 +117,27 @@ def _is_fresh(x: Any) -> bool:
     if x.op == "call_method":
         return x.target in ALLOCATING_METHODS
     return False
+
+
+#: views that rearrange a tensor's elements one-to-one (each element of the view is one element of its base)
+LAYOUT_VIEW_METHODS = {"permute", "transpose", "view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten",
+                       "t", "contiguous"}
+LAYOUT_VIEW_FUNCTIONS = {torch.permute, torch.transpose, torch.reshape, torch.unsqueeze, torch.squeeze,
+                         torch.flatten, torch.t}
+
+
+def _sole_view_of_fresh(x: Any, made: set) -> bool:
+    """``x`` is a layout view (a permute, transpose, view, reshape, (un)squeeze, flatten: one-to-one in the
+    elements) of a fresh value — or of such a view — and is that value's only reader: nothing else holds the
+    base's storage, so a write into ``x`` is seen only through ``x`` (Gemma 3n's AltUp: ``p = (h @ c).permute(…);
+    p += h``)."""
+    if not isinstance(x, fx.Node) or not x.args or not isinstance(x.args[0], fx.Node):
+        return False
+    if not ((x.op == "call_method" and x.target in LAYOUT_VIEW_METHODS)
+            or (x.op == "call_function" and x.target in LAYOUT_VIEW_FUNCTIONS)):
+        return False
+    base = x.args[0]
+    return len(base.users) == 1 and (_is_fresh(base) or base in made or _sole_view_of_fresh(base, made))
 
 
 def _returns_new_tensor(target: Any) -> bool:
@@ -210,7 +235,8 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
                 made.add(new)
             continue
         twin = _out_of_place(n)
-        if twin is None or not (_is_fresh(x) or x in made) or not _keeps_dtype(twin, x) or not _no_alias_before(x, n, order):
+        owned = _is_fresh(x) or x in made or _sole_view_of_fresh(x, made)
+        if twin is None or not owned or not _keeps_dtype(twin, x) or not _no_alias_before(x, n, order):
             new = _write_through_views(n, order, made)
             if new is not None:
                 made.add(new)

@@ -196,6 +196,20 @@ def reshaped_alias(h):
     return r + 1
 
 
+def into_sole_view(h):
+    """Gemma 3n's AltUp: a write into a permuted matmul result, the permute its only reader."""
+    p = (h.unsqueeze(-1) * h.unsqueeze(-2)).sum(0).permute(1, 0)
+    p += h[:4]
+    return p.contiguous() * 2
+
+
+def into_shared_view(h):
+    x = h * 2
+    p = x.permute(1, 0)  # x is read again after the write: the write into p changes what that read sees
+    p += 1.0
+    return x + 1, p
+
+
 H = torch.randn(5, 4)
 
 
@@ -204,7 +218,8 @@ H = torch.randn(5, 4)
                                       (mla_keys, (H,)), (masked_ids, (torch.randint(0, 5, (3, 6)),)),
                                       (chunk_writes, (H,)), (gap_in_tiles, (H,)), (negative_index, (H,)),
                                       (broadcast_value, (H,)), (mrope_views, (H,)), (forward_substitution, (H,)),
-                                      (methods_on_views, (H,)), (view_read_after, (H,)), (custom_op_result, (H,))])
+                                      (methods_on_views, (H,)), (view_read_after, (H,)), (custom_op_result, (H,)),
+                                      (into_sole_view, (H,))])
 def test_writes_into_fresh_values_become_pure(fn, args):
     gm = capture(fn, *args)
     assert writes(gm)
@@ -218,9 +233,9 @@ def test_writes_into_fresh_values_become_pure(fn, args):
 @pytest.mark.parametrize("fn, args", [(into_input, (H.clone(),)), (into_view, (H,)), (aliased_before, (H,)),
                                       (promoting, (H, torch.ones(4, dtype=torch.float64))),
                                       (mask_of_rows, (H,)), (into_view_of_input, (H,)),
-                                      (IntoParameterView(), (H,)), (reshaped_alias, (H,))],
+                                      (IntoParameterView(), (H,)), (reshaped_alias, (H,)), (into_shared_view, (H,))],
                          ids=["input", "view", "aliased", "promoting", "mask_of_rows", "view_of_input",
-                              "view_of_parameter", "reshaped_alias"])
+                              "view_of_parameter", "reshaped_alias", "shared_view"])
 def test_other_writes_stay(fn, args):
     gm = capture(fn, *[a.clone() for a in args])
     before = writes(gm)
@@ -262,4 +277,35 @@ def test_writes_into_views_of_token_values_replay():
     from tests.helpers import replay_exact
 
     backend = replay_exact(WritesIntoTokenViews())
+    assert backend.records[0].rewritten, backend.records[0].reason
+
+
+class AltUpPredict(torch.nn.Module):
+    """Gemma 3n's AltUp prediction: a per-token mixing of n streams, ``p = (streams @ coefs).permute(…)``, then
+    ``p += streams`` in place, attended."""
+
+    def __init__(self, V=11, D=6, n=2):
+        super().__init__()
+        self.n = n
+        self.emb = torch.nn.Embedding(V, D)
+        self.coef = torch.nn.Linear(D, n * n)
+        self.up = torch.nn.Linear(D, n * D)
+
+    def forward(self, ids):
+        B, L = ids.shape
+        h = self.emb(ids)
+        streams = self.up(h).view(B, L, self.n, -1).permute(2, 0, 1, 3)  # [n, B, L, D]
+        coefs = self.coef(h).view(B, L, self.n, self.n)
+        p = torch.matmul(streams.permute(1, 2, 3, 0), coefs).permute(3, 0, 1, 2)
+        p += streams
+        q = p.sum(0).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).square().sum()
+
+
+def test_write_into_sole_view_of_token_value_replays():
+    """The write into the permuted matmul result becomes an add; the packed graph replays, loss and every
+    gradient equal eager's in float64."""
+    from tests.helpers import replay_exact
+
+    backend = replay_exact(AltUpPredict())
     assert backend.records[0].rewritten, backend.records[0].reason
