@@ -119,18 +119,20 @@ def _is_fresh(x: Any) -> bool:
     return False
 
 
-#: views that rearrange a tensor's elements one-to-one (each element of the view is one element of its base)
+#: views that rearrange a tensor's elements one-to-one (each element of the view is one element of its base), and
+#: ops that return their input or a copy of it (``contiguous``, ``type_as`` / ``to`` of its own dtype)
 LAYOUT_VIEW_METHODS = {"permute", "transpose", "view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten",
-                       "t", "contiguous"}
+                       "t", "contiguous", "type_as", "to"}
 LAYOUT_VIEW_FUNCTIONS = {torch.permute, torch.transpose, torch.reshape, torch.unsqueeze, torch.squeeze,
                          torch.flatten, torch.t}
 
 
 def _sole_view_of_fresh(x: Any, made: set) -> bool:
     """``x`` is a layout view (a permute, transpose, view, reshape, (un)squeeze, flatten: one-to-one in the
-    elements) of a fresh value — or of such a view — and is that value's only reader: nothing else holds the
-    base's storage, so a write into ``x`` is seen only through ``x`` (Gemma 3n's AltUp: ``p = (h @ c).permute(…);
-    p += h``)."""
+    elements) of a fresh value — or of such a view — or its input-or-copy (``contiguous``, ``type_as``, ``to``),
+    and is that value's only reader: nothing else holds the base's storage, so a write into ``x`` is seen only
+    through ``x`` (Gemma 3n's AltUp: ``p = (h @ c).permute(…); p += h``; ``c = mul(…).contiguous().type_as(h);
+    c[1:] += f``)."""
     if not isinstance(x, fx.Node) or not x.args or not isinstance(x.args[0], fx.Node):
         return False
     if not ((x.op == "call_method" and x.target in LAYOUT_VIEW_METHODS)
@@ -574,7 +576,7 @@ def _write_through_views(n: fx.Node, order: dict, made: set) -> Optional[fx.Node
     while (up := _view_parent(base)) is not None:
         chain.append((up[0], up[1], base))
         base = up[0]
-    if not (_is_fresh(base) or base in made):
+    if not (_is_fresh(base) or base in made or _sole_view_of_fresh(base, made)):
         return None
     views = _views_of(base)
     if any(not (u is n or u in views or order[u] > order[n] or _is_fresh(u)) for w in views for u in w.users):

@@ -203,6 +203,13 @@ def into_sole_view(h):
     return p.contiguous() * 2
 
 
+def into_slice_of_sole_copy(h):
+    """Gemma 3n's AltUp correction: ``c = mul(…).contiguous().type_as(h); c[1:] += first``."""
+    c = (h * 3).contiguous().type_as(h)
+    c[1:] += c[0].clone()
+    return c * 2
+
+
 def into_shared_view(h):
     x = h * 2
     p = x.permute(1, 0)  # x is read again after the write: the write into p changes what that read sees
@@ -219,7 +226,7 @@ H = torch.randn(5, 4)
                                       (chunk_writes, (H,)), (gap_in_tiles, (H,)), (negative_index, (H,)),
                                       (broadcast_value, (H,)), (mrope_views, (H,)), (forward_substitution, (H,)),
                                       (methods_on_views, (H,)), (view_read_after, (H,)), (custom_op_result, (H,)),
-                                      (into_sole_view, (H,))])
+                                      (into_sole_view, (H,)), (into_slice_of_sole_copy, (H,))])
 def test_writes_into_fresh_values_become_pure(fn, args):
     gm = capture(fn, *args)
     assert writes(gm)
@@ -281,8 +288,8 @@ def test_writes_into_views_of_token_values_replay():
 
 
 class AltUpPredict(torch.nn.Module):
-    """Gemma 3n's AltUp prediction: a per-token mixing of n streams, ``p = (streams @ coefs).permute(…)``, then
-    ``p += streams`` in place, attended."""
+    """Gemma 3n's AltUp: a per-token mixing of n streams, ``p = (streams @ coefs).permute(…)``, then
+    ``p += streams`` in place, and the correction ``c = (…).contiguous().type_as(h); c[1:] += c[0]``, attended."""
 
     def __init__(self, V=11, D=6, n=2):
         super().__init__()
@@ -298,7 +305,9 @@ class AltUpPredict(torch.nn.Module):
         coefs = self.coef(h).view(B, L, self.n, self.n)
         p = torch.matmul(streams.permute(1, 2, 3, 0), coefs).permute(3, 0, 1, 2)
         p += streams
-        q = p.sum(0).unsqueeze(1)
+        c = (p * 1.5).contiguous().type_as(h)
+        c[1:] += c[0].clone()  # AltUp's correction: the other streams get the active one
+        q = c.sum(0).unsqueeze(1)
         return F.scaled_dot_product_attention(q, q, q, is_causal=True).square().sum()
 
 
