@@ -254,9 +254,10 @@ def _lookup_table(node: fx.Node) -> Optional[fx.Node]:
 def _key_range(node: fx.Node, depth: int = 0, tables: Optional[list] = None):
     """Bound E on an integer key's values (all in ``[0, E)``), from its origin: the indices of ``topk``/``sort``
     along a dim of extent E, or of ``max``/``min``/``argmax``/``argmin`` over it, through views and integer
-    casts; a concatenation of such keys takes the largest of their bounds; else None. A lookup in an integer
-    table input (:func:`_lookup_table`) bounds nothing by itself (0): the table goes to ``tables``, and the
-    caller guards its entries per call (passes/guards.py ``integers_in_range``)."""
+    casts; a concatenation of such keys takes the largest of their bounds; ``masked_fill`` with an integer
+    (:func:`_masked_fill_range`); else None. A lookup in an integer table input (:func:`_lookup_table`) bounds
+    nothing by itself (0): the table goes to ``tables``, and the caller guards its entries per call
+    (passes/guards.py ``integers_in_range``)."""
     seen = 0
     while isinstance(node, fx.Node) and seen < 32 and depth < 8:
         seen += 1
@@ -290,8 +291,26 @@ def _key_range(node: fx.Node, depth: int = 0, tables: Optional[list] = None):
         if tname in ("reshape", "view", "flatten", "contiguous", "clone", "detach") or tname in _CASTS:
             node = node.args[0]
             continue
+        if tname == "masked_fill":
+            return _masked_fill_range(node, depth, tables)
         return None
     return None
+
+
+def _masked_fill_range(node: fx.Node, depth: int, tables: Optional[list] = None):
+    """The bound of ``masked_fill(x, mask, v)`` for integer keys ``x`` in ``[0, E)`` and an integer ``v >= 0``:
+    its values are x's and v, all in ``[0, max(E, v + 1))``; with ``mask = (x == E - 1)`` (ZAYA's router drops
+    its extra "skip" expert, the top index, to 0) x's top value is gone: ``[0, max(E - 1, v + 1))``."""
+    x, mask = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("mask")
+    v = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
+    E = _key_range(x, depth + 1, tables)
+    if E is None or isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        return None
+    if isinstance(mask, fx.Node) and mask.op in ("call_function", "call_method") and \
+            mask.target in (operator.eq, torch.eq, "eq", "__eq__") and len(mask.args) == 2 and \
+            mask.args[0] is x and mask.args[1] == E - 1 and not isinstance(mask.args[1], bool):
+        return max(E - 1, v + 1)
+    return max(E, v + 1)
 
 
 @register_rule([torch.histc, "histc"], local="own")

@@ -1,4 +1,4 @@
-"""benchmarks/hf_sweep.py: the per-architecture function classifies (llama and Doge replay exactly, Inkling falls
+"""benchmarks/hf_sweep.py: the per-architecture function classifies (llama, Doge and ZAYA replay exactly, Inkling falls
 back because each query mixes a trained bank of relative-position bias profiles, a bias of the query and key tokens) and the summary normalises reasons into classes. Classifications, not timings."""
 import pytest
 
@@ -21,6 +21,16 @@ def test_llama_replays_exactly():
 def test_doge_replays_exactly():
     # Doge adds exp(A[h]·softplus(dt_proj(v[b, k]))) per key: one more q/k feature (the per-key bias)
     row = hf_sweep.run_arch("doge")
+    assert row["status"] == "replayed", row
+    assert row["replayed_calls"] >= 1 and row["fallback_calls"] == 0
+    assert row["executed_tokens"] < row["logical_tokens"]
+    assert row["loss_err"] <= row["bound"] and row["grad_err"] <= row["bound"]
+
+
+def test_zaya_replays_exactly():
+    # ZAYA's router drops its "skip" expert index to 0 (masked_fill): the expert keys stay in [0, E), so the
+    # grouped experts' histc counts replay; its tiny config routes each token to one expert
+    row = hf_sweep.run_arch("zaya")
     assert row["status"] == "replayed", row
     assert row["replayed_calls"] >= 1 and row["fallback_calls"] == 0
     assert row["executed_tokens"] < row["logical_tokens"]

@@ -218,3 +218,31 @@ def test_hash_routing_replays_with_its_table_guarded():
     s = brcompile.stats()
     assert s.fallback_calls == 1 and s.replayed_calls == 0, str(s)
     assert any("tid2eid" in r and "not all in [0, 4)" in r for r in s.fallback_reasons), s.fallback_reasons
+
+
+def test_key_range_through_masked_fill():
+    """ZAYA's router picks among E experts and one "skip" class (topk over E + 1), then drops the skip index E to
+    0: ``masked_fill(idx, idx == E, 0)`` keeps the keys in [0, E), so histc(bins=E) counts their runs; a fill
+    with another mask, or with a value >= E, widens the bound."""
+    from brcompile.passes.rules.moe import _key_range
+
+    E = 4
+
+    def route(x):
+        _, idx = torch.topk(x, 1, dim=-1)
+        a = idx.masked_fill(idx == E, 0)          # the skip class, the top index, dropped
+        b = idx.masked_fill(idx == 1, 0)          # another index: E + 1 values remain possible
+        c = idx.masked_fill(idx == E, 7)          # the fill value itself is out of range
+        return a, b, c
+
+    got = []
+
+    def backend(gm, example_inputs):
+        got.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(route, backend=backend, fullgraph=True)(torch.randn(6, E + 1))
+    fills = [n for n in got[0].graph.nodes if n.target == "masked_fill" or n.target is torch.masked_fill]
+    assert len(fills) == 3, [n.format_node() for n in got[0].graph.nodes]
+    assert [_key_range(n) for n in fills] == [E, E + 1, 8]
