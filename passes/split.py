@@ -8,11 +8,11 @@ token-local part between the two:
             that do not depend on tree_index
 
 Every trunk value carries the token dim N exactly once (checked on a fake-tensor run with a symbolic N; a
-token dim flattened with k entries per token, ``k·N``, counts as one: passes/rules/shape.py's
-``flatten_view`` proved it token-major, entry ``n·k + s`` of token n, e.g. a gated norm's ``reshape(-1, D)``
-of its heads; the outer graph reads no such value),
-and the only ops that mix tokens are tree attention and the scans along the tree paths (backends/scan.py:
-``TREE_PATH_OPS``, backends/matrix_scan.py: ``MATRIX_PATH_OPS``), both reading a token's ancestors only; so the trunk can run on any token subset whose
+token dim flattened with k entries per token, ``k·N``, counts as one: the analysis's flattened layout,
+passes/axes.py ``TokenAxes.flat``, entry ``n·k + s`` of token n — a gated norm's ``reshape(-1, D)`` of its
+heads —; the outer graph reads no such value), and the only ops that mix tokens are tree attention and the
+scans along the tree paths (backends/scan.py: ``TREE_PATH_OPS``, backends/matrix_scan.py:
+``MATRIX_PATH_OPS``), both reading a token's ancestors only; so the trunk can run on any token subset whose
 ancestors it can see. :func:`split_for_replay` emits three graphs:
 
 - **prefix**: the trunk on the prefix tokens; outputs the frontier (trunk values the outer graph reads),
@@ -88,7 +88,7 @@ class ReplaySplit:
 
 def _token_dims(val, n) -> list[int]:
     """The dims of ``val`` whose size is the packed token count (``n`` = (shape env, N's symbol))."""
-    return [d for d, _ in _token_factors(val, n) if _ == 1]
+    return [d for d, k in _token_factors(val, n) if k == 1]
 
 
 def _token_factors(val, n) -> list[tuple[int, int]]:

@@ -243,7 +243,9 @@ def test_hf_lfm2_short_conv_streams_exactly():
 
 class DeltaNet(torch.nn.Module):
     """A gated delta rule without attention or short conv (HF Qwen3-Next's chunked ``torch_chunk_gated_delta_rule``,
-    chunks of 4): rows share work only through the matrix scan passes/delta_rule.py makes of it."""
+    chunks of 4), its output RMS-normed per head over the tokens flattened with the heads (Qwen3-Next's gated
+    norm: ``reshape(-1, dv)``, a ``[h·N, dv]`` value inside the streamed part): rows share work only through the
+    matrix scan passes/delta_rule.py makes of it."""
 
     def __init__(self, vocab=23, dim=16, heads=2, dk=4, dv=4):
         super().__init__()
@@ -262,7 +264,8 @@ class DeltaNet(torch.nn.Module):
         o, _ = torch_chunk_gated_delta_rule(q.view(B, L, h, dk), k.view(B, L, h, dk), v.view(B, L, h, dv),
                                             -torch.nn.functional.softplus(g), beta.sigmoid(), chunk_size=4,
                                             use_qk_l2norm_in_kernel=True)
-        return o.reshape(B, L, h * dv)
+        o = o.reshape(-1, dv)
+        return (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)).reshape(B, L, h * dv)
 
     def forward(self, ids):
         return self.out(self.mixer(self.emb(ids)))
