@@ -36,12 +36,12 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.scan import SCAN_IMPLS, ScanError, _in_layout_of, chain_parent, get_scan_impl
+from brcompile.backends.scan import SCAN_IMPLS, ScanError, _in_layout_of, _prefix_rows, chain_parent, get_scan_impl
 
 log = logging.getLogger(__name__)
 
 __all__ = ["tree_matrix_scan", "matrix_scan", "path_matrix_scan", "subtree_matrix_scan", "torch_matrix_scan",
-           "torch_matrix_scan_backward", "reference_matrix_scan", "MATRIX_PATH_OPS"]
+           "torch_matrix_scan_backward", "reference_matrix_scan", "tree_matrix_scan_cached", "MATRIX_PATH_OPS"]
 
 
 def _jump(anc: Tensor, parent_like: Tensor) -> Tensor:
@@ -209,8 +209,31 @@ def _matrix_scan_backward_flop(grad, M, h, parent, dim, *args, out_val=None, **k
     return h.numel() // (d * e) * (2 * d * e * (d + 1) + 2 * d * d * e)
 
 
-#: ops whose output at a token reads its ancestors along the tree path (passes/split.py)
+#: ops whose output at a token reads its ancestors along the tree path: the streaming split runs them on a
+#: chunk of tails against the prefix's state (:func:`tree_matrix_scan_cached`; passes/split.py)
 MATRIX_PATH_OPS = (torch.ops.brcompile.tree_matrix_scan.default,)
+
+
+# ----------------------------------------------------------------------------- against a cached prefix
+
+
+def tree_matrix_scan_cached(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str, h_cache: Tensor,
+                            ancestors: Tensor) -> Tensor:
+    """``h[k] = M[k] @ h[parent(k)] + b[k]`` on a chunk of tail tokens (streaming replay, passes/split.py),
+    where the parent of a chunk root may be a prefix token: its state is the prefix scan's output ``h_cache``
+    (``[..., P, ..., d, e]``, the prefix tokens along ``dim``) there. The chunk's scan with ``b[k] + M[k] @
+    h_cache[p(k)]`` at those roots (``p(k) = ancestors[0, k]``, the prefix-local id of k's parent, -1 when it
+    is no prefix token: a zero state, so nothing is added): the root's recurrence step, then the local
+    recurrence unchanged (backends/scan.py's ``*_cached`` layout of ``ancestors``).
+
+    Ordinary differentiable ops around ``tree_matrix_scan``: ``dL/dh_cache[p] = sum over the chunk roots k
+    below p of M[k]ᵀ gb[k]`` (the transposed step) reaches the prefix graph as the cached K/V's gradients do,
+    and ``dL/dM[k]`` gains ``gb[k] h_cache[p(k)]ᵀ``. Only the rows of ``h_cache`` at the branch points (prefix
+    tokens with a child in a chunk) are read; the cache is the prefix scan's whole output, which its own
+    backward keeps anyway."""
+    d = dim % (M.dim() - 2)
+    b = b + M @ _prefix_rows(h_cache, ancestors[0], d)
+    return torch.ops.brcompile.tree_matrix_scan(M, b, parent, dim, impl)
 
 
 # ------------------------------------------------------------------------------------------- oracle

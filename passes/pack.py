@@ -223,13 +223,15 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
 def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional[fx.Node], placeholders: list,
                    values: dict, canon, training: bool, left: str = "") -> Analysis:
     """A graph without attention whose rows share work through causal scans along the positions (a pure
-    state-space model: Mamba's causal conv and selective scan). The tree inputs are the per-token inputs the
-    scans read (token ids, attention mask), the ids among them; (B, L) the ids'. Each row's tokens before
-    column t are its path in the tree, so a scan along the positions is a tree scan. When propagation makes
-    none of them one (each went dense, for its reason), nothing is shared: CannotReplay with that reason."""
+    state-space model: Mamba's causal conv and selective scan; a gated delta rule's matrix scan). The tree
+    inputs are the per-token inputs the scans read (token ids, attention mask), the ids among them; (B, L) the
+    ids'. Each row's tokens before column t are its path in the tree, so a scan along the positions is a tree
+    scan. When propagation makes none of them one (each went dense, for its reason), nothing is shared:
+    CannotReplay with that reason. Without token ids (a layer's graph on hidden states) the tree inputs are
+    every per-token input, as for a token-local graph (:func:`_analyse_token_local`, whose propagation makes
+    the scans tree scans the same way: a row's hidden states before column t are its path's)."""
     if token_ids is None:
-        raise CannotReplay("no scaled_dot_product_attention in the graph, and no [B, L] integer token input "
-                           "feeding an embedding that its scans read (nothing to share; it runs unchanged)")
+        return _analyse_token_local(gm, token_ids, placeholders, values, canon, training, left)
     B, L = hint(tuple(example_value(token_ids).shape))
     needed = set().union(*(masks_mod.ancestors(s) for s in scans))
     tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L)]

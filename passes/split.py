@@ -7,21 +7,25 @@ token-local part between the two:
     trunk = descendants of the per-token tree arrays (rep_row, position, end, valid, all_valid, segments)
             that do not depend on tree_index
 
-Every trunk value carries the token dim N exactly once (checked on a fake-tensor run with a symbolic N),
-and the only ops that mix tokens are tree attention and the scans along the tree paths (backends/scan.py:
-``TREE_PATH_OPS``), both reading a token's ancestors only; so the trunk can run on any token subset whose
+Every trunk value carries the token dim N exactly once (checked on a fake-tensor run with a symbolic N; a
+token dim flattened with k entries per token, ``k·N``, counts as one: the analysis's flattened layout,
+passes/axes.py ``TokenAxes.flat``, entry ``n·k + s`` of token n — a gated norm's ``reshape(-1, D)`` of its
+heads —; the outer graph reads no such value), and the only ops that mix tokens are tree attention and the
+scans along the tree paths (backends/scan.py: ``TREE_PATH_OPS``, backends/matrix_scan.py:
+``MATRIX_PATH_OPS``), both reading a token's ancestors only; so the trunk can run on any token subset whose
 ancestors it can see. :func:`split_for_replay` emits three graphs:
 
 - **prefix**: the trunk on the prefix tokens; outputs the frontier (trunk values the outer graph reads),
-  per attention its K and V, and per scan what a tail token reads of its ancestors (a linear scan's state
-  h, a cumsum's path sum — both the scan's output, read at the parent —, a causal conv1d's input x, read
-  at the last W-1 ancestors): the **cached replay nodes**. None costs memory: each is kept for the
+  per attention its K and V, and per scan what a tail token reads of its ancestors (a linear or matrix
+  scan's state h, a cumsum's path sum — the scan's output, read at the parent —, a causal conv1d's input
+  x, read at the last W-1 ancestors): the **cached replay nodes**. None costs memory: each is kept for the
   prefix's own backward anyway;
 - **tail**: the trunk on one chunk of tail tokens; each ``tree_attention_forward`` becomes
   ``tree_attention_cached_forward`` that also attends the cached K/V (backends/cached.py); each scan runs
   on the chunk's own paths (``tree_parent`` of the chunk's ``end``) plus the cached values gathered at the
   chunk tokens' prefix ancestors (``cache_ancestors``: ``Chunk.ancestors``, brcompile/runtime/streaming.py),
-  by ``tree_linear_scan_cached`` / ``tree_cumsum_cached`` / ``tree_causal_conv1d_cached`` (backends/scan.py):
+  by ``tree_linear_scan_cached`` / ``tree_cumsum_cached`` / ``tree_causal_conv1d_cached`` (backends/scan.py)
+  and ``tree_matrix_scan_cached`` (backends/matrix_scan.py, the gated delta rule's state):
   ordinary differentiable ops around the scan, so the cached values' gradients flow back into the prefix
   as the cached K/V's do. A chunk is made of leaf segments, whose ancestors outside the chunk are all
   prefix tokens (never another chunk's);
@@ -38,11 +42,12 @@ import logging
 import operator
 from typing import Any, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 
 from brcompile.backends.ops import attention_extras, attention_scores_extras
-from brcompile.backends.matrix_scan import MATRIX_PATH_OPS
+from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
 )
@@ -60,6 +65,7 @@ __all__ = ["ReplaySplit", "split_for_replay"]
 _ATTENTION = torch.ops.brcompile.tree_attention_forward.default
 _CONV = torch.ops.brcompile.tree_causal_conv1d.default
 _LINEAR_SCAN = torch.ops.brcompile.tree_linear_scan.default
+_MATRIX_SCAN = torch.ops.brcompile.tree_matrix_scan.default
 _PARENT = torch.ops.brcompile.tree_parent.default
 _AUTOCAST_REGION = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
 
@@ -82,9 +88,22 @@ class ReplaySplit:
 
 def _token_dims(val, n) -> list[int]:
     """The dims of ``val`` whose size is the packed token count (``n`` = (shape env, N's symbol))."""
+    return [d for d, k in _token_factors(val, n) if k == 1]
+
+
+def _token_factors(val, n) -> list[tuple[int, int]]:
+    """``(dim, k)`` for each dim of ``val`` whose size is ``k·N`` with a constant integer ``k >= 1``: the
+    packed token dim (k = 1) or a token dim flattened with k entries per token (``n`` = (shape env, N's
+    symbol))."""
     env, sym = n
-    return [d for d, s in enumerate(val.shape)
-            if isinstance(s, torch.SymInt) and env.simplify(s.node.expr) == env.simplify(sym)]
+    sym = env.simplify(sym)
+    out = []
+    for d, s in enumerate(val.shape):
+        if isinstance(s, torch.SymInt):
+            k = sympy.simplify(env.simplify(s.node.expr) / sym)
+            if k.is_Integer and int(k) >= 1:
+                out.append((d, int(k)))
+    return out
 
 
 def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> ReplaySplit:
@@ -111,12 +130,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     token_side = descendants(tok_nodes)
     trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
-    matrix = next((n for n in trunk if n.target in MATRIX_PATH_OPS), None)
-    if matrix is not None:  # its state at a chunk's prefix ancestors is not cached (not done)
-        raise CannotReplay("streaming replay: a matrix scan along the tree paths (the gated delta rule) reads "
-                           "each tail token's ancestors' state in the prefix, which is not cached (the packed "
-                           "mode runs)", matrix)
-    scans = [n for n in trunk if n.target in TREE_PATH_OPS]
+    scans = [n for n in trunk if n.target in TREE_PATH_OPS or n.target in MATRIX_PATH_OPS]
     for n in scans:
         _check_scan(n, tok_nodes)
     if not scans and not any(n.target is _ATTENTION for n in trunk):
@@ -126,21 +140,24 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     for n in trunk:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
-            dims = _token_dims(val, n_sym)
+            dims = _token_factors(val, n_sym)
             if len(dims) != 1:
                 raise CannotReplay(f"streaming replay: {n.name} has {len(dims)} packed-token dims "
                                    f"(shape {tuple(val.shape)}); the trunk must be token-local", n)
             if val._is_view():  # shares its base's storage: no bytes of its own
                 continue
-            per = 1
+            (dim, per), = dims  # k entries per token along a flattened token dim
             for d, s in enumerate(val.shape):
-                if d != dims[0]:
+                if d != dim:
                     per *= int(s)
             bytes_per_token += per * val.element_size()
     frontier = [n for n in trunk if any(u not in trunk_set for u in n.users)]
     for n in frontier:
         if not isinstance(n.meta.get("val"), torch.Tensor):
             raise CannotReplay(f"streaming replay: the outer graph reads {n.name}, which is not a tensor", n)
+        if not _token_dims(n.meta["val"], n_sym):  # the chunks' outputs are written at their tokens' rows
+            raise CannotReplay(f"streaming replay: the outer graph reads {n.name}, whose token dim is flattened "
+                               f"(shape {tuple(n.meta['val'].shape)}) (the packed mode runs)", n)
     ext = list(dict.fromkeys(a for n in trunk for a in n.all_input_nodes
                              if a not in trunk_set and a not in tok_nodes))
     attentions = [n for n in trunk if n.target is _ATTENTION]
@@ -159,7 +176,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
 
 def _scan_depth(scan: fx.Node) -> int:
     """How many ancestors along its path a token's value of ``scan`` reads: the parent (the state or path
-    sum there) for a linear scan or cumsum, the W-1 previous taps for a causal conv1d of width W."""
+    sum there) for a linear or matrix scan or a cumsum, the W-1 previous taps for a causal conv1d of width W."""
     if scan.target is _CONV:
         return int(scan.args[1].meta["val"].shape[2]) - 1
     return 1
@@ -168,14 +185,15 @@ def _scan_depth(scan: fx.Node) -> int:
 def _check_scan(scan: fx.Node, tok_nodes) -> None:
     """A scan the tail graph can run against the cache: its parents are ``tree_parent(end)`` of the tree
     (the chunk's own ``end`` gives the chunk's local paths)."""
-    parent = scan.args[{_CONV: 3, _LINEAR_SCAN: 2}.get(scan.target, 1)]
+    parent = scan.args[{_CONV: 3, _LINEAR_SCAN: 2, _MATRIX_SCAN: 2}.get(scan.target, 1)]
     if not (parent.op == "call_function" and parent.target is _PARENT and parent.args[0] is tok_nodes.end):
         raise CannotReplay("streaming replay: a scan along the tree paths whose parents are not the tree's "
                            "(the packed mode runs)", scan)
 
 
 def _cached_scan(g: fx.Graph, scan: fx.Node, env: dict, cache: fx.Node, ancestors: fx.Node) -> fx.Node:
-    """``scan`` on a chunk against its cached prefix values (backends/scan.py: ``*_cached``)."""
+    """``scan`` on a chunk against its cached prefix values (backends/scan.py: ``*_cached``,
+    backends/matrix_scan.py: ``tree_matrix_scan_cached``)."""
     args = tuple(env[a] if isinstance(a, fx.Node) else a for a in scan.args)
     if scan.target is _CONV:
         x, w, b, parent = args[:4]
@@ -185,13 +203,19 @@ def _cached_scan(g: fx.Graph, scan: fx.Node, env: dict, cache: fx.Node, ancestor
         a, b, parent, dim = args[:4]
         impl = args[4] if len(args) > 4 else "auto"
         return g.call_function(tree_linear_scan_cached, (a, b, parent, dim, impl, cache, ancestors))
+    if scan.target is _MATRIX_SCAN:
+        M, b, parent, dim = args[:4]
+        impl = args[4] if len(args) > 4 else "auto"
+        return g.call_function(tree_matrix_scan_cached, (M, b, parent, dim, impl, cache, ancestors))
     x, parent, dim = args
     return g.call_function(tree_cumsum_cached, (x, parent, dim, cache, ancestors))
 
 
 def _scan_cache(scan: fx.Node) -> fx.Node:
-    """The prefix value a scan's tail tokens read: a conv's input x (its taps), a linear scan's state h or a
-    cumsum's path sum (the scan's output at the parent)."""
+    """The prefix value a scan's tail tokens read: a conv's input x (its taps), a linear or matrix scan's
+    state h or a cumsum's path sum (the scan's output at the parent; for the matrix scan ``[.., P, .., d,
+    e]``, the delta rule's per-head ``[dk, dv]`` state at every prefix token, of which a chunk reads the rows
+    at its roots' parents)."""
     return scan.args[0] if scan.target is _CONV else scan
 
 

@@ -28,7 +28,8 @@ on every column before k's), so the dense scan at ``(b, t)`` is a function of th
   ``associative_scan`` left as it was (another combine) is dense, named.
 
 :func:`scan_candidates` / :func:`is_tree_scan` tell passes/pack.py whether a graph without attention shares
-anything: its rows share work only through such scans.
+anything: its rows share work only through such scans and the matrix recurrence ``matrix_scan``
+(passes/rules/matrix_scan.py; a gated delta rule without attention or short convs).
 
 The scans are exact only where the tree's paths are the rows' prefixes: a padding-free graph (the tree is
 over the sequences packed into a row, §4) and ``drop_padding`` (a kept token's path skips the dropped
@@ -44,6 +45,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from brcompile.backends import matrix_scan as _matrix_ops
 from brcompile.backends import scan as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
 from brcompile.passes.axes import (
     AxesContext, CannotReplay, Window, dense_fallback, example_value, get_axes, normalize_dim,
@@ -440,19 +442,20 @@ if _HOP is not None:
 
 
 def scan_candidates(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes that may become tree scans (before the analysis): cumsums, conv1ds and linear scans."""
+    """The nodes that may become tree scans (before the analysis): cumsums, conv1ds, linear and matrix scans."""
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
-            and (is_op(n, "cumsum", "conv1d") or n.target is _scan_ops.linear_scan or n.target is _HOP)]
+            and (is_op(n, "cumsum", "conv1d") or n.target in (_scan_ops.linear_scan, _matrix_ops.matrix_scan)
+                 or n.target is _HOP)]
 
 
 def is_tree_scan(ctx: AxesContext, node: fx.Node) -> bool:
     """Whether the analysis made ``node`` a tree scan of the packed graph (``tree_cumsum``,
-    ``tree_causal_conv1d``, ``tree_linear_scan``): the ops that share work between rows in a graph without
-    attention."""
+    ``tree_causal_conv1d``, ``tree_linear_scan``, ``tree_matrix_scan``): the ops that share work between rows
+    in a graph without attention."""
     if not get_axes(node).is_token:
         return False
     if is_op(node, "cumsum"):
         return _is_tree_scan(node)
     if is_op(node, "conv1d"):
         return ctx.notes.get(node) == "tree_causal_conv1d"
-    return node.target is _scan_ops.linear_scan
+    return node.target in (_scan_ops.linear_scan, _matrix_ops.matrix_scan)

@@ -18,6 +18,7 @@ from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes import delta_rule
 from brcompile.passes.functionalize import functionalize
 from brcompile.passes.pack import _analysis_copy
+from brcompile.passes.rules.scan import scan_candidates
 from brcompile.testing import assert_exact
 from tests.helpers import KeepFloat64, transformers_or_skip
 from tests.models.test_hybrids import HYBRIDS, TINY
@@ -79,7 +80,8 @@ def test_chunked_delta_rule_becomes_one_matrix_scan(length):
     notes = delta_rule.canonicalize_delta_rules(work)
     assert len(notes) == 1 and notes[0].endswith("-> matrix_scan"), notes
     assert not calls(work, "linalg_solve_triangular")
-    assert [n for n in work.graph.nodes if n.target is matrix_scan]
+    scan = [n for n in work.graph.nodes if n.target is matrix_scan]
+    assert scan and scan[0] in scan_candidates(work)  # a graph without attention shares through it (passes/pack.py)
     want, gwant = output_and_grad(gm, inputs, h)
     got, ggot = output_and_grad(work, inputs, h)
     assert_exact(got, want, 1e-10, "layer output")

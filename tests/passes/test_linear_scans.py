@@ -249,20 +249,46 @@ def test_no_attention_and_no_tree_scan_runs_unchanged(conv, reason):
     assert any(reason in r for r in reasons), reasons
 
 
-def test_no_attention_without_token_ids_runs_unchanged():
-    """A scan over float inputs with no token ids feeding an embedding: no tree to build."""
-    def f(x, w):
-        a = torch.sigmoid(x @ w)
-        return associative_scan(affine, (a, x), dim=1, combine_mode="generic")[1].sum()
+def test_no_attention_without_token_ids_replays_keyed_by_hidden_states():
+    """A scan over float ``[B, L, D]`` inputs with no token ids (a layer's graph on hidden states): the rows are
+    keyed by their hidden states, as a token-local graph's (passes/pack.py), and the scan runs along those
+    rows' paths: rows sharing their first states share that work, loss and gradient exact."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+
+    def f(x):
+        a = torch.sigmoid(lin(x))
+        return associative_scan(affine, (a, x), dim=1, combine_mode="generic")[1].square().sum()
 
     x = torch.randn(3, 5, 4, dtype=F64)
-    w = torch.randn(4, 4, dtype=F64, requires_grad=True)
+    x[1, :3] = x[0, :3]  # rows 0 and 1 share their first three states
+    want = f(x)
+    backend = brcompile.backend(compiler="eager")
+    got = torch.compile(f, backend=backend)(x)
+    assert_exact(got, want, F64, "loss")
+    params = list(lin.parameters())
+    for gg, gw in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        assert_exact(gg, gw, F64, "grad")
+    assert_replayed()
+    s = brcompile.stats()
+    assert s.executed_tokens == 15 - 3 < s.logical_tokens == 15, str(s)
+    assert "brcompile.tree_linear_scan" in backend.records[-1].packed_code
+
+
+def test_no_attention_without_token_ids_or_hidden_states_runs_unchanged():
+    """A scan over a float ``[B, L]`` input, no token ids and no ``[B, L, D]`` hidden states: no tree keys."""
+    def f(x, w):
+        a = torch.sigmoid(x * w)
+        return associative_scan(affine, (a, x), dim=1, combine_mode="generic")[1].sum()
+
+    x = torch.randn(3, 5, dtype=F64)
+    w = torch.randn(5, dtype=F64, requires_grad=True)
     backend = brcompile.backend(compiler="eager")
     got = torch.compile(f, backend=backend)(x, w)
     torch.testing.assert_close(got, f(x, w), rtol=1e-12, atol=0)
     assert brcompile.stats().replayed_calls == 0
     reasons = [r.reason or "" for r in backend.records]
-    assert any("no [B, L] integer token input" in r for r in reasons), reasons
+    assert any("no token ids and no [B, L, D] float input" in r for r in reasons), reasons
 
 
 def test_conv_only_model_replays():

@@ -6,12 +6,13 @@ a cumsum's path sum at the parent, a causal conv's x at the last W-1 ancestors. 
 
 - ``plan_replay``'s ancestor table against the preorder definition (``j`` is an ancestor of ``k`` iff
   ``j <= k < end[j]``);
-- each cached scan on every chunk of a multi-level tree against the full scan, values and the gradients of
-  every input (the cached prefix values' gradients included), float64;
+- each cached scan (the matrix scan's too) on every chunk of a multi-level tree against the full scan,
+  values and the gradients of every input (the cached prefix values' gradients included), float64;
 - end to end, float64, loss and every parameter gradient against the eager model AND the packed mode (1e-10),
   on multi-level trees cut into several chunks: a model with cumsum positions, short convs and attention,
-  the hybrid LFM2 (short conv) here, Bamba (Mamba-2: linear scan + conv) and pure Mamba (no attention) in
-  tests/models/test_hybrids.py and test_ssm.py;
+  the hybrid LFM2 (short conv) and a gated delta rule without attention or conv (a matrix scan only, on token
+  ids and on hidden states) here, Bamba (Mamba-2: linear scan + conv), Qwen3-Next (gated DeltaNet: matrix scan
+  + conv) and pure Mamba (no attention) in tests/models/test_hybrids.py and test_ssm.py;
   every run asserts that the call streamed (stats, the call's schedule) and what was cached.
 """
 import contextlib
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import brcompile
+from brcompile.backends.matrix_scan import tree_matrix_scan, tree_matrix_scan_cached
 from brcompile.backends.scan import (
     parent_from_end, tree_causal_conv1d, tree_causal_conv1d_cached, tree_cumsum, tree_cumsum_cached,
     tree_linear_scan, tree_linear_scan_cached,
@@ -123,6 +125,43 @@ def test_cached_scans_equal_the_full_scans_values_and_gradients(chunk_tokens):
         assert_exact(gg, gw, F64, f"grad of {name}")
 
 
+@pytest.mark.parametrize("chunk_tokens", [1, 9])
+def test_cached_matrix_scan_equals_the_full_scan_values_and_gradients(chunk_tokens):
+    """The prefix's ``tree_matrix_scan`` + each chunk's ``tree_matrix_scan_cached`` (its roots start from the
+    cached prefix state at their parents) == the full scan on the whole tree; the gradients of M and b, at the
+    chunk tokens and at the prefix tokens (through the cached state), == the full scan's. Token dim 1 of
+    ``M [2, N, H, d, d]``, ``b [2, N, H, d, e]``."""
+    tree = nested_tree()
+    end, n = tree.end, int(tree.end.shape[0])
+    g = torch.Generator().manual_seed(3)
+    d, e = 4, 3
+    M = (0.5 * torch.randn(2, n, 2, d, d, generator=g, dtype=F64) / d ** 0.5).requires_grad_()
+    b = torch.randn(2, n, 2, d, e, generator=g, dtype=F64).requires_grad_()
+    full = tree_matrix_scan(M, b, parent_from_end(end), 1, "torch")
+    up = torch.randn(full.shape, generator=g, dtype=F64)
+    want = torch.autograd.grad(full, (M, b), up)
+
+    sch = plan_replay(end, tree.segments, chunk_tokens, 1)
+    assert len(sch.chunks) >= 2
+    pid = sch.prefix_ids
+    pre = tree_matrix_scan(_take(M, pid, 1), _take(b, pid, 1), parent_from_end(sch.prefix_end), 1, "torch")
+    outs, grads = [pre], [_take(up, pid, 1)]
+    got = torch.empty_like(full)
+    got.index_copy_(1, pid, pre.detach())
+    roots = 0
+    for c in sch.chunks:
+        part = tree_matrix_scan_cached(_take(M, c.ids, 1), _take(b, c.ids, 1), parent_from_end(c.end), 1, "torch",
+                                       pre, c.ancestors)
+        got.index_copy_(1, c.ids, part.detach())
+        outs.append(part)
+        grads.append(_take(up, c.ids, 1))
+        roots += int((c.ancestors[0] >= 0).sum())
+    assert roots >= len(sch.chunks)  # every chunk continues the prefix's state somewhere
+    assert_exact(got, full.detach(), F64, "matrix scan")
+    for gg, gw, name in zip(torch.autograd.grad(outs, (M, b), grads), want, ("M", "b")):
+        assert_exact(gg, gw, F64, f"grad of {name}")
+
+
 # ------------------------------------------------------------------------------------------ end to end
 
 
@@ -200,6 +239,72 @@ def test_hf_lfm2_short_conv_streams_exactly():
     tests/models/test_hybrids.py and test_ssm.py (slow)."""
     backend = hf_run("lfm2", chunk_tokens=2)
     assert any("causal_conv1d" in s for s in backend.records[-1].replay["cached_scans"])
+
+
+class DeltaNet(torch.nn.Module):
+    """A gated delta rule without attention or short conv (HF Qwen3-Next's chunked ``torch_chunk_gated_delta_rule``,
+    chunks of 4), its output RMS-normed per head over the tokens flattened with the heads (Qwen3-Next's gated
+    norm: ``reshape(-1, dv)``, a ``[h·N, dv]`` value inside the streamed part): rows share work only through the
+    matrix scan passes/delta_rule.py makes of it."""
+
+    def __init__(self, vocab=23, dim=16, heads=2, dk=4, dv=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, heads * (2 * dk + dv))
+        self.gb = torch.nn.Linear(dim, 2 * heads)
+        self.out = torch.nn.Linear(heads * dv, vocab)
+        self.sizes = heads, dk, dv
+
+    def mixer(self, x):
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+        (B, L, _), (h, dk, dv) = x.shape, self.sizes
+        q, k, v = self.qkv(x).split([h * dk, h * dk, h * dv], -1)
+        g, beta = self.gb(x).chunk(2, -1)
+        o, _ = torch_chunk_gated_delta_rule(q.view(B, L, h, dk), k.view(B, L, h, dk), v.view(B, L, h, dv),
+                                            -torch.nn.functional.softplus(g), beta.sigmoid(), chunk_size=4,
+                                            use_qk_l2norm_in_kernel=True)
+        o = o.reshape(-1, dv)
+        return (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)).reshape(B, L, h * dv)
+
+    def forward(self, ids):
+        return self.out(self.mixer(self.emb(ids)))
+
+
+def delta_rule_model():
+    transformers_or_skip()
+    torch.manual_seed(0)
+    model = DeltaNet().double()
+    b = make_grpo_batch(vocab_size=23, seed=2, num_prompts=2, group_size=3, prompt_len=(4, 6),
+                        response_len=(3, 6), shared_response_prefix=2, pad_id=0)
+    names, params = zip(*model.named_parameters())
+    return model, b, names, params
+
+
+def test_delta_rule_without_attention_streams_exactly():
+    """No attention, no conv: the matrix scan is the graph's only scan (passes/rules/scan.py's
+    ``scan_candidates``); its tail chunks start from the prefix's cached state."""
+    model, b, names, params = delta_rule_model()
+
+    def loss(ids, cm):
+        lp = model(ids)[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        m = cm[:, 1:].to(lp.dtype)
+        return -(lp * m).sum() / m.sum()
+
+    backend = run_modes(loss, (b["input_ids"], b["completion_mask"]), params, names, 3, guard=KeepFloat64)
+    info = backend.records[-1].replay
+    assert info["cached_scans"] == ("tree_matrix_scan_default",), info["cached_scans"]
+    assert "tree_matrix_scan_cached" in info["tail_code"] and "tree_matrix_scan" in info["prefix_code"]
+
+
+def test_delta_rule_layer_on_hidden_states_streams_exactly():
+    """The mixer's graph on hidden states (no token ids: a layer's graph between graph breaks): the rows are
+    keyed by their hidden states, the matrix scan runs along those paths and streams as with token ids."""
+    model, b, names, params = delta_rule_model()
+    x = model.emb(b["input_ids"]).detach()
+    backend = run_modes(lambda x: model.mixer(x).square().sum(), (x,), params[1:5], names[1:5], 3,
+                        guard=KeepFloat64)
+    assert backend.records[-1].replay["cached_scans"] == ("tree_matrix_scan_default",)
 
 
 def test_graph_without_attention_or_scan_is_not_streamed_with_the_reason():
