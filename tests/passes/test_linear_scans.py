@@ -275,20 +275,24 @@ def test_no_attention_without_token_ids_replays_keyed_by_hidden_states():
     assert "brcompile.tree_linear_scan" in backend.records[-1].packed_code
 
 
-def test_no_attention_without_token_ids_or_hidden_states_runs_unchanged():
-    """A scan over a float ``[B, L]`` input, no token ids and no ``[B, L, D]`` hidden states: no tree keys."""
+def test_scan_over_float_rows_without_token_ids_is_row_local():
+    """A scan over a float ``[B, L]`` input, no token ids and no ``[B, L, D]`` hidden states: the input is read as
+    B rows of one token each (a ``[T, D]`` graph over flattened tokens), so the scan along its dim 1 runs within a
+    row, and bitwise-equal rows are computed once."""
     def f(x, w):
         a = torch.sigmoid(x * w)
         return associative_scan(affine, (a, x), dim=1, combine_mode="generic")[1].sum()
 
     x = torch.randn(3, 5, dtype=F64)
+    x[2] = x[0]
     w = torch.randn(5, dtype=F64, requires_grad=True)
+    want = torch.autograd.grad(f(x, w), w)[0]
     backend = brcompile.backend(compiler="eager")
     got = torch.compile(f, backend=backend)(x, w)
     torch.testing.assert_close(got, f(x, w), rtol=1e-12, atol=0)
-    assert brcompile.stats().replayed_calls == 0
-    reasons = [r.reason or "" for r in backend.records]
-    assert any("no token ids and no [B, L, D] float input" in r for r in reasons), reasons
+    torch.testing.assert_close(torch.autograd.grad(got, w)[0], want, rtol=1e-10, atol=0)
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and (s.executed_tokens, s.logical_tokens) == (2, 3), str(s)
 
 
 def test_conv_only_model_replays():
