@@ -1,33 +1,47 @@
 """The chunked gated delta rule as one ``matrix_scan``, before the analysis (docs/ARCHITECTURE.md §3.4).
 
-The gated delta rule (Qwen3-Next's gated DeltaNet) keeps a state ``S_t [dk, dv]`` per head:
+The gated delta rule keeps a state ``S_t [dk, dv]`` per head. With a scalar gate ``g [B, H, L]`` (Qwen3-Next's
+gated DeltaNet, Qwen3.5, OLMo-hybrid):
 
     S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,    o_t = S_tᵀ q_t     (S_{-1} = 0)
 
-a matrix-affine recurrence ``S_t = M_t S_{t-1} + b_t`` with ``M_t = exp(g_t) (I - β_t k_t k_tᵀ)``, ``b_t = β_t k_t
-v_tᵀ``. HF computes it chunked (``torch_chunk_gated_delta_rule``): the sequence padded to a multiple of the chunk,
-a unit-triangular solve per chunk (the UT transform of the delta updates), a loop over chunks carrying the state.
-No token-axis rule reads that: the chunk reshape mixes positions. This pass finds the region and, when it is
-proved to be the recurrence, replaces it by ``M``, ``b``, ``S = matrix_scan(M, b, pos)`` (backends/matrix_scan.py)
-and ``o = Σ_i S[..., i, :] q[..., i]``, in the analysis copy (the user's graph is untouched). The rule of
-``matrix_scan`` (passes/rules/matrix_scan.py) then makes it ``brcompile::tree_matrix_scan`` along the tree paths.
+with a per-channel gate ``g [B, H, L, dk]`` (Kimi-Linear's KDA: the decay first, then the delta update):
 
-**The region.** Anchored at a unit-triangular ``solve_triangular``. Its output ``o`` is the first 4-D descendant
-of the anchor (graph order) whose shapes fit the roles (below) and whose backward closure — stopped at right pads of one token dim (``F.pad(x, (0, 0,
-0, p))``, ``F.pad(x, (0, p))``: the chunk padding) — is *closed*: it reads nothing but those pads' inputs and
-constants (no placeholder, no parameter), and none of its nodes but ``o`` is read outside it by a live node (the
-chunked loop's unused final state is dead and goes with it). Its inputs are the pads' inputs: three
-``[B, H, L, d]`` values and two ``[B, H, L]`` values, the output ``[B, H, L, dv]``.
+    S_t = (I - β_t k_t k_tᵀ) diag(exp g_t) S_{t-1} + β_t k_t v_tᵀ,    o_t = S_tᵀ q_t
 
-**The proof obligation.** Roles are assigned by shape (q and k ``[B, H, L, dk]``, v ``[B, H, L, dv]``, β and g
-``[B, H, L]``); every assignment the shapes allow is tried. The region, copied with its floating dtypes made
-float64 and its devices the CPU, is evaluated on two random float64 probes at the graph's own shapes (the chunk
-padding is a constant of the captured graph: another length is another graph, proved anew) — k and q unit
-vectors as the layer's
-l2-normalisation makes them, β in (0, 1), g in (-1, 0) — and must equal the emitted replacement (the very nodes
-inserted, run on the same probes) within ``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`). An assignment that passes is the rewrite. A
-region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the region's
-output again), with a note naming why.
+a matrix-affine recurrence ``S_t = M_t S_{t-1} + b_t`` with ``M_t`` the factor of ``S_{t-1}`` and ``b_t = β_t k_t
+v_tᵀ``. HF computes it chunked (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``): the sequence
+padded to a multiple of the chunk, the UT transform of the delta updates inverted per chunk (a unit-triangular
+``solve_triangular``, or a forward-substitution loop of writes ``attn[..., i, :i] = row + (row[..., None] *
+sub).sum(-2)`` that Dynamo unrolls and passes/functionalize.py makes select/slice scatters), a loop over chunks
+carrying the state. No token-axis rule reads that: the chunk reshape mixes positions. This pass finds the region
+and, when it is proved to be the recurrence, replaces it by ``M``, ``b``, ``S = matrix_scan(M, b, pos)``
+(backends/matrix_scan.py) and ``o = Σ_i S[..., i, :] q[..., i]``, in the analysis copy (the user's graph is
+untouched). The rule of ``matrix_scan`` (passes/rules/matrix_scan.py) then makes it ``brcompile::tree_matrix_scan``
+along the tree paths.
+
+**The region.** Anchored on a group of right pads of one token dim (``F.pad(x, (0, 0, 0, p))``, ``F.pad(x, (0,
+p))``: the chunk padding): the nodes computed from sequence pads and constants only, one connected group of
+them, that splits the token dim into chunks (a reshape ``[B, H, L, d] -> [B, H, L / c, c, d]``); how the chunk
+system is inverted does not matter (the anchor only finds candidates, the proof decides). Its output ``o`` is
+the first live node of the group (graph order) of the shape of a 4-D pad input whose backward closure, stopped
+at the pads, is *closed*: none of its nodes but ``o`` is read outside it by a live node (the chunked loop's
+unused final state is dead and goes with it), whose inputs (the pads' inputs, in the order of their pads) some
+role assignment fits (below), and which is proved; the next such node is tried when one is not. Its inputs:
+three ``[B, H, L, d]`` values and two ``[B, H, L]`` values (scalar gate) or four and one (per-channel gate), the
+output ``[B, H, L, dv]``. A pad the region reads only through a multiplication by a number (KDA's ``F.pad(q, …)
+* scale``) is the input times that number (``pad(x) · s = pad(x · s)``).
+
+**The proof obligation.** Roles are assigned by shape (q and k ``[B, H, L, dk]``, v ``[B, H, L, dv]``, β ``[B,
+H, L]``, g ``[B, H, L]`` or ``[B, H, L, dk]``, the gate form following g's shape); every assignment the shapes
+allow is tried, the inputs' own order first. The region, copied with its floating dtypes made float64 and its
+devices the CPU, is evaluated on two random float64 probes at the graph's own shapes (the chunk padding is a
+constant of the captured graph: another length is another graph, proved anew) — k and q unit vectors as the
+layer's l2-normalisation makes them, β in (0, 1), g in (-1, 0) (every entry, per head or per channel) — and
+must equal the emitted replacement of that gate form (the very nodes inserted, run on the same probes) within
+``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`). An assignment that passes is the
+rewrite. A region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the
+region's output again), with a note naming why.
 """
 from __future__ import annotations
 
