@@ -39,7 +39,8 @@ devices the CPU, is evaluated on two random float64 probes at the graph's own sh
 constant of the captured graph: another length is another graph, proved anew) — k and q unit vectors as the
 layer's l2-normalisation makes them, β in (0, 1), g in (-1, 0) (every entry, per head or per channel) — and
 must equal the emitted replacement of that gate form (the very nodes inserted, run on the same probes) within
-``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`). An assignment that passes is the
+``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`; casts to a floating dtype, ``.float()``
+included, are float64 in the copy). An assignment that passes is the
 rewrite. A region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the
 region's output again), with a note naming why.
 """
@@ -286,6 +287,10 @@ def _f64(x: Any) -> Any:
     return x
 
 
+#: methods that cast to a floating dtype (KDA's ``decay_mask.exp().float()``): ``double`` in the probe's copy
+_FLOAT_CASTS = ("float", "half", "bfloat16", "double")
+
+
 def _region_callable(region: _Region) -> Callable:
     sub = fx.Graph()
     env: dict = {x: sub.placeholder(f"in{i}") for i, x in enumerate(region.inputs)}
@@ -293,6 +298,8 @@ def _region_callable(region: _Region) -> Callable:
         c = sub.node_copy(n, lambda a: env[a])
         c.args = fx.node.map_aggregate(c.args, _f64)
         c.kwargs = fx.node.map_aggregate(c.kwargs, _f64)
+        if c.op == "call_method" and c.target in _FLOAT_CASTS:  # ``.float()``: a cast to a floating dtype
+            c.target = "double"
         env[n] = c
     sub.output(env[region.output])
     return fx.GraphModule(torch.nn.Module(), sub)
@@ -359,7 +366,8 @@ def _prove(region: _Region) -> tuple[Optional[tuple[str, dict]], str]:
         probes, want = wanted[key]
         if want is not None and _agrees(fn, region, role, probes, want):
             return (gate, role), ""
-    return None, "the region does not equal the gated delta rule recurrence (scalar or per-channel gate) on random probes"
+    return None, ("the region does not equal the gated delta rule recurrence (scalar or per-channel gate) on "
+                  "random probes")
 
 
 def _role_scales(region: _Region, role: dict) -> dict:

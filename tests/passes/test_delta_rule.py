@@ -5,11 +5,12 @@ inverse as a forward-substitution loop of writes, the query scaled after its pad
 The Dynamo graph of the layer, float64 throughout (``KeepFloat64``), at lengths that pad the last chunk (12, 70:
 two chunks) and that fill it exactly (64): the region is found, proved and rewritten as one ``matrix_scan``, and
 the rewritten graph computes the layer's output and its gradient as the original (1e-10). The same for KDA at
-chunk size 4 (lengths 10 and 8), with the gradients of all its inputs. A region perturbed so that it is no
-longer the recurrence fails the proof and stays as it was, named.
+chunk size 4 (lengths 10 and 8; float64, and float32 at 1e-5), with the gradients of all its inputs. A region
+perturbed so that it is no longer the recurrence fails the proof and stays as it was, named.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 
@@ -138,12 +139,13 @@ def kda_inputs(length: int) -> dict:
                 beta=torch.rand(shape[:3], dtype=torch.float64, generator=gen))
 
 
-@pytest.mark.parametrize("length", [8, 10])
-def test_kimi_delta_attention_becomes_one_matrix_scan(length):
+@pytest.mark.parametrize("length,dtype", [(8, torch.float64), (10, torch.float64), (10, torch.float32)])
+def test_kimi_delta_attention_becomes_one_matrix_scan(length, dtype):
     """No triangular solve: the UT inverse is the forward substitution ``attn[..., i, :i] = row + (row[:, None]
-    * sub).sum(-2)`` (select/slice scatters after passes/functionalize.py); the gate is per key channel."""
+    * sub).sum(-2)`` (select/slice scatters after passes/functionalize.py); the gate is per key channel. A
+    float32 graph (its ``decay_mask.exp().float()`` a float32 cast) is proved in float64 all the same."""
     transformers_or_skip()
-    x = kda_inputs(length)
+    x = {name: t.to(dtype) for name, t in kda_inputs(length).items()}
     got = []
 
     def backend(gm, example_inputs):
@@ -151,7 +153,7 @@ def test_kimi_delta_attention_becomes_one_matrix_scan(length):
         return gm.forward
 
     torch._dynamo.reset()
-    with KeepFloat64():
+    with KeepFloat64() if dtype == torch.float64 else contextlib.nullcontext():
         torch.compile(kda, backend=backend, dynamic=False)(**x)
     gm, = got
     names = [n.target[2:-1] for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo's L_q_, ...
@@ -160,15 +162,15 @@ def test_kimi_delta_attention_becomes_one_matrix_scan(length):
     notes = delta_rule.canonicalize_delta_rules(work)
     assert len(notes) == 1 and notes[0].endswith("-> matrix_scan") and "channel gate" in notes[0], notes
     assert [n for n in work.graph.nodes if n.target is matrix_scan] and not calls(work, "select_scatter")
-    w = torch.randn(2, length, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(2, length, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(dtype)
     results = []
     for module in (gm, work):
         args = [x[name].detach().clone().requires_grad_() for name in names]
-        with KeepFloat64():
+        with KeepFloat64() if dtype == torch.float64 else contextlib.nullcontext():
             out = module(*args)
         out = out[0] if isinstance(out, (tuple, list)) else out
         results.append((out.detach(), torch.autograd.grad((out * w).sum(), args)))
     (want, gwant), (out, ggot) = results
-    assert_exact(out, want, 1e-10, "KDA output")
+    assert_exact(out, want, dtype, "KDA output")
     for name, a, b in zip(names, ggot, gwant):
-        assert_exact(a, b, 1e-10, f"grad of {name}")
+        assert_exact(a, b, dtype, f"grad of {name}")
