@@ -4,7 +4,7 @@
 ``M [..., d, d]`` and ``b [..., d, e]`` and the tokens along batch dim ``dim`` — the state recurrence of a
 linear-attention layer: the gated delta rule ``S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``
 (Qwen3-Next's gated DeltaNet, passes/delta_rule.py) is ``M_t = exp(g_t) (I - β_t k_t k_tᵀ)``, ``b_t = β_t k_t
-v_tᵀ``. The matrix counterpart of ``tree_linear_scan`` (backends/scan.py), where ``a`` is elementwise.
+v_tᵀ`` (Kimi-Linear's per-channel KDA: ``M_t = (I - β_t k_t k_tᵀ) diag(exp g_t)``). The matrix counterpart of ``tree_linear_scan`` (backends/scan.py), where ``a`` is elementwise.
 
 In the prefix tree (§4) a token's earlier positions in every row that holds it are its ancestors, so the dense
 recurrence ``h_t = M_t h_{t-1} + b_t`` along a row (``h_{-1} = 0``) is this one along the token's path.

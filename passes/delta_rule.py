@@ -1,33 +1,48 @@
 """The chunked gated delta rule as one ``matrix_scan``, before the analysis (docs/ARCHITECTURE.md §3.4).
 
-The gated delta rule (Qwen3-Next's gated DeltaNet) keeps a state ``S_t [dk, dv]`` per head:
+The gated delta rule keeps a state ``S_t [dk, dv]`` per head. With a scalar gate ``g [B, H, L]`` (Qwen3-Next's
+gated DeltaNet, Qwen3.5, OLMo-hybrid):
 
     S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,    o_t = S_tᵀ q_t     (S_{-1} = 0)
 
-a matrix-affine recurrence ``S_t = M_t S_{t-1} + b_t`` with ``M_t = exp(g_t) (I - β_t k_t k_tᵀ)``, ``b_t = β_t k_t
-v_tᵀ``. HF computes it chunked (``torch_chunk_gated_delta_rule``): the sequence padded to a multiple of the chunk,
-a unit-triangular solve per chunk (the UT transform of the delta updates), a loop over chunks carrying the state.
-No token-axis rule reads that: the chunk reshape mixes positions. This pass finds the region and, when it is
-proved to be the recurrence, replaces it by ``M``, ``b``, ``S = matrix_scan(M, b, pos)`` (backends/matrix_scan.py)
-and ``o = Σ_i S[..., i, :] q[..., i]``, in the analysis copy (the user's graph is untouched). The rule of
-``matrix_scan`` (passes/rules/matrix_scan.py) then makes it ``brcompile::tree_matrix_scan`` along the tree paths.
+with a per-channel gate ``g [B, H, L, dk]`` (Kimi-Linear's KDA: the decay first, then the delta update):
 
-**The region.** Anchored at a unit-triangular ``solve_triangular``. Its output ``o`` is the first 4-D descendant
-of the anchor (graph order) whose shapes fit the roles (below) and whose backward closure — stopped at right pads of one token dim (``F.pad(x, (0, 0,
-0, p))``, ``F.pad(x, (0, p))``: the chunk padding) — is *closed*: it reads nothing but those pads' inputs and
-constants (no placeholder, no parameter), and none of its nodes but ``o`` is read outside it by a live node (the
-chunked loop's unused final state is dead and goes with it). Its inputs are the pads' inputs: three
-``[B, H, L, d]`` values and two ``[B, H, L]`` values, the output ``[B, H, L, dv]``.
+    S_t = (I - β_t k_t k_tᵀ) diag(exp g_t) S_{t-1} + β_t k_t v_tᵀ,    o_t = S_tᵀ q_t
 
-**The proof obligation.** Roles are assigned by shape (q and k ``[B, H, L, dk]``, v ``[B, H, L, dv]``, β and g
-``[B, H, L]``); every assignment the shapes allow is tried. The region, copied with its floating dtypes made
-float64 and its devices the CPU, is evaluated on two random float64 probes at the graph's own shapes (the chunk
-padding is a constant of the captured graph: another length is another graph, proved anew) — k and q unit
-vectors as the layer's
-l2-normalisation makes them, β in (0, 1), g in (-1, 0) — and must equal the emitted replacement (the very nodes
-inserted, run on the same probes) within ``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`). An assignment that passes is the rewrite. A
-region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the region's
-output again), with a note naming why.
+a matrix-affine recurrence ``S_t = M_t S_{t-1} + b_t`` with ``M_t`` the factor of ``S_{t-1}`` and ``b_t = β_t k_t
+v_tᵀ``. HF computes it chunked (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``): the sequence
+padded to a multiple of the chunk, the UT transform of the delta updates inverted per chunk (a unit-triangular
+``solve_triangular``, or a forward-substitution loop of writes ``attn[..., i, :i] = row + (row[..., None] *
+sub).sum(-2)`` that Dynamo unrolls and passes/functionalize.py makes select/slice scatters), a loop over chunks
+carrying the state. No token-axis rule reads that: the chunk reshape mixes positions. This pass finds the region
+and, when it is proved to be the recurrence, replaces it by ``M``, ``b``, ``S = matrix_scan(M, b, pos)``
+(backends/matrix_scan.py) and ``o = Σ_i S[..., i, :] q[..., i]``, in the analysis copy (the user's graph is
+untouched). The rule of ``matrix_scan`` (passes/rules/matrix_scan.py) then makes it ``brcompile::tree_matrix_scan``
+along the tree paths.
+
+**The region.** Anchored on a group of right pads of one token dim (``F.pad(x, (0, 0, 0, p))``, ``F.pad(x, (0,
+p))``: the chunk padding): the nodes computed from sequence pads and constants only, one connected group of
+them, that splits the token dim into chunks (a reshape ``[B, H, L, d] -> [B, H, L / c, c, d]``); how the chunk
+system is inverted does not matter (the anchor only finds candidates, the proof decides). Its output ``o`` is
+the first live node of the group (graph order) of the shape of a 4-D pad input whose backward closure, stopped
+at the pads, is *closed*: none of its nodes but ``o`` is read outside it by a live node (the chunked loop's
+unused final state is dead and goes with it), whose inputs (the pads' inputs, in the order of their pads) some
+role assignment fits (below), and which is proved; the next such node is tried when one is not. Its inputs:
+three ``[B, H, L, d]`` values and two ``[B, H, L]`` values (scalar gate) or four and one (per-channel gate), the
+output ``[B, H, L, dv]``. A pad the region reads only through a multiplication by a number (KDA's ``F.pad(q, …)
+* scale``) is the input times that number (``pad(x) · s = pad(x · s)``).
+
+**The proof obligation.** Roles are assigned by shape (q and k ``[B, H, L, dk]``, v ``[B, H, L, dv]``, β ``[B,
+H, L]``, g ``[B, H, L]`` or ``[B, H, L, dk]``, the gate form following g's shape); every assignment the shapes
+allow is tried, the inputs' own order first. The region, copied with its floating dtypes made float64 and its
+devices the CPU, is evaluated on two random float64 probes at the graph's own shapes (the chunk padding is a
+constant of the captured graph: another length is another graph, proved anew) — k and q unit vectors as the
+layer's l2-normalisation makes them, β in (0, 1), g in (-1, 0) (every entry, per head or per channel) — and
+must equal the emitted replacement of that gate form (the very nodes inserted, run on the same probes) within
+``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`; casts to a floating dtype, ``.float()``
+included, are float64 in the copy). An assignment that passes is the
+rewrite. A region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the
+region's output again), with a note naming why.
 """
 from __future__ import annotations
 
@@ -42,7 +57,7 @@ import torch.fx as fx
 
 from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes.axes import example_value
-from brcompile.passes.masks import ancestors, descendants
+from brcompile.passes.masks import ancestors
 from brcompile.passes.linear_scans import LEFT, probes_agree
 from brcompile.passes.spellings import is_op
 
@@ -50,15 +65,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["canonicalize_delta_rules", "emit_delta_rule"]
 
-_SOLVE_TRIANGULAR = ("solve_triangular", "linalg_solve_triangular")
 _ROLES = ("q", "k", "v", "beta", "g")
-
-
-def _is_anchor(n: fx.Node) -> bool:
-    """A unit-triangular ``solve_triangular`` (any spelling): the UT transform of a chunked delta rule."""
-    name = getattr(n.target, "__name__", str(n.target))
-    return n.op in ("call_function", "call_method") and name in _SOLVE_TRIANGULAR \
-        and bool(n.kwargs.get("unitriangular", False))
+#: the two gate forms: ``g [B, H, L]`` (one decay per head) or ``g [B, H, L, dk]`` (one per key channel)
+GATES = ("scalar", "channel")
 
 
 def _sequence_pad(n: fx.Node) -> bool:
@@ -77,24 +86,73 @@ def _sequence_pad(n: fx.Node) -> bool:
     return want is not None and len(pad) == want and not any(pad[:-1])
 
 
+def _chunk_reshape(n: fx.Node) -> bool:
+    """A reshape of ``[B, H, L, d]`` into ``[B, H, L / c, c, d]`` or of ``[B, H, L]`` into ``[B, H, L / c, c]``:
+    the token dim split into chunks."""
+    if not is_op(n, "reshape") or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    x, y = example_value(n.args[0]), example_value(n)
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.dim() not in (3, 4) \
+            or y.dim() != x.dim() + 1:
+        return False
+    xs, ys = tuple(x.shape), tuple(y.shape)
+    return xs[:2] == ys[:2] and xs[3:] == ys[4:] and xs[2] == ys[2] * ys[3]
+
+
 # --------------------------------------------------------------------------------------------------
 # the region
 
 
 @dataclasses.dataclass
 class _Region:
-    """``nodes`` (graph order, output included), ``inputs`` (the pads' inputs, graph order), ``output``,
-    ``dead`` (nodes reading the region that nothing live reads: the loop's unused final state)."""
+    """``nodes`` (graph order, output included), ``inputs`` (the pads' inputs, in the order of their pads),
+    ``output``, ``dead`` (nodes reading the region that nothing live reads: the loop's unused final state),
+    ``scales`` (per input, the number its padded value is multiplied by before anything else reads it, or
+    None)."""
 
     nodes: list[fx.Node]
     inputs: list[fx.Node]
     output: fx.Node
     dead: set
+    scales: list
 
 
 def _live(graph: fx.Graph) -> set:
     """Nodes the graph's output depends on."""
     return set(ancestors(next(n for n in reversed(graph.nodes) if n.op == "output")))
+
+
+def _pad_groups(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The nodes computed from sequence pads and constants only (the pads included; a constant is a node
+    computed from no graph input: ``ones``, ``eye``, ``zeros``), split into connected groups, each in graph
+    order — one group per chunked computation of padded sequences."""
+    derived: set = set()
+    const: set = set()
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        ins = n.all_input_nodes
+        if _sequence_pad(n):
+            derived.add(n)
+        elif all(a in derived or a in const for a in ins):
+            (derived if any(a in derived for a in ins) else const).add(n)
+    root = {n: n for n in derived}
+
+    def find(n: fx.Node) -> fx.Node:
+        while root[n] is not n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+
+    for n in derived:
+        for a in n.all_input_nodes:
+            if a in derived:
+                root[find(a)] = find(n)
+    groups: dict = {}
+    for n in graph.nodes:
+        if n in derived:
+            groups.setdefault(find(n), []).append(n)
+    return list(groups.values())
 
 
 def _closure(x: fx.Node) -> Optional[tuple[set, list]]:
@@ -116,24 +174,49 @@ def _closure(x: fx.Node) -> Optional[tuple[set, list]]:
     return nodes, inputs
 
 
-def _region_at(anchor: fx.Node, order: dict, live: set) -> Optional[_Region]:
-    """The closed region around ``anchor`` (module docstring), or None."""
-    seen = descendants([anchor]) | {anchor}
-    for x in sorted(seen, key=order.__getitem__):
+def _candidates(group: list[fx.Node], order: dict, live: set) -> list[_Region]:
+    """The closed regions of a pad group (module docstring), by their output in graph order: outputs of the
+    shape of a 4-D pad input, live, whose closure no live node outside reads and whose inputs some role
+    assignment fits."""
+    shapes = {tuple(example_value(p.args[0]).shape) for p in group
+              if _sequence_pad(p) and example_value(p.args[0]).dim() == 4}
+    got = []
+    for x in group:
         v = example_value(x)
-        if not isinstance(v, torch.Tensor) or v.dim() != 4 or x not in live:
+        if _sequence_pad(x) or x not in live or not isinstance(v, torch.Tensor) or tuple(v.shape) not in shapes:
             continue
-        got = _closure(x)
-        if got is None:
+        closure = _closure(x)
+        if closure is None or not _closed(closure[0], x, live):
             continue
-        nodes, inputs = got
-        if not _closed(nodes, x, live):
-            continue
-        dead = {u for n in nodes for u in descendants([n]) if u not in live}
-        region = _Region(sorted(nodes, key=order.__getitem__), sorted(inputs, key=order.__getitem__), x, dead)
+        nodes, inputs = closure
+        first_pad = {}
+        for n in sorted(nodes, key=order.__getitem__):
+            if _sequence_pad(n):
+                first_pad.setdefault(n.args[0], order[n])
+        inputs = sorted(inputs, key=first_pad.__getitem__)
+        region = _Region(sorted(nodes, key=order.__getitem__), inputs, x, _dead(nodes, live),
+                         [_pad_scale(i, nodes) for i in inputs])
         if _assignments(region):
-            return region
-    return None
+            got.append(region)
+    return got
+
+
+def _pad_scale(x: fx.Node, nodes: set) -> Optional[float]:
+    """The number ``s`` when the region reads the padded ``x`` only as ``pad(x) * s`` (KDA's ``F.pad(q, …) *
+    scale``: ``pad(x) · s = pad(x · s)``, so the recurrence reads ``x · s``), else None."""
+    scales = set()
+    for p in x.users:
+        if p not in nodes or not _sequence_pad(p):
+            continue
+        for u in p.users:
+            if u not in nodes:
+                continue
+            other = [a for a in (*u.args, *u.kwargs.values()) if a is not p]
+            if not is_op(u, "mul") or len(other) != 1 or isinstance(other[0], bool) \
+                    or not isinstance(other[0], (int, float)):
+                return None
+            scales.add(other[0])
+    return scales.pop() if len(scales) == 1 else None
 
 
 def _closed(nodes: set, output: fx.Node, live: set) -> bool:
@@ -141,32 +224,56 @@ def _closed(nodes: set, output: fx.Node, live: set) -> bool:
     return all(u in nodes or u not in live for n in nodes if n is not output for u in n.users)
 
 
+def _dead(nodes: set, live: set) -> set:
+    """The nodes reading ``nodes`` that nothing live reads, and their readers (a reader of a dead node is dead)."""
+    dead: set = set()
+    todo = [u for n in nodes for u in n.users if u not in live and u not in nodes]
+    while todo:
+        u = todo.pop()
+        if u not in dead:
+            dead.add(u)
+            todo.extend(u.users)
+    return dead
+
+
 # --------------------------------------------------------------------------------------------------
 # the replacement
 
 
 def emit_delta_rule(graph: fx.Graph, q: Any, k: Any, v: Any, beta: Any, g: Any, dk: int, dtype: torch.dtype,
-                    device: Any) -> fx.Node:
+                    device: Any, gate: str = "scalar", scales: Optional[dict] = None) -> fx.Node:
     """Insert (at the graph's insertion point) ``o = Σ_i S[..., i, :] q[..., i]`` with ``S = matrix_scan(M, b,
-    2)``, ``M = exp(g)[..., None, None] (I - β k kᵀ)``, ``b = (β k) vᵀ`` for ``[B, H, L, ·]`` operands; returns o."""
+    2)``, ``b = (β k) vᵀ`` and ``M = exp(g)[..., None, None] (I - β k kᵀ)`` for a scalar gate ``g [B, H, L]``,
+    ``M = (I - β k kᵀ) diag(exp g)`` (column j scaled by ``exp(g_j)``) for a per-channel gate ``g [B, H, L, dk]``,
+    the other operands ``[B, H, L, ·]``, each first multiplied by its number in ``scales`` (role -> number) if
+    any; returns o."""
     def f(target, *args, **kwargs):
         return graph.call_function(target, args, kwargs)
+
+    ops = dict(q=q, k=k, v=v, beta=beta, g=g)
+    for r, s in (scales or {}).items():
+        ops[r] = f(torch.mul, ops[r], s)
+    q, k, v, beta, g = (ops[r] for r in _ROLES)
 
     kk = f(torch.mul, f(torch.unsqueeze, k, -1), f(torch.unsqueeze, k, -2))            # k kᵀ  [B, H, L, dk, dk]
     bet = f(torch.unsqueeze, beta, -1)                                                # [B, H, L, 1]
     eye = f(torch.eye, dk, dtype=dtype, device=device)
-    decay = f(torch.unsqueeze, f(torch.unsqueeze, f(torch.exp, g), -1), -1)           # exp(g) [B, H, L, 1, 1]
-    M = f(torch.mul, decay, f(torch.sub, eye, f(torch.mul, f(torch.unsqueeze, bet, -1), kk)))
+    delta = f(torch.sub, eye, f(torch.mul, f(torch.unsqueeze, bet, -1), kk))          # I - β k kᵀ
+    if gate == "scalar":
+        M = f(torch.mul, f(torch.unsqueeze, f(torch.unsqueeze, f(torch.exp, g), -1), -1), delta)
+    else:
+        M = f(torch.mul, delta, f(torch.unsqueeze, f(torch.exp, g), -2))              # (I - β k kᵀ) diag(exp g)
     b = f(torch.mul, f(torch.unsqueeze, f(torch.mul, bet, k), -1), f(torch.unsqueeze, v, -2))  # β k vᵀ
     S = f(matrix_scan, M, b, 2)
     return f(torch.sum, f(torch.mul, S, f(torch.unsqueeze, q, -1)), -2)              # Sᵀ q  [B, H, L, dv]
 
 
-def _replacement(shapes: dict, dtype: torch.dtype, device: Any) -> Callable:
+def _replacement(shapes: dict, dtype: torch.dtype, device: Any, gate: str, scales: dict) -> Callable:
     """The emitted replacement as a callable of (q, k, v, beta, g): the same nodes, in their own graph."""
     sub = fx.Graph()
     ph = [sub.placeholder(r) for r in _ROLES]
-    sub.output(emit_delta_rule(sub, *ph, dk=shapes["q"][-1], dtype=dtype, device=device))
+    sub.output(emit_delta_rule(sub, *ph, dk=shapes["q"][-1], dtype=dtype, device=device, gate=gate,
+                               scales=scales))
     return fx.GraphModule(torch.nn.Module(), sub)
 
 
@@ -180,6 +287,10 @@ def _f64(x: Any) -> Any:
     return x
 
 
+#: methods that cast to a floating dtype (KDA's ``decay_mask.exp().float()``): ``double`` in the probe's copy
+_FLOAT_CASTS = ("float", "half", "bfloat16", "double")
+
+
 def _region_callable(region: _Region) -> Callable:
     sub = fx.Graph()
     env: dict = {x: sub.placeholder(f"in{i}") for i, x in enumerate(region.inputs)}
@@ -187,31 +298,39 @@ def _region_callable(region: _Region) -> Callable:
         c = sub.node_copy(n, lambda a: env[a])
         c.args = fx.node.map_aggregate(c.args, _f64)
         c.kwargs = fx.node.map_aggregate(c.kwargs, _f64)
+        if c.op == "call_method" and c.target in _FLOAT_CASTS:  # ``.float()``: a cast to a floating dtype
+            c.target = "double"
         env[n] = c
     sub.output(env[region.output])
     return fx.GraphModule(torch.nn.Module(), sub)
 
 
-def _assignments(region: _Region) -> list[dict]:
-    """Every role assignment of the inputs the shapes allow (module docstring)."""
+def _assignments(region: _Region) -> list[tuple[str, dict]]:
+    """Every (gate form, role -> input index) the shapes allow (module docstring), the inputs' own order first."""
     shapes = [tuple(example_value(x).shape) for x in region.inputs]
     if not all(isinstance(s, int) for sh in shapes for s in sh):
         return []
     four = [i for i, s in enumerate(shapes) if len(s) == 4]
     three = [i for i, s in enumerate(shapes) if len(s) == 3]
     out_shape = tuple(example_value(region.output).shape)
-    if len(four) != 3 or len(three) != 2:
-        return []
     got = []
-    for (qi, ki, vi), (bi, gi) in itertools.product(itertools.permutations(four), itertools.permutations(three)):
-        s = {"q": shapes[qi], "k": shapes[ki], "v": shapes[vi], "beta": shapes[bi], "g": shapes[gi]}
-        if s["q"] == s["k"] and s["v"][:3] == s["q"][:3] == s["beta"] == s["g"] and out_shape == s["v"]:
-            got.append(dict(q=qi, k=ki, v=vi, beta=bi, g=gi))
+    for gate in GATES:
+        roles4, roles3 = (("q", "k", "v"), ("beta", "g")) if gate == "scalar" else (("q", "k", "v", "g"), ("beta",))
+        if len(four) != len(roles4) or len(three) != len(roles3):
+            continue
+        for p4, p3 in itertools.product(itertools.permutations(four), itertools.permutations(three)):
+            role = {**dict(zip(roles4, p4)), **dict(zip(roles3, p3))}
+            s = {r: shapes[i] for r, i in role.items()}
+            bhl = s["q"][:3]
+            if s["q"] == s["k"] and s["v"][:3] == bhl == s["beta"] and out_shape == s["v"] \
+                    and s["g"] == (bhl if gate == "scalar" else s["q"]):
+                got.append((gate, role))
     return got
 
 
 def _probe_inputs(shapes: dict, seed: int) -> dict:
-    """Random float64 probes: q, k unit vectors, β in (0, 1), g in (-1, 0), v normal."""
+    """Random float64 probes: q, k unit vectors, β in (0, 1), g in (-1, 0) (each entry, per head or per
+    channel), v normal."""
     gen = torch.Generator().manual_seed(seed)
     unit = [torch.nn.functional.normalize(torch.randn(shapes[r], generator=gen, dtype=torch.float64), dim=-1)
             for r in ("q", "k")]
@@ -220,41 +339,56 @@ def _probe_inputs(shapes: dict, seed: int) -> dict:
                 g=-torch.rand(shapes["g"], generator=gen, dtype=torch.float64))
 
 
-def _prove(region: _Region) -> tuple[Optional[dict], str]:
-    """(the role assignment, "") when the region equals the emitted recurrence on the probes; (None, why)."""
+def _prove(region: _Region) -> tuple[Optional[tuple[str, dict]], str]:
+    """((gate form, role assignment), "") when the region equals the emitted recurrence on the probes, the
+    assignments tried in turn; (None, why)."""
     roles = _assignments(region)
     if not roles:
         shapes = [list(example_value(x).shape) for x in region.inputs]
         return None, (f"inputs of shapes {shapes} and output {list(example_value(region.output).shape)} are not "
-                      f"q, k [B, H, L, dk], v [B, H, L, dv], beta, g [B, H, L] (static shapes)")
+                      f"q, k [B, H, L, dk], v [B, H, L, dv], beta [B, H, L], g [B, H, L] or [B, H, L, dk] "
+                      f"(static shapes)")
     fn = _region_callable(region)
-    first = roles[0]
-    shapes = {r: tuple(example_value(region.inputs[first[r]]).shape) for r in _ROLES}
-    replacement = _replacement(shapes, torch.float64, torch.device("cpu"))
-    probes = [_probe_inputs(shapes, seed) for seed in (0, 1)]
-    try:
-        with torch.no_grad():
-            want = [replacement(*(p[r] for r in _ROLES)) for p in probes]
-    except Exception as e:  # noqa: BLE001  (a replacement that cannot run at these shapes proves nothing)
-        return None, f"the recurrence does not run at the region's shapes ({type(e).__name__}: {e})"
-    for role in roles:
-        ok = True
-        for p, w in zip(probes, want):
-            args = [None] * len(region.inputs)
-            for r, i in role.items():
-                args[i] = p[r]
+    wanted: dict = {}  # (gate, shapes) -> (probes, the replacement's values on them)
+    for gate, role in roles:
+        shapes = {r: tuple(example_value(region.inputs[i]).shape) for r, i in role.items()}
+        scales = _role_scales(region, role)
+        key = (gate, tuple(shapes[r] for r in _ROLES), tuple(sorted(scales.items())))
+        if key not in wanted:
+            replacement = _replacement(shapes, torch.float64, torch.device("cpu"), gate, scales)
+            probes = [_probe_inputs(shapes, seed) for seed in (0, 1)]
             try:
                 with torch.no_grad():
-                    got = fn(*args)
-            except Exception:  # noqa: BLE001  (a region that does not run on the probe is not proved)
-                ok = False
-                break
-            if not probes_agree(got, w):
-                ok = False
-                break
-        if ok:
-            return role, ""
-    return None, "the region does not equal the gated delta rule recurrence on random probes"
+                    wanted[key] = (probes, [replacement(*(p[r] for r in _ROLES)) for p in probes])
+            except Exception as e:  # noqa: BLE001  (a replacement that cannot run at these shapes proves nothing)
+                wanted[key] = (probes, None)
+                log.debug("the %s-gate recurrence does not run at %s: %s: %s", gate, shapes, type(e).__name__, e)
+        probes, want = wanted[key]
+        if want is not None and _agrees(fn, region, role, probes, want):
+            return (gate, role), ""
+    return None, ("the region does not equal the gated delta rule recurrence (scalar or per-channel gate) on "
+                  "random probes")
+
+
+def _role_scales(region: _Region, role: dict) -> dict:
+    """role -> the number its input is scaled by in the region (:func:`_pad_scale`), for the scaled ones."""
+    return {r: region.scales[i] for r, i in role.items() if region.scales[i] is not None}
+
+
+def _agrees(fn: Callable, region: _Region, role: dict, probes: list, want: list) -> bool:
+    """Whether the region, its inputs given by ``role``, equals ``want`` on every probe."""
+    for p, w in zip(probes, want):
+        args = [None] * len(region.inputs)
+        for r, i in role.items():
+            args[i] = p[r]
+        try:
+            with torch.no_grad():
+                got = fn(*args)
+        except Exception:  # noqa: BLE001  (a region that does not run on the probe is not proved)
+            return False
+        if not probes_agree(got, w):
+            return False
+    return True
 
 
 def _fill_meta(nodes: list[fx.Node], like: Any) -> None:
@@ -268,13 +402,13 @@ def _fill_meta(nodes: list[fx.Node], like: Any) -> None:
             n.meta["example_value"] = n.target(*args, **kwargs)
 
 
-def _rewrite(graph: fx.Graph, region: _Region, role: dict) -> None:
+def _rewrite(graph: fx.Graph, region: _Region, gate: str, role: dict) -> None:
     q, k, v, beta, g = (region.inputs[role[r]] for r in _ROLES)
     kv = example_value(k)
     before = set(graph.nodes)
     with graph.inserting_before(region.output):
         o = emit_delta_rule(graph, q, k, v, beta, g, dk=kv.shape[-1], dtype=example_value(region.output).dtype,
-                            device=kv.device)
+                            device=kv.device, gate=gate, scales=_role_scales(region, role))
     _fill_meta([n for n in graph.nodes if n not in before], kv)
     region.output.replace_all_uses_with(o)
     doomed = set(region.nodes) | region.dead
@@ -289,31 +423,35 @@ def _rewrite(graph: fx.Graph, region: _Region, role: dict) -> None:
 
 def canonicalize_delta_rules(gm: fx.GraphModule) -> list[str]:
     """Rewrite every proved chunked gated delta rule of ``gm`` (modified in place: the analysis copy) as a
-    ``matrix_scan``; returns one note per region rewritten or left as it is."""
+    ``matrix_scan``; returns one note per chunked computation rewritten or left as it is."""
     graph = gm.graph
-    anchors = [n for n in graph.nodes if _is_anchor(n)]
-    if not anchors:
+    groups = [grp for grp in _pad_groups(graph) if any(_chunk_reshape(n) for n in grp)]
+    if not groups:
         return []
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    live = _live(graph)
     notes: list[str] = []
-    done: set = set()
-    for anchor in anchors:
-        if anchor in done or anchor.graph is not graph:
+    for group in groups:
+        name = next(n for n in group if _sequence_pad(n)).name
+        regions = _candidates(group, order, live)
+        if not regions:
+            notes.append(f"{name}: sequence pads split into chunks without a closed region from them (q, k, v "
+                         f"[B, H, L, d], beta [B, H, L], g [B, H, L] or [B, H, L, dk]) to one [B, H, L, dv] output "
+                         f"(static shapes) {LEFT}")
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        region = _region_at(anchor, order, _live(graph))
-        if region is None:
-            done.add(anchor)
-            notes.append(f"{anchor.name}: a triangular solve without a closed region from sequence pads of q, k, "
-                         f"v [B, H, L, d], beta, g [B, H, L] to one [B, H, L, dv] output (static shapes) {LEFT}")
+        why = ""
+        for region in regions:
+            proved, why_not = _prove(region)
+            if proved is not None:
+                break
+            why = why or f"{region.output.name}: {why_not}"
+        if proved is None:
+            notes.append(f"{name}: a chunked gated delta rule {LEFT}: {why}")
             continue
-        done.update(n for n in region.nodes if _is_anchor(n))
-        role, why = _prove(region)
-        if role is None:
-            notes.append(f"{anchor.name}: a chunked gated delta rule {LEFT}: {why}")
-            continue
+        gate, role = proved
         names = ", ".join(f"{r}={region.inputs[i].name}" for r, i in role.items())
-        _rewrite(graph, region, role)
-        notes.append(f"{anchor.name}: chunked gated delta rule ({names}) -> matrix_scan")
+        _rewrite(graph, region, gate, role)
+        notes.append(f"{name}: chunked gated delta rule, {gate} gate ({names}) -> matrix_scan")
     if any(n.endswith("-> matrix_scan") for n in notes):
         graph.lint()
         gm.recompile()

@@ -1,12 +1,13 @@
 """Hybrid models (attention + state-space / linear-attention / short-conv layers) replay: HF Bamba, Nemotron-H
-and Zamba2 (Mamba-2 mixers), Jamba (Mamba-1 selective scan), Qwen3-Next (gated DeltaNet, chunked delta rule)
-and LFM2 (gated short convolution), tiny, float64, one attention layer and one other layer each.
+and Zamba2 (Mamba-2 mixers), Jamba (Mamba-1 selective scan), Qwen3-Next (gated DeltaNet, chunked delta rule),
+Kimi-Linear (KDA: the chunked delta rule with a per-channel gate) and LFM2 (gated short convolution), tiny,
+float64, one attention layer and one other layer each.
 
 The Mamba-2 mixers' chunked SSD (Bamba, Nemotron-H, Zamba2) is proved on probes to be the per-head recurrence
 and rewritten as a ``linear_scan`` (passes/ssd_scans.py): a tree scan, like Jamba's selective scan (an
 associative scan of affine maps, passes/linear_scans.py) and the causal convs (LFM2's short conv, the mixers').
-Qwen3-Next's chunked gated delta rule is proved to be its matrix recurrence (passes/delta_rule.py) and runs on
-the tree as ``brcompile::tree_matrix_scan``. Nothing is left as a dense region packed again (passes/repack.py
+Qwen3-Next's and Kimi-Linear's chunked gated delta rules are proved to be their matrix recurrences
+(passes/delta_rule.py) and run on the tree as ``brcompile::tree_matrix_scan``. Nothing is left as a dense region packed again (passes/repack.py
 is tested on its own); the attentions, projections and MLPs run on the tree. The batch is a three-level tree with padding on both sides: two
 prompts (left-padded) × three responses (right-padded), two responses of the first prompt sharing their
 first tokens. Loss and every parameter gradient are compared with the eager model in float64 (1e-10)
@@ -26,7 +27,7 @@ from tests.helpers import KeepFloat64, assert_grads_exact, assert_replayed, tran
 VOCAB = 64
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
-#: family -> config overrides: layer 0 the mixer, layer 1 attention
+#: family -> config overrides of TINY: layer 0 the mixer, layer 1 attention
 HYBRIDS = {
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
                   mamba_chunk_size=8),
@@ -40,6 +41,10 @@ HYBRIDS = {
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_value_heads=4,
                        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=0,
                        mlp_only_layers=[0, 1]),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+                        linear_num_heads=2, linear_head_dim=8, num_key_value_heads=4, kv_lora_rank=16,
+                        q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, bos_token_id=1,
+                        eos_token_id=2),
 }
 
 
@@ -84,7 +89,7 @@ def replay_float64(model):
 @pytest.mark.parametrize("family", sorted(HYBRIDS))
 def test_hybrid_replays_exactly(family):
     transformers = transformers_or_skip()
-    cfg = transformers.AutoConfig.for_model(family, **TINY, **HYBRIDS[family])
+    cfg = transformers.AutoConfig.for_model(family, **{**TINY, **HYBRIDS[family]})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
     backend = replay_float64(model)
@@ -92,7 +97,8 @@ def test_hybrid_replays_exactly(family):
     if family in ("jamba", "bamba", "nemotron_h", "zamba2"):  # Mamba-1's selective scan, Mamba-2's chunked SSD
         assert "brcompile.tree_linear_scan" in code and "brcompile.tree_causal_conv1d" in code, code
         assert not any(r.repacked for r in backend.records), backend.records  # nothing left dense to pack again
-    elif family == "qwen3_next":  # the gated delta rule is a matrix recurrence along the tree paths, not repacked
+    elif family in ("qwen3_next", "kimi_linear"):  # the (per-channel) gated delta rule: a matrix recurrence along
+        # the tree paths, not repacked
         assert "brcompile.tree_matrix_scan" in code and not any(r.repacked for r in backend.records), code
     else:  # LFM2's short conv: a tree scan
         assert "brcompile.tree_causal_conv1d" in code and not any(r.repacked for r in backend.records), code

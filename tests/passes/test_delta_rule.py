@@ -1,12 +1,16 @@
-"""passes/delta_rule.py on the real HF Qwen3-Next gated DeltaNet layer graph (``torch_chunk_gated_delta_rule``).
+"""passes/delta_rule.py on the real HF Qwen3-Next gated DeltaNet layer graph (``torch_chunk_gated_delta_rule``)
+and on HF Kimi-Linear's chunked delta attention (``chunk_kimi_delta_attention``: a per-channel gate, the UT
+inverse as a forward-substitution loop of writes, the query scaled after its pad).
 
 The Dynamo graph of the layer, float64 throughout (``KeepFloat64``), at lengths that pad the last chunk (12, 70:
 two chunks) and that fill it exactly (64): the region is found, proved and rewritten as one ``matrix_scan``, and
-the rewritten graph computes the layer's output and its gradient as the original (1e-10). A region perturbed so
-that it is no longer the recurrence fails the proof and stays as it was, named.
+the rewritten graph computes the layer's output and its gradient as the original (1e-10). The same for KDA at
+chunk size 4 (lengths 10 and 8; float64, and float32 at 1e-5), with the gradients of all its inputs. A region
+perturbed so that it is no longer the recurrence fails the proof and stays as it was, named.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 
@@ -78,7 +82,7 @@ def test_chunked_delta_rule_becomes_one_matrix_scan(length):
     work = functionalize(_analysis_copy(gm))
     assert calls(work, "linalg_solve_triangular")
     notes = delta_rule.canonicalize_delta_rules(work)
-    assert len(notes) == 1 and notes[0].endswith("-> matrix_scan"), notes
+    assert len(notes) == 1 and notes[0].endswith("-> matrix_scan") and "scalar gate" in notes[0], notes
     assert not calls(work, "linalg_solve_triangular")
     scan = [n for n in work.graph.nodes if n.target is matrix_scan]
     assert scan and scan[0] in scan_candidates(work)  # a graph without attention shares through it (passes/pack.py)
@@ -118,3 +122,57 @@ def test_a_region_read_outside_is_not_closed():
     notes = delta_rule.canonicalize_delta_rules(work)
     assert notes and all(delta_rule.LEFT in n and "closed region" in n for n in notes), notes
     assert not [n for n in work.graph.nodes if n.target is matrix_scan]
+
+
+def kda(q, k, v, g, beta):
+    """HF Kimi-Linear's chunked KDA at chunk size 4, q and k l2-normalised inside: the per-channel gated delta
+    rule ``S_t = (I - β_t k_t k_tᵀ) diag(exp g_t) S_{t-1} + β_t k_t v_tᵀ``, ``o_t = S_tᵀ q_t / sqrt(dk)``."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    return chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, chunk_size=4, use_qk_l2norm_in_kernel=True)[0]
+
+
+def kda_inputs(length: int) -> dict:
+    """q, k, v ``[2, length, 2, 4]`` (HF's ``[B, L, H, d]``), a per-channel g in (-1, 0), β in (0, 1)."""
+    gen = torch.Generator().manual_seed(length)
+    shape = (2, length, 2, 4)
+    q, k, v = (torch.randn(shape, dtype=torch.float64, generator=gen) for _ in range(3))
+    return dict(q=q, k=k, v=v, g=-torch.rand(shape, dtype=torch.float64, generator=gen),
+                beta=torch.rand(shape[:3], dtype=torch.float64, generator=gen))
+
+
+@pytest.mark.parametrize("length,dtype", [(8, torch.float64), (10, torch.float64), (10, torch.float32)])
+def test_kimi_delta_attention_becomes_one_matrix_scan(length, dtype):
+    """No triangular solve: the UT inverse is the forward substitution ``attn[..., i, :i] = row + (row[:, None]
+    * sub).sum(-2)`` (select/slice scatters after passes/functionalize.py); the gate is per key channel. A
+    float32 graph (its ``decay_mask.exp().float()`` a float32 cast) is proved in float64 all the same."""
+    transformers_or_skip()
+    x = {name: t.to(dtype) for name, t in kda_inputs(length).items()}
+    got = []
+
+    def backend(gm, example_inputs):
+        got.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with KeepFloat64() if dtype == torch.float64 else contextlib.nullcontext():
+        torch.compile(kda, backend=backend, dynamic=False)(**x)
+    gm, = got
+    names = [n.target[2:-1] for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo's L_q_, ...
+    work = functionalize(_analysis_copy(gm))
+    assert calls(work, "select_scatter")
+    notes = delta_rule.canonicalize_delta_rules(work)
+    assert len(notes) == 1 and notes[0].endswith("-> matrix_scan") and "channel gate" in notes[0], notes
+    assert [n for n in work.graph.nodes if n.target is matrix_scan] and not calls(work, "select_scatter")
+    w = torch.randn(2, length, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    results = []
+    for module in (gm, work):
+        args = [x[name].detach().clone().requires_grad_() for name in names]
+        with KeepFloat64() if dtype == torch.float64 else contextlib.nullcontext():
+            out = module(*args)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        results.append((out.detach(), torch.autograd.grad((out * w).sum(), args)))
+    (want, gwant), (out, ggot) = results
+    assert_exact(out, want, dtype, "KDA output")
+    for name, a, b in zip(names, ggot, gwant):
+        assert_exact(a, b, dtype, f"grad of {name}")
