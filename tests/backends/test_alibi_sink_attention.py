@@ -147,15 +147,13 @@ def test_errors_are_typed():
         op(q, k, v, tree.end, tree.valid, tree.segments, 0.4, "cpu", 0, None, 0.0, None, torch.zeros(3))
 
 
-def test_cached_with_sinks_matches_uncached():
-    """A chunk against a cached prefix, sinks merged once after both parts: equals the whole tree's rows."""
+def assert_cached_matches_uncached(tree, q, k, v, sinks, sinks_of):
+    """The prefix and each chunk of a streaming plan (``chunk_tokens=4``) through ``tree_attention_cached``, the
+    chunk's sinks ``sinks_of(token ids)``, merged once after both parts: values and the q, k, v and sinks
+    gradients equal the whole tree's (reference impl)."""
     from brcompile.backends.cached import tree_attention_cached
     from brcompile.runtime.streaming import plan_replay
 
-    ids, am = batch(8, False)
-    tree = build_tree(ids, attention_mask=am)
-    q, k, v = qkv(tree.stats.executed_tokens)
-    sinks = sinks_param()
     want = tree_attention(q, k, v, tree, scale=0.4, impl="reference", sinks=sinks)
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
     gwant = torch.autograd.grad((want * w).sum(), (q, k, v, sinks))
@@ -168,17 +166,26 @@ def test_cached_with_sinks_matches_uncached():
     for ch in plan.chunks:
         t = ch.ids
         o = tree_attention_cached(q[:, t], k[:, t], v[:, t], (ch.end, tree.valid[t], ch.segments), kc, vc,
-                                  tree.valid[pre], ch.cross, 0.4, impl="cpu", sinks=sinks)
+                                  tree.valid[pre], ch.cross, 0.4, impl="cpu", sinks=sinks_of(t))
         got[:, t] = o.detach()
         loss = loss + (o * w[:, t]).sum()
     po = tree_attention(q[:, pre], kc, vc, (plan.prefix_end, tree.valid[pre], plan.prefix_segments), scale=0.4,
-                        impl="cpu", sinks=sinks)
+                        impl="cpu", sinks=sinks_of(pre))
     got[:, pre] = po.detach()
     loss = loss + (po * w[:, pre]).sum()
     ggot = torch.autograd.grad(loss, (q, k, v, sinks))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     for name, a, b in zip(["q", "k", "v", "sinks"], ggot, gwant):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_cached_with_sinks_matches_uncached():
+    """A chunk against a cached prefix, sinks merged once after both parts: equals the whole tree's rows."""
+    ids, am = batch(8, False)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    sinks = sinks_param()
+    assert_cached_matches_uncached(tree, q, k, v, sinks, lambda t: sinks)
 
 
 def test_cached_refuses_alibi():

@@ -155,37 +155,14 @@ def test_sinks_of_another_length_are_typed_errors():
 def test_cached_with_query_sinks_matches_uncached():
     """Chunks against a cached prefix, each with its own queries' sinks (``sinks[:, chunk]``), merged once after
     both parts: values and gradients (the sinks' included) equal the whole tree's."""
-    from brcompile.backends.cached import tree_attention_cached
-    from brcompile.runtime.streaming import plan_replay
+    from tests.backends.test_alibi_sink_attention import assert_cached_matches_uncached
 
     ids, am = batch(8, False)
     tree = build_tree(ids, attention_mask=am)
     n = tree.stats.executed_tokens
     q, k, v = tree_qkv(n)
     sinks = query_sinks(n)
-    want = tree_attention(q, k, v, tree, scale=0.4, impl="reference", sinks=sinks)
-    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
-    gwant = torch.autograd.grad((want * w).sum(), (q, k, v, sinks))
-    plan = plan_replay(tree.end, tree.segments, chunk_tokens=4)
-    pre = plan.prefix_ids
-    kc, vc = k[:, pre], v[:, pre]
-    got = torch.zeros_like(want)
-    loss = 0
-    assert plan.chunks and plan.prefix_tokens
-    for ch in plan.chunks:
-        t = ch.ids
-        o = tree_attention_cached(q[:, t], k[:, t], v[:, t], (ch.end, tree.valid[t], ch.segments), kc, vc,
-                                  tree.valid[pre], ch.cross, 0.4, impl="cpu", sinks=sinks[:, t])
-        got[:, t] = o.detach()
-        loss = loss + (o * w[:, t]).sum()
-    po = tree_attention(q[:, pre], kc, vc, (plan.prefix_end, tree.valid[pre], plan.prefix_segments), scale=0.4,
-                        impl="cpu", sinks=sinks[:, pre])
-    got[:, pre] = po.detach()
-    loss = loss + (po * w[:, pre]).sum()
-    ggot = torch.autograd.grad(loss, (q, k, v, sinks))
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
-    for name, a, b in zip(["q", "k", "v", "sinks"], ggot, gwant):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+    assert_cached_matches_uncached(tree, q, k, v, sinks, lambda t: sinks[:, t])
 
 
 @pytest.mark.triton
