@@ -35,7 +35,7 @@ from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import SDPA
-from brcompile.runtime.tree import GRAPH_ARGS
+from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Analysis:
         return [self.placeholders.index(p) for p in self.tree_inputs]
 
     def tree_keys(self, args: Sequence[Any]) -> list:
-        """The call's tree keys: the tree inputs, ``[T, ...]`` rows as ``[T, 1, ...]`` (:func:`row_keys`)."""
+        """The call's tree keys: the tree inputs, ``[T, ...]`` rows as ``[T, 1, ...]`` (``tree.row_keys``)."""
         keys = [args[i] for i in self.tree_input_positions]
         return row_keys(keys) if self.ctx.rows else keys
 
@@ -113,12 +113,6 @@ class Analysis:
     @property
     def lazy_gathers(self) -> list[fx.Node]:
         return [n for n, v in self.ctx.notes.items() if v == "lazy_gather"]
-
-
-def row_keys(per_token: Sequence[Any]) -> list:
-    """``[T, ...]`` tree inputs of a graph over flattened tokens as ``[B, L, ...] = [T, 1, ...]`` tree keys: each
-    row a sequence of one token (``AxesContext.rows``)."""
-    return [x.unsqueeze(1) for x in per_token]
 
 
 def _strip_views(n: fx.Node) -> fx.Node:
@@ -742,7 +736,7 @@ class Packer:
         new_gm.recompile()
         new_gm.br_token_outputs = self._token_outputs(out)
         new_gm.br_sequences = self.an.sequences_position  # padding-free: the tree is over sequences (runtime)
-        new_gm.br_rows = self.an.ctx.rows  # [T, ...] tree inputs: the runtime's keys are [T, 1, ...] (row_keys)
+        new_gm.br_rows = self.an.ctx.rows  # [T, ...] tree inputs: the runtime's keys are row_keys, [T, 1, ...]
         return new_gm
 
     def _token_outputs(self, out: fx.Node) -> tuple[int, ...]:
@@ -788,4 +782,4 @@ def build_packed_graph(an: Analysis, options: Optional[PackOptions] = None) -> f
     return Packer(an, options or PackOptions()).build()
 
 
-__all__ = ["Analysis", "PackOptions", "analyse", "build_packed_graph", "materialize", "find_token_ids", "row_keys"]
+__all__ = ["Analysis", "PackOptions", "analyse", "build_packed_graph", "materialize", "find_token_ids"]

@@ -15,7 +15,7 @@ from brcompile.runtime import tree as tree_mod
 from brcompile.testing import TOLERANCE, rel_err
 from brcompile.runtime.stats import _record
 from brcompile.runtime.streaming import StreamingRuntime
-from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, rows_agree
+from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, row_keys, rows_agree
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class PackedRuntime:
                 return self._original(args, reason)
         per_token = [args[i] for i in self.tree_positions]
         if self.rows:
-            per_token = [x.unsqueeze(1) for x in per_token]
+            per_token = row_keys(per_token)
         mask = None if self.key_padding is None else self.key_padding(args)
         tree, source = self._tree(args, per_token, mask)
         st = tree.stats

@@ -71,6 +71,7 @@ __all__ = [
     "build_sequence_tree",
     "build_tree",
     "counters",
+    "row_keys",
     "default_token_hash",
     "drop_padding",
     "rows_agree",
@@ -264,6 +265,12 @@ def _tree_of_codes(codes: tuple, mask: Optional[Tensor], hash_fn: Optional[HashF
     codes = _packed_codes(codes)
     perm, lcp = _lexicographic_row_order(codes, hash_fn)
     return _assemble(perm, lcp, mask, codes[0].shape[1])
+
+
+def row_keys(per_token: Sequence[Tensor]) -> list[Tensor]:
+    """``[T, ...]`` tree inputs of a graph over flattened tokens as ``[B, L, ...] = [T, 1, ...]`` tree keys: each
+    row a sequence of one token."""
+    return [x.unsqueeze(1) for x in per_token]
 
 
 def rows_agree(tree: PackedTree, per_token: PerToken) -> bool:

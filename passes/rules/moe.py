@@ -263,8 +263,8 @@ def _key_range(node: fx.Node, depth: int = 0, tables: Optional[list] = None):
         seen += 1
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             src = node.args[0]
-            if tables is not None and _lookup_table(node) is not None:
-                tables.append(_lookup_table(node))
+            if tables is not None and (table := _lookup_table(node)) is not None:
+                tables.append(table)
                 return 0
             tname = src.target if isinstance(src.target, str) else getattr(src.target, "__name__", "")
             if tname in ("topk", "sort", "max", "min") and node.args[1] == 1:
