@@ -29,7 +29,8 @@ def sinks_param(dtype=torch.float64):
 
 
 def dense_rows(q, k, v, tree, ids, am, scale, alibi=None, sinks=None, softcap=0.0):
-    """Per row b: softmax over the visible keys (and the sink) of ``scale q.k [capped] + m (j - i)``."""
+    """Per row b: softmax over the visible keys (and the sink column, joined on the key dim and dropped after)
+    of ``scale q.k [capped] + m (j - i)``."""
     L = ids.shape[1]
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     outs = []
@@ -42,8 +43,9 @@ def dense_rows(q, k, v, tree, ids, am, scale, alibi=None, sinks=None, softcap=0.
         if alibi is not None:
             s = s + torch.tensor(alibi, dtype=s.dtype)[:, None, None] * (j - i).to(s.dtype)
         s = s.masked_fill(~((j <= i) & am[b].bool()[None, :]), float("-inf"))
-        if sinks is not None:
-            s = torch.cat([s, sinks[:, None, None].expand(-1, L, 1)], -1)
+        if sinks is not None:  # one logit per head [H], or per head and query token [H, N]
+            col = sinks[:, idx, None] if sinks.dim() == 2 else sinks[:, None, None].expand(-1, L, 1)
+            s = torch.cat([s, col], -1)
         p = torch.softmax(s, -1).nan_to_num(0.0)
         if sinks is not None:
             p = p[..., :-1]

@@ -1,10 +1,11 @@
 """Attention sinks computed per query token (Inkling2): tree attention's ``sinks`` as a [Hq, N] tensor.
 
 Row (h, q) joins the value-less logit ``sinks[h, q]`` to its softmax; the dense oracle is HF's spelling per
-batch row (``cat([scores, sink column], -1) -> softmax -> drop the sink column``) with the column read from the
-packed tokens (``sinks[:, index[b]]``), values and gradients in float64 — the sinks' own gradient
-``d s[h, q] = -exp(s[h, q] - lse'[h, q]) * rowsum(dO * O)[h, q]`` included. The op merges the sinks around every
-impl (reference, cpu, triton: through the Triton interpreter on CPU), so each impl is checked through the op.
+batch row (``cat([scores, sink column], -1) -> softmax -> drop the sink column``, test_alibi_sink_attention's
+``dense_rows``) with the column read from the packed tokens (``sinks[:, index[b]]``), values and gradients in
+float64 — the sinks' own gradient ``d s[h, q] = -exp(s[h, q] - lse'[h, q]) * rowsum(dO * O)[h, q]`` included.
+The op merges the sinks around every impl (reference, cpu, triton: through the Triton interpreter on CPU), so
+each impl is checked through the op.
 """
 import os
 
@@ -17,6 +18,7 @@ import pytest
 
 from brcompile.backends.ops import TreeAttentionError, tree_attention
 from brcompile.runtime.tree import build_tree
+from tests.backends.test_alibi_sink_attention import assert_cached_matches_uncached, dense_rows
 from tests.helpers import grouped_rows, tree_qkv
 
 SLOPES = [0.5, 0.25, 0.125, 0.0625]
@@ -32,24 +34,6 @@ def query_sinks(n: int, dtype=torch.float64, seed: int = 5) -> torch.Tensor:
     """[4, n] per-query sink logits that require grad."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(4, n, generator=g, dtype=dtype) * 1.5).requires_grad_()
-
-
-def dense_rows(q, k, v, tree, ids, am, scale, sinks, alibi=None):
-    """Per row b, HF's spelling: the scores (ALiBi over the columns), masked, the row's sink column joined on
-    the key dim, softmax, the column dropped, times the values."""
-    L = ids.shape[1]
-    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
-    outs = []
-    for b in range(ids.shape[0]):
-        idx = tree.index[b]
-        kb, vb = k[:, idx].repeat_interleave(2, 0), v[:, idx].repeat_interleave(2, 0)
-        s = q[:, idx] @ kb.transpose(-1, -2) * scale
-        if alibi is not None:
-            s = s + torch.tensor(alibi, dtype=s.dtype)[:, None, None] * (j - i).to(s.dtype)
-        s = s.masked_fill(~((j <= i) & am[b].bool()[None, :]), float("-inf"))
-        s = torch.cat([s, sinks[:, idx, None]], -1)
-        outs.append(torch.softmax(s, -1)[..., :-1] @ vb)
-    return outs
 
 
 def dense_loss(dense, w, tree):
@@ -69,7 +53,7 @@ def test_equals_dense_rows(impl, pad, alibi):
     q, k, v = tree_qkv(n)
     sinks = query_sinks(n)
     out = tree_attention(q, k, v, tree, scale=0.4, impl=impl, alibi=alibi, sinks=sinks)
-    dense = dense_rows(q, k, v, tree, ids, am, 0.4, sinks, alibi)
+    dense = dense_rows(q, k, v, tree, ids, am, 0.4, alibi=alibi, sinks=sinks)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
     g_tree = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
     g_dense = torch.autograd.grad(dense_loss(dense, w, tree), (q, k, v, sinks))
@@ -155,8 +139,6 @@ def test_sinks_of_another_length_are_typed_errors():
 def test_cached_with_query_sinks_matches_uncached():
     """Chunks against a cached prefix, each with its own queries' sinks (``sinks[:, chunk]``), merged once after
     both parts: values and gradients (the sinks' included) equal the whole tree's."""
-    from tests.backends.test_alibi_sink_attention import assert_cached_matches_uncached
-
     ids, am = batch(8, False)
     tree = build_tree(ids, attention_mask=am)
     n = tree.stats.executed_tokens
