@@ -520,7 +520,7 @@ def _run_arch(model_type: str, class_name: str | None, dtypes: tuple, float64_th
     # compiled
     torch._dynamo.reset()
     brcompile.reset_stats()
-    backend = brcompile.backend(compiler="eager", strict=False)
+    backend = brcompile.backend(compiler="eager", strict=False, level=LEVEL)
     compiled = torch.compile(fn, backend=backend)
     try:
         torch.manual_seed(0)
@@ -579,8 +579,10 @@ def _run_arch(model_type: str, class_name: str | None, dtypes: tuple, float64_th
 def _add_stats(row: dict, s, backend) -> None:
     row.update(replayed_calls=s.replayed_calls, fallback_calls=s.fallback_calls, logical_tokens=s.logical_tokens,
                executed_tokens=s.executed_tokens, fallback_reasons=dict(s.fallback_reasons))
-    row["graphs"] = [dict(id=r.graph_id, rewritten=r.rewritten, reason=r.reason, node=r.failed_node)
+    row["graphs"] = [dict(id=r.graph_id, rewritten=r.rewritten, reason=r.reason, node=r.failed_node, level=r.level)
                      for r in backend.records]
+    row["level"] = LEVEL
+    row["aten_graphs"] = sum(r.level == "aten" for r in backend.records)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -750,6 +752,10 @@ def _git_state() -> str:
         return "unknown"
 
 
+#: Options.level of the backend under test (``--level``; set before the workers fork)
+LEVEL = "auto"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", help="comma-separated model types")
@@ -760,9 +766,13 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --out, run the rest")
     ap.add_argument("--redo", default="", help="with --resume: statuses to run again (e.g. wrong,timeout)")
     ap.add_argument("--from-json", help="no run: summarise an earlier --out file")
+    ap.add_argument("--level", default="auto", choices=("auto", "dynamo", "aten"),
+                    help="the backend's level option: which form of each graph is analysed")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    global LEVEL
+    LEVEL = args.level
 
     if args.worker:  # one architecture in this process (debugging: a traceback is not swallowed)
         row = run_arch(args.worker)

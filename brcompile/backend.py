@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "aot_eager", "eager")
 MODES = ("packed", "replay", "auto")
+LEVELS = ("auto", "dynamo", "aten")
 STRICT_ENV = "BRCOMPILE_STRICT"
 
 
@@ -68,6 +69,10 @@ class Options:
         1e-10, float32 1e-5, bfloat16 2e-2, float16 2e-3 relative); if they differ, that call and every
         later call of the graph run the original, with both values in the reason. Costs one extra
         forward of each graph, once. Forward values only: gradients are not compared.
+    level: which form of the captured graph the analysis reads (docs/ARCHITECTURE.md §3.0): "dynamo" (the
+        graph as Dynamo recorded it, the ops the model wrote), "aten" (its functional pre-dispatch ATen graph:
+        every in-place op and write into a view made out of place, every spelling one ATen op family;
+        passes/aten.py), or "auto" (the Dynamo graph, and its ATen graph when the Dynamo graph is refused).
     """
 
     min_dedup: float = 1.05
@@ -82,6 +87,7 @@ class Options:
     chunk_tokens: int = 2048
     strict: bool = dataclasses.field(default_factory=strict_default)
     verify: bool = False
+    level: str = "auto"
 
     def __post_init__(self):
         if self.compiler not in COMPILERS:
@@ -90,6 +96,8 @@ class Options:
             raise ValueError(f"attention={self.attention!r}; choose auto, cpu, reference or triton")
         if self.scan not in ("auto", "torch", "triton"):
             raise ValueError(f"scan={self.scan!r}; choose auto, torch or triton")
+        if self.level not in LEVELS:
+            raise ValueError(f"level={self.level!r}; choose one of {LEVELS}")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}; choose one of {MODES}")
         if self.mode == "auto" and (self.memory_budget is None or self.memory_budget <= 0):
@@ -128,6 +136,8 @@ class GraphRecord:
     not_repacked: tuple[tuple[str, str], ...] = ()  # (dense value, why it stays dense)
     replay: Optional[dict] = None  # streaming split (mode replay/auto): trunk, frontier, cached K/V
     replay_reason: Optional[str] = None  # why the streaming split was refused (packed mode is used)
+    level: Optional[str] = None  # the level whose graph was rewritten ("dynamo" or "aten"; Options.level)
+    refusals: tuple[tuple[str, str], ...] = ()  # (level, reason) of each level tried and refused
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -146,22 +156,25 @@ class BranchReplayBackend:
 
         gid = len(self.records)
         original = gm.forward
-        try:
-            an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
-            packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
-                                                        drop_padding=opts.drop_padding, scan=opts.scan))
-            _check_attention_support(packed, example_inputs, opts.attention)
-            _check_scan_support(packed, example_inputs, opts.scan)
-            example_args = _packed_example_args(an, example_inputs)
-            check_packed_graph(packed, example_args)
-        except CannotReplay as e:
-            return self._fallback(gid, gm, str(e), e.node_name, opts)
-        except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
-            if opts.strict:
-                raise
-            log.warning("branch_replay: internal error while rewriting graph %d; running it unchanged",
-                        gid, exc_info=True)
-            return self._fallback(gid, gm, f"internal error: {type(e).__name__}: {e}", None, opts)
+        refusals: list[tuple[str, str, Optional[str]]] = []  # (level, reason, node)
+        for level in _LEVEL_ORDER[opts.level]:
+            try:
+                an, packed, example_args = self._rewrite(gm, example_inputs, opts, level)
+                break
+            except CannotReplay as e:
+                refusals.append((level, str(e), e.node_name))
+            except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
+                if opts.strict:
+                    raise
+                log.warning("branch_replay: internal error while rewriting graph %d (%s level); running it "
+                            "unchanged", gid, level, exc_info=True)
+                refusals.append((level, f"internal error: {type(e).__name__}: {e}", None))
+            if level == "dynamo" and len(_LEVEL_ORDER[opts.level]) > 1:
+                log.info("branch_replay: graph %d refused at the Dynamo level (%s); trying its ATen graph",
+                         gid, refusals[-1][1])
+        else:
+            _, reason, node = refusals[0]
+            return self._fallback(gid, gm, reason, node, opts, tuple((lv, r) for lv, r, _ in refusals))
         run_packed = self._compile(packed, opts)
         streaming, replay_info, replay_reason = None, None, None
         if opts.mode != "packed":
@@ -196,6 +209,8 @@ class BranchReplayBackend:
             not_repacked=tuple((n.name, why) for n, why in an.ctx.repack_refused.items()),
             replay=replay_info,
             replay_reason=replay_reason,
+            level=level,
+            refusals=tuple((lv, r) for lv, r, _ in refusals),
             runtime=rt,
         )
         self.records.append(rec)
@@ -205,6 +220,24 @@ class BranchReplayBackend:
             log.debug("branch_replay graph %d after:\n%s", gid, packed.code)
         self._dump(opts, an.gm, packed)  # an.gm: the analysed (canonical) copy, with the token facts
         return rt
+
+    @staticmethod
+    def _rewrite(gm: fx.GraphModule, example_inputs, opts: Options, level: str):
+        """(analysis, packed graph, its example inputs) of ``gm`` read at ``level`` ("dynamo": gm itself;
+        "aten": its functional ATen graph, passes/aten.py, which takes the same inputs); CannotReplay when the
+        analysis, the rewrite or the checks after it refuse."""
+        if level == "aten":
+            from brcompile.passes.aten import lower_and_respell
+
+            gm = lower_and_respell(gm)
+        an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
+        packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
+                                                    drop_padding=opts.drop_padding, scan=opts.scan))
+        _check_attention_support(packed, example_inputs, opts.attention)
+        _check_scan_support(packed, example_inputs, opts.scan)
+        example_args = _packed_example_args(an, example_inputs)
+        check_packed_graph(packed, example_args)
+        return an, packed, example_args
 
     @staticmethod
     def _compile(gm: fx.GraphModule, opts: Options):
@@ -234,9 +267,9 @@ class BranchReplayBackend:
         return streaming, info
 
     def _fallback(self, gid: int, gm: fx.GraphModule, reason: str, node: Optional[str],
-                  opts: Optional[Options] = None):
+                  opts: Optional[Options] = None, refusals: tuple = ()):
         rt = runtime.FallbackRuntime(gm.forward, reason)
-        self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, runtime=rt))
+        self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, refusals=refusals, runtime=rt))
         runtime.record_graph(False, reason)
         self._dump(opts or self.options, gm, None, reason, node)
         return rt
@@ -305,6 +338,9 @@ def _check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> No
     except ScanError as e:
         raise CannotReplay(f"{e} (scan={scan!r} on {device.type})") from e
 
+
+#: the levels Options.level tries, in order (the first that is not refused is rewritten)
+_LEVEL_ORDER = {"auto": ("dynamo", "aten"), "dynamo": ("dynamo",), "aten": ("aten",)}
 
 _DEFAULT = BranchReplayBackend()
 

@@ -1,0 +1,485 @@
+"""The ATen level: a captured graph lowered to a functional, pre-dispatch ATen graph for the analysis.
+
+Dynamo records the ops a model *wrote*: ``x /= s``, ``out[:, :, i] = v``, ``zeros_like(h).index_add_(…)``,
+``torch.Tensor.addcmul``, a helper that spells ``F.normalize`` by hand. The analysis of this package reads a
+graph through its rules (``passes/rules``) and its functionalisation (``passes/functionalize.py``), and a
+spelling or a write neither knows makes the graph fall back. This module gives the same graph at the level
+``torch.export`` and AOTAutograd use for training:
+
+1. :func:`lower` — ``aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)`` on Dynamo's own fake
+   inputs (so every symbolic size stays a symbol of the same shape environment). The result is *functional*
+   (every in-place op and every write into a view is an out-of-place op: ``copy``, ``slice_scatter``,
+   ``select_scatter``, ``index_put``; mutations of the graph's *inputs* would be extra outputs, and such a
+   graph is refused) and *pre-dispatch* (still differentiable when run: ``aten.linear``, ``aten.matmul``,
+   ``aten.softmax``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention`` are kept, not decomposed into
+   their kernels; a Python-level spelling is whichever ATen ops it ran).
+2. :func:`respell` — every ATen op in :data:`ATEN_SPELLINGS` (a bounded table: one entry per ATen op family)
+   is written as the one canonical torch-level call the rules and matchers read (``aten.slice.Tensor(x, d,
+   a, b)`` → ``x[..., a:b]``, ``aten.embedding(W, ids)`` → ``F.embedding(ids, W)``, ``aten.view(x, s)`` →
+   ``x.view(*s)``); identities of the lowering (``alias``, full slices, ``lift_fresh_copy`` of a constant,
+   a ``copy`` into a value of the same shape and dtype) are dropped. An ATen op not in the table stays as
+   it is: it has no rule, so the analysis materialises its token operands (exact, nothing shared past it),
+   as for any op without a rule.
+
+The lowered graph takes the same inputs in the same order, with the placeholders' names and metadata of
+the captured graph, and returns the same outputs; the backend runs the analysis and the rewrite on it
+when the captured graph itself is refused (``Options.level``, docs/ARCHITECTURE.md §3.0), and the original
+captured graph stays the fallback.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from brcompile.passes.axes import CannotReplay, example_value
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+__all__ = ["lower", "respell", "ATEN_SPELLINGS", "lower_and_respell"]
+
+#: ``aten.slice``'s default end: "to the end of the dim".
+_END = 2 ** 63 - 1
+_REDUCTION = {0: "none", 1: "mean", 2: "sum"}
+_DROP = object()  # a respelling's answer for a node that is left out
+
+
+def lower(gm: fx.GraphModule) -> fx.GraphModule:
+    """The functional pre-dispatch ATen graph of ``gm`` (step 1 of the module docstring), traced on the fake
+    values Dynamo recorded for its placeholders. CannotReplay when it cannot be traced (the reason names the
+    error) or when it writes into one of its inputs (a buffer, an argument)."""
+    from torch._functorch.aot_autograd import aot_export_module
+    from torch._guards import detect_fake_mode
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = [example_value(p) for p in placeholders]
+    if any(f is None for f in fakes):
+        missing = next(p.name for p, f in zip(placeholders, fakes) if f is None)
+        raise CannotReplay(f"the ATen level needs the example value of every input; `{missing}` has none")
+    fake_mode = detect_fake_mode(fakes)
+    try:
+        with (fake_mode if fake_mode is not None else _nullcontext()):
+            lowered, sig = aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)
+    except Exception as e:  # the export's own refusal (data-dependent control flow, an unsupported HOP, ...)
+        raise CannotReplay(f"the graph could not be lowered to ATen ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})") from e
+    written = [*sig.user_inputs_to_mutate.values(), *sig.buffers_to_mutate.values(),
+               *getattr(sig, "parameters_to_mutate", {}).values()]
+    if written:
+        raise CannotReplay(f"the graph writes into its input(s) {sorted(set(written))} (kept out of the ATen level)")
+    return _rebind_inputs(gm, lowered, sig)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _rebind_inputs(gm: fx.GraphModule, lowered: fx.GraphModule, sig) -> fx.GraphModule:
+    """``lowered`` with gm's placeholders (names and metadata) in place of the export's user inputs, and its
+    lifted parameters and buffers read back as ``get_attr`` of gm's attributes."""
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    ph_old = [n for n in lowered.graph.nodes if n.op == "placeholder"]
+    ph_gm = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    user = [n for n in ph_old if n.name not in lifted]
+    if len(user) != len(ph_gm):
+        raise CannotReplay(f"the ATen level has {len(user)} inputs for the graph's {len(ph_gm)}")
+    for new_ph, old in zip(user, ph_gm):
+        p = graph.placeholder(old.name, type_expr=old.type)
+        p.meta.update(old.meta)
+        env[new_ph] = p
+    attrs: dict[str, Any] = {}
+    for n in lowered.graph.nodes:
+        if n.op == "placeholder":
+            if n in env:
+                continue
+            target = lifted[n.name]
+            attrs[target] = gm.get_parameter(target) if target in sig.inputs_to_parameters.values() \
+                else gm.get_buffer(target)
+            env[n] = graph.get_attr(target)
+            env[n].meta.update(n.meta)
+            continue
+        if n.op == "get_attr":
+            attrs[n.target] = getattr(lowered, n.target)
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    root = torch.nn.Module()
+    for name, value in attrs.items():
+        _set_attr(root, name, value)
+    return fx.GraphModule(root, graph, class_name="ATenGraph")
+
+
+def _set_attr(root: torch.nn.Module, dotted: str, value: Any) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, torch.nn.Module())
+        mod = getattr(mod, p)
+    if isinstance(value, torch.nn.Parameter):
+        mod.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        mod.register_buffer(leaf, value)
+    else:
+        setattr(mod, leaf, value)
+
+
+# --------------------------------------------------------------------------------------------------
+# respelling: one canonical torch-level call per ATen op family
+
+#: (op, target, args, kwargs) of the torch-level call, or an fx.Node / value the ATen node is replaced by.
+Spelled = Any
+Respell = Callable[[fx.Node, tuple, dict], Spelled]
+
+
+def _fn(target, keep: tuple = ()) -> Respell:
+    """``torch.<name>(*args)``: the same positional arguments; keyword arguments in ``keep`` are kept."""
+    def respell(node, args, kwargs):
+        return "call_function", target, args, {k: v for k, v in kwargs.items() if k in keep}
+    return respell
+
+
+def _method(name: str, star: bool = False, keep: tuple = ()) -> Respell:
+    """``x.<name>(*args)``; ``star``: the second argument is a size list spread out (``x.view(*size)``)."""
+    def respell(node, args, kwargs):
+        a = (args[0], *args[1]) if star else args
+        return "call_method", name, tuple(a), {k: v for k, v in kwargs.items() if k in keep}
+    return respell
+
+
+def _factory(target) -> Respell:
+    """A factory (``arange``, ``zeros``, ``full``, ``*_like``, ``scalar_tensor``): layout and pin_memory dropped
+    (the defaults: strided, unpinned), dtype and device kept."""
+    def respell(node, args, kwargs):
+        kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
+        return "call_function", target, args, kw
+    return respell
+
+
+def _bound(node: fx.Node, args: tuple, kwargs: dict) -> dict:
+    """Every argument of an ATen node by its schema name, defaults filled in."""
+    out = {}
+    for i, a in enumerate(node.target._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def _identity(node, args, kwargs):
+    return args[0]
+
+
+def _dropped(node, args, kwargs):
+    """``_assert_tensor_metadata`` (a no-op ``.to(dtype)``): a check of dtype and device, which the trace fixed
+    and the packed value shares."""
+    return _DROP
+
+
+def _index_tuple(d: int, entry: Any) -> tuple:
+    return (*([slice(None)] * d), entry)
+
+
+def _slice(node, args, kwargs):
+    """``aten.slice(x, d, start, end, step)`` → ``x[:, …, start:end:step]`` (the identity when it keeps the dim)."""
+    b = _bound(node, args, kwargs)
+    x, d, start, end, step = b["self"], b["dim"], b.get("start"), b.get("end"), b.get("step", 1)
+    ndim = example_value(x).dim()
+    d = d + ndim if d < 0 else d
+    start = None if start in (0, None) else start
+    end = None if end is None or (isinstance(end, int) and end >= _END) else end
+    step = None if step in (1, None) else step
+    if start is None and end is None and step is None:
+        return x
+    return "call_function", operator.getitem, (x, _index_tuple(d, slice(start, end, step))), {}
+
+
+def _select(node, args, kwargs):
+    """``aten.select(x, d, i)`` → ``x[:, …, i]``."""
+    x, d, i = args
+    ndim = example_value(x).dim()
+    return "call_function", operator.getitem, (x, _index_tuple(d + ndim if d < 0 else d, i)), {}
+
+
+def _index(node, args, kwargs):
+    """``aten.index(x, [i0, None, i2])`` → ``x[i0, :, i2]``."""
+    x, indices = args
+    return "call_function", operator.getitem, (x, tuple(slice(None) if i is None else i for i in indices)), {}
+
+
+def _slice_scatter(node, args, kwargs):
+    """``aten.slice_scatter(x, src, d, start, end, step)``; a write of the whole of x is ``src`` itself."""
+    b = _bound(node, args, kwargs)
+    x, src, d, start, end, step = b["self"], b["src"], b["dim"], b.get("start"), b.get("end"), b.get("step", 1)
+    ev_x, ev_src = example_value(x), example_value(src)
+    whole = (start in (0, None) and (end is None or (isinstance(end, int) and end >= _END)) and step in (1, None))
+    if whole and ev_x is not None and ev_src is not None and ev_x.shape == ev_src.shape and ev_x.dtype == ev_src.dtype:
+        return src
+    return "call_function", torch.slice_scatter, (x, src, d, start, end, step), {}
+
+
+def _copy(node, args, kwargs):
+    """Functional ``aten.copy(dst, src)``: src broadcast to dst's shape in dst's dtype — src itself when it has
+    both already, else ``src.to(dst.dtype).expand_as(dst)`` (``.clone()``: a fresh value, as the copy is)."""
+    dst, src = args[:2]
+    ev_d, ev_s = example_value(dst), example_value(src)
+    if ev_d is not None and ev_s is not None and ev_d.shape == ev_s.shape and ev_d.dtype == ev_s.dtype:
+        return src
+    return None  # stays aten.copy (no rule: materialised)
+
+
+def _to(node, args, kwargs):
+    """``aten.to.dtype(x, dtype, …)`` / ``aten._to_copy(x, dtype=…)`` → ``x.to(dtype)`` (a device move stays ATen)."""
+    x = args[0]
+    dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
+    device = kwargs.get("device")
+    ev = example_value(x)
+    if device is not None and ev is not None and torch.device(device) != ev.device:
+        return None
+    if dtype is None:
+        return "call_method", "clone", (x,), {}
+    return "call_method", "to", (x, dtype), {}
+
+
+def _softmax(fn) -> Respell:
+    def respell(node, args, kwargs):
+        x, dim = args[:2]
+        dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+        return "call_function", fn, (x, dim), ({"dtype": dtype} if dtype is not None else {})
+    return respell
+
+
+def _embedding(node, args, kwargs):
+    b = _bound(node, args, kwargs)
+    weight, ids, pad = b["weight"], b["indices"], b["padding_idx"]
+    kw = {"padding_idx": pad} if pad not in (-1, None) else {}
+    return "call_function", F.embedding, (ids, weight), kw
+
+
+def _layer_norm(node, args, kwargs):
+    a = _bound(node, args, kwargs)
+    return "call_function", F.layer_norm, (a["input"], a["normalized_shape"], a["weight"], a["bias"], a["eps"]), {}
+
+
+def _dropout(node, args, kwargs):
+    b = _bound(node, args, kwargs)
+    return "call_function", F.dropout, (b["input"], b["p"]), {"training": b["train"]}
+
+
+def _sdpa(node, args, kwargs):
+    return "call_function", F.scaled_dot_product_attention, args, dict(kwargs)
+
+
+def _einsum(node, args, kwargs):
+    eq, ops = args[:2]
+    return "call_function", torch.einsum, (eq, *ops), {}
+
+
+def _gelu(node, args, kwargs):
+    approx = kwargs.get("approximate", "none")
+    return "call_function", F.gelu, args[:1], ({"approximate": approx} if approx != "none" else {})
+
+
+def _pad(node, args, kwargs):
+    """``aten.constant_pad_nd(x, pad, v)`` / ``aten.pad(x, pad, mode, v)`` → ``F.pad``."""
+    b = _bound(node, args, kwargs)
+    if node.target is aten.constant_pad_nd.default:
+        x, pad, value = b["self"], b["pad"], b["value"]
+        return "call_function", F.pad, (x, pad), ({"value": value} if value != 0 else {})
+    x, pad, mode, value = b["self"], b["pad"], b["mode"], b.get("value")
+    kw = {"mode": mode} if mode != "constant" else {}
+    if value not in (None, 0):
+        kw["value"] = value
+    return "call_function", F.pad, (x, pad), kw
+
+
+def _cross_entropy(node, args, kwargs):
+    b = _bound(node, args, kwargs)
+    x, target, weight, reduction = b["self"], b["target"], b["weight"], b["reduction"]
+    ignore_index, smoothing = b["ignore_index"], b["label_smoothing"]
+    kw = {"reduction": _REDUCTION[reduction]}
+    if weight is not None:
+        kw["weight"] = weight
+    if ignore_index != -100:
+        kw["ignore_index"] = ignore_index
+    if smoothing:
+        kw["label_smoothing"] = smoothing
+    return "call_function", F.cross_entropy, (x, target), kw
+
+
+def _conv1d(node, args, kwargs):
+    return "call_function", F.conv1d, args, {}
+
+
+def _squeeze(node, args, kwargs):
+    if len(args) == 1:
+        return "call_method", "squeeze", args, {}
+    x, dims = args[:2]
+    if isinstance(dims, (list, tuple)):
+        if len(dims) == 1:
+            return "call_method", "squeeze", (x, dims[0]), {}
+        return "call_method", "squeeze", (x, tuple(dims)), {}
+    return "call_method", "squeeze", (x, dims), {}
+
+
+def _reduction(target) -> Respell:
+    """``aten.sum.dim_IntList(x, dims, keepdim, dtype=)`` → ``torch.sum(x, dims, keepdim, dtype=)``."""
+    def respell(node, args, kwargs):
+        kw = {"dtype": kwargs["dtype"]} if kwargs.get("dtype") is not None else {}
+        return "call_function", target, args, kw
+    return respell
+
+
+def _add_sub(target) -> Respell:
+    """``aten.add(a, b, alpha=c)`` → ``a + b`` when c is 1, else ``torch.add(a, b, alpha=c)``."""
+    def respell(node, args, kwargs):
+        alpha = kwargs.get("alpha", 1)
+        if alpha == 1:
+            return "call_function", target, args[:2], {}
+        return "call_function", torch.add if target is operator.add else torch.sub, args[:2], {"alpha": alpha}
+    return respell
+
+
+def _div(node, args, kwargs):
+    mode = kwargs.get("rounding_mode")
+    if mode is None:
+        return "call_function", operator.truediv, args[:2], {}
+    return "call_function", torch.div, args[:2], {"rounding_mode": mode}
+
+
+def _packet_table() -> dict:
+    """ATen op packet -> respelling (see :data:`ATEN_SPELLINGS`)."""
+    t: dict = {
+        # identities of the lowering
+        aten.alias: _identity, aten.lift_fresh_copy: _identity, aten.detach: _method("detach"),
+        aten.copy: _copy, aten._assert_tensor_metadata: _dropped,
+        # arithmetic and comparisons
+        aten.add: _add_sub(operator.add), aten.sub: _add_sub(operator.sub), aten.mul: _fn(operator.mul),
+        aten.div: _div, aten.rsub: _fn(torch.rsub, keep=("alpha",)), aten.neg: _fn(operator.neg),
+        aten.pow: _fn(torch.pow), aten.remainder: _fn(torch.remainder), aten.fmod: _fn(torch.fmod),
+        aten.floor_divide: _fn(torch.floor_divide),
+        aten.eq: _fn(torch.eq), aten.ne: _fn(torch.ne), aten.lt: _fn(torch.lt), aten.le: _fn(torch.le),
+        aten.gt: _fn(torch.gt), aten.ge: _fn(torch.ge),
+        aten.maximum: _fn(torch.maximum), aten.minimum: _fn(torch.minimum),
+        aten.max: _fn(torch.max), aten.min: _fn(torch.min),
+        aten.clamp: _fn(torch.clamp), aten.clamp_min: _method("clamp_min"), aten.clamp_max: _method("clamp_max"),
+        aten.where: _fn(torch.where), aten.masked_fill: _fn(torch.masked_fill),
+        aten.logical_and: _fn(torch.logical_and), aten.logical_or: _fn(torch.logical_or),
+        aten.logical_not: _fn(torch.logical_not), aten.bitwise_and: _fn(operator.and_),
+        aten.bitwise_or: _fn(operator.or_), aten.bitwise_not: _fn(operator.invert),
+        aten.lerp: _fn(torch.lerp), aten.atan2: _fn(torch.atan2),
+        aten.addcmul: _fn(torch.addcmul, keep=("value",)), aten.addcdiv: _fn(torch.addcdiv, keep=("value",)),
+        # unary math
+        **{getattr(aten, n): _fn(getattr(torch, n)) for n in (
+            "exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh",
+            "sigmoid", "abs", "sign", "square", "reciprocal", "erf", "floor", "ceil", "round", "trunc", "relu",
+            "isnan", "isinf", "isfinite", "nan_to_num", "real", "imag", "polar", "complex")},
+        aten.silu: _fn(F.silu), aten.gelu: _gelu, aten.softplus: _fn(F.softplus),
+        aten.dropout: _dropout,
+        # casts and copies
+        aten.to: _to, aten._to_copy: _to, aten.type_as: _method("type_as"), aten.clone: _method("clone"),
+        aten.contiguous: _method("contiguous"),
+        # layout
+        # (a view of a packed value may not be one of the dense value: strides differ; reshape is the same
+        # values wherever the view is valid)
+        aten.view: _method("reshape", star=True), aten.reshape: _method("reshape", star=True),
+        aten._unsafe_view: _method("reshape", star=True), aten.expand: _method("expand", star=True),
+        aten.permute: _method("permute", star=True), aten.repeat: _method("repeat", star=True),
+        aten.transpose: _method("transpose"), aten.t: _method("t"), aten.unsqueeze: _method("unsqueeze"),
+        aten.squeeze: _squeeze, aten.flatten: _method("flatten"), aten.unflatten: _method("unflatten"),
+        aten.movedim: _method("movedim"), aten.expand_as: _method("expand_as"),
+        aten.view_as: _method("view_as"), aten.reshape_as: _method("reshape_as"),
+        aten.view_as_complex: _fn(torch.view_as_complex), aten.view_as_real: _fn(torch.view_as_real),
+        aten.repeat_interleave: _fn(torch.repeat_interleave, keep=("dim", "output_size")),
+        aten.slice: _slice, aten.select: _select, aten.index: _index,
+        aten.slice_scatter: _slice_scatter, aten.select_scatter: _fn(torch.select_scatter),
+        aten.cat: _fn(torch.cat), aten.stack: _fn(torch.stack),
+        aten.split: _method("split"), aten.split_with_sizes: _method("split"), aten.chunk: _method("chunk"),
+        aten.unbind: _method("unbind"),
+        aten.gather: _fn(torch.gather), aten.scatter: _fn(torch.scatter), aten.scatter_add: _fn(torch.scatter_add),
+        aten.embedding: _embedding,
+        # reductions, norms, scans
+        aten.sum: _reduction(torch.sum), aten.mean: _reduction(torch.mean), aten.amax: _fn(torch.amax),
+        aten.amin: _fn(torch.amin), aten.prod: _reduction(torch.prod), aten.logsumexp: _fn(torch.logsumexp),
+        aten.argmax: _fn(torch.argmax), aten.argmin: _fn(torch.argmin), aten.topk: _fn(torch.topk),
+        aten.sort: _fn(torch.sort), aten.argsort: _fn(torch.argsort, keep=("stable",)), aten.histc: _fn(torch.histc),
+        aten.cumsum: _reduction(torch.cumsum), aten.softmax: _softmax(F.softmax),
+        aten.log_softmax: _softmax(F.log_softmax), aten.layer_norm: _layer_norm, aten.rms_norm: _fn(torch.rms_norm),
+        aten.cross_entropy_loss: _cross_entropy,
+        # contractions, convolutions, attention
+        aten.linear: _fn(F.linear), aten.matmul: _fn(torch.matmul), aten.mm: _fn(torch.mm), aten.bmm: _fn(torch.bmm),
+        aten.addmm: _fn(torch.addmm, keep=("beta", "alpha")), aten.baddbmm: _fn(torch.baddbmm, keep=("beta", "alpha")),
+        aten.einsum: _einsum, aten.conv1d: _conv1d, aten.constant_pad_nd: _pad, aten.pad: _pad,
+        aten.scaled_dot_product_attention: _sdpa,
+        # factories
+        aten.arange: _factory(torch.arange), aten.zeros: _factory(torch.zeros), aten.ones: _factory(torch.ones),
+        aten.full: _factory(torch.full), aten.scalar_tensor: _factory(torch.scalar_tensor),
+        aten.zeros_like: _factory(torch.zeros_like), aten.ones_like: _factory(torch.ones_like),
+        aten.full_like: _factory(torch.full_like), aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
+    }
+    return {k: v for k, v in t.items() if k is not None}
+
+
+#: Every ATen op family the analysis reads at the ATen level, and the torch-level call it is written as.
+#: An op not listed keeps its ATen target (no rule: materialised).
+ATEN_SPELLINGS: dict = _packet_table()
+
+
+def respell(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` (an ATen graph) with every op of :data:`ATEN_SPELLINGS` written as its torch-level call (step 2
+    of the module docstring). Metadata (the fake values) is kept; a node replaced by one of its operands
+    (an identity) disappears."""
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    for n in gm.graph.nodes:
+        packet = getattr(n.target, "overloadpacket", None) if n.op == "call_function" else None
+        rule = ATEN_SPELLINGS.get(packet) if packet is not None else None
+        if rule is None:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            continue
+        args = fx.map_arg(n.args, lambda a: env[a])
+        kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
+        out = rule(n, args, kwargs)
+        if out is _DROP:
+            continue
+        if out is None:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        elif isinstance(out, tuple) and len(out) == 4 and out[0] in ("call_function", "call_method"):
+            op, target, a, kw = out
+            new = graph.create_node(op, target, tuple(a), dict(kw), name=n.name)
+            new.meta.update(n.meta)
+            if "val" in n.meta:
+                new.meta["example_value"] = n.meta["val"]
+            env[n] = new
+        else:
+            env[n] = out
+    out = fx.GraphModule(gm, graph, class_name="ATenGraph")
+    out.graph.eliminate_dead_code()
+    out.graph.lint()
+    out.recompile()
+    return out
+
+
+def lower_and_respell(gm: fx.GraphModule) -> fx.GraphModule:
+    """:func:`lower` then :func:`respell`: the graph the backend analyses at the ATen level."""
+    lowered = respell(lower(gm))
+    log.debug("ATen level of the graph:\n%s", lowered.code)
+    return lowered
+
+
+def aten_ops(gm: fx.GraphModule) -> list[str]:
+    """The ATen ops left in a respelled graph (those without a torch-level spelling), for reports."""
+    return sorted({str(n.target) for n in gm.graph.nodes
+                   if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)})
