@@ -28,13 +28,13 @@ def grpo_args(model, batch):
             batch["old_logprobs"], 0.2, model.uses_mask)
 
 
-def run(model):
+def run(model, backend=BACKEND):
     batch = make_grpo_batch(**BATCH)
     args = grpo_args(model, batch)
     params = [p for p in model.parameters() if p.requires_grad]
     ref = grpo_loss(model, *args)
     gref = torch.autograd.grad(ref, params)
-    out = torch.compile(grpo_loss, backend=BACKEND)(model, *args)
+    out = torch.compile(grpo_loss, backend=backend)(model, *args)
     gout = torch.autograd.grad(out, params)
     return ref, gref, out, gout
 
@@ -52,6 +52,22 @@ def test_zoo_replays_exactly(style):
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for name, a, b in zip(names, gout, gref):
         assert_exact(a, b, torch.float64, f"grad of {name}")
+
+
+@pytest.mark.parametrize("style", sorted(models.REPLAY))
+def test_zoo_replays_exactly_at_the_aten_level(style):
+    """The same, analysed at the ATen level (``level="aten"``: the functional pre-dispatch ATen graph,
+    passes/aten.py) — every style's spelling reaches the same rewrite through its ATen ops."""
+    backend = brcompile.backend(compiler="eager", level="aten")
+    model = models.make(models.REPLAY[style])
+    ref, gref, out, gout = run(model, backend)
+    s = brcompile.stats()
+    assert s.replayed_calls >= 1 and s.fallback_calls == 0, f"{style}: {s}"
+    assert all(r.level == "aten" for r in backend.records if r.rewritten)
+    assert "tree_attention" in backend.records[-1].packed_code
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    for a, b in zip(gout, gref):
+        assert_exact(a, b, torch.float64, "grad")
 
 
 @pytest.mark.parametrize("style", sorted(models.FALLBACK))

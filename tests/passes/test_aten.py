@@ -1,0 +1,218 @@
+"""passes/aten.py: the ATen level — a captured graph lowered to its functional pre-dispatch ATen graph and
+respelled in the torch-level calls the analysis reads; and the backend's ``level`` option around it.
+
+Writes the Dynamo-level functionalisation does not make pure (through a transpose or reshape view of a
+value read again, through an integer-array index) are refused at the Dynamo level and replay at the ATen
+level, float64-exact against eager; the lowering computes what the captured graph computes, with its
+symbolic sizes; an ATen op without a respelling stays (no rule: materialised); a graph that writes into its
+input is refused with that reason.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import brcompile
+from brcompile.passes.aten import ATEN_SPELLINGS, aten_ops, lower, lower_and_respell, respell
+from brcompile.passes.axes import CannotReplay
+from brcompile.testing import assert_exact
+from examples.grpo import grpo_loss, make_grpo_batch
+from tests.helpers import assert_replayed, grpo_args
+
+V, D = 50, 16
+BATCH = dict(num_prompts=2, group_size=3, prompt_len=(6, 9), response_len=(2, 5), vocab_size=V, seed=1,
+             dtype=torch.float64)
+
+
+class Tiny(nn.Module):
+    """One causal SDPA block; subclasses write into the query in ``mix``."""
+
+    uses_mask = True
+
+    def __init__(self, heads: int = 2):
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(V, D), nn.LayerNorm(D)
+        self.q, self.kv, self.o = nn.Linear(D, D), nn.Linear(D, 2 * D), nn.Linear(D, D)
+        self.head, self.heads = nn.Linear(D, V, bias=False), heads
+
+    def mix(self, q):
+        return q
+
+    def forward(self, ids, attention_mask=None):
+        B, L = ids.shape
+        h = self.emb(ids)
+        x = self.ln(h)
+        q, (k, v) = self.mix(self.q(x)), self.kv(x).chunk(2, -1)
+        heads = lambda t: t.view(B, L, self.heads, -1).transpose(1, 2)  # noqa: E731
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        return self.head(self.ln(h + self.o(a.transpose(1, 2).reshape(B, L, -1))))
+
+
+class TransposeWrite(Tiny):
+    def mix(self, q):
+        qt = q.transpose(1, 2)  # a view of q, which is read again below
+        qt[:, :4] *= 2.0
+        return q
+
+
+class ReshapeWrite(Tiny):
+    def mix(self, q):
+        r = q.reshape(q.shape[0], q.shape[1], 2, -1)
+        r[..., 0, :] += 1.0
+        return q
+
+
+class IndexWrite(Tiny):
+    def mix(self, q):
+        q = q * 1.0
+        q[:, :, torch.arange(0, q.shape[-1], 4, device=q.device)] *= 2.0  # an integer-array index: index_put
+        return q
+
+
+def _run(model, **options):
+    torch.manual_seed(0)
+    batch = make_grpo_batch(**BATCH)
+    args = grpo_args(batch, 0.2, True)
+    params = list(model.parameters())
+    ref = grpo_loss(model, *args)
+    gref = torch.autograd.grad(ref, params)
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    be = brcompile.backend(compiler="eager", **options)
+    out = torch.compile(grpo_loss, backend=be)(model, *args)
+    gout = torch.autograd.grad(out, params)
+    return be, (ref, gref), (out, gout)
+
+
+def _model(cls):
+    torch.manual_seed(0)
+    return cls().double()
+
+
+@pytest.mark.parametrize("cls", [TransposeWrite, ReshapeWrite, IndexWrite], ids=lambda c: c.__name__)
+def test_writes_refused_by_dynamo_level_replay_at_aten_level(cls):
+    model = _model(cls)
+    be, _, _ = _run(model, level="dynamo")
+    assert not be.records[0].rewritten and "in-place op" in be.records[0].reason
+    be, (ref, gref), (out, gout) = _run(model)  # level="auto"
+    rec = be.records[0]
+    assert rec.rewritten and rec.level == "aten", rec.reason
+    assert rec.refusals and rec.refusals[0][0] == "dynamo" and "in-place op" in rec.refusals[0][1]
+    assert "tree_attention" in rec.packed_code
+    assert_replayed()
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
+
+
+def test_auto_keeps_the_dynamo_level_when_it_replays():
+    be, (ref, _), (out, _) = _run(_model(Tiny))
+    assert be.records[0].rewritten and be.records[0].level == "dynamo" and be.records[0].refusals == ()
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+
+
+def test_level_aten_on_a_model_the_dynamo_level_replays():
+    model = _model(Tiny)
+    be, (ref, gref), (out, gout) = _run(model, level="aten")
+    assert be.records[0].rewritten and be.records[0].level == "aten"
+    assert_replayed()
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    for a, b in zip(gout, gref):
+        assert_exact(a, b, torch.float64, "grad")
+
+
+def _inputs(gm, size=None, **tensors):
+    """gm's inputs in its placeholders' order (Dynamo orders them as it first reads them): the tensor named in
+    the placeholder (``L_x_`` -> ``x``), ``size`` for a symbolic size."""
+    out = []
+    for p in gm.graph.nodes:
+        if p.op == "placeholder":
+            name = p.name.lower().strip("_")[2:]  # l_x_ -> x
+            out.append(size if isinstance(p.meta["example_value"], torch.SymInt) else tensors[name])
+    return out
+
+
+def _capture(fn, *args, dynamic_dim=None):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    if dynamic_dim is not None:
+        torch._dynamo.mark_dynamic(args[0], dynamic_dim)
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture)(*args)
+    return graphs[0]
+
+
+def test_lowering_is_functional_and_keeps_symbolic_sizes():
+    def f(x, w):
+        h = x @ w
+        v = h.view(h.shape[0], h.shape[1], 2, -1)
+        v[:, :, 0] *= 2  # a write into a view of a fresh value
+        out = torch.zeros_like(h)
+        out.index_add_(0, torch.tensor([1, 0]), h)  # no respelling: stays an ATen op
+        return (out.relu_() * 3).sum(-1)
+
+    x, w = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    gm = _capture(f, x, w, dynamic_dim=1)
+    low = lower_and_respell(gm)
+    targets = [n.target for n in low.graph.nodes if n.op in ("call_function", "call_method")]
+    assert not any(str(t).endswith("_") and str(t) != "aten.index_add.default" for t in targets), targets
+    assert aten_ops(low) == ["aten.index_add.default"]
+    assert [p.name for p in low.graph.nodes if p.op == "placeholder"] == \
+        [p.name for p in gm.graph.nodes if p.op == "placeholder"]
+    for L in (5, 7):  # the lowered graph holds for another length: no size was baked in
+        x = torch.randn(2, L, 8, dtype=torch.float64)
+        torch.testing.assert_close(low(*_inputs(gm, L, x=x, w=w))[0], f(x.clone(), w), rtol=0, atol=0)
+
+
+def test_respelling_drops_the_identities_of_the_lowering():
+    def f(x):
+        y = x[:, :]  # a full slice: the identity
+        return (y.to(torch.float64) * 2).view(-1)
+
+    gm = _capture(f, torch.randn(3, 4, dtype=torch.float64))
+    low = lower_and_respell(gm)
+    ops = [n for n in low.graph.nodes if n.op in ("call_function", "call_method")]
+    assert [n.target for n in ops][-1] == "reshape", low.code  # aten.view is respelled as a reshape
+    assert not any("slice" in str(n.target) or "alias" in str(n.target) or "assert" in str(n.target) for n in ops), low.code
+
+
+def test_every_respelling_names_an_aten_packet():
+    assert all(isinstance(k, torch._ops.OpOverloadPacket) for k in ATEN_SPELLINGS)
+    assert torch.ops.aten.scaled_dot_product_attention in ATEN_SPELLINGS
+    assert torch.ops.aten.index_add not in ATEN_SPELLINGS  # left to materialise
+
+
+def test_a_graph_writing_into_its_input_is_refused():
+    def f(x, buf):
+        buf.add_(1.0)  # a write into a graph input
+        return x * buf
+
+    gm = _capture(f, torch.randn(4), torch.zeros(4))
+    with pytest.raises(CannotReplay, match="writes into its input"):
+        lower(gm)
+
+
+def test_respell_keeps_values_on_hf_style_ops():
+    def f(x, ids):
+        h = F.embedding(ids, x)
+        h = F.layer_norm(h, (4,)) + F.gelu(h, approximate="tanh")
+        p = F.softmax(h.float(), -1, dtype=torch.float64)
+        return F.cross_entropy(p.flatten(0, 1), ids.flatten(), ignore_index=0), F.pad(h, (1, 0)).sum()
+
+    x, ids = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 4, (2, 3))  # ids < 4: the classes
+    gm = _capture(f, x, ids)
+    low = lower_and_respell(gm)
+    assert aten_ops(low) == [], low.code
+    for a, b in zip(low(*_inputs(gm, x=x, ids=ids)), f(x, ids)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_respell_of_lowered_graph_is_idempotent_on_respelled_graph():
+    gm = _capture(lambda x: (x.transpose(0, 1) @ x).softmax(-1), torch.randn(3, 4, dtype=torch.float64))
+    once = lower_and_respell(gm)
+    twice = respell(once)
+    assert once.code == twice.code
