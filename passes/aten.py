@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from brcompile.passes import checkpoint as checkpoints
 from brcompile.passes.axes import CannotReplay, example_value
+from brcompile.passes.functionalize import writes_inverse_permutation
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
     from torch._functorch.aot_autograd import aot_export_module
     from torch._guards import detect_fake_mode
 
+    gm, regions = _inline_checkpoints(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [example_value(p) for p in placeholders]
     if any(f is None for f in fakes):
@@ -72,7 +75,33 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
                *getattr(sig, "parameters_to_mutate", {}).values()]
     if written:
         raise CannotReplay(f"the graph writes into its input(s) {sorted(set(written))} (kept out of the ATen level)")
-    return _rebind_inputs(gm, lowered, sig)
+    out = _rebind_inputs(gm, lowered, sig)
+    for n in out.graph.nodes:  # the checkpoint regions, back from the meta the export carried
+        index = (n.meta.get("custom") or {}).get(_CKPT_KEY)
+        if index is not None:
+            n.meta[checkpoints.META] = regions[index]
+    return out
+
+
+_CKPT_KEY = "br_ckpt_region"
+
+
+def _inline_checkpoints(gm: fx.GraphModule):
+    """(gm with its activation-checkpoint bodies inlined, {index: CheckpointRegion}). The export cannot trace
+    the checkpoint higher-order op functionally before dispatch, so its bodies are inlined and tagged
+    (passes/checkpoint.py) and each tag rides along in ``node.meta["custom"]``, which the export copies onto
+    every ATen node it traces from that node (``torch.fx.traceback.preserve_node_meta``); :func:`lower` turns
+    it back into the region tag, and the rewrite re-outlines the packed bodies as at the Dynamo level."""
+    inlined = checkpoints.inline_checkpoints(gm)
+    regions = {}
+    if inlined is gm:
+        return gm, regions
+    for n in inlined.graph.nodes:
+        r = checkpoints.region_of(n)
+        if r is not None:
+            regions[r.index] = r
+            n.meta["custom"] = {**(n.meta.get("custom") or {}), _CKPT_KEY: r.index}
+    return inlined, regions
 
 
 class _nullcontext:
@@ -141,18 +170,32 @@ Spelled = Any
 Respell = Callable[[fx.Node, tuple, dict], Spelled]
 
 
+#: keyword arguments that do not change a value (a layout or memory hint): dropped by every respelling
+_HINTS = frozenset({"layout", "pin_memory", "memory_format", "non_blocking", "sparse_grad"})
+
+
+def _kwargs(kwargs: dict, keep: tuple) -> Optional[dict]:
+    """The keyword arguments kept (``keep``), or None when one that is neither kept nor a hint is there (the
+    node then stays an ATen op: a respelling never drops an argument that changes the value)."""
+    if any(k not in keep and k not in _HINTS for k in kwargs):
+        return None
+    return {k: v for k, v in kwargs.items() if k in keep}
+
+
 def _fn(target, keep: tuple = ()) -> Respell:
     """``torch.<name>(*args)``: the same positional arguments; keyword arguments in ``keep`` are kept."""
     def respell(node, args, kwargs):
-        return "call_function", target, args, {k: v for k, v in kwargs.items() if k in keep}
+        kw = _kwargs(kwargs, keep)
+        return None if kw is None else ("call_function", target, args, kw)
     return respell
 
 
 def _method(name: str, star: bool = False, keep: tuple = ()) -> Respell:
     """``x.<name>(*args)``; ``star``: the second argument is a size list spread out (``x.view(*size)``)."""
     def respell(node, args, kwargs):
+        kw = _kwargs(kwargs, keep)
         a = (args[0], *args[1]) if star else args
-        return "call_method", name, tuple(a), {k: v for k, v in kwargs.items() if k in keep}
+        return None if kw is None else ("call_method", name, tuple(a), kw)
     return respell
 
 
@@ -240,16 +283,28 @@ def _copy(node, args, kwargs):
     return None  # stays aten.copy (no rule: materialised)
 
 
+def _index_put(node, args, kwargs):
+    """Functional ``aten.index_put(inv, [p], arange(n))`` into ``inv = empty_like(p)``, p a permutation:
+    ``argsort(p)``, the inverse permutation (MoE dispatch; passes/functionalize.py's proof). Any other
+    indexed write stays ATen (no rule: materialised)."""
+    b = _bound(node, args, kwargs)
+    indices = b["indices"]
+    if not b["accumulate"] and len(indices) == 1 and writes_inverse_permutation(b["self"], indices[0], b["values"]):
+        return "call_function", torch.argsort, (indices[0],), {}
+    return None
+
+
 def _to(node, args, kwargs):
-    """``aten.to.dtype(x, dtype, …)`` / ``aten._to_copy(x, dtype=…)`` → ``x.to(dtype)`` (a device move stays ATen)."""
-    x = args[0]
-    dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
-    device = kwargs.get("device")
+    """``aten.to`` (``.dtype``, ``.device``, ``.dtype_layout``) / ``aten._to_copy`` → ``x.to(dtype)``, or x itself
+    without a dtype (the graph is functional: a copy is the value); a move to another device, or ``to.other``,
+    stays ATen."""
+    b = _bound(node, args, kwargs)
+    x, dtype, device = b.get("self"), b.get("dtype"), b.get("device")
     ev = example_value(x)
-    if device is not None and ev is not None and torch.device(device) != ev.device:
+    if "other" in b or ev is None or (device is not None and torch.device(device) != ev.device):
         return None
-    if dtype is None:
-        return "call_method", "clone", (x,), {}
+    if dtype is None or dtype == ev.dtype:
+        return x
     return "call_method", "to", (x, dtype), {}
 
 
@@ -408,13 +463,15 @@ def _packet_table() -> dict:
         aten.cat: _fn(torch.cat), aten.stack: _fn(torch.stack),
         aten.split: _method("split"), aten.split_with_sizes: _method("split"), aten.chunk: _method("chunk"),
         aten.unbind: _method("unbind"),
-        aten.gather: _fn(torch.gather), aten.scatter: _fn(torch.scatter), aten.scatter_add: _fn(torch.scatter_add),
-        aten.embedding: _embedding,
+        aten.gather: _fn(torch.gather), aten.scatter: _fn(torch.scatter, keep=("reduce",)),
+        aten.scatter_add: _fn(torch.scatter_add),
+        aten.embedding: _embedding, aten.index_put: _index_put,
         # reductions, norms, scans
         aten.sum: _reduction(torch.sum), aten.mean: _reduction(torch.mean), aten.amax: _fn(torch.amax),
         aten.amin: _fn(torch.amin), aten.prod: _reduction(torch.prod), aten.logsumexp: _fn(torch.logsumexp),
         aten.argmax: _fn(torch.argmax), aten.argmin: _fn(torch.argmin), aten.topk: _fn(torch.topk),
-        aten.sort: _fn(torch.sort), aten.argsort: _fn(torch.argsort, keep=("stable",)), aten.histc: _fn(torch.histc),
+        aten.sort: _fn(torch.sort, keep=("stable", "dim", "descending")),
+        aten.argsort: _fn(torch.argsort, keep=("stable", "dim", "descending")), aten.histc: _fn(torch.histc),
         aten.cumsum: _reduction(torch.cumsum), aten.softmax: _softmax(F.softmax),
         aten.log_softmax: _softmax(F.log_softmax), aten.layer_norm: _layer_norm, aten.rms_norm: _fn(torch.rms_norm),
         aten.cross_entropy_loss: _cross_entropy,
@@ -427,7 +484,7 @@ def _packet_table() -> dict:
         aten.arange: _factory(torch.arange), aten.zeros: _factory(torch.zeros), aten.ones: _factory(torch.ones),
         aten.full: _factory(torch.full), aten.scalar_tensor: _factory(torch.scalar_tensor),
         aten.zeros_like: _factory(torch.zeros_like), aten.ones_like: _factory(torch.ones_like),
-        aten.full_like: _factory(torch.full_like), aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
+        aten.full_like: _factory(torch.full_like), aten.empty_like: _factory(torch.empty_like), aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
     }
     return {k: v for k, v in t.items() if k is not None}
 

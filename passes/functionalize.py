@@ -455,20 +455,28 @@ def _is_permutation(p: Any) -> bool:
     return isinstance(sv, torch.Tensor) and sv.dim() == 1
 
 
+def writes_inverse_permutation(inv: Any, p: Any, a: Any) -> bool:
+    """Whether writing ``a`` at the indices ``p`` into ``inv`` (``inv[p] = a``) leaves ``argsort(p)`` in inv:
+    ``inv = empty_like(p)`` (every entry is written), ``p`` a permutation (:func:`_is_permutation`) and ``a =
+    arange(numel(p))`` in p's dtype, so ``inv[p[i]] = i``, the i with ``p[i] == j`` at each j."""
+    if not (isinstance(inv, fx.Node) and inv.target in (torch.empty_like, "new_empty") and inv.args
+            and inv.args[0] is p and set(inv.kwargs) <= {"dtype", "device"} and _is_permutation(p)):
+        return False
+    if not (isinstance(a, fx.Node) and a.target is torch.arange and len(a.args) == 1
+            and set(a.kwargs) <= {"device", "dtype"}):
+        return False
+    pv, iv, av = example_value(p), example_value(inv), example_value(a)
+    return (isinstance(av, torch.Tensor) and av.dtype == pv.dtype == iv.dtype
+            and tuple(av.shape) == tuple(pv.shape) == tuple(iv.shape))
+
+
 def _inverse_permutation(n: fx.Node, order: dict) -> Optional[fx.Node]:
     """``setitem(inv, p, arange(numel(p)))`` into ``inv = empty_like(p)`` read by nothing before it: replaced
     by ``argsort(p)`` (module docstring); the new node, or None when ``n`` is not that write."""
     if n.op != "call_function" or n.target is not operator.setitem or len(n.args) != 3:
         return None
     inv, p, a = n.args
-    if not (isinstance(inv, fx.Node) and inv.target in (torch.empty_like, "new_empty") and inv.args
-            and inv.args[0] is p and not inv.kwargs and _is_permutation(p)):
-        return None
-    if not (isinstance(a, fx.Node) and a.target is torch.arange and len(a.args) == 1
-            and set(a.kwargs) <= {"device"}):
-        return None
-    pv, av = example_value(p), example_value(a)
-    if not isinstance(av, torch.Tensor) or av.dtype != pv.dtype or tuple(av.shape) != tuple(pv.shape):
+    if not writes_inverse_permutation(inv, p, a):
         return None
     if any(u is not n and order[u] < order[n] for u in inv.users):
         return None
