@@ -72,17 +72,19 @@ def loss_and_grads(model, fn, batch):
     return loss.detach(), torch.autograd.grad(loss, params)
 
 
-@pytest.mark.parametrize("mode, compiler", [("packed", "aot_eager"), ("replay", "aot_eager"),
-                                            pytest.param("packed", "inductor", marks=pytest.mark.slow)])
-def test_gpt_checkpoint_per_layer_exact(mode, compiler):
+@pytest.mark.parametrize("mode, compiler, level", [("packed", "aot_eager", "auto"), ("replay", "aot_eager", "auto"),
+                                                   ("packed", "aot_eager", "aten"),
+                                                   pytest.param("packed", "inductor", "auto", marks=pytest.mark.slow)])
+def test_gpt_checkpoint_per_layer_exact(mode, compiler, level):
     """checkpoint(layer) per layer, padded GRPO batch (mask built outside the bodies and passed in): one graph,
     rewritten, the attentions inside the bodies packed, each packed body inside its own checkpoint call.
     mode="replay": the streaming split refuses with a reason naming the checkpoints and the packed mode runs.
-    Inductor (slow): the packed graph with its checkpoint calls compiles and runs exactly too."""
+    Inductor (slow): the packed graph with its checkpoint calls compiles and runs exactly too. level="aten": the
+    same through the functional ATen graph (the bodies carried through the export, passes/aten.py)."""
     model = CheckpointedGPT(GPTConfig(**CFG), seed=0).to(torch.float64)
     batch = grpo_batch()
     ref_loss, ref_grads = loss_and_grads(model, model, batch)
-    backend = brcompile.backend(compiler=compiler, mode=mode)
+    backend = brcompile.backend(compiler=compiler, mode=mode, level=level)
     loss, grads = loss_and_grads(model, torch.compile(model, backend=backend), batch)
     assert_exact(loss, ref_loss, torch.float64, "loss")
     for (name, _), a, b in zip(model.named_parameters(), grads, ref_grads):
@@ -90,6 +92,7 @@ def test_gpt_checkpoint_per_layer_exact(mode, compiler):
     assert_replayed(1)
     assert packed_checkpoints(backend) == CFG["n_layers"]
     rec = next(r for r in backend.records if r.rewritten)
+    assert rec.level == ("aten" if level == "aten" else "dynamo")
     assert "tree_attention" not in rec.packed_code.split("def forward")[1].split("tag_activation_checkpoint")[0]
     if mode == "replay":
         assert "activation checkpoints" in rec.replay_reason

@@ -98,7 +98,7 @@ def _aux_loss(m, ids):
     return out.logits.log_softmax(-1).sum() + 10.0 * out.aux_loss
 
 
-def _check(m, loss_fn):
+def _check(m, loss_fn, level="auto"):
     ids = _ids()
     want = torch.compile(loss_fn, backend="eager")(m, ids)
     want.backward()
@@ -106,9 +106,12 @@ def _check(m, loss_fn):
     m.zero_grad()
     torch._dynamo.reset()
     brcompile.reset_stats()
-    got = torch.compile(loss_fn, backend=brcompile.backend(compiler="eager"))(m, ids)
+    backend = brcompile.backend(compiler="eager", level=level)
+    got = torch.compile(loss_fn, backend=backend)(m, ids)
     got.backward()
     s = brcompile.stats()
+    if level == "aten":
+        assert all(r.level == "aten" for r in backend.records if r.rewritten)
     assert s.replayed_calls >= 1 and s.fallback_calls == 0, str(s)
     assert s.executed_tokens < s.logical_tokens, str(s)
     assert (got - want).abs().item() <= TOL * want.abs().item()
@@ -125,6 +128,12 @@ def _check(m, loss_fn):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_moe_replays_exactly(family, float64_moe):
     _check(_model(family), _loss)
+
+
+def test_moe_replays_exactly_at_the_aten_level(float64_moe):
+    """Mixtral analysed as its functional ATen graph (docs/ARCHITECTURE.md §3.0): the dispatch's inverse
+    permutation is a functional ``index_put`` there, the same ``argsort`` proof."""
+    _check(_model("mixtral"), _loss, level="aten")
 
 
 def test_mixtral_batched_mm_experts(float64_moe):
