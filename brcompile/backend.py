@@ -26,12 +26,19 @@ COMPILERS = ("inductor", "aot_eager", "eager")
 MODES = ("packed", "replay", "auto")
 LEVELS = ("auto", "dynamo", "aten")
 STRICT_ENV = "BRCOMPILE_STRICT"
+LEVEL_ENV = "BRCOMPILE_LEVEL"
 
 
 def strict_default() -> bool:
     """``Options.strict``'s default: True iff the environment variable BRCOMPILE_STRICT is set to 1 / true /
     yes / on when the options are made (the test suite sets it in tests/conftest.py)."""
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def level_default() -> str:
+    """``Options.level``'s default: the environment variable BRCOMPILE_LEVEL when set (``aten`` runs every
+    graph at the ATen level: a parity run of a test suite), else "auto"."""
+    return os.environ.get(LEVEL_ENV, "").strip().lower() or "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +80,7 @@ class Options:
         graph as Dynamo recorded it, the ops the model wrote), "aten" (its functional pre-dispatch ATen graph:
         every in-place op and write into a view made out of place, every spelling one ATen op family;
         passes/aten.py), or "auto" (the Dynamo graph, and its ATen graph when the Dynamo graph is refused).
+        Default "auto", or the environment variable BRCOMPILE_LEVEL.
     """
 
     min_dedup: float = 1.05
@@ -87,7 +95,7 @@ class Options:
     chunk_tokens: int = 2048
     strict: bool = dataclasses.field(default_factory=strict_default)
     verify: bool = False
-    level: str = "auto"
+    level: str = dataclasses.field(default_factory=level_default)
 
     def __post_init__(self):
         if self.compiler not in COMPILERS:

@@ -298,6 +298,8 @@ class ExplainReport:
             "brcompile_nodes": brcompile_nodes(packed_module(g)),
             "original_code": g.original_code, "packed_code": g.packed_code,
             "replay": getattr(g, "replay", None), "replay_reason": getattr(g, "replay_reason", None),
+            "level": getattr(g, "level", None),
+            "refusals": [dict(level=lv, reason=r) for lv, r in getattr(g, "refusals", ())],
         }
 
     def to_dict(self) -> dict:
@@ -329,7 +331,8 @@ class ExplainReport:
                 mats = g.materialisations
                 mat = f"{len(mats)} ({sum(int(m[2]) for m in mats):,} elements)" if mats else "0"
                 special = brcompile_nodes(packed_module(g))
-                row = [str(g.graph_id), "REWRITTEN", "\n".join(g.tree_inputs) or "-", _mask_summary(g.masks), mat,
+                status = "REWRITTEN" + (" (ATen level)" if getattr(g, "level", None) == "aten" else "")
+                row = [str(g.graph_id), status, "\n".join(g.tree_inputs) or "-", _mask_summary(g.masks), mat,
                        "\n".join(g.lazy_gathers) or "-",
                        "\n".join(f"{k} x{n}" for k, n in special.items()) or "-"]
                 if has_fused:
@@ -339,8 +342,12 @@ class ExplainReport:
 
     def fallback_table(self) -> Table:
         rows = [[str(g.graph_id), g.failed_node or "-", _wrap(g.reason, 80)] for g in self.fallbacks]
+        notes = [f"graph {g.graph_id}: also refused at the {lv} level: {r}" for g in self.fallbacks
+                 for lv, r in getattr(g, "refusals", ())[1:]]
+        notes += [f"graph {g.graph_id} (rewritten at the {g.level} level) was refused at the {lv} level: {r}"
+                  for g in self.rewritten for lv, r in getattr(g, "refusals", ())]
         return Table("graphs that FELL BACK (the original graph runs unchanged)", ["graph", "failed at node", "reason"],
-                     rows)
+                     rows, notes)
 
     def materialisation_table(self) -> Table:
         rows = [[str(g.graph_id), node, user, f"{int(numel):,}", _wrap(reason, 60)]
@@ -434,7 +441,7 @@ class ExplainReport:
     def blocks(self, code: bool = True, max_calls: int = MAX_CALL_ROWS) -> list:
         """The report as a list of blocks (str, :class:`Table`, :class:`Code`) for the renderers."""
         out: list = [self.summary(), self.graph_table()]
-        if self.fallbacks:
+        if self.fallbacks or any(getattr(g, "refusals", ()) for g in self.rewritten):
             out.append(self.fallback_table())
         if any(g.materialisations for g in self.rewritten):
             out.append(self.materialisation_table())

@@ -216,3 +216,15 @@ def test_respell_of_lowered_graph_is_idempotent_on_respelled_graph():
     once = lower_and_respell(gm)
     twice = respell(once)
     assert once.code == twice.code
+
+
+def test_explain_says_which_level_replayed():
+    model = _model(ReshapeWrite)
+    batch = make_grpo_batch(**BATCH)
+    report = brcompile.explain(grpo_loss, model, *grpo_args(batch, 0.2, True), measure=False,
+                               backend=brcompile.backend(compiler="eager"))
+    text = report.render_text(code=False)
+    assert "REWRITTEN (ATen level)" in text
+    assert "was refused at the dynamo level: in-place op" in text
+    d = report.to_dict()["graphs"][0]
+    assert d["level"] == "aten" and d["refusals"][0]["level"] == "dynamo"
