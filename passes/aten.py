@@ -28,6 +28,7 @@ captured graph stays the fallback.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from typing import Any, Callable, Optional
@@ -66,7 +67,7 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
         raise CannotReplay(f"the ATen level needs the example value of every input; `{missing}` has none")
     fake_mode = detect_fake_mode(fakes)
     try:
-        with (fake_mode if fake_mode is not None else _nullcontext()):
+        with (fake_mode if fake_mode is not None else contextlib.nullcontext()):
             lowered, sig = aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)
     except Exception as e:  # the export's own refusal (data-dependent control flow, an unsupported HOP, ...)
         raise CannotReplay(f"the graph could not be lowered to ATen ({type(e).__name__}: "
@@ -75,6 +76,11 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
                *getattr(sig, "parameters_to_mutate", {}).values()]
     if written:
         raise CannotReplay(f"the graph writes into its input(s) {sorted(set(written))} (kept out of the ATen level)")
+    if getattr(sig, "input_tokens", None) or getattr(sig, "output_tokens", None):
+        raise CannotReplay("the graph has ops with side effects (effect tokens at the ATen level)")
+    n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    if len(sig.user_outputs) != n_out:
+        raise CannotReplay(f"the ATen level has {len(sig.user_outputs)} outputs for the graph's {n_out}")
     out = _rebind_inputs(gm, lowered, sig)
     for n in out.graph.nodes:  # the checkpoint regions, back from the meta the export carried
         index = (n.meta.get("custom") or {}).get(_CKPT_KEY)
@@ -102,14 +108,6 @@ def _inline_checkpoints(gm: fx.GraphModule):
             regions[r.index] = r
             n.meta["custom"] = {**(n.meta.get("custom") or {}), _CKPT_KEY: r.index}
     return inlined, regions
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _rebind_inputs(gm: fx.GraphModule, lowered: fx.GraphModule, sig) -> fx.GraphModule:
