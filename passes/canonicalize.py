@@ -117,7 +117,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, is_static_input, normalize_dim
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
 from brcompile.passes.masks import ancestors
-from brcompile.passes.rules.attention import SDPA, _sdpa_args
+from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
 from brcompile.passes.spellings import is_op, spellings
 
 log = logging.getLogger(__name__)
@@ -704,10 +704,33 @@ def _match_mask_steps(sm: fx.Node, x: fx.Node, dead: list) -> tuple[list, float,
         if kind == "scale":
             post *= payload
         else:
+            payload = tuple(_implicit_broadcast(a, cur, dead) for a in payload)
             masks.append((kind, *payload, post))
         dead.append(cur)
         dead.extend(inner)
         cur = nxt
+
+
+EXPAND_AS = spellings("expand_as")
+
+
+def _implicit_broadcast(a: Any, step: fx.Node, dead: list) -> Any:
+    """A mask step's operand without its expansion to the scores' shape: ``M`` for ``M.expand_as(t)`` where ``t``
+    has the shape of the step's result (XLM: ``(mask == 0).view(B, 1, 1, Lk).expand_as(scores)``, then
+    ``scores.masked_fill_(that, v)``). The step (``masked_fill``, ``where``, ``+``, ``*``) broadcasts ``M`` to
+    the scores itself, so ``step(s, M.expand_as(t)) == step(s, M)`` elementwise; the expansion reads only
+    ``t``'s shape, and ``t`` is often the scores themselves, a chain value that would otherwise keep a user
+    outside the chain. The expansion joins the chain (``dead``); any other user of it refuses the chain
+    (:func:`_match_output`)."""
+    if not (_call_in(a, EXPAND_AS) and len(a.args) == 2 and not a.kwargs and isinstance(a.args[1], fx.Node)):
+        return a
+    m, t = a.args
+    tt, ts = _tensor(t), _tensor(step)
+    if not isinstance(m, fx.Node) or tt is None or ts is None or tt.dim() != ts.dim() \
+            or not all(statically_known_true(x == y) for x, y in zip(tt.shape, ts.shape)):
+        return a
+    dead.append(a)
+    return m
 
 
 def _match_scores_scale(cur: Any, dead: list) -> tuple[Any, Any]:
@@ -1405,6 +1428,47 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
     canon.notes.append(f"{node.name}: eager attention {chain} -> scaled_dot_product_attention")
     log.debug("canonical attention %s from eager chain %s", node.name, chain)
     return [node] if mask is not None else []
+
+
+def canonical_attention(node: fx.Node, args: tuple, kwargs: dict) -> torch.Tensor:
+    """What the canonical attention ``node`` computes, on real values ``args``/``kwargs`` (its own, mapped):
+    ``o = softmax(cap · tanh(c · q kᵀ / cap) + M [, S]) v`` with the sink logit ``S`` (``br_sinks``) a
+    value-less last column dropped after the softmax, the soft-cap ``cap`` (``node.meta["br_softcap"]``) only
+    where there is one, ``M`` a float mask added (``-inf`` blocks) or a bool mask (False blocks), and a query
+    row with no visible key and no sink 0 — tree attention's value there (the original's value on such a row
+    is a padding query's, which the guards keep out of every replayed call).
+
+    The canonical copy is analysed, not run as a whole; its probes (:func:`..masks.evaluate`: a mask or a
+    repacked region computed from an earlier attention's output, HY-V4's top-k index over the hidden states)
+    evaluate the attention by this meaning, not by the ``scaled_dot_product_attention`` call it is spelled as
+    (that call takes neither the sinks nor the soft-cap). A random dropout has no single value: refused."""
+    a = sdpa_bind(args, kwargs)
+    q, k, v, M = a["query"], a["key"], a["value"], a["attn_mask"]
+    if a["dropout_p"]:
+        raise CannotReplay(f"a probe evaluates {node.name}, an attention with dropout (p={a['dropout_p']}): "
+                           "random, it has no single value", node)
+    if a["enable_gqa"] and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scale = a["scale"] if a["scale"] is not None else q.shape[-1] ** -0.5
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    cap = float(node.meta.get("br_softcap", 0.0) or 0.0)
+    if cap:
+        s = torch.tanh(s / cap) * cap
+    if a["is_causal"]:
+        Lq, Lk = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if M is not None:
+        s = s.masked_fill(~M, float("-inf")) if M.dtype == torch.bool else s + M
+    S = a.get("br_sinks")
+    if S is not None:
+        column = S.reshape(1, -1, 1, 1) if S.dim() == 1 else S
+        s = torch.cat([s, column.to(s.dtype).expand(*s.shape[:-1], 1)], -1)
+    seen = s.amax(-1, keepdim=True) > float("-inf")
+    p = torch.softmax(s.masked_fill(~seen, 0.0), -1).masked_fill(~seen, 0.0)
+    if S is not None:
+        p = p[..., :-1]
+    return torch.matmul(p.to(v.dtype), v)
 
 
 #: How far back from an additive mask operand its per-key bias is searched (:func:`_key_bias_source`).

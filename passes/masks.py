@@ -192,20 +192,26 @@ def evaluate(mask: fx.Node, values: dict[fx.Node, object],
         if n.op == "get_attr":
             env[n] = getattr(n.graph.owning_module, n.target)
             continue
-        if any(k.startswith("br_") for k in n.kwargs):  # an analysis-only edge (canonicalize: br_sinks)
-            raise CannotReplay(f"the value {mask.name} depends on {n.name}, an attention the canonicalisation "
-                               f"rewrote (an attention's output inside a mask or a probed region)", n)
         args, kwargs = n.args, n.kwargs
         if literal is not None:
             args, kwargs = _map_ints((args, kwargs), literal)
         args, kwargs = fx.node.map_arg((args, kwargs), lambda a: env[a])
-        if n.op == "call_function":
+        if is_canonical_attention(n):  # not runnable as spelled (sinks, soft-cap): by its meaning
+            from brcompile.passes.canonicalize import canonical_attention
+            env[n] = canonical_attention(n, args, kwargs)
+        elif n.op == "call_function":
             env[n] = n.target(*args, **kwargs)
         elif n.op == "call_method":
             env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
         else:
             raise CannotReplay(f"mask subgraph contains a {n.op}", n)
     return env[mask]
+
+
+def is_canonical_attention(n: fx.Node) -> bool:
+    """Whether ``n`` is an attention the canonicalisation made (an eager chain, sinks and soft-cap on the node):
+    :func:`evaluate` runs it by :func:`..canonicalize.canonical_attention`, not as the call it is spelled as."""
+    return n.meta.get("br_canonical") is not None or any(k.startswith("br_") for k in n.kwargs)
 
 
 def visible(mask: torch.Tensor, node: fx.Node) -> torch.Tensor:
@@ -564,9 +570,31 @@ def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Se
         return _row_meaning(attn, mask, inputs, trials)
     except CannotReplay as refusal:
         info = _sequence_meaning(attn, mask, inputs, trials)
-        if info is None:
-            raise refusal
-        return info
+        if info is not None:
+            return info
+        if any(_sees_later_keys(t.visible(mask, attn)) for t in trials):
+            raise CannotReplay("attention mask lets a query see keys after it (bidirectional attention: an encoder, "
+                               "a masked LM such as XLM with causal=False, or a prefix-LM's prompt); a token's value "
+                               "must depend on its prefix only for the prefix tree to share it", attn) from refusal
+        x = _followed_input(attn, mask, inputs, trials, _Trial.visible)
+        if x is not None:
+            raise CannotReplay(f"attention mask computed from the values of {x.name}: which keys a query sees "
+                               "depends on the tokens (a content-dependent sparse mask, e.g. a top-k selection of "
+                               "keys by a learned index, DeepSeek sparse attention's indexer, with fewer picks than "
+                               "keys); tree attention's keys are the causal ones, by position and padding only",
+                               attn) from refusal
+        raise refusal
+
+
+def _sees_later_keys(vis: torch.Tensor) -> bool:
+    """Whether a boolean visibility ``[..., Lq | 1, Lk]`` (a query row broadcast over the queries: a key-padding
+    mask alone) shows some query ``i`` a key ``j > i``."""
+    if vis.dim() < 2:
+        return False
+    L = vis.shape[-1]
+    if vis.shape[-2] == 1:
+        vis = vis.expand(*vis.shape[:-2], L, L)
+    return vis.shape[-2] == L and bool(torch.triu(vis, diagonal=1).any())
 
 
 def _row_meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Sequence[_Trial]) -> MaskInfo:
@@ -622,12 +650,13 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
                        "position, over the columns or the count of attention-mask tokens)", attn)
 
 
-def _followed_input(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node],
-                    trials: Sequence[_Trial]) -> Optional[fx.Node]:
-    """The [B, L] tree input, not 0/1 (token ids), whose values the mask's bias follows, else None: on a
-    trial, that input alone reversed along the length (the same values and sizes in another order; the 0/1
-    inputs, hence the padding and the ALiBi positions, stay), the bias re-evaluated and compared. A bias that
-    is a function of the positions and the padding alone is unchanged. Both evaluations see the trainable
+def _followed_input(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Sequence[_Trial],
+                    read: Callable = _Trial.bias) -> Optional[fx.Node]:
+    """The [B, L] tree input, not 0/1 (token ids), whose values the mask's bias (or, with ``read`` =
+    ``_Trial.visible``, its visibility) follows, else None: on a trial, that input alone reversed along the
+    length (the same values and sizes in another order; the 0/1 inputs, hence the padding and the ALiBi
+    positions, stay), the bias re-evaluated and compared. A bias (a visibility) that is a function of the
+    positions and the padding alone is unchanged. Both evaluations see the trainable
     tensors perturbed (:func:`_perturbed_parameters`): at its initial values a learned bias may not show what
     it follows (Doge's ``exp(A * ...)`` with ``A = 0`` is 1 everywhere)."""
     params = _perturbed_parameters(mask, trials[0].values) if trials else {}
@@ -637,8 +666,8 @@ def _followed_input(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node],
             if not isinstance(v, torch.Tensor) or v.dim() != 2 or _binary(v) or torch.equal(v.flip(-1), v):
                 continue
             base = {**t.values, **params}
-            a = _Trial(base, t.literal, t.size, t.unpadded).bias(mask, attn)
-            b = _Trial({**base, x: v.flip(-1)}, t.literal, t.size, t.unpadded).bias(mask, attn)
+            a = read(_Trial(base, t.literal, t.size, t.unpadded), mask, attn)
+            b = read(_Trial({**base, x: v.flip(-1)}, t.literal, t.size, t.unpadded), mask, attn)
             if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b))):
                 return x
             break

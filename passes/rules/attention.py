@@ -37,11 +37,16 @@ SDPA = list(spellings("sdpa"))
 
 
 def _sdpa_args(node):
+    return sdpa_bind(node.args, node.kwargs)
+
+
+def sdpa_bind(args, kwargs) -> dict:
+    """``scaled_dot_product_attention``'s arguments by name (defaults filled in), from a call's args and kwargs."""
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
     defaults = [None, None, None, None, 0.0, False, None, False]
     bound = dict(zip(names, defaults))
-    bound.update(zip(names, node.args))
-    bound.update(node.kwargs)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
     return bound
 
 

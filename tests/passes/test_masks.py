@@ -272,7 +272,85 @@ def test_bidirectional_within_sequences_is_refused():
     run_exact(model, [packed_batch(2, 6, (3, 2, 4), seed=1)], dynamic=False)
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    assert any("neither causal nor" in r for r in s.fallback_reasons), str(s)
+    assert any("see keys after it" in r for r in s.fallback_reasons), str(s)
+
+
+class PaddingOnlyLM(MaskLM):
+    """XLM with ``causal=False`` (a masked LM): the mask is the key padding alone, ``[B, 1, 1, L]``."""
+
+    def forward(self, ids, am):
+        B, L = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=am[:, None, None, :].bool())
+        return self.out(o.transpose(1, 2).reshape(B, L, -1))
+
+
+def test_key_padding_alone_is_refused_as_bidirectional():
+    """A mask that is only the key padding lets every query see the keys after it: refused by name (the padding-only
+    ``[B, 1, 1, L]`` visibility read as every query's row)."""
+    run_exact(PaddingOnlyLM().double(), [shared_batch(3, 5, 4, right_pad=2)], dynamic=False)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    assert any("bidirectional attention" in r for r in s.fallback_reasons), str(s)
+
+
+class IndexedLM(nn.Module):
+    """HY-V4's layers, small: an eager attention with a learned sink per head (canonicalised into an SDPA node
+    whose sinks the plain call does not take), then an attention whose mask is a top-k selection of keys by an
+    index over the first attention's output (DeepSeek sparse attention's indexer, a fixed projection):
+    ``ones.scatter(-1, topk(index, min(topk, L)).indices, False)`` marks the keys left out. With ``topk >= L``
+    every key is picked, so the mask is causal & key padding whatever the tokens; with fewer picks it follows
+    them."""
+
+    def __init__(self, topk, vocab=37, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.topk = heads, topk
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv1 = nn.Linear(dim, 3 * dim)
+        self.sinks = nn.Parameter(torch.randn(heads))
+        self.register_buffer("index", torch.randn(dim, 4))
+        self.qkv2 = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids, am):
+        B, L = ids.shape
+        x = self.emb(ids)
+        i = torch.arange(L, device=ids.device)
+        visible = (i[:, None] >= i[None, :])[None, None] & am[:, None, None, :].bool()
+        q, k, v = self.qkv1(x).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-2, -1) * 0.5 + torch.zeros_like(visible, dtype=x.dtype).masked_fill(
+            ~visible, torch.finfo(x.dtype).min)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(B, -1, L, -1)
+        p = torch.cat([s, sinks], -1).softmax(-1)[..., :-1]
+        h = x + (p @ v).transpose(1, 2).reshape(B, L, -1)
+        with torch.no_grad():
+            u = h @ self.index
+            score = (u @ u.transpose(1, 2)).masked_fill(~visible[:, 0], float("-inf"))
+            picked = score.topk(min(self.topk, L), dim=-1).indices
+            left_out = torch.ones(B, L, L, dtype=torch.bool).scatter(-1, picked, False)[:, None]
+        q, k, v = self.qkv2(h).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible & ~left_out)
+        return self.out(h + o.transpose(1, 2).reshape(B, L, -1))
+
+
+def test_mask_read_through_an_attention_with_sinks_replays():
+    """The probes of the second mask evaluate the first attention, a canonical SDPA node with sinks, by its meaning
+    (canonicalize.canonical_attention): the mask is causal & key padding on every probe (every key picked), and
+    the loss and every gradient (the sinks' included) equal eager's in float64."""
+    backend = run_exact(IndexedLM(topk=64).double(), [shared_batch(3, 6, 4, right_pad=2)], dynamic=False)
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
+    masks_ = backend.records[0].masks
+    assert len(masks_) == 2 and all(m.endswith(": causal+keypad(l_am_)") for m in masks_), masks_
+
+
+def test_mask_that_follows_the_tokens_is_refused_by_name():
+    """Fewer picks than keys: which keys a query sees depends on the tokens (through the first attention's output):
+    refused as a content-dependent mask."""
+    run_exact(IndexedLM(topk=3).double(), [shared_batch(3, 6, 4, right_pad=2)], dynamic=False)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    assert any("computed from the values of l_ids_" in r and "top-k" in r for r in s.fallback_reasons), str(s)
 
 
 def test_sequence_positions_are_well_formed():
