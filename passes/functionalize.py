@@ -12,8 +12,9 @@ is the same as ``x' = op(x, *args)`` read wherever ``x`` or ``w`` is read after 
 - ``x`` is **fresh**: the result of an op that always allocates (a pointwise or reduction result, a matmul,
   a factory, ``clone``, the values of ``topk``/``sort``, an operator whose schema returns an unaliased
   tensor: HF's ``grouped_mm`` custom op), not a view or an op that may return its input;
-- nothing **aliases** it: every other reader of ``x`` that runs before the write allocates its own result
-  (so no view of ``x`` made before the write sees it), and readers after the write now read ``x'``;
+- nothing **aliases** it: every other reader of ``x`` that runs before the write allocates its own result or
+  reads only ``x``'s shape or dtype (``m.expand_as(x)``: a view of ``m``), so no view of ``x`` made before the
+  write sees it, and readers after the write now read ``x'``;
 - the write does not **change the dtype**: every tensor argument has ``x``'s dtype (an out-of-place op would
   promote; an in-place one casts back), checked on the example values.
 
@@ -22,8 +23,8 @@ experts): ``inv = empty_like(p); inv[p] = arange(n)`` with ``p`` the indices of 
 of n elements (a permutation of ``0..n-1``, so every element of ``inv`` is written exactly once) is
 ``argsort(p)``: both give the i with ``p[i] == j`` at each j.
 
-A layout view (permute, transpose, view, reshape, (un)squeeze, flatten) of a fresh value that is that value's
-only reader is as good as fresh: a write into it is seen only through it (Gemma 3n's AltUp ``predictions =
+A layout view (permute, transpose, view, reshape, (un)squeeze, flatten), or a ``dropout`` (its input at p = 0,
+a new tensor otherwise), of a fresh value that is that value's only reader is as good as fresh: a write into it is seen only through it (Gemma 3n's AltUp ``predictions =
 matmul(…).permute(…); predictions += hidden_states``), so ``x.op_(…)`` on it becomes ``op`` as above.
 
 A fresh buffer filled by writes into slices of it that tile it along one dim (DeepSeek MLA's
@@ -125,18 +126,24 @@ LAYOUT_VIEW_METHODS = {"permute", "transpose", "view", "reshape", "unsqueeze", "
                        "t", "contiguous", "type_as", "to"}
 LAYOUT_VIEW_FUNCTIONS = {torch.permute, torch.transpose, torch.reshape, torch.unsqueeze, torch.squeeze,
                          torch.flatten, torch.t}
+#: ops that return their input (``dropout`` with p = 0 or not training: ATen returns the input itself) or a new
+#: tensor (a dropout that draws): either way nothing but their input shares their storage
+INPUT_OR_NEW_FUNCTIONS = {F.dropout, torch.dropout}
 
 
 def _sole_view_of_fresh(x: Any, made: set) -> bool:
     """``x`` is a layout view (a permute, transpose, view, reshape, (un)squeeze, flatten: one-to-one in the
-    elements) of a fresh value — or of such a view — or its input-or-copy (``contiguous``, ``type_as``, ``to``),
-    and is that value's only reader: nothing else holds the base's storage, so a write into ``x`` is seen only
-    through ``x`` (Gemma 3n's AltUp: ``p = (h @ c).permute(…); p += h``; ``c = mul(…).contiguous().type_as(h);
-    c[1:] += f``)."""
+    elements) of a fresh value — or of such a view — or its input-or-copy (``contiguous``, ``type_as``, ``to``;
+    ``dropout``, which returns its input at p = 0 and a new tensor otherwise), and is that value's only reader:
+    nothing else holds the base's storage, so a write into ``x`` is seen only through ``x`` (Gemma 3n's AltUp:
+    ``p = (h @ c).permute(…); p += h``; ``c = mul(…).contiguous().type_as(h); c[1:] += f``; XLM's
+    ``t = dropout(layer_norm(…)); t *= mask``)."""
     if not isinstance(x, fx.Node) or not x.args or not isinstance(x.args[0], fx.Node):
         return False
     if not ((x.op == "call_method" and x.target in LAYOUT_VIEW_METHODS)
-            or (x.op == "call_function" and x.target in LAYOUT_VIEW_FUNCTIONS)):
+            or (x.op == "call_function" and x.target in LAYOUT_VIEW_FUNCTIONS)
+            or (x.op == "call_function" and x.target in INPUT_OR_NEW_FUNCTIONS and not x.kwargs.get("inplace")
+                and not (len(x.args) > 3 and x.args[3]))):
         return False
     base = x.args[0]
     return len(base.users) == 1 and (_is_fresh(base) or base in made or _sole_view_of_fresh(base, made))
@@ -203,8 +210,22 @@ def _keeps_dtype(twin: tuple, x: fx.Node) -> bool:
 
 
 def _no_alias_before(x: fx.Node, write: fx.Node, order: dict) -> bool:
-    """Every reader of ``x`` other than the write either runs after it or allocates its own result."""
-    return all(u is write or order[u] > order[write] or _is_fresh(u) for u in x.users)
+    """Every reader of ``x`` other than the write either runs after it, allocates its own result or reads only
+    ``x``'s shape or dtype (:func:`_reads_only_metadata`)."""
+    return all(u is write or order[u] > order[write] or _is_fresh(u) or _reads_only_metadata(u, x)
+               for u in x.users)
+
+
+#: methods ``y.op(t)`` whose result is ``y`` (a view of it or a copy) shaped or typed like ``t``
+LIKE_METHODS = {"expand_as", "view_as", "reshape_as", "type_as"}
+
+
+def _reads_only_metadata(u: fx.Node, x: fx.Node) -> bool:
+    """``u`` reads ``x`` only for its shape or dtype: ``y.expand_as(x)``, ``y.view_as(x)``, ``y.reshape_as(x)``,
+    ``y.type_as(x)`` with ``y`` not ``x`` (XLM's ``mask.expand_as(scores)`` before ``scores.masked_fill_(…)``). Its
+    result is ``y``'s storage or a copy of ``y``, never ``x``'s, so it cannot see a later write into ``x``."""
+    return u.op == "call_method" and u.target in LIKE_METHODS and len(u.args) == 2 and not u.kwargs \
+        and u.args[1] is x and u.args[0] is not x
 
 
 def functionalize(gm: fx.GraphModule) -> fx.GraphModule:

@@ -84,6 +84,7 @@ FAMILIES: dict[str, tuple] = {
     "permute": (*_fn("permute"), "permute"),
     "reshape": ("view", "reshape", *_fn("reshape", "flatten", "unflatten"), "flatten", "unflatten",
                 "view_as", "reshape_as"),
+    "expand_as": ("expand_as",),  # x.expand_as(t): x broadcast to t's shape (no torch.expand_as function)
     "repeat": ("repeat",),
     "repeat_interleave": (*_fn("repeat_interleave"), "repeat_interleave"),
     "cat": (*_fn("cat", "concat", "concatenate"),),

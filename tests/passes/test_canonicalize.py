@@ -230,6 +230,18 @@ def cpmant(q, k, v, causal):
     return torch.matmul(p, v)
 
 
+def xlm(q, k, v, causal):
+    """XLM: the condition broadcast to the scores by ``expand_as(scores)`` (a read of their shape only) and written
+    into them in place, the softmax of a cast of the scores (XLM's ``.float()``; the model's float64 here) cast back
+    by ``type_as(scores)``, dropout at p = 0."""
+    L = q.shape[2]
+    s = torch.matmul(q / 2.0, k.transpose(2, 3))
+    m = (causal == 0).view(1, 1, L, L).expand_as(s)
+    s.masked_fill_(m, torch.finfo(s.dtype).min)
+    w = F.dropout(F.softmax(s.double(), dim=-1).type_as(s), p=0.0, training=True)
+    return torch.matmul(w, v)
+
+
 def float32_mask(q, k, v, causal):
     """A float32 additive mask on float64 scores: the sum promotes it exactly."""
     return F.softmax(q @ k.transpose(-1, -2) + additive(causal, torch.float32), -1) @ v
@@ -247,8 +259,8 @@ def openai_gpt(q, k, v, causal, scale=1.0, fill=-1e4):
 
 @pytest.mark.parametrize("attn", [
     bart, lambda *a: bart(*a, floor=True, twice=True), neox_japanese, folded_bias, row_max_shift, cpmant,
-    float32_mask, openai_gpt], ids=["bart", "xglm", "neox_japanese", "folded_bias", "row_max_shift", "cpmant",
-                                    "float32_mask", "openai_gpt"])
+    float32_mask, openai_gpt, xlm], ids=["bart", "xglm", "neox_japanese", "folded_bias", "row_max_shift", "cpmant",
+                                         "float32_mask", "openai_gpt", "xlm"])
 def test_eager_spelling_replays_exactly(attn):
     """Loss and every gradient equal eager's in float64; the call replayed, the attention as tree attention."""
     backend = replay_exact(EagerLM(attn), vocab=V)

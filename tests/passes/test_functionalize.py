@@ -217,6 +217,28 @@ def into_shared_view(h):
     return x + 1, p
 
 
+def shape_read_before(h):
+    """XLM: the scores' shape is read (``m.expand_as(s)``, a view of ``m``) before ``s.masked_fill_(…)``."""
+    s = h @ h.T
+    m = (h[:, 0] > 0).view(1, -1).expand_as(s)
+    s.masked_fill_(m, -1e9)
+    return s.softmax(-1).type_as(s)
+
+
+def into_dropout(h):
+    """XLM: ``t = dropout(layer_norm(…), p=0); t *= mask`` (a dropout at p = 0 returns its input)."""
+    t = F.dropout(F.layer_norm(h, (4,)), p=0.0, training=True)
+    t *= (h[:, :1] > 0).to(t.dtype)
+    return t
+
+
+def into_shared_dropout(h):
+    x = h * 2
+    t = F.dropout(x, p=0.0, training=True)  # t is x: x is read again after the write
+    t *= 3.0
+    return x + 1
+
+
 H = torch.randn(5, 4)
 
 
@@ -226,7 +248,8 @@ H = torch.randn(5, 4)
                                       (chunk_writes, (H,)), (gap_in_tiles, (H,)), (negative_index, (H,)),
                                       (broadcast_value, (H,)), (mrope_views, (H,)), (forward_substitution, (H,)),
                                       (methods_on_views, (H,)), (view_read_after, (H,)), (custom_op_result, (H,)),
-                                      (into_sole_view, (H,)), (into_slice_of_sole_copy, (H,))])
+                                      (into_sole_view, (H,)), (into_slice_of_sole_copy, (H,)),
+                                      (shape_read_before, (H,)), (into_dropout, (H,))])
 def test_writes_into_fresh_values_become_pure(fn, args):
     gm = capture(fn, *args)
     assert writes(gm)
@@ -240,9 +263,10 @@ def test_writes_into_fresh_values_become_pure(fn, args):
 @pytest.mark.parametrize("fn, args", [(into_input, (H.clone(),)), (into_view, (H,)), (aliased_before, (H,)),
                                       (promoting, (H, torch.ones(4, dtype=torch.float64))),
                                       (mask_of_rows, (H,)), (into_view_of_input, (H,)),
-                                      (IntoParameterView(), (H,)), (reshaped_alias, (H,)), (into_shared_view, (H,))],
+                                      (IntoParameterView(), (H,)), (reshaped_alias, (H,)), (into_shared_view, (H,)),
+                                      (into_shared_dropout, (H,))],
                          ids=["input", "view", "aliased", "promoting", "mask_of_rows", "view_of_input",
-                              "view_of_parameter", "reshaped_alias", "shared_view"])
+                              "view_of_parameter", "reshaped_alias", "shared_view", "shared_dropout"])
 def test_other_writes_stay(fn, args):
     gm = capture(fn, *[a.clone() for a in args])
     before = writes(gm)
