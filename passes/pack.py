@@ -27,7 +27,7 @@ import torch.fx as fx
 from brcompile.passes import checkpoint as checkpoints, input_masks, masks as masks_mod
 from brcompile.passes.axes import (
     AxesContext, CannotReplay, Materialisation, Window, example_value, get_axes, hint, is_static_input,
-    node_args, propagate, rule_for, shape_of,
+    node_args, normalize_dim, propagate, rule_for, shape_of,
 )
 from brcompile.passes.functionalize import functionalize
 from brcompile.passes.guards import BatchGuard, scalar_equals
@@ -35,6 +35,7 @@ from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import SDPA
+from brcompile.passes.spellings import is_op
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
 
@@ -183,6 +184,13 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     if token_ids is not None and token_ids not in tree_inputs:
         raise CannotReplay("the attentions do not depend on the token ids")
     if not tree_inputs:
+        built = ids_joined_to_constants(gm)
+        if built is not None:
+            emb, ids, extra = built
+            raise CannotReplay(f"the embedding reads token ids joined in the graph: {extra} constant token(s) (a "
+                               f"prompt every row shares, CPM-Ant's) concatenated with the [B, L] input {ids.name} "
+                               "along the length; the prefix tree is built over the rows of the graph's inputs, and "
+                               "the attentions run over positions that are not theirs", emb)
         raise CannotReplay(f"no [B, L] integer token input feeding an embedding, and the attentions read no "
                            f"per-token [B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
     position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree_inputs
@@ -456,6 +464,43 @@ def _find_token_ids_or_none(gm: fx.GraphModule) -> Optional[fx.Node]:
         return find_token_ids(gm)
     except CannotReplay:
         return None
+
+
+def ids_joined_to_constants(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.Node, int]]:
+    """(embedding, ids, P) when an ``embedding`` reads integer ids the graph concatenates along the length from
+    a [B, L] integer input ``ids`` (views and casts aside) and P tokens no input's values reach (a constant
+    prefix or suffix: CPM-Ant's ``cat((arange(a, b).repeat(B, 1), input_ids), 1)``); None otherwise. Only a
+    diagnosis: such ids are not a tree input (:func:`find_token_ids`)."""
+    for n in gm.graph.nodes:
+        if not (n.op == "call_function" and n.target in _EMBEDDINGS):
+            continue
+        src = _strip_views(n.args[0])
+        v = example_value(src)
+        if not (is_op(src, "cat") and isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point()):
+            continue
+        parts = src.args[0] if src.args else src.kwargs.get("tensors")
+        dim = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else 0)
+        if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or normalize_dim(dim, 2) != 1:
+            continue
+        ids = [p for p in parts if isinstance(p, fx.Node) and _is_int_input(_strip_views(p))]
+        rest = [p for p in parts if p not in ids]
+        if len(ids) == 1 and rest and all(_reads_no_input_values(p) for p in rest):
+            extra = sum(hint(example_value(p).shape[1]) for p in rest)
+            return n, _strip_views(ids[0]), extra
+    return None
+
+
+def _is_int_input(n: fx.Node) -> bool:
+    v = example_value(n)
+    return n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point()
+
+
+def _reads_no_input_values(n: Any) -> bool:
+    """A 2-D tensor computed without the values of any tensor input (sizes read with ``size()`` aside)."""
+    if not isinstance(n, fx.Node) or not isinstance(example_value(n), torch.Tensor) or example_value(n).dim() != 2:
+        return False
+    outside = masks_mod.ancestors(n, lambda a: not (a.op == "call_method" and a.target == "size"))
+    return not any(a.op == "placeholder" and isinstance(example_value(a), torch.Tensor) for a in outside)
 
 
 def _attention_batch_dims(attn: fx.Node) -> tuple[int, int]:

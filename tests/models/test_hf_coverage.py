@@ -152,3 +152,94 @@ def test_writes_into_views_of_the_rotary_table():
     backend = replay_arch("qwen3_5_text", keep_float64=True)
     code = backend.records[0].packed_code
     assert "setitem" not in code and "slice_scatter" in code
+
+
+def _tiny(arch: str, **overrides):
+    """``arch`` built tiny by the sweep's recipe (eager attention), with ``overrides`` set on its config, in
+    float64, training mode."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
+    cfg = hf_sweep.causal_lm_config(arch, cls.__name__, "eager")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return cls._from_config(cfg, attn_implementation="eager").to(torch.float64).train()
+
+
+def _compiled_vs_eager(model, keep_float64: bool = False):
+    """(loss, eager loss, grads, eager grads, names, backend) of the sweep's masked next-token loss on its GRPO
+    batch, compiled under the backend and eagerly."""
+    batch = hf_sweep.grpo_batch()
+    args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    fn = functools.partial(hf_sweep.next_token_loss, model)
+    if keep_float64:
+        fn = _in_float64(fn)
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    want = fn(*args)
+    gw = torch.autograd.grad(want, params, allow_unused=True)
+    backend = brcompile.backend(compiler="eager")
+    got = torch.compile(fn, backend=backend)(*args)
+    gg = torch.autograd.grad(got, params, allow_unused=True)
+    return got, want, gg, gw, names, backend
+
+
+def test_mask_computed_through_an_attention_with_sinks():
+    """HY-V4: each layer's mask is DeepSeek sparse attention's top-k selection of keys by an indexer over the hidden
+    states, so it depends on the previous layer's eager attention with sinks, a canonical SDPA node. The mask
+    probes evaluate that node by its meaning (canonicalize.canonical_attention); with ``index_topk`` (2048) above L
+    every key is picked and the mask is causal & key padding. Dense MLPs (its experts' grouped mm runs in float32
+    only); its hyper-connections, router and norms compute in float32 inside: loss at the float64 bound, gradients
+    at the float32 one."""
+    from tests.helpers import assert_grads_exact
+
+    got, want, gg, gw, names, backend = _compiled_vs_eager(_tiny("hy_v4", mlp_layer_types=["dense", "dense"]))
+    assert_replayed()
+    assert all(m.endswith("causal+keypad(l_args_1_)") for m in backend.records[0].masks), backend.records[0].masks
+    assert_exact(got, want, torch.float64, "loss")
+    assert_grads_exact(gg, gw, names, torch.float32)
+
+
+def test_mask_selected_by_content_is_refused_by_name():
+    """HY-V4 with fewer top-k picks than keys: which keys a query sees follows the tokens; refused as such."""
+    got, want, *_ = _compiled_vs_eager(_tiny("hy_v4", mlp_layer_types=["dense", "dense"], index_topk=4))
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    assert any("computed from the values of" in r and "top-k" in r for r in s.fallback_reasons), str(s)
+    assert_exact(got, want, torch.float64, "loss")
+
+
+def test_scores_shape_read_and_written_in_place():
+    """XLM (``causal=True``, its causal-LM configuration): ``mask.expand_as(scores)`` reads only the scores' shape
+    before ``scores.masked_fill_(mask, min)`` (functionalize: no alias), the condition broadcasts without the
+    expansion (canonicalize), ``dropout(...)`` at p = 0 is written in place (``tensor *= mask``). Its softmax of
+    ``scores.float()`` is kept float64 (KeepFloat64): loss and every gradient at the float64 bound. The first graph
+    (``lengths.max().item()`` breaks it) holds no attention and runs as it is."""
+    from tests.helpers import assert_grads_exact
+
+    got, want, gg, gw, names, backend = _compiled_vs_eager(_tiny("xlm", causal=True), keep_float64=True)
+    s = brcompile.stats()
+    assert s.replayed_calls == 3 and s.executed_tokens < s.logical_tokens, str(s)
+    assert list(s.fallback_reasons) == [r for r in s.fallback_reasons if "no scaled_dot_product_attention" in r], str(s)
+    assert any("tree_attention" in r.packed_code for r in backend.records if r.packed_code), "no tree attention"
+    assert_exact(got, want, torch.float64, "loss")
+    assert_grads_exact(gg, gw, names, torch.float64)
+
+
+def test_bidirectional_masked_lm_is_refused_by_name():
+    """XLM as the sweep builds it (``causal=False``, a masked LM): the mask is the key padding alone; refused as
+    bidirectional attention."""
+    _compiled_vs_eager(_tiny("xlm"), keep_float64=True)
+    s = brcompile.stats()
+    assert s.replayed_calls == 0, str(s)
+    assert any("bidirectional attention" in r for r in s.fallback_reasons), str(s)
+
+
+def test_prompt_ids_joined_in_the_graph_are_refused_by_name():
+    """CPM-Ant prepends its prompt ids to the input ids inside the model (``cat((arange(...).repeat(B, 1), ids),
+    1)``): the attentions run over positions the graph made, not the tree's rows; refused naming the construct."""
+    _compiled_vs_eager(_tiny("cpmant"))
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
+    assert any("constant token(s)" in r and "concatenated with the [B, L] input" in r for r in s.fallback_reasons), \
+        str(s)

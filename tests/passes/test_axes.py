@@ -170,6 +170,25 @@ def test_token_ids_found_through_views():
     assert find_token_ids(gm).op == "placeholder"
 
 
+QKV = torch.nn.Linear(D, 3 * D).double()
+
+
+def prompt_joined(ids):
+    """CPM-Ant: P = 3 prompt ids (a constant ``arange`` every row repeats) concatenated before the input ids, then
+    embedded and attended: the attention runs over [B, P + L] positions the graph made."""
+    x = torch.cat((torch.arange(V - 3, V).repeat(ids.size(0), 1), ids), dim=1)
+    q, k, v = QKV(EMB(x)).unsqueeze(1).chunk(3, -1)  # one head: [B, 1, P + L, D]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_ids_joined_to_constant_tokens_are_refused_by_name():
+    """Token ids built in the graph (a constant prefix joined to the input ids) are not the tree's rows: refused,
+    naming the construct and its P, not as a graph without token ids."""
+    gm, inputs = capture(prompt_joined, torch.randint(1, V, (B, L)))
+    with pytest.raises(CannotReplay, match="3 constant token\\(s\\) .* concatenated with the \\[B, L\\] input"):
+        analyse(gm, inputs)
+
+
 # ------------------------------------------------------------------------------------------------
 # semantic oracle
 
