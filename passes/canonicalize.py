@@ -21,10 +21,11 @@ scalar input); the mask is a float tensor of the scores' dtype that does not enl
 softmax runs over the key dim in the scores' precision or higher (a float64 -> float32 softmax rounds the
 probabilities and overflows the mask's lowest float64 value to ``-inf``, which tree attention would not
 reproduce — refused); the cast returns to the query's dtype; dropout is the identity; and no
-intermediate (scores, probabilities) has another user (``output_attentions=True`` would read them).
+intermediate (scores, probabilities) has another user (``output_attentions=True`` would read them; an operand
+of a mask step expanded to the scores' shape, ``M.expand_as(s)``, is ``M``: :func:`_implicit_broadcast`).
 Soft-capping (``tanh(s / cap) * cap`` with one number ``cap`` on both sides) is kept on the SDPA node as
 ``node.meta["br_softcap"]`` and becomes the ``softcap`` argument of tree attention (the canonical copy is
-only analysed, never run). Anything else between the scores and the softmax (a bias, another function) is
+only analysed; a probe that reads the node evaluates it by :func:`canonical_attention`). Anything else between the scores and the softmax (a bias, another function) is
 refused with the op named.
 
 **Attention by meaning, not by one spelling.** Ops are matched through :mod:`..spellings` (every spelling
@@ -85,7 +86,8 @@ column computed per query token (Inkling2: ``cat([s, proj(h).transpose(1, 2).uns
 [B, H, Lq, 1] value) is the same softmax with ``S[b, h, i]``, and ``S`` is that column. GraniteMoE-SWA applies
 the sink after the attention, ``o * sigmoid(logsumexp(s, -1) - S.view(1, H, 1)).unsqueeze(-1)``: the same
 attention (:func:`_match_lse_sink`). The node ``S`` ([H], or the per-query column) becomes the SDPA node's
-``br_sinks`` keyword (a dependency edge of the canonical copy, which is only analysed, never run) and the
+``br_sinks`` keyword (a dependency edge of the canonical copy, which is analysed, not run as a whole: a probe that
+reads such a node evaluates it by :func:`canonical_attention`) and the
 ``sinks`` argument of tree attention (it gets its gradient there; a per-query column is packed like any token
 value, and the SDPA rule refuses one that is not a value of the query token).
 
@@ -1399,7 +1401,7 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
             ch = dataclasses.replace(ch, masks=masks)
         mask = _canonical_mask(graph, ch)
     kwargs = {"attn_mask": mask, "dropout_p": p, "is_causal": False, "scale": scale}
-    if ch.sinks is not None:  # read by attention.emit_sdpa; the canonical copy is analysed, never run
+    if ch.sinks is not None:  # read by attention.emit_sdpa and canonical_attention (the probes)
         kwargs["br_sinks"] = ch.sinks
     with graph.inserting_after(ch.out):
         node = graph.call_function(F.scaled_dot_product_attention, (q, k, v), kwargs)

@@ -17,7 +17,13 @@ compare with each candidate meaning:
 
 Float masks must be exactly 0 where visible and ``-inf`` (or the dtype's lowest value) elsewhere — any
 other value is a bias, not a mask. Anything else (bidirectional prefixes, biases, other windows) stops the
-rewrite with the reason.
+rewrite with the reason, named where a probe shows it: a query that sees a later key (bidirectional attention),
+a visibility that changes when only the token ids are reordered (a content-dependent mask: a top-k selection of
+keys by a learned index with fewer picks than keys).
+
+The subgraph may read an earlier attention's output (HY-V4's DeepSeek-sparse-attention indexer over the hidden
+states): an attention the canonicalisation made, which the ``scaled_dot_product_attention`` call it is spelled
+as does not compute (sinks, soft-cap), is evaluated by its meaning (:func:`is_canonical_attention`).
 
 **ALiBi.** One bias is accepted (:func:`alibi_meaning`): a float mask whose finite values, on every trial
 and at every visible pair, are ``m[h] * pos[b, k] + c[b, h, q]`` — a per-head slope times the key position
