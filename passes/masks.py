@@ -635,8 +635,9 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
             if x is not None:
                 raise CannotReplay(f"{what} computed from the values of {x.name} through the trainable tensor "
                                    f"{n.name} (a per-token bias, e.g. a projection of the hidden states: tree "
-                                   "attention's only bias is ALiBi, a fixed per-head slope times the position "
-                                   "distance)", attn)
+                                   "attention's biases are ALiBi, a fixed per-head slope times the position "
+                                   "distance, and a relative bias gathered from a table of the query token by the "
+                                   "clamped distance)", attn)
             raise CannotReplay(f"{what} computed from the trainable tensor {n.name} (a learned position bias, e.g. "
                                "trained ALiBi slopes or a relative-position table: its gradient is not supported)",
                                attn)
