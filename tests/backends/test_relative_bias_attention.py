@@ -147,3 +147,16 @@ def test_bad_table_and_unsupported_impl():
     with pytest.raises(AttentionImplError, match="does not support relative biases"):
         check_impl_supports(plain, relbias=True)
     check_impl_supports(plain)
+
+
+def test_opcheck_relbias():
+    """The forward op with a relative bias (beside sinks): fake impl, autograd registration (dR through the
+    backward op's fourth output), schema."""
+    ids, am = batch(6, True)
+    tree = build_tree(ids, attention_mask=am)
+    n = tree.stats.executed_tokens
+    q, k, v = tree_qkv(n)
+    sinks = torch.randn(4, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
+    args = (q, k, v, tree.end, tree.valid, tree.segments, 0.4, "cpu", 0, tree.position, 0.0, None, sinks,
+            table(n, 4))
+    torch.library.opcheck(torch.ops.brcompile.tree_attention_forward.default, args)
