@@ -37,7 +37,9 @@ lse = +inf so that every p = exp(s - lse) of it is 0.
 Logit soft-capping c (Gemma2: scores ``c * tanh(scale * q.k / c)``) and ALiBi (scores ``+ m[h] * (pos[k] -
 pos[q])``): the CPU flash kernel has neither, so each call runs in query blocks by explicit matmuls in the
 accumulation dtype (``math_forward`` / ``math_backward``: ``ds = p (dp - delta) (1 - t^2)``; the ALiBi bias is
-a constant per pair, so ds is unchanged), merged and differentiated like the rest.
+a constant per pair, so ds is unchanged), merged and differentiated like the rest. So does a relative bias
+R [Hq, N, E] (scores ``+ R[h, q, min(pos[q] - pos[k], E - 1)]``, gathered per block); its gradient is each
+block's ds summed per distance bucket into the block's query rows of dR (``relative_bias_grad``).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ from brcompile.backends.ops import (
     AttentionImpl, TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward,
     register_attention_impl,
 )
+from brcompile.backends.reference import relative_bias, relative_bias_grad
 
 log = logging.getLogger(__name__)
 
@@ -262,18 +265,21 @@ def math_forward(qb: Tensor, kb: Tensor, vb: Tensor, seen: Optional[Tensor], sca
 
 
 def math_backward(do: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Tensor, lse: Tensor, seen: Optional[Tensor],
-                  scale: float, softcap: float = 0.0, bias: Optional[Tensor] = None):
+                  scale: float, softcap: float = 0.0, bias: Optional[Tensor] = None, score_grad: bool = False):
     """(dq, dk, dv) of one piece with the merged out and lse (lse = +inf: a row that sees nothing):
-    ds = p (dp - delta), times 1 - t^2 under a soft-cap (an ALiBi ``bias`` only enters p)."""
+    ds = p (dp - delta), times 1 - t^2 under a soft-cap (a ``bias`` only enters p); with ``score_grad`` also
+    ds itself (the gradient of the biased scores, before the soft-cap's factor; 0 where not seen)."""
     s, t = piece_scores(qb, kb, seen, scale, softcap, bias)
     p = torch.exp(s - lse.unsqueeze(-1))
     dp = torch.matmul(do, vb.transpose(-1, -2))
     delta = (do * ob).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    dscore = ds
     if t is not None:
         ds = ds * (1 - t * t)
-    return torch.matmul(ds, kb) * scale, torch.matmul(ds.transpose(-1, -2), qb) * scale, \
-        torch.matmul(p.transpose(-1, -2), do)
+    grads = (torch.matmul(ds, kb) * scale, torch.matmul(ds.transpose(-1, -2), qb) * scale,
+             torch.matmul(p.transpose(-1, -2), do))
+    return grads + (dscore,) if score_grad else grads
 
 
 def _key_mask(valid: Tensor, call: AttentionCall, dtype: torch.dtype):
@@ -340,16 +346,23 @@ def cpu_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
 
 
 def _explicit_math(a: TreeAttentionArgs) -> bool:
-    """Whether the pieces of ``a`` run as explicit matmuls (soft-cap or ALiBi: the flash kernel has neither)."""
-    return bool(a.softcap or a.alibi)
+    """Whether the pieces of ``a`` run as explicit matmuls (soft-cap, ALiBi or a relative bias: the flash
+    kernel has none of them)."""
+    return bool(a.softcap or a.alibi or a.relbias is not None)
 
 
 def _bias(a: TreeAttentionArgs, slopes: Optional[Tensor], pc: "_Piece", hkv: int) -> Optional[Tensor]:
-    """The ALiBi bias of piece ``pc`` (queries and keys both of ``a``'s tree), or None."""
-    if slopes is None:
+    """The ALiBi bias plus the relative bias of piece ``pc`` (queries and keys both of ``a``'s tree),
+    [Hkv, g, nq, nk] in the accumulation dtype, or None."""
+    if slopes is None and a.relbias is None:
         return None
     pos = a.position.cpu()
-    return piece_bias(slopes, pos[pc.q0:pc.q1], pos[pc.k0:pc.k1], hkv, a.lse_dtype)
+    qpos, kpos = pos[pc.q0:pc.q1], pos[pc.k0:pc.k1]
+    bias = None if slopes is None else piece_bias(slopes, qpos, kpos, hkv, a.lse_dtype)
+    if a.relbias is not None:
+        rel = relative_bias(a.relbias[:, pc.q0:pc.q1].to(a.lse_dtype), qpos, kpos).unflatten(0, (hkv, -1))
+        bias = rel if bias is None else bias + rel
+    return bias
 
 
 def _schedule_pieces(a: TreeAttentionArgs):
@@ -372,9 +385,10 @@ def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Te
 
 
 @attention_backward
-def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv): per call, the flash backward with the merged out and lse; dq accumulates over
-    calls, dk/dv over the calls of each key's segment and over the query heads of its group."""
+def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, ...]:
+    """(dq, dk, dv), and dR with a relative bias: per call, the flash backward with the merged out and lse; dq
+    (and dR) accumulates over calls, dk/dv over the calls of each key's segment and over the query heads of its
+    group."""
     q, k, v = a.q, a.k, a.v
     _require_cpu(grad_out, q, k, v, out, lse)
     hq, n, d = q.shape
@@ -391,24 +405,30 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
         lse_k = lse_k.masked_fill(torch.isneginf(lse_k), float("inf"))
     lseg = lse_k.unflatten(0, (hkv, g))
     slopes = a.alibi_slopes()
+    drel = None if a.relbias is None else torch.zeros(a.relbias.shape, dtype=acc_dtype)
+    pos = None if a.position is None else a.position.cpu()
     for pc in _schedule_pieces(a):
         qs = slice(pc.q0, pc.q1)
         ks = slice(pc.k0, pc.k1)
         kg, vg = _group_kv(k, pc, g), _group_kv(v, pc, g)
         if _explicit_math(a):
-            gq, gk, gv = math_backward(gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype), kg.to(acc_dtype),
-                                       vg.to(acc_dtype), outg[:, :, qs].to(acc_dtype), lseg[:, :, qs], pc.seen,
-                                       a.scale, a.softcap, _bias(a, slopes, pc, hkv))
+            gq, gk, gv, *ds = math_backward(gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype),
+                                            kg.to(acc_dtype), vg.to(acc_dtype), outg[:, :, qs].to(acc_dtype),
+                                            lseg[:, :, qs], pc.seen, a.scale, a.softcap, _bias(a, slopes, pc, hkv),
+                                            score_grad=drel is not None)
+            if drel is not None:
+                drel[:, qs] += relative_bias_grad(ds[0].flatten(0, 1), pos[qs], pos[ks], drel.shape[-1])
         else:
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     pc.causal, attn_mask=pc.mask, scale=a.scale)
         dq[:, qs] += gq.flatten(0, 1)
         dk[:, ks] += gk.sum(1, dtype=acc_dtype)
         dv[:, ks] += gv.sum(1, dtype=acc_dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+    return grads if drel is None else grads + (drel.to(a.relbias.dtype),)
 
 
 register_attention_impl(
     AttentionImpl(name="cpu", forward=cpu_forward, backward=cpu_backward, device_types=frozenset({"cpu"}),
-                  supports_window=True, supports_softcap=True, supports_alibi=True)
+                  supports_window=True, supports_softcap=True, supports_alibi=True, supports_relbias=True)
 )

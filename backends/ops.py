@@ -6,13 +6,15 @@ Three ops, mirroring how ``scaled_dot_product_attention`` is built from ``_scale
     What the graph rewrite emits. CompositeImplicitAutograd: it is ``tree_attention_forward(...)[0]``,
     so AOTAutograd traces through it to the two ops below.
 ``brcompile::tree_attention_forward(q, k, v, end, valid, segments, scale, impl, window=0, position=None,
-  softcap=0.0, alibi=None, sinks=None) -> (Tensor out, Tensor lse)``
+  softcap=0.0, alibi=None, sinks=None, relbias=None) -> (Tensor out, Tensor lse)``
     Opaque custom op with a fake impl, a flop formula and an autograd formula. ``lse`` (natural-log
     logsumexp of the scaled scores of each query row, ``-inf`` for a query that sees no key) is saved
     for backward and is not differentiable (as for SDPA's logsumexp).
 ``brcompile::tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl,
-  window=0, position=None, softcap=0.0, alibi=None, sinks=None) -> (Tensor dq, Tensor dk, Tensor dv)``
-    Opaque custom op with a fake impl and a flop formula, so AOTAutograd can trace the backward.
+  window=0, position=None, softcap=0.0, alibi=None, sinks=None, relbias=None) -> (Tensor dq, Tensor dk, Tensor dv,
+  Tensor drelbias)``
+    Opaque custom op with a fake impl and a flop formula, so AOTAutograd can trace the backward (``drelbias``
+    is an empty tensor without a relative bias).
 
 Shapes (N packed tokens in DFS preorder, see brcompile.runtime.tree.PackedTree)::
 
@@ -28,6 +30,18 @@ zero gradient. ``out[:, q] = sum_k softmax_k(scale * q.k) v[:, k]`` over the vis
 ALiBi (``alibi``: per-query-head slopes m[Hq], numbers, with ``position``): the score of (q, k) in head h
 gets ``+ m[h] * (position[k] - position[q])`` (after the soft-cap, if any). Softmax is invariant to a
 per-query shift, so this is also BLOOM's ``m[h] * position[k]``. The slopes are constants (no gradient).
+
+Relative bias (``relbias``: a per-query-token table R [Hq, N, E], differentiable, with ``position``): the score of
+(q, k) in head h gets ``+ R[h, q, min(position[q] - position[k], E - 1)]`` (after the soft-cap, if any) — a
+bias that is a value of the query token, indexed by the clamped distance to the key (Inkling2's relative
+position bias, a projection of the query's hidden state mixed into a bank of bias-vs-distance profiles; a bias
+that is 0 from distance E - 1 on is a table whose last column is 0). Visible keys are the query's ancestors, so
+the distance is >= 0. Its gradient is the score gradient summed per distance bucket::
+
+    d R[h, q, e] = sum over visible k with min(position[q] - position[k], E - 1) = e of ds[h, q, k]
+
+with ``ds = p (dp - delta)`` the gradient of the (soft-capped) score, computed by the impl
+(``supports_relbias``): its backward returns (dq, dk, dv, dR).
 
 Attention sinks (``sinks``, differentiable): each query row's softmax has one more logit that carries no value,
 either one learned logit per head (GPT-OSS: a [Hq] tensor s, row (h, q) reads ``s[h]``) or a logit computed per
@@ -78,15 +92,18 @@ __all__ = [
     "attention_backward",
     "attention_extras",
     "attention_forward",
+    "attention_relbias",
     "attention_scores_extras",
     "check_alibi",
     "check_impl_supports",
+    "check_relbias",
     "check_sinks",
     "count_visible_pairs",
     "get_attention_impl",
     "lse_dtype_for",
     "register_attention_impl",
     "registered_attention_impls",
+    "relative_buckets",
     "sink_grad",
     "sink_merge",
     "tree_attention",
@@ -118,9 +135,11 @@ class TreeAttentionArgs:
     ``softcap`` c > 0: scores ``c * tanh(scale * q.k / c)``; ``alibi`` (a tuple of Hq floats m, with
     ``position``): scores ``+ m[h] * (position[k] - position[q])``; ``sinks`` ([Hq] or per query
     [Hq, N] tensor): one more logit per query row without a value (applied by the op around the impl: impls
-    ignore it, see the module docstring). Neutral defaults (0, None, 0.0, None, None) mean off; a new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3). The field
-    order is the op's argument order (without ``impl``), so ``TreeAttentionArgs(q, k, v, end, valid,
-    segments, scale, window, position, softcap, alibi, sinks)`` reads like the op call.
+    ignore it, see the module docstring); ``relbias`` ([Hq, N, E] tensor R, with ``position``): scores
+    ``+ R[h, q, min(position[q] - position[k], E - 1)]``. Neutral defaults (0, None, 0.0, None, None, None)
+    mean off; a new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3). The
+    field order is the op's argument order (without ``impl``), so ``TreeAttentionArgs(q, k, v, end, valid,
+    segments, scale, window, position, softcap, alibi, sinks, relbias)`` reads like the op call.
     """
 
     q: Tensor
@@ -135,6 +154,7 @@ class TreeAttentionArgs:
     softcap: float = 0.0
     alibi: Optional[Sequence[float]] = None
     sinks: Optional[Tensor] = None
+    relbias: Optional[Tensor] = None
 
     @property
     def tree(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -181,6 +201,7 @@ class TreeAttentionArgs:
                                      f"got {self.softcap}")
         check_alibi(self.alibi, self.position, self.q.shape[0], n)
         check_sinks(self.sinks, self.q.shape[0], n)
+        check_relbias(self.relbias, self.position, self.q.shape[0], n)
         return self
 
     def alibi_slopes(self) -> Optional[Tensor]:
@@ -196,15 +217,15 @@ class TreeAttentionArgs:
     def save_for_backward(self, ctx, *tensors: Optional[Tensor]) -> None:
         """Save the arguments (and ``tensors``, e.g. out and lse) on an autograd ``ctx``; see :meth:`saved`."""
         ctx.save_for_backward(self.q, self.k, self.v, self.end, self.valid, self.segments, self.position, self.sinks,
-                              *tensors)
+                              self.relbias, *tensors)
         ctx.tree_attention = (self.scale, self.window, self.softcap, self.alibi)
 
     @classmethod
     def saved(cls, ctx) -> tuple["TreeAttentionArgs", list]:
         """(args, [tensors]) as :meth:`save_for_backward` saved them."""
-        q, k, v, end, valid, segments, position, sinks, *tensors = ctx.saved_tensors
+        q, k, v, end, valid, segments, position, sinks, relbias, *tensors = ctx.saved_tensors
         scale, window, softcap, alibi = ctx.tree_attention
-        return cls(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks), tensors
+        return cls(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias), tensors
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TreeAttentionArgs))
@@ -269,6 +290,28 @@ def check_sinks(sinks: Optional[Tensor], hq: int, n: int) -> None:
         got = (sinks.dtype, tuple(sinks.shape)) if isinstance(sinks, Tensor) else type(sinks).__name__
         raise TreeAttentionError(f"tree_attention: sinks must be a floating [Hq={hq}] or [Hq={hq}, N={n}] tensor, "
                                  f"got {got}")
+
+
+def check_relbias(relbias: Optional[Tensor], position: Optional[Tensor], hq: int, n) -> None:
+    """A relative bias is None (off) or a floating [Hq, N, E] table (E >= 1), and needs the [N] integer
+    positions."""
+    if relbias is None:
+        return
+    if not isinstance(relbias, Tensor) or not relbias.is_floating_point() or relbias.dim() != 3 \
+            or relbias.shape[0] != hq or relbias.shape[1] != n or relbias.shape[2] < 1:
+        got = (relbias.dtype, tuple(relbias.shape)) if isinstance(relbias, Tensor) else type(relbias).__name__
+        raise TreeAttentionError(f"tree_attention: relbias must be a floating [Hq={hq}, N={n}, E] table (E >= 1), "
+                                 f"got {got}")
+    if not _integer_positions(position, n):
+        got = None if position is None else (position.dtype, tuple(position.shape))
+        raise TreeAttentionError(f"tree_attention: relbias needs position, the tokens' integer positions [N={n}], "
+                                 f"got {got}")
+
+
+def relative_buckets(qpos: Tensor, kpos: Tensor, extent: int) -> Tensor:
+    """[nq, nk] int64 bucket of each (query, key) pair of a relative bias with ``extent`` E columns:
+    ``clamp(qpos[q] - kpos[k], 0, E - 1)`` (a visible key is an ancestor: its distance is >= 0)."""
+    return (qpos[:, None] - kpos[None, :]).clamp(0, extent - 1).to(torch.int64)
 
 
 def _sink_rows(sinks: Tensor, lse: Tensor) -> Tensor:
@@ -338,6 +381,11 @@ def attention_scores_extras(args: Sequence) -> tuple:
     return (tuple(args[11:]) + (None, None)[len(args[11:]):])[:2]
 
 
+def attention_relbias(args: Sequence):
+    """The relative-bias table of a ``tree_attention_forward`` call's arguments (None: off)."""
+    return args[13] if len(args) > 13 else None
+
+
 # ------------------------------------------------------------------------------------------ registry
 
 
@@ -351,8 +399,10 @@ class AttentionImpl(Impl):
     ``args`` has been checked (:meth:`TreeAttentionArgs.check`). With ``supports_window`` the impl honours
     ``args.window``/``args.position`` (query q sees key k only if also ``pos[q] - pos[k] < W``), with
     ``supports_softcap`` ``args.softcap`` (scores ``c * tanh(scale * q.k / c)``, Gemma2's logit
-    soft-capping), with ``supports_alibi`` ``args.alibi`` (scores ``+ m[h] * (position[k] - position[q])``);
-    an impl without the flag is never handed a window / soft-cap / ALiBi (:func:`check_impl_supports`).
+    soft-capping), with ``supports_alibi`` ``args.alibi`` (scores ``+ m[h] * (position[k] - position[q])``),
+    with ``supports_relbias`` ``args.relbias`` (scores ``+ R[h, q, min(position[q] - position[k], E - 1)]``;
+    its backward then returns (dq, dk, dv, dR)); an impl without the flag is never handed a window / soft-cap /
+    ALiBi / relative bias (:func:`check_impl_supports`).
     Sinks need no flag: the op applies them around every impl (module docstring).
     ``out``/``lse`` passed to backward are the ones forward returned (merged over the whole tree).
     ``device_types`` (keyword): the ``torch.device.type`` values the impl runs on; ``None`` means any.
@@ -368,6 +418,7 @@ class AttentionImpl(Impl):
     supports_window: bool = False
     supports_softcap: bool = False
     supports_alibi: bool = False
+    supports_relbias: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -399,20 +450,25 @@ def get_attention_impl(name: str, device) -> AttentionImpl:
     return ATTENTION_IMPLS.get(name, device)
 
 
-def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0.0, alibi=None) -> None:
-    """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped / ALiBi attention."""
+def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0.0, alibi=None,
+                        relbias: bool = False) -> None:
+    """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped / ALiBi / relative-bias
+    attention."""
     if window and not impl.supports_window:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
     if softcap and not impl.supports_softcap:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support logit soft-capping")
     if alibi and not impl.supports_alibi:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support ALiBi position biases")
+    if relbias and not impl.supports_relbias:
+        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support relative biases (a "
+                                 "per-query-token table over the clamped query-key distance)")
 
 
 def impl_for(name: str, args: TreeAttentionArgs) -> AttentionImpl:
-    """The impl ``name`` for ``args`` (its device; its window, soft-cap and ALiBi supported)."""
+    """The impl ``name`` for ``args`` (its device; its window, soft-cap, ALiBi and relative bias supported)."""
     impl = get_attention_impl(name, args.q.device)
-    check_impl_supports(impl, args.window, args.softcap, args.alibi)
+    check_impl_supports(impl, args.window, args.softcap, args.alibi, args.relbias is not None)
     return impl
 
 
@@ -432,11 +488,12 @@ def _check_result(name: str, what: str, got: Tensor, like_shape, like_dtype) -> 
 def _tree_attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float, impl: str,
     window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0, alibi: Optional[list[float]] = None,
-    sinks: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, relbias: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D], lse [Hq, N]) of tree attention, computed by the impl named ``impl`` (the sinks merged
     in afterwards: :func:`sink_merge`)."""
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
+                          relbias).check()
     chosen = impl_for(impl, a)
     out, lse = chosen.forward(a.without_sinks())
     _check_result(chosen.name, "out", out, q.shape, q.dtype)
@@ -448,9 +505,10 @@ def _tree_attention_forward_op(
 
 @_tree_attention_forward_op.register_fake
 def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0,
-                                 alibi=None, sinks=None):
+                                 alibi=None, sinks=None, relbias=None):
     """Shapes only: out like q (contiguous), lse [Hq, N]."""
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
+                          relbias).check()
     ATTENTION_IMPLS.check_name(impl)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=a.lse_dtype)
 
@@ -460,45 +518,57 @@ def _tree_attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, end: Tensor, valid: Tensor,
     segments: Tensor, scale: float, impl: str, window: int = 0, position: Optional[Tensor] = None,
     softcap: float = 0.0, alibi: Optional[list[float]] = None, sinks: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of tree attention for the upstream gradient ``grad_out`` (any strides); ``out``/``lse`` are
-    the forward's, sinks merged in, so the impl's key gradients are those of the softmax with the sinks (the
-    sinks' own gradient is :func:`sink_grad`, taken by the autograd formula)."""
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
+    relbias: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, drelbias) of tree attention for the upstream gradient ``grad_out`` (any strides);
+    ``out``/``lse`` are the forward's, sinks merged in, so the impl's key gradients are those of the softmax
+    with the sinks (the sinks' own gradient is :func:`sink_grad`, taken by the autograd formula). ``drelbias``:
+    the relative bias's gradient from the impl (an empty tensor without one)."""
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
+                          relbias).check()
     chosen = impl_for(impl, a)
-    dq, dk, dv = chosen.backward(a.without_sinks(), grad_out, out, lse)
+    grads = chosen.backward(a.without_sinks(), grad_out, out, lse)
+    dq, dk, dv = grads[:3]
     _check_result(chosen.name, "dq", dq, q.shape, q.dtype)
     _check_result(chosen.name, "dk", dk, k.shape, k.dtype)
     _check_result(chosen.name, "dv", dv, v.shape, v.dtype)
-    return dq, dk, dv
+    if relbias is None:
+        return dq, dk, dv, q.new_empty(0)
+    if len(grads) != 4:
+        raise AttentionImplError(f"tree_attention impl {chosen.name!r} returned no relative-bias gradient")
+    _check_result(chosen.name, "drelbias", grads[3], relbias.shape, relbias.dtype)
+    return dq, dk, dv, grads[3]
 
 
 @_tree_attention_backward_op.register_fake
 def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0,
-                                  position=None, softcap=0.0, alibi=None, sinks=None):
-    """Shapes only: dq like q, dk like k, dv like v (contiguous)."""
-    TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
+                                  position=None, softcap=0.0, alibi=None, sinks=None, relbias=None):
+    """Shapes only: dq like q, dk like k, dv like v (contiguous), drelbias like relbias (empty without)."""
+    TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
+                      relbias).check()
     ATTENTION_IMPLS.check_name(impl)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    drel = q.new_empty(0) if relbias is None else relbias.new_empty(relbias.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drel
 
 
 def _forward_setup_context(ctx, inputs, output):
     """Save what backward needs; lse is an auxiliary output without gradient."""
-    *fields, impl, window, position, softcap, alibi, sinks = inputs
-    TreeAttentionArgs(*fields, window, position, softcap, alibi, sinks).save_for_backward(ctx, *output)
+    *fields, impl, window, position, softcap, alibi, sinks, relbias = inputs
+    TreeAttentionArgs(*fields, window, position, softcap, alibi, sinks, relbias).save_for_backward(ctx, *output)
     ctx.impl = impl
     ctx.mark_non_differentiable(output[1])
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
-    """d(out)/d(q, k, v) via the tree_attention_backward op, d(out)/d(sinks) by :func:`sink_grad`; the tree
-    arrays and the ALiBi slopes (constants) get no gradient."""
+    """d(out)/d(q, k, v, relbias) via the tree_attention_backward op, d(out)/d(sinks) by :func:`sink_grad`; the
+    tree arrays and the ALiBi slopes (constants) get no gradient."""
     a, (out, lse) = TreeAttentionArgs.saved(ctx)
-    dq, dk, dv = torch.ops.brcompile.tree_attention_backward(
+    dq, dk, dv, drel = torch.ops.brcompile.tree_attention_backward(
         grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, a.scale, ctx.impl, a.window, a.position,
-        a.softcap, a.alibi, a.sinks)
+        a.softcap, a.alibi, a.sinks, a.relbias)
     dsinks = sink_grad(grad_out, out, lse, a.sinks) if a.sinks is not None and ctx.needs_input_grad[12] else None
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
+    drel = drel if a.relbias is not None and ctx.needs_input_grad[13] else None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, drel
 
 
 torch.library.register_autograd(
@@ -610,7 +680,7 @@ def count_visible_pairs(end: Tensor, valid: Tensor, window: int = 0, position: O
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_forward, get_raw=True)
 def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0,
-                                 alibi=None, sinks=None, *args, out_val=None, **kwargs) -> int:
+                                 alibi=None, sinks=None, relbias=None, *args, out_val=None, **kwargs) -> int:
     """Forward: 2 matmuls (q.k and p.v) per visible pair and query head: 2*D + 2*Dv flops."""
     hq, _, d = q.shape
     dv = v.shape[-1]
@@ -620,7 +690,7 @@ def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, win
 @register_flop_formula(torch.ops.brcompile.tree_attention_backward, get_raw=True)
 def _tree_attention_backward_flop(
     grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0, alibi=None,
-    sinks=None, *args,
+    sinks=None, relbias=None, *args,
     out_val=None, **kwargs
 ) -> int:
     """Backward, as SDPA's formula: recompute q.k, then dv, dp, dq, dk; 6*D + 4*Dv per pair and head
@@ -652,7 +722,7 @@ def _tree_arrays(tree: TreeLike) -> tuple[Tensor, Tensor, Tensor]:
 def tree_attention(
     q: Tensor, k: Tensor, v: Tensor, tree: TreeLike, scale: Optional[float] = None, impl: str = "auto",
     window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0, alibi: Optional[Sequence[float]] = None,
-    sinks: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, relbias: Optional[Tensor] = None,
 ) -> Tensor:
     """Tree attention over packed tokens: out [Hq, N, D] for q [Hq, N, D], k/v [Hkv, N, D].
 
@@ -661,16 +731,17 @@ def tree_attention(
     registered name. ``window`` > 0: a sliding window over ``position`` (default: the tree's positions when
     ``tree`` is a PackedTree). ``softcap`` > 0: scores ``softcap * tanh(s / softcap)``. ``alibi``: Hq slopes m,
     scores ``+ m[h] * (position[k] - position[q])`` (positions as for a window).
-    ``sinks``: sink logits, [Hq] (one per head) or [Hq, N] (one per head and query token). Differentiable in
-    q, k, v and the sinks.
+    ``sinks``: sink logits, [Hq] (one per head) or [Hq, N] (one per head and query token). ``relbias``: a
+    per-query-token table R [Hq, N, E], scores ``+ R[h, q, min(position[q] - position[k], E - 1)]`` (positions
+    as for a window). Differentiable in q, k, v, the sinks and the relative bias.
     """
     end, valid, segments = _tree_arrays(tree)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if (window or alibi) and position is None:
+    if (window or alibi or relbias is not None) and position is None:
         position = getattr(tree, "position", None)
-    if window or softcap or alibi or sinks is not None:
+    if window or softcap or alibi or sinks is not None or relbias is not None:
         slopes = None if alibi is None else [float(m) for m in alibi]
         return torch.ops.brcompile.tree_attention_forward(q, k, v, end, valid, segments, float(scale), impl, window,
-                                                          position, float(softcap), slopes, sinks)[0]
+                                                          position, float(softcap), slopes, sinks, relbias)[0]
     return torch.ops.brcompile.tree_attention(q, k, v, end, valid, segments, float(scale), impl)

@@ -12,10 +12,13 @@ With s[h, q, k] = scale * q[h, q] . k[h // g, k] (g = Hq // Hkv) and M the tree 
 
 (with a sliding window, M also requires ``position[q] - position[k] < window``; with a soft-cap c the
 scores are ``c * tanh(s / c)``; with ALiBi slopes m the scores then get ``+ m[h] * (position[k] -
-position[q])``, a constant per pair, so the backward below is unchanged) and the backward (explicit formulas, from the saved out and lse):
+position[q])``, a constant per pair, so the backward below is unchanged; with a relative bias R [Hq, N, E] they
+get ``+ R[h, q, min(position[q] - position[k], E - 1)]``) and the backward (explicit formulas, from the saved out
+and lse):
 
     dp = dout . v^T,  delta[h, q] = sum_d dout[h, q, d] out[h, q, d],  ds = p * (dp - delta)
     dq = scale * ds . k,  dk = scale * sum_{heads of the group} ds^T . q,  dv = sum_{group} p^T . dout
+    dR[h, q, e] = sum_{k: bucket(q, k) = e} ds[h, q, k]      (ds taken before the soft-cap's factor 1 - t^2)
 """
 from __future__ import annotations
 
@@ -26,12 +29,12 @@ import torch
 from torch import Tensor
 
 from brcompile.backends.ops import (
-    AttentionImpl, TreeAttentionArgs, attention_backward, attention_forward, register_attention_impl,
+    AttentionImpl, TreeAttentionArgs, attention_backward, attention_forward, register_attention_impl, relative_buckets,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["alibi_bias", "dense_tree_mask", "reference_backward", "reference_forward"]
+__all__ = ["alibi_bias", "dense_tree_mask", "reference_backward", "reference_forward", "relative_bias"]
 
 
 def dense_tree_mask(end: Tensor, valid: Tensor, window: int = 0, position: Optional[Tensor] = None) -> Tensor:
@@ -64,11 +67,26 @@ def alibi_bias(slopes: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
     return slopes[:, None, None] * rel[None]
 
 
+def relative_bias(relbias: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
+    """[H, nq, nk] relative bias ``relbias[h, q, min(qpos[q] - kpos[k], E - 1)]`` of the [H, nq, E] table
+    (distances clamped to [0, E - 1]: :func:`..ops.relative_buckets`)."""
+    buckets = relative_buckets(qpos, kpos, relbias.shape[-1]).to(relbias.device)
+    return relbias.gather(-1, buckets.expand(relbias.shape[0], -1, -1))
+
+
+def relative_bias_grad(ds: Tensor, qpos: Tensor, kpos: Tensor, extent: int) -> Tensor:
+    """[H, nq, E]: the score gradient ``ds`` [H, nq, nk] summed per distance bucket (the gradient of
+    :func:`relative_bias`'s table; ds is 0 on pairs that are not seen)."""
+    buckets = relative_buckets(qpos, kpos, extent).to(ds.device).expand(ds.shape[0], -1, -1)
+    return ds.new_zeros(*ds.shape[:2], extent).scatter_add_(-1, buckets, ds)
+
+
 def _masked_scores(q64: Tensor, k64: Tensor, mask: Tensor, scale: float, softcap: float = 0.0,
-                   alibi: Optional[Tensor] = None, position: Optional[Tensor] = None):
+                   alibi: Optional[Tensor] = None, position: Optional[Tensor] = None,
+                   relbias: Optional[Tensor] = None):
     """(s, t): s = scale * q.k^T (soft-capped: softcap * t with t = tanh(scale * q.k^T / softcap); plus the
-    ALiBi bias of the [Hq] float64 slopes ``alibi`` over ``position``) on visible pairs, -inf elsewhere:
-    [Hq, N, N]; t is None without a soft-cap."""
+    ALiBi bias of the [Hq] float64 slopes ``alibi`` over ``position``, plus the relative bias of the float64
+    table ``relbias``) on visible pairs, -inf elsewhere: [Hq, N, N]; t is None without a soft-cap."""
     s = torch.matmul(q64, _expand_kv(k64, q64.shape[0]).transpose(-1, -2)) * scale
     t = None
     if softcap:
@@ -76,6 +94,8 @@ def _masked_scores(q64: Tensor, k64: Tensor, mask: Tensor, scale: float, softcap
         s = t * softcap
     if alibi is not None:
         s = s + alibi_bias(alibi, position, position)
+    if relbias is not None:
+        s = s + relative_bias(relbias, position, position)
     return s.masked_fill(~mask, float("-inf")), t
 
 
@@ -83,6 +103,11 @@ def _slopes64(a: TreeAttentionArgs) -> Optional[Tensor]:
     """The ALiBi slopes of ``a`` as a float64 [Hq] tensor, or None."""
     return None if not a.alibi else torch.tensor([float(m) for m in a.alibi], dtype=torch.float64,
                                                  device=a.q.device)
+
+
+def _relbias64(a: TreeAttentionArgs) -> Optional[Tensor]:
+    """The relative-bias table of ``a`` in float64, or None."""
+    return None if a.relbias is None else a.relbias.double()
 
 
 def _probabilities(s: Tensor, lse64: Tensor) -> Tensor:
@@ -96,7 +121,7 @@ def reference_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by dense masked attention computed in float64."""
     mask = dense_tree_mask(a.end, a.valid, a.window, a.position)
     q64, k64, v64 = a.q.double(), a.k.double(), a.v.double()
-    s, _ = _masked_scores(q64, k64, mask, a.scale, a.softcap, _slopes64(a), a.position)
+    s, _ = _masked_scores(q64, k64, mask, a.scale, a.softcap, _slopes64(a), a.position, _relbias64(a))
     lse64 = torch.logsumexp(s, dim=-1)
     p = _probabilities(s, lse64)
     out64 = torch.matmul(p, _expand_kv(v64, a.q.shape[0]))
@@ -105,25 +130,29 @@ def reference_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
 
 @attention_backward
 def reference_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor,
-                       lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) from the saved out and lse, by the explicit formulas above, in float64 (soft-capped:
-    ds is multiplied by d(softcap * tanh(x / softcap))/dx = 1 - t^2 before the q/k products)."""
+                       lse: Tensor) -> tuple[Tensor, ...]:
+    """(dq, dk, dv), and dR with a relative bias, from the saved out and lse, by the explicit formulas above,
+    in float64 (soft-capped: ds is multiplied by d(softcap * tanh(x / softcap))/dx = 1 - t^2 before the q/k
+    products, after dR is taken)."""
     hq, hkv = a.q.shape[0], a.k.shape[0]
     mask = dense_tree_mask(a.end, a.valid, a.window, a.position)
     q64, k64, v64 = a.q.double(), a.k.double(), a.v.double()
     dout = grad_out.double()
-    sc, t = _masked_scores(q64, k64, mask, a.scale, a.softcap, _slopes64(a), a.position)
+    sc, t = _masked_scores(q64, k64, mask, a.scale, a.softcap, _slopes64(a), a.position, _relbias64(a))
     p = _probabilities(sc, lse.double())
     dp = torch.matmul(dout, _expand_kv(v64, hq).transpose(-1, -2))
     delta = (dout * out.double()).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    drel = None if a.relbias is None else relative_bias_grad(ds, a.position, a.position, a.relbias.shape[-1])
     if a.softcap:
         ds = ds * (1 - t * t)
     dq = torch.matmul(ds, _expand_kv(k64, hq)) * a.scale
     dk = _reduce_kv(torch.matmul(ds.transpose(-1, -2), q64) * a.scale, hkv)
     dv = _reduce_kv(torch.matmul(p.transpose(-1, -2), dout), hkv)
-    return dq.to(a.q.dtype), dk.to(a.k.dtype), dv.to(a.v.dtype)
+    grads = (dq.to(a.q.dtype), dk.to(a.k.dtype), dv.to(a.v.dtype))
+    return grads if drel is None else grads + (drel.to(a.relbias.dtype),)
 
 
 register_attention_impl(AttentionImpl(name="reference", forward=reference_forward, backward=reference_backward,
-                                      supports_window=True, supports_softcap=True, supports_alibi=True))
+                                      supports_window=True, supports_softcap=True, supports_alibi=True,
+                                      supports_relbias=True))

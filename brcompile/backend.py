@@ -310,10 +310,11 @@ def _packed_example_args(an, example_inputs) -> list:
 
 def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str) -> None:
     """CannotReplay when the attention impl that will run on the inputs' device lacks a feature a packed
-    attention needs (a sliding window, logit soft-capping, ALiBi): the original graph runs, with the reason.
-    Attention sinks need no support: the op applies them around every impl."""
+    attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias): the original graph runs, with
+    the reason. Attention sinks need no support: the op applies them around every impl."""
     from brcompile.backends.ops import (
-        AttentionImplError, attention_extras, attention_scores_extras, check_impl_supports, get_attention_impl,
+        AttentionImplError, attention_extras, attention_relbias, attention_scores_extras, check_impl_supports,
+        get_attention_impl,
     )
 
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
@@ -322,10 +323,11 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
             continue
         window, _, softcap = attention_extras(n.args)
         alibi, _ = attention_scores_extras(n.args)
-        if not (window or softcap or alibi):
+        relbias = attention_relbias(n.args) is not None
+        if not (window or softcap or alibi or relbias):
             continue
         try:
-            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi)
+            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias)
         except AttentionImplError as e:
             raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
 

@@ -79,6 +79,18 @@ built from a value ``u`` [B, Hu, 1, Lk] of the key tokens computed from a traina
 feature: ``q' = cat(q, 1)``, ``k' = cat(k, post / c * T(u)^T)``, ``v' = cat(v, 0)``, and ``M - T(u)`` the mask
 (:func:`_key_feature`); the mask classification proves on its probes that this is a mask, or refuses the bias.
 
+**Relative bias** (HF Inkling2, Inkling). An additive operand ``M`` (an eager chain's, or a native SDPA node's
+``attn_mask``) built along its first operands from ``gather(T, -1, idx)`` of a value ``T`` [B, H, Lq, E] computed
+from a trainable tensor (each query token's row of bias-vs-distance values, a projection of its hidden state)
+is tree attention's relative bias (:func:`_relative_bias`): the table ``F`` is T through the casts and the
+factors constant along the keys on the way to ``M`` (Inkling's per-query ``tau``), zero-filled from distance E
+on when a ``masked_fill(·, C, 0)`` / ``where(C, 0, ·)`` is on the way, and ``M - G(F)`` replaces ``M``, with
+``G(F)[b, h, i, j] = F[b, h, i, clamp(i - j, 0, E - 1)]`` (0 from distance E on when zero-filled,
+:func:`relative_bias_dense`). The mask classification evaluates ``M - G(F)`` on its probes with ``T`` itself
+a random value (``node.meta["br_relbias_source"]``, :func:`..masks.classify`), so it proves that the bias is
+that function of the query token's table and the clamped distance alone, whatever T is, or refuses it. ``F``
+becomes the SDPA node's ``br_relbias`` keyword (``node.meta["br_relbias_zero"]``: the zero fill).
+
 **Attention sinks** (GPT-OSS): ``combined = cat([s, S.reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)], -1)``,
 optionally ``combined - combined.max(-1, keepdim=True).values`` (a per-row shift: the softmax is the same),
 ``softmax(combined)[..., :-1]`` — one value-less logit ``S[h]`` per query row (:func:`_match_sinks`); a sink
@@ -210,6 +222,7 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical
         _specialise_scalars(node, placeholders, values, canon)
         if node.meta.get("br_canonical") is None:
             _key_bias_sdpa(graph, node, values, canon)
+            _relative_bias_sdpa(graph, node, values, canon)
     for node in [n for n in graph.nodes if _call_in(n, DROPOUT)]:
         _specialise_dropout(node, placeholders, values, canon)
     removed += _remove_dead_code(graph)
@@ -1399,14 +1412,22 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
         if keyed is not None:
             (q, k, v), masks, width, _ = keyed
             ch = dataclasses.replace(ch, masks=masks)
+        relative = _relative_step(graph, ch, values or {})
+        if relative is not None:
+            masks, relative = relative
+            ch = dataclasses.replace(ch, masks=masks)
         mask = _canonical_mask(graph, ch)
     kwargs = {"attn_mask": mask, "dropout_p": p, "is_causal": False, "scale": scale}
     if ch.sinks is not None:  # read by attention.emit_sdpa and canonical_attention (the probes)
         kwargs["br_sinks"] = ch.sinks
+    if relative is not None:
+        kwargs["br_relbias"] = relative[0]
     with graph.inserting_after(ch.out):
         node = graph.call_function(F.scaled_dot_product_attention, (q, k, v), kwargs)
     node.meta.update(ch.out.meta)
     node.meta["br_canonical"] = "eager attention"
+    if relative is not None:
+        _mark_relative(node, relative, canon)
     if ch.softcap:
         node.meta["br_softcap"] = ch.softcap
     chain = " -> ".join(n.name for n in reversed(ch.dead))
@@ -1584,6 +1605,157 @@ def _key_bias_source(M: Any, tq: torch.Tensor, tk: torch.Tensor, values: dict) -
             return n
         n = _carried_operand(n)
     return None
+
+
+GATHER = (torch.gather, "gather")
+CONTIGUOUS = ("contiguous", "clone", torch.clone)
+
+
+def relative_bias_dense(table: torch.Tensor, like: torch.Tensor, zero_beyond: bool) -> torch.Tensor:
+    """``G(F)[b, h, i, j] = F[b, h, i, clamp(i - j, 0, E - 1)]`` for a [B, H, Lq, E] table F over the last two
+    dims of ``like`` (the [.., Lq, Lk] operand it is compared with), 0 where ``i - j >= E`` when ``zero_beyond``.
+    Only evaluated by the mask classification's probes (the canonical copy is never run)."""
+    lq, lk, extent = like.shape[-2], like.shape[-1], table.shape[-1]
+    d = torch.arange(lq, device=table.device)[:, None] - torch.arange(lk, device=table.device)[None, :]
+    g = table.gather(-1, d.clamp(0, extent - 1).expand(*table.shape[:-2], lq, lk))
+    return g.masked_fill(d >= extent, 0.0) if zero_beyond else g
+
+
+def _relative_step(graph: fx.Graph, ch: EagerChain, values: dict) -> Optional[tuple]:
+    """An eager chain's additive mask step with a relative bias (:func:`_relative_bias`): (the mask steps with
+    that step's operand replaced by ``M - G(F)``, (F, T, zero_beyond)), or None. Not for 3-D attention or a
+    step scaled after the sum (``post`` != 1)."""
+    if ch.heads is not None or ch.merged_out:
+        return None
+    for i, step in enumerate(ch.masks):
+        if step[0] != "add" or step[-1] != 1.0:
+            continue
+        found = _relative_bias(graph, ch.q, step[1], values)
+        if found is not None:
+            rest, relative = found
+            masks = list(ch.masks)
+            masks[i] = ("add", rest, step[-1])
+            return masks, relative
+    return None
+
+
+def _relative_bias_sdpa(graph: fx.Graph, node: fx.Node, values: dict, canon: Canonical) -> None:
+    """The same for an SDPA node whose float ``attn_mask`` carries a relative bias (HF Inkling under ``sdpa``:
+    ``where(mask, position_bias, min)``): its mask is replaced in place."""
+    a = _sdpa_args(node)
+    M, q = a["attn_mask"], a["query"]
+    if not isinstance(M, fx.Node) or a["is_causal"] is not False or node.meta.get("br_softcap") \
+            or _tensor(q) is None or _tensor(M) is None or not _tensor(M).is_floating_point():
+        return
+    with graph.inserting_before(node):
+        found = _relative_bias(graph, q, M, values)
+    if found is None:
+        return
+    rest, relative = found
+    _set_sdpa_arg(node, "attn_mask", rest)
+    node.update_kwarg("br_relbias", relative[0])
+    _mark_relative(node, relative, canon)
+
+
+def _mark_relative(node: fx.Node, relative: tuple, canon: Canonical) -> None:
+    """Record a relative bias on the SDPA node: the zero fill and the table's source T (the probes' free value)."""
+    table, source, zero = relative
+    node.meta["br_relbias_zero"] = zero
+    node.meta["br_relbias_source"] = source
+    canon.notes.append(f"{node.name}: relative bias, the per-query table {table.name} from {source.name} over the "
+                       f"clamped distance{' (0 beyond it)' if zero else ''}")
+
+
+def _relative_bias(graph: fx.Graph, q: Any, M: Any, values: dict) -> Optional[tuple]:
+    """A relative bias in the additive operand ``M`` of the [B, H, Lq, Lk] scores: (``M - G(F)``, (F, T,
+    zero_beyond)), or None (module docstring).
+
+    ``M`` is walked back along its carried operands (:func:`_carried_operand`) to ``gather(T, -1, idx)`` with T
+    a floating [B, H, Lq, E] value (H the query heads) computed from a trainable tensor. The ops on the way are
+    each one of: a cast, ``contiguous``/``clone``, a product or quotient with an operand constant along the keys
+    (last dim 1: a factor per query row), ``masked_fill(C, 0)`` / ``where(C, 0, x)`` (a zero fill: the bias is 0
+    where C holds, read as 0 from distance E on), a ``masked_fill`` / ``where`` with a blocking value or a sum
+    (mask parts, which ``M - G(F)`` keeps for the classification); anything else: None. F is T through the casts
+    and factors in their order (the same elementwise ops: ``G(F)`` equals the gathered bias bit for bit where
+    the bias is what the probes prove). The probes decide the rest: the index, the fill's condition and every
+    mask part are only evaluated."""
+    tq = _tensor(q) if isinstance(q, fx.Node) else None
+    if tq is None or tq.dim() != 4:
+        return None
+    path, n = [], M
+    for _ in range(_KEY_BIAS_DEPTH):
+        if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+            return None
+        if _call_in(n, GATHER):
+            break
+        path.append(n)
+        n = _carried_operand(n)
+    else:
+        return None
+    T, dim = (n.args[0], n.args[1]) if len(n.args) >= 2 else (n.args[0], n.kwargs.get("dim"))
+    t = _tensor(T) if isinstance(T, fx.Node) else None
+    if t is None or t.dim() != 4 or not t.is_floating_point() or not isinstance(dim, int) \
+            or normalize_dim(dim, 4) != 3 or not _same(t.shape[1], tq.shape[1]) \
+            or not _same(t.shape[2], tq.shape[2]) or not _same(t.shape[0], tq.shape[0]) or not _trainable(T, values):
+        return None
+    table, zero = T, False
+    for step in reversed(path):  # gather side first
+        carried = _carried_operand(step)
+        if _call_in(step, CAST) or _call_in(step, CONTIGUOUS):
+            if _call_in(step, CAST):
+                table = _copy_on(graph, step, carried, table)
+            continue
+        if _call_in(step, MUL) or _call_in(step, DIV):
+            other = [a for a in step.args if a is not carried]
+            if len(step.args) != 2 or step.kwargs or (_call_in(step, DIV) and step.args[0] is not carried) \
+                    or not all(_number(a) is not None or _row_factor(a) for a in other):
+                return None
+            table = _copy_on(graph, step, carried, table)
+            continue
+        fill = _fill_value(step, carried)
+        if fill is None:
+            if _call_in(step, ADD):
+                continue
+            return None
+        if fill == 0.0:
+            zero = True
+        elif fill > BLOCKING:
+            return None
+    if _tensor(table) is None or _tensor(table).dim() != 4:  # a factor that broadcast the table to more dims
+        return None
+    rest = _call(graph, operator.sub, (M, _call(graph, relative_bias_dense, (table, M, zero))))
+    log.debug("relative bias of %s: table %s from %s", M.name, table.name, T.name)
+    return rest, (table, T, zero)
+
+
+def _row_factor(a: Any) -> bool:
+    """Whether ``a`` is a tensor node constant along the keys: at most 4 dims, the last of extent 1."""
+    t = _tensor(a) if isinstance(a, fx.Node) else None
+    return t is not None and 0 < t.dim() <= 4 and _same(t.shape[-1], 1)
+
+
+def _fill_value(step: fx.Node, carried: fx.Node) -> Optional[float]:
+    """The number a ``masked_fill(x, C, v)`` / ``where(C, v, x)`` / ``where(C, x, v)`` writes over the carried
+    operand ``x``, or None when ``step`` is no such fill."""
+    if _call_in(step, MASKED_FILL) and len(step.args) >= 3 and step.args[0] is carried:
+        return _number(step.args[2])
+    if _call_in(step, WHERE) and step.op == "call_function" and len(step.args) == 3:
+        other = step.args[2] if step.args[1] is carried else step.args[1] if step.args[2] is carried else None
+        return None if other is None else _number(other)
+    return None
+
+
+def _copy_on(graph: fx.Graph, step: fx.Node, old: fx.Node, new: fx.Node) -> fx.Node:
+    """A copy of ``step`` reading ``new`` where it read ``old``, with its example value computed."""
+    node = graph.node_copy(step, lambda a: new if a is old else a)
+    node.meta = {}
+    try:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
+        node.meta["example_value"] = (getattr(args[0], node.target)(*args[1:], **kwargs)
+                                      if node.op == "call_method" else node.target(*args, **kwargs))
+    except Exception:  # pragma: no cover - metadata is best effort; the probes evaluate the real thing
+        log.debug("no example value for %s", node.name, exc_info=True)
+    return node
 
 
 def _carried_operand(n: fx.Node) -> Optional[fx.Node]:

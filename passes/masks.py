@@ -41,6 +41,13 @@ perturbed (:func:`_perturbed_parameters`; the example batch keeps the real value
 behind its initial value; a per-key bias has been moved into the keys by the canonicalisation before (what is left
 must be a mask on every probe).
 
+**Relative bias.** An attention whose canonicalisation found a relative bias (``attn.meta["br_relbias_source"]``:
+the per-query table T [B, H, Lq, E] its bias is gathered from, :func:`..canonicalize._relative_bias`) has the
+mask ``M - G(F)``; its probes give T itself a fresh random value (:func:`free_values`) instead of computing it, so
+the mask is 0 at every visible pair only when the bias is ``G(F)`` — a function of the query token's table and
+the clamped distance alone — whatever T is; else the bias is refused by that name. (The subgraph upstream of T is
+not evaluated: it is the model's, and what it computes is the table's business, packed like any token value.)
+
 **Probe sizes.** A mask is [B, 1, L, L]: evaluating it on the example batch costs B·L² (73 GB at
 B = 16, L = 16,896). So the subgraph is evaluated at small synthetic sizes (B', L') instead, with every
 size it reads scaled (:class:`Scaling`): a dynamic size (a SymInt placeholder whose example value is the
@@ -189,9 +196,13 @@ def _int_literals(nodes: Iterable[fx.Node]) -> set[int]:
 def evaluate(mask: fx.Node, values: dict[fx.Node, object],
              literal: Optional[Callable[[int], int]] = None) -> torch.Tensor:
     """Run the subgraph that computes ``mask`` with the given placeholder values; ``literal`` rewrites
-    the int literals of its ops (a static size, for an evaluation at a probe size)."""
-    env: dict[fx.Node, object] = {}
-    for n in ancestors(mask):
+    the int literals of its ops (a static size, for an evaluation at a probe size). A node of ``values`` that is
+    no placeholder (a relative bias's table, :func:`free_values`) takes that value: its own inputs are not
+    evaluated."""
+    env: dict[fx.Node, object] = {n: v for n, v in values.items() if isinstance(n, fx.Node) and n.op != "placeholder"}
+    for n in ancestors(mask, lambda a: a not in env):
+        if n in env:
+            continue
         if n.op == "placeholder":
             env[n] = values[n]
             continue
@@ -403,6 +414,22 @@ class _Trial:
         return self._bias
 
 
+def free_nodes(attn: fx.Node) -> list[fx.Node]:
+    """The nodes whose probe values are free (random) rather than computed: a relative bias's table source."""
+    source = attn.meta.get("br_relbias_source")
+    return [source] if isinstance(source, fx.Node) else []
+
+
+def free_values(free: Sequence[fx.Node], Bp: int, Lp: int, gen: torch.Generator) -> dict:
+    """Random values of the free [B, H, L, E] nodes at probe size (Bp, Lp) (dims 0 and 2 scaled)."""
+    out = {}
+    for n in free:
+        t = example_value(n)
+        shape = (Bp, int(t.shape[1]), Lp, *(int(s) for s in t.shape[3:]))
+        out[n] = torch.randn(shape, generator=gen, dtype=torch.float64).to(device=t.device, dtype=t.dtype)
+    return out
+
+
 def _binary(x: torch.Tensor) -> bool:
     return bool(((x == 0) | (x == 1)).all())
 
@@ -426,9 +453,11 @@ def _probe_value(x: torch.Tensor, binary: bool, B: int, L: int, gen: torch.Gener
 class _Probes:
     """Builds the trials of one mask (see the module docstring)."""
 
-    def __init__(self, inputs: Sequence[fx.Node], values: dict, scaling: Scaling, perturbed: Optional[dict] = None):
+    def __init__(self, inputs: Sequence[fx.Node], values: dict, scaling: Scaling, perturbed: Optional[dict] = None,
+                 free: Sequence[fx.Node] = ()):
         self.inputs, self.values, self.sc = list(inputs), values, scaling
         self.perturbed = perturbed or {}  # trainable tensors at generic values, for the probes (not the example)
+        self.free = list(free)  # nodes given random values (:func:`free_values`)
         self.binary = {t: _binary(values[t]) for t in self.inputs}
         self.gen = torch.Generator().manual_seed(0)
 
@@ -445,6 +474,7 @@ class _Probes:
             v = dict(v0)
             for t in self.inputs:
                 v[t] = _probe_value(self.values[t], self.binary[t], Bp, Lp, self.gen, pat)
+            v.update(free_values(self.free, Bp, Lp, self.gen))
             out.append(_Trial(v, lit, (Bp, Lp), pat == 0))
         return out
 
@@ -452,7 +482,8 @@ class _Probes:
         """The example batch itself and four probes of its shape (only where it is small)."""
         B, L = self.sc.B, self.sc.L
         ones = all(bool((self.values[t] == 1).all()) for t in self.inputs if self.binary[t])
-        return [_Trial(dict(self.values), None, (B, L), ones)] + self.trials(B, L, range(4))
+        example = {**self.values, **free_values(self.free, B, L, self.gen)}
+        return [_Trial(example, None, (B, L), ones)] + self.trials(B, L, range(4))
 
 
 def _probe_lengths(sc: Scaling, literals: set[int]) -> tuple[list[int], list[int]]:
@@ -487,7 +518,8 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
              values: dict[fx.Node, object]) -> MaskInfo:
     """Meaning of ``mask`` at attention node ``attn`` (see module docstring). ``values``: the example
     inputs by placeholder (SymInts as their example ints)."""
-    anc = ancestors(mask)
+    free = free_nodes(attn)
+    anc = ancestors(mask, lambda a: a not in free)
     anc_set = set(anc)
     inputs = [t for t in tree_inputs if t in anc_set]
     for n in anc:
@@ -497,7 +529,7 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
     sc = Scaling.of(tree_inputs[0], values, anc)
     dynamic = _is_symbolic_length(tree_inputs[0])
     small = sc.B * sc.L * sc.L <= MAX_PROBE_ELEMENTS
-    probes = _Probes(inputs, values, sc, _perturbed_parameters(mask, values))
+    probes = _Probes(inputs, values, sc, _perturbed_parameters(mask, values, free), free)
     trials = probes.example_trials() if small else []
     limit: Optional[tuple[int, str]] = None
     if dynamic or not small:
@@ -521,6 +553,11 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
     if not trials:
         raise CannotReplay("attention mask could not be evaluated at any probe size", attn)
     info = _meaning(attn, mask, inputs, trials)
+    if free and any(t.bias(mask, attn) is not None for t in trials):
+        raise CannotReplay(f"attention bias gathered from the per-query table {free[0].name} that is not "
+                           f"{free[0].name}[b, h, i, clamp(i - j, 0, E - 1)] at every visible pair (i, j) (optionally 0 "
+                           "from distance E on): a relative bias must be a function of the query token's table and "
+                           "the clamped query-key distance alone", attn)
     if any(t.bias(mask, attn) is not None for t in trials):
         info = alibi_meaning(attn, mask, info, inputs, trials, values)
     if dynamic and limit is not None:
@@ -632,8 +669,9 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
             if x is not None:
                 raise CannotReplay(f"{what} computed from the values of {x.name} through the trainable tensor "
                                    f"{n.name} (a per-token bias, e.g. a projection of the hidden states: tree "
-                                   "attention's only bias is ALiBi, a fixed per-head slope times the position "
-                                   "distance)", attn)
+                                   "attention's biases are ALiBi, a fixed per-head slope times the position "
+                                   "distance, and a relative bias gathered from a table of the query token by the "
+                                   "clamped distance)", attn)
             raise CannotReplay(f"{what} computed from the trainable tensor {n.name} (a learned position bias, e.g. "
                                "trained ALiBi slopes or a relative-position table: its gradient is not supported)",
                                attn)
@@ -680,11 +718,11 @@ def _followed_input(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], tri
     return None
 
 
-def _perturbed_parameters(mask: fx.Node, values: dict) -> dict:
-    """Every trainable floating placeholder of the mask's subgraph, plus a fixed pseudo-random offset
-    (seeded, 0.25 * N(0, 1)): generic values for the probes of :func:`_followed_input`."""
+def _perturbed_parameters(mask: fx.Node, values: dict, free: Sequence[fx.Node] = ()) -> dict:
+    """Every trainable floating placeholder of the mask's subgraph (not behind a ``free`` node), plus a fixed
+    pseudo-random offset (seeded, 0.25 * N(0, 1)): generic values for the probes of :func:`_followed_input`."""
     gen, out = torch.Generator().manual_seed(0), {}
-    for n in ancestors(mask):
+    for n in ancestors(mask, lambda a: a not in free):
         v = values.get(n) if n.op == "placeholder" else None
         if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
             noise = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(device=v.device, dtype=v.dtype)

@@ -46,7 +46,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from brcompile.backends.ops import attention_extras, attention_scores_extras
+from brcompile.backends.ops import attention_extras, attention_relbias, attention_scores_extras
 from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
@@ -251,6 +251,9 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, *, 
             if alibi:
                 raise CannotReplay("streaming replay: ALiBi position biases are not supported against a cached prefix "
                                    "(the packed mode runs)", n)
+            if attention_relbias(n.args) is not None:
+                raise CannotReplay("streaming replay: relative biases (a per-query-token table over the query-key "
+                                   "distance) are not supported against a cached prefix (the packed mode runs)", n)
             if window or softcap or sinks is not None:
                 args += (window, env[position] if window else None, cache_position if window else None, softcap)
             if sinks is not None:

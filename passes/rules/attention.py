@@ -13,7 +13,11 @@ sinks (``br_sinks``, from the eager canonicalisation) are its ``sinks`` argument
 ([H], dense), or one logit per query row — a [B, H, L, 1] TOKEN value (row 0, position 2: the query's token
 axis, e.g. a projection of the query's hidden state), packed to tree attention's [H, N] like any token value
 (row (b, i) reads its token's logit, as q does). A sink column that is not such a value (it mixes rows, or
-positions other than the query's) is refused.
+positions other than the query's) is refused. A relative bias (``br_relbias``, from the eager canonicalisation:
+a [B, H, L, E] table F of the query token with ``bias[b, h, i, j] = F[b, h, i, clamp(i - j, 0, E - 1)]``, 0 from
+distance E on with ``node.meta["br_relbias_zero"]``) is its ``relbias`` argument: F packed to [H, N, E] (with a
+zero column appended for the zero fill), indexed by the tree positions' distance (the columns' distance in
+every row, as HF's ``arange(Lq)[:, None] - arange(Lk)[None, :]``). A table that is not such a value is refused.
 A value head dim other than the query/key one (MLA) is zero-padded to one D and the output sliced back
 (:func:`pad_head_dims`).
 
@@ -98,12 +102,16 @@ def emit_sdpa(pk, node):
     softcap = float(node.meta.get("br_softcap", 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
     alibi = getattr(info, "alibi", None)
     sinks = a.get("br_sinks")  # attention sinks (eager canonicalisation)
-    if info.window or softcap or alibi or sinks is not None:  # sliding window over the tree positions
-        args += (info.window, _positions(pk, info) if (info.window or alibi) else None)
-    if softcap or alibi or sinks is not None:
+    rel = a.get("br_relbias")  # relative bias (canonicalisation)
+    extra = sinks is not None or rel is not None
+    if info.window or softcap or alibi or extra:  # sliding window over the tree positions
+        args += (info.window, _positions(pk, info) if (info.window or alibi or rel is not None) else None)
+    if softcap or alibi or extra:
         args += (softcap,)
-    if alibi or sinks is not None:
+    if alibi or extra:
         args += (list(alibi) if alibi else None, None if sinks is None else _sinks(pk, sinks))
+    if rel is not None:
+        args += (_relbias(pk, rel, bool(node.meta.get("br_relbias_zero"))),)
     out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     if dv is not None:
@@ -118,6 +126,17 @@ def _sinks(pk, sinks):
         dense = pk.dense(sinks)
         return dense if len(pk.static_shape(sinks)) == 1 else pk.graph.call_method("reshape", (dense, -1))
     return pk.graph.call_method("squeeze", (pk.graph.call_method("squeeze", (pk.packed(sinks), -1)), 0))
+
+
+def _relbias(pk, table, zero_beyond: bool):
+    """The ``relbias`` argument of tree attention: the [B, H, L, E] TOKEN table packed ([1, H, N, E] -> [H, N, E]),
+    with a zero column appended when the bias is 0 from distance E on (bucket E of the clamp is then that 0)."""
+    g = pk.graph
+    t = g.call_method("squeeze", (pk.packed(table), 0))
+    if not zero_beyond:
+        return t
+    zero = g.call_function(torch.zeros_like, (g.call_function(operator.getitem, (t, (Ellipsis, slice(None, 1)))),))
+    return g.call_function(torch.cat, ((t, zero), -1))
 
 
 def pad_head_dims(pk, q, k, v, dk: int, dv: int):
@@ -176,6 +195,7 @@ def sdpa(ctx: AxesContext, node):
     if why is not None:
         ctx.fail(node, why)
     _check_sinks(ctx, node, a.get("br_sinks"))
+    _check_relbias(ctx, node, a.get("br_relbias"))
     return facts[0]
 
 
@@ -198,6 +218,26 @@ def _check_sinks(ctx: AxesContext, node, sinks) -> None:
             or shape is None or shape[-1] != 1:
         ctx.fail(node, f"attention sink logits per query row are a token value {f} of shape {shape}, not a "
                  "[B, H, L, 1] column along the queries' token axis")
+
+
+def _check_relbias(ctx: AxesContext, node, table) -> None:
+    """A relative bias's table is absent or a [B, H, L, E] TOKEN value with the queries' token axes (row 0,
+    position 2, the full window) and H the query heads: row (b, i)'s table is its token's, so the packed table
+    is tree attention's [H, N, E]. Its positions are the tree's: ALiBi over attention-mask counts beside it is
+    refused."""
+    if table is None:
+        return
+    f = get_axes(table)
+    shape = ctx.shape(table)
+    if not f.is_token:
+        ctx.fail(node, "relative-bias table that is not a value of the query token (it depends on other rows or "
+                 "positions): " + (ctx.first_materialisation() or "it depends on dense data"))
+    if (f.ndim, f.row, f.pos) != (4, 0, 2) or f.window != ctx.full_window() or f.local or shape is None \
+            or shape[1] != ctx.shape(_sdpa_args(node)["query"])[1]:
+        ctx.fail(node, f"relative-bias table is a token value {f} of shape {shape}, not a [B, H, L, E] table "
+                 "along the queries' token axis")
+    if getattr(ctx.notes.get(node), "alibi_count", None) is not None:
+        ctx.fail(node, "relative bias beside ALiBi over attention-mask counts (two position spaces)")
 
 
 def head_counts_unsupported(hq: int, hk: int, hv: int, enable_gqa: bool) -> str | None:

@@ -212,3 +212,49 @@ def filled_like(ctx: AxesContext, node):
     x = node.args[0] if node.args else node.kwargs.get("input")
     ax = get_axes(x)
     return ax if ax.is_token else DENSE if ax.is_dense else ax
+
+
+NEW_FILLED = ["new_zeros", "new_ones", "new_full"]
+
+
+def _new_filled_parts(node) -> tuple[list, tuple]:
+    """(size, the arguments after it) of ``x.new_zeros(*size)`` / ``new_ones(size)`` / ``new_full(size, v)``."""
+    if node.target == "new_full":
+        size = node.args[1] if len(node.args) > 1 else node.kwargs["size"]
+        return list(size), tuple(node.args[2:])
+    size = list(node.args[1:])
+    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
+        size = list(size[0])
+    return size, ()
+
+
+def emit_new_filled(pk, node):
+    """The same fill on the packed ``x`` with its token dims' extents 1 (row) and N (position)."""
+    ax = get_axes(node)
+    sizes = pk.static_sizes(node)
+    if ax.row is not None:
+        sizes[ax.row] = 1
+    sizes[ax.pos] = pk.N()
+    _, rest = _new_filled_parts(node)
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "size"}
+    return pk.graph.call_method(node.target, (pk.packed(node.args[0]), sizes, *rest), kwargs)
+
+
+@register_rule(NEW_FILLED, emit=emit_new_filled, local="carry")
+def new_filled(ctx: AxesContext, node):
+    """``x.new_zeros(size)`` / ``new_ones`` / ``new_full(size, v)`` in the shape of a token value ``x`` at its
+    token dims (HF Inkling2's ``inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, D)``, an empty stack of
+    block states): every element is the same constant wherever it sits, so with x's token dims at the same
+    places (extents B and L there) the packed fill ([1, N] there) is the packing of the dense one. Otherwise a
+    constant of a token value's dtype only: CONST (or DENSE for a dense ``x``)."""
+    x = node.args[0]
+    ax = get_axes(x)
+    if not ax.is_token:
+        return DENSE if ax.is_dense else ax
+    ins, outs = shape_of(x), shape_of(node)
+    dims = ax.token_dims()
+    if ax.local or ax.flat or ax.window != ctx.full_window() or ins is None or outs is None \
+            or any(d >= len(outs) or outs[d] != ins[d] for d in dims):
+        return dense_fallback(ctx, node, f"a fill of shape {list(outs or ())} that does not keep the token dims of "
+                              f"{list(ins or ())} in place")
+    return token(len(outs), ax.row, ax.pos, ax.window)

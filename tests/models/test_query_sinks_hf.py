@@ -7,9 +7,9 @@ full one with its dynamic convolution weights, the gated output projection) in a
 float32 casts kept in float64 (KeepFloat64): the loss and every parameter gradient (``sink_proj``'s included)
 equal eager's within 1e-10, and the packed attention takes the packed sink column.
 
-The whole models still fall back on another feature: their hidden-states-conditioned relative position bias
-(a per-query table indexed by the distance to the key) is not a tree-attention feature, so the module's bias is
-swapped for none here, as tests/models/test_alibi_sinks_hf.py swaps GPT-OSS's experts.
+The module's relative position bias (a per-query table indexed by the distance to the key, tree attention's
+relative bias: tests/models/test_relative_bias_hf.py) is swapped for none here, so that these tests check the
+sinks alone, as tests/models/test_alibi_sinks_hf.py swaps GPT-OSS's experts.
 """
 import re
 

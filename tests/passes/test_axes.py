@@ -119,6 +119,10 @@ TABLE = [
     ("repeat_interleave_heads", lambda ids: EMB(ids).view(B, L, 2, D // 2).repeat_interleave(2, dim=2),
      "token(row=0, pos=1)"),
     ("cat_features", lambda ids: torch.cat([EMB(ids), -EMB(ids)], -1), "token(row=0, pos=1)"),
+    # a constant fill in a token value's shape keeps its token dims (Inkling2's empty stack of block states)
+    ("new_zeros_token_shape", lambda ids: torch.cat([EMB(ids).new_zeros(B, L, 0, D), EMB(ids)[:, :, None]], -2),
+     "token(row=0, pos=1)"),
+    ("new_full_moves_token_dims", lambda ids: EMB(ids) + EMB(ids).new_full((L, B, 1), 1.0).transpose(0, 1), "dense"),
     ("cat_positions", lambda ids: torch.cat([EMB(ids), EMB(ids)], 1), "dense"),
     ("scores", lambda ids: EMB(ids) @ EMB(ids).transpose(-1, -2), "dense"),
     ("chunk_features", lambda ids: EMB(ids).chunk(2, -1)[1], "token(row=0, pos=1)"),

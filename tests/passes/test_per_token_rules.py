@@ -2,8 +2,9 @@
 executed tokens): ``polar`` of position-only frequencies (a complex rotary table), one constant array index
 on a feature dim (Falcon's fused ``qkv[..., [-2], :]``), ``scatter`` along a non-token dim (a router's
 per-token mask), ``max``/``min`` over the features and elementwise, GPT-2's ``addmm`` and RecurrentGemma's
-per-head ``baddbmm`` over flattened tokens, and ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh values
-(passes/functionalize.py)."""
+per-head ``baddbmm`` over flattened tokens, ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh values
+(passes/functionalize.py), and ``new_zeros`` / ``new_full`` in a token value's shape (Inkling2's empty stack of
+block states)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,12 +67,17 @@ class Block(torch.nn.Module):
             out[..., : D // 2] = o[..., D // 2:] * 2
             out[..., D // 2:] = o[..., : D // 2]
             o = out
+        if self.variant == "new_zeros":  # Inkling2's stack of block states, started empty in a token value's shape
+            stack = o.new_zeros(*o.shape[:-1], 0, D)
+            stack = torch.cat([stack, o.unsqueeze(-2), h.unsqueeze(-2)], -2)
+            o = stack.softmax(-2).mul(stack).sum(-2) + h.new_full((*h.shape[:-1], 1), 0.5)
         return o.square().sum()
 
 
 @pytest.mark.parametrize("variant,dynamic", [("polar", False), ("polar", True), ("array_index", False),
                                              ("scatter", False), ("addmm", True), ("baddbmm", True),
-                                             ("setitem", False), ("max", False)])
+                                             ("setitem", False), ("max", False), ("new_zeros", False),
+                                             ("new_zeros", True)])
 def test_per_token_rule_replays_exactly(variant, dynamic):
     backend = replay_exact(Block(variant), dynamic=dynamic)
     rec = backend.records[0]
@@ -81,4 +87,4 @@ def test_per_token_rule_replays_exactly(variant, dynamic):
     assert not rec.repacked, rec.repacked  # every value has a per-token rule: no dense region packed again
     mats = [f"{node} (for {user})" for node, user, *_ in rec.materialisations]
     assert all(("getitem" not in m and "scatter" not in m and "addmm" not in m and "cat" not in m
-                and "max" not in m and "min" not in m) for m in mats), mats
+                and "max" not in m and "min" not in m and "new_" not in m) for m in mats), mats

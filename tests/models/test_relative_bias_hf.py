@@ -1,0 +1,157 @@
+"""HF Inkling2's and Inkling's relative position bias replays through tree attention's ``relbias``.
+
+Inkling2 (and Inkling2-Loop) adds ``position_bias = gather(T, -1, clamp(i - j, 0, E - 1)).masked_fill(i - j >= E,
+0)`` to the scores, with ``T = (norm(linear(h)) @ proj).transpose(1, 2)`` — per head and query token a row of E
+bias-vs-distance values projected from the query's hidden state. That is a value of the query token indexed by
+the clamped distance alone: the canonicalisation takes T as the table (a zero column appended for the fill), the
+mask classification proves the form on probes where T is a free random value, and tree attention adds
+``R[h, q, min(pos[q] - pos[k], E)]`` with its gradient per distance bucket. Inkling (the first version) is the same
+bias through a per-query-row factor (``tau``, its log scaling) and, under ``sdpa``, inside the ``attn_mask``.
+
+The tests run HF's own attention modules in a tiny LM (the sliding one with its convolved key/value projections,
+the full one with its dynamic convolution weights), float64 with their float32 casts kept in float64
+(KeepFloat64), with a rel_extent (3 for the full layer, the window 4 for the sliding one) shorter than the rows of
+7 so that the clamp and the zero fill show: the loss and every parameter gradient (the bias's ``linear``, ``scale`` and ``proj``
+included) equal eager's within 1e-10, and the packed attention takes the packed table. A whole tiny
+InklingForCausalLM replays the same way. Refused by name: a bias gathered from a per-query table whose index is
+not the clamped distance, the streaming split (the packed mode runs), an attention impl without the feature.
+"""
+import re
+
+import pytest
+import torch
+
+import brcompile
+from tests.helpers import KeepFloat64, assert_grads_exact, replay_exact
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+inkling2_loop = pytest.importorskip("transformers.models.inkling2_loop.modeling_inkling2_loop")
+
+V = 11
+
+
+def _config(model_type):
+    cfg = transformers.AutoConfig.for_model(
+        model_type, vocab_size=V, hidden_size=32, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+        swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4, rel_extent=3, sliding_window_size=4)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+class _AttentionLM(torch.nn.Module):
+    """Embedding -> one HF Inkling2 attention module (causal additive mask, HF's relative distance) ->
+    projection -> a scalar."""
+
+    def __init__(self, cls, model_type, layer_idx):
+        super().__init__()
+        cfg = _config(model_type)
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(V, cfg.hidden_size)
+        self.attn = cls(cfg, layer_idx)
+        self.out = torch.nn.Linear(cfg.hidden_size, V)
+        for p in self.parameters():  # HF initialises some of them to 0 (the convolutions, the sink projection)
+            torch.nn.init.normal_(p, std=0.3)
+        torch.nn.init.normal_(self.attn.relative_position_bias.proj, std=1.0)
+        self.register_buffer("tril", torch.tril(torch.ones(16, 16, dtype=torch.bool)))
+        self.full = "FullAttention" in cls.__name__
+        self.index = None  # the relative-distance spelling (None: HF's)
+
+    def forward(self, ids):
+        B, L = ids.shape
+        h = self.emb(ids)
+        mask = torch.zeros(L, L, dtype=h.dtype).masked_fill(~self.tril[:L, :L], torch.finfo(h.dtype).min)
+        pos = torch.arange(L)[None].expand(B, -1)
+        dist = pos[0][:, None] - pos[0][None, :]
+        if self.index is not None:
+            dist = self.index(dist)
+        if self.full:
+            o, _ = self.attn(h, h, h, mask[None, None], dist, position_ids=pos)
+        else:
+            o, _ = self.attn(h, mask[None, None], dist, position_ids=pos)
+        return self.out(o).log_softmax(-1).pow(2).sum()
+
+
+def _relbias_argument(code, op="tree_attention_forward"):
+    """The relbias argument (the last) of the one ``op`` call of the graph ``code``."""
+    (call,) = [line for line in code.splitlines() if f"{op}.default(" in line]
+    return re.search(rf"{op}\.default\((.*)\);", call).group(1).split(", ")[-1]
+
+
+@pytest.mark.parametrize("cls,model_type,layer_idx", [
+    (inkling2.Inkling2SlidingAttention, "inkling2_text", 0),
+    (inkling2_loop.Inkling2LoopFullAttention, "inkling2_loop_text", 1),
+], ids=["inkling2_sliding", "inkling2_loop_full"])
+def test_inkling2_relative_bias_replays_exactly(cls, model_type, layer_idx):
+    """Loss and every parameter gradient as eager in float64 (rows of 7, longer than the table); the packed tree
+    attention takes the packed table with the zero column appended, and the canonicalisation says so."""
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    model = _AttentionLM(cls, model_type, layer_idx)
+    with KeepFloat64():
+        backend = replay_exact(model, vocab=V)
+    code = backend.records[0].packed_code
+    rel = _relbias_argument(code)
+    assert rel != "None" and re.search(rf"{rel} = torch\.cat\(\(\w+, zeros_like", code), code
+    assert "relative_position_bias" in code
+    assert model.attn.relative_position_bias.rel_extent < 7  # rows of 7: distances beyond the table show
+
+
+def test_index_other_than_the_clamped_distance_is_refused():
+    """A bias gathered from the per-query table at half the distance is no relative bias of the clamped
+    distance: the probes (the table a free random value) refuse it by that name."""
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).double()
+    model.index = lambda d: torch.div(d, 2, rounding_mode="floor")
+    ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
+    ids[1:, 5:] = 3
+    backend = brcompile.backend(compiler="eager")
+    with KeepFloat64():
+        torch.compile(model, backend=backend)(ids)
+    s = brcompile.stats()
+    assert s.fallback_calls == 1 and s.replayed_calls == 0, str(s)
+    why = backend.records[-1].reason
+    assert "that is not" in why and "clamp(i - j, 0, E - 1)" in why, why
+
+
+def test_streaming_refuses_relative_bias_packed_mode_runs():
+    """mode="replay": the streaming split refuses the relative bias by name; the call replays packed, exactly."""
+    from brcompile.testing import TOLERANCE, rel_err
+
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).double()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, V, (1, 9), generator=g).repeat(4, 1)
+    ids[1:, 5:] = torch.randint(1, V, (3, 4), generator=g)
+    params = list(model.parameters())
+    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=4)
+    with KeepFloat64():
+        want = model(ids)
+        gw = torch.autograd.grad(want, params)
+        got = torch.compile(model, backend=backend)(ids)
+        gg = torch.autograd.grad(got, params)
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.streamed_calls == 0 and s.fallback_calls == 0, str(s)
+    assert "relative biases" in backend.records[-1].replay_reason, backend.records[-1].replay_reason
+    assert rel_err(got.detach(), want.detach()) <= TOLERANCE[torch.float64]
+    assert_grads_exact(gg, gw, [str(tuple(p.shape)) for p in params], torch.float64)
+
+
+def test_impl_without_relative_bias_falls_back_naming_it():
+    """An attention impl without ``supports_relbias`` (the Triton kernels, here through Triton's interpreter: the
+    conftest sets TRITON_INTERPRET=1 without a GPU): the original graph runs, the reason names the feature."""
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).double()
+    ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
+    ids[1:, 5:] = 3
+    backend = brcompile.backend(compiler="eager", attention="triton")
+    with KeepFloat64():
+        torch.compile(model, backend=backend)(ids)
+    s = brcompile.stats()
+    assert s.fallback_calls == 1 and s.replayed_calls == 0, str(s)
+    why = backend.records[-1].reason
+    assert "impl 'triton' does not support relative biases" in why, why
