@@ -436,7 +436,9 @@ def _binary(x: torch.Tensor) -> bool:
 
 def _probe_value(x: torch.Tensor, binary: bool, B: int, L: int, gen: torch.Generator, pattern: int) -> torch.Tensor:
     """A [B, L] value typed like tree input ``x``: for 0/1 inputs pattern 0 is all ones, 1 left padding
-    of random lengths, 2 right padding, 3 random 0/1; other inputs get random values in ``x``'s range."""
+    of random lengths, 2 right padding, 3 random 0/1; other inputs get random values in ``x``'s range
+    ``[min, max]`` (never past it: token ids past the largest one seen may be past an embedding's vocabulary;
+    a constant input gets a second value next to it, below it when it can)."""
     if binary:
         if pattern == 0:
             p = torch.ones(B, L, dtype=torch.bool)
@@ -446,8 +448,10 @@ def _probe_value(x: torch.Tensor, binary: bool, B: int, L: int, gen: torch.Gener
         else:
             p = torch.rand(B, L, generator=gen) < 0.6
         return p.to(device=x.device, dtype=x.dtype)
-    lo, hi = (int(x.min()), int(x.max()) + 2) if x.numel() else (0, 2)
-    return torch.randint(lo, max(hi, lo + 2), (B, L), generator=gen).to(device=x.device, dtype=x.dtype)
+    lo, hi = (int(x.min()), int(x.max())) if x.numel() else (0, 1)
+    if lo == hi:
+        lo, hi = (lo - 1, lo) if lo > 0 else (lo, lo + 1)
+    return torch.randint(lo, hi + 1, (B, L), generator=gen).to(device=x.device, dtype=x.dtype)
 
 
 class _Probes:

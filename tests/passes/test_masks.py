@@ -344,6 +344,15 @@ def test_mask_read_through_an_attention_with_sinks_replays():
     assert len(masks_) == 2 and all(m.endswith(": causal+keypad(l_am_)") for m in masks_), masks_
 
 
+def test_mask_probes_keep_token_ids_inside_the_vocabulary():
+    """The probes draw token ids in the example's range: with the largest id the last row of the embedding, a
+    mask computed through the embedding (the indexer above) is probed without reading past the vocabulary."""
+    ids, am = shared_batch(3, 6, 4, right_pad=2)
+    run_exact(IndexedLM(topk=64, vocab=int(ids.max()) + 1).double(), [(ids, am)], dynamic=False)
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
+
+
 def test_mask_that_follows_the_tokens_is_refused_by_name():
     """Fewer picks than keys: which keys a query sees depends on the tokens (through the first attention's output):
     refused as a content-dependent mask."""
