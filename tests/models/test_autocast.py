@@ -244,11 +244,12 @@ def test_cached_attention_follows_sdpa_autocast():
 def test_unresolvable_attention_dtypes_fall_back():
     """q/k/v dtypes that autocast does not produce (a float64 among them, here planted in the traced
     metadata): CannotReplay at compile time (passes/rules/attention.py) with the reason; the original
-    graph runs."""
+    graph runs. (At the Dynamo level: the ATen level traces the graph again and would not see the planted
+    metadata.)"""
     from brcompile.passes.axes import example_value
     from brcompile.passes.rules.attention import SDPA, attention_dtype
 
-    inner = backend("packed")
+    inner = brcompile.backend(compiler="eager", level="dynamo")
     seen = []
 
     def planting(gm, example_inputs):
