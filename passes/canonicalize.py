@@ -6,7 +6,7 @@ computes, with ``k``/``v`` already expanded to the query heads (``repeat_kv``)::
 
     s = matmul(q, k.transpose(-2, -1)) * c         # or / c, or no scaling (c = 1)
     s = tanh(s / cap) * cap                         # optional logit soft-capping (Gemma2)
-    s = s + M                                       # optional additive float mask, M of s's dtype
+    s = s + M                                       # optional additive float mask
     p = softmax(s, dim=-1[, dtype=d]).to(q.dtype)   # d of at least s's precision
     p = dropout(p, p=0)                             # identity (p = 0 or not training)
     o = matmul(p, v)
@@ -17,7 +17,7 @@ scaled scores), for every query row that has at least one finite score. The chai
 node in a *copy* of the graph (the user's graph is untouched and still runs as the original), so the
 mask classification (:mod:`..masks`) and the SDPA rule (:mod:`.attention`) decide the rest. Every step is
 checked: the transpose swaps exactly the last two dims of ``k``; the scale is a number (or a guarded
-scalar input); the mask is a float tensor of the scores' dtype that does not enlarge the scores; the
+scalar input); the mask is a float tensor that does not enlarge the scores; the
 softmax runs over the key dim in the scores' precision or higher (a float64 -> float32 softmax rounds the
 probabilities and overflows the mask's lowest float64 value to ``-inf``, which tree attention would not
 reproduce — refused); the cast returns to the query's dtype; dropout is the identity; and no
@@ -27,6 +27,15 @@ Soft-capping (``tanh(s / cap) * cap`` with one number ``cap`` on both sides) is 
 ``node.meta["br_softcap"]`` and becomes the ``softcap`` argument of tree attention (the canonical copy is
 only analysed; a probe that reads the node evaluates it by :func:`canonical_attention`). Anything else between the scores and the softmax (a bias, another function) is
 refused with the op named.
+
+**Dtypes (autocast).** Tree attention computes ``q k^T`` and ``p v`` in one dtype, the SDPA node's (its output's;
+the SDPA rule casts q, k, v to it, :func:`.rules.attention.attention_dtype`), so the chain must too
+(:func:`_check_compute_dtype`): both products of one dtype ``d``, the probabilities in q's dtype or ``d``. Under
+``torch.autocast`` both products run in its dtype whatever q, k, v are (HF's q/k are float32 after the rotary,
+v bfloat16), the float32 mask promotes the bfloat16 scores exactly to float32 and the softmax runs there
+(:func:`_check_mask_precision`; the canonical mask keeps that precision, :func:`_mask_dtype`): tree attention in
+``d`` sees the same inputs, its scores unrounded in its accumulation dtype. A chain whose products run in two
+dtypes (an autocast region around one of them) is refused with the dtypes named.
 
 **Attention by meaning, not by one spelling.** Ops are matched through :mod:`..spellings` (every spelling
 of a family). The scores may be ``einsum("bhqd,bhkd->bhqk", q, k)`` and the output
@@ -657,6 +666,7 @@ def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Opti
     probs, p, training, folded = _match_probabilities(sm, sinks, sc, dead, folded, masks)
     gate = _match_lse_sink(sm, x, sinks, dead)
     out, v, merged_out = _match_output(sm, probs, sc, dead, folded, gate[2] if gate is not None else None)
+    _check_compute_dtype(sm, sc, probs, out)
     if gate is not None:
         sinks, out = _lse_sink_output(sm, gate, out, merged_out, dead)
     return EagerChain(sc.q, sc.k, v, scale, masks, p, training, out, dead, softcap, sinks,
@@ -836,27 +846,40 @@ def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list
 
 
 def _check_mask_precision(sm: fx.Node, x: fx.Node, cur: fx.Node, masks: list) -> None:
-    """An additive mask of another float dtype than the scores ``cur``: one of lower precision is promoted
+    """An additive mask of another float dtype than the scores ``cur``. One of lower precision is promoted
     exactly by the sum (``s + M == s + M.to(s.dtype)``; :func:`_canonical_mask` casts it) and accepted, unless it
-    is a per-head bias, whose rounding tree attention does not reproduce (refused); one of higher precision
-    promotes the scores themselves (mixed-precision attention: refused). Runs after :func:`_check_scores`, so a
-    softmax in lower precision than the scores is named first."""
+    is a per-head bias, whose rounding tree attention does not reproduce (refused). One of higher precision
+    promotes the scores themselves, exactly (a bfloat16 score is a float32 value; autocast's bfloat16 ``q k^T``
+    plus HF's float32 mask): the softmax then sees the scores unrounded plus the mask in its precision, as tree
+    attention sees them (its scores and bias in its accumulation dtype), so it is accepted, and the canonical
+    mask keeps that precision (:func:`_mask_dtype`). A 0/1 blend factor of higher precision likewise. Runs after
+    :func:`_check_scores`, so a softmax in lower precision than the scores is named first."""
     ts = _tensor(cur)
     for m in masks:
-        tb = _tensor(m[1]) if m[0] == "blend" else None
-        if tb is not None and tb.is_floating_point() and tb.dtype.itemsize > ts.dtype.itemsize:
-            _refuse(sm, x, f"the scores are multiplied by a {tb.dtype} mask, the scores are {ts.dtype}: the product "
-                    f"promotes the scores to {tb.dtype} (build the mask in {ts.dtype})")
         tm = _tensor(_added(m)) if m[0] in ("add", "blend") else None
-        if tm is None or tm.dtype == ts.dtype:
+        if tm is None or torch.promote_types(tm.dtype, ts.dtype) == tm.dtype:  # at least the scores' precision
             continue
-        if tm.dtype.itemsize > ts.dtype.itemsize:
-            _refuse(sm, x, f"the additive mask is {tm.dtype}, the scores are {ts.dtype}: the mask promotes the "
-                    f"scores to {tm.dtype} (mixed-precision attention; compute the scores in {tm.dtype} or "
-                    f"build the mask in {ts.dtype})")
         if _per_head(_added(m)):
             _refuse(sm, x, f"a {tm.dtype} per-head bias (ALiBi) added to {ts.dtype} scores: tree attention "
                     f"does not reproduce its {tm.dtype} rounding (build the bias in {ts.dtype})")
+
+
+def _check_compute_dtype(sm: fx.Node, sc: Scores, probs: fx.Node, out: fx.Node) -> None:
+    """The chain computes in one dtype, the one the canonical SDPA node computes in (its output's, the SDPA
+    rule casts q, k, v to it: :func:`..rules.attention.attention_dtype`): the scores product ``q k^T`` and the
+    product with the values have one dtype ``d`` (autocast runs both in its dtype whatever q, k, v are), and the
+    probabilities reach the second product in the query's dtype or in ``d`` (autocast's product rounds float32
+    probabilities to ``d``, as it rounds v). Refused otherwise, with the dtypes named."""
+    td, to, tp = _tensor(sc.nodes[0]), _tensor(out), _tensor(probs)
+    if td is None or to is None or tp is None:
+        _refuse(sm, out, "the attention's dtypes are unknown (no traced values)")
+    if td.dtype != to.dtype:
+        _refuse(sm, out, f"the scores q k^T are computed in {td.dtype}, the product with the values in {to.dtype}: "
+                "tree attention computes both in one dtype")
+    tq = _tensor(sc.q)
+    if tp.dtype not in (tq.dtype, to.dtype):
+        _refuse(sm, probs, f"the probabilities are {tp.dtype}, the query is {tq.dtype} and the attention "
+                f"computes in {to.dtype}")
 
 
 def _added(m: tuple) -> Any:
@@ -886,8 +909,8 @@ def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead
     seen_cast = seen_dropout = seen_zero = False
     while nxt is not None:
         if not seen_cast and nxt.op == "call_method" and nxt.target in CAST and nxt.args[0] is cur:
-            if _tensor(nxt) is None or _tensor(nxt).dtype != tq.dtype:
-                _refuse(sm, nxt, "the probabilities are not cast back to the query's dtype")
+            if _tensor(nxt) is None or not _tensor(nxt).is_floating_point():
+                _refuse(sm, nxt, "the probabilities are not cast to a float dtype")
             seen_cast = True
         elif not seen_dropout and nxt.target in DROPOUT and nxt.args[0] is cur:
             p = nxt.kwargs.get("p", nxt.args[1] if len(nxt.args) > 1 else 0.5)
@@ -978,8 +1001,6 @@ def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: b
     for n in dead:
         if not set(n.users) <= inside:
             _refuse(sm, n, f"the intermediate `{n.name}` has other users (attention weights returned?)")
-    if _tensor(probs).dtype != tq.dtype:
-        _refuse(sm, probs, f"the probabilities are {_tensor(probs).dtype}, the query is {tq.dtype}")
     dead.insert(0, nxt)
     if not folded:
         return nxt, v, False
@@ -1774,7 +1795,7 @@ def _trainable(n: fx.Node, values: dict) -> bool:
 
 
 def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
-    """One float mask of the scores' dtype, 0 where every mask step lets a key through and ``-inf`` where
+    """One float mask of the masked scores' dtype (:func:`_mask_dtype`), 0 where every mask step lets a key through and ``-inf`` where
     one blocks it (a masked score's probability is exactly 0 either way, ``BLOCKING``): an additive mask
     ``M`` (seen as ``M * post``) keeps 0 and turns values <= ``BLOCKING`` into ``-inf``, leaving any other
     value for the mask classification to refuse as a bias; a ``masked_fill``/``where`` condition becomes
@@ -1783,7 +1804,7 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
     steps = [m for m in ch.masks if m[0] != "floor"]  # a floor at a blocking value leaves the mask as it is
     if not steps:
         return None
-    dtype = _tensor(ch.out).dtype
+    dtype = _mask_dtype(ch, steps)
     parts = []
     for kind, *rest in steps:
         if kind in ("add", "bias"):
@@ -1802,6 +1823,20 @@ def _canonical_mask(graph: fx.Graph, ch: EagerChain) -> Optional[fx.Node]:
     for m in parts[1:]:
         total = _call(graph, operator.add, (total, m))
     return total
+
+
+def _mask_dtype(ch: EagerChain, steps: list) -> torch.dtype:
+    """The dtype the softmax sees the masked scores in: the scores' (the output's, :func:`_check_compute_dtype`)
+    promoted by every float operand added to them (a float32 mask on autocast's bfloat16 scores,
+    :func:`_check_mask_precision`), so the canonical mask keeps the values the original added. A ``baddbmm``
+    input (``bias``) is not a sum with the scores: the product rounds it to the scores' dtype."""
+    dtype = _tensor(ch.out).dtype
+    for m in steps:
+        operands = (m[1],) if m[0] == "add" else (m[1], m[2]) if m[0] == "blend" else ()
+        for t in map(_tensor, operands):
+            if t is not None and t.is_floating_point():
+                dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
 
 
 def _additive_part(graph: fx.Graph, M: fx.Node, post: float, dtype: torch.dtype) -> fx.Node:

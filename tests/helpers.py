@@ -120,15 +120,15 @@ def assert_grads_exact(got, want, names, dtype) -> None:
         assert err <= TOLERANCE[dtype], f"grad of {name}: relative error {err:.3e} > {TOLERANCE[dtype]:.0e}"
 
 
-def replay_exact(model, *, dynamic: bool = False, vocab: int = 11):
+def replay_exact(model, *, dynamic: bool = False, vocab: int = 11, dtype: torch.dtype = torch.float64):
     """Compile ``model`` (a module mapping ids to a scalar; its packed graph run as is) on three rows of 7
-    token ids sharing their first 5: the loss and every gradient equal the eager model's in float64
-    (:func:`assert_grads_exact`), and the call replayed with fewer executed tokens. Returns the backend (its
-    records say what the rewrite did)."""
+    token ids sharing their first 5: the loss and every gradient equal the eager model's in ``dtype`` (the
+    model's parameters are cast to it; float64: to that bound, :func:`assert_grads_exact`), and the call replayed
+    with fewer executed tokens. Returns the backend (its records say what the rewrite did)."""
     from brcompile.testing import assert_exact
 
     torch.manual_seed(0)
-    model = model.double()
+    model = model.to(dtype)
     ids = torch.randint(1, vocab, (1, 7)).repeat(3, 1)
     ids[1:, 5:] = torch.randint(1, vocab, (2, 2))
     names, params = zip(*model.named_parameters())
@@ -137,8 +137,8 @@ def replay_exact(model, *, dynamic: bool = False, vocab: int = 11):
     backend = brcompile.backend(compiler="eager")
     got = torch.compile(model, backend=backend, dynamic=dynamic)(ids)
     gg = torch.autograd.grad(got, params)
-    assert_exact(got, want, torch.float64, "loss")
-    assert_grads_exact(gg, gw, names, torch.float64)
+    assert_exact(got, want, dtype, "loss")
+    assert_grads_exact(gg, gw, names, dtype)
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
     return backend

@@ -36,13 +36,14 @@ LOSS_FLOOR = 1e-4
 PRECISIONS = ("autocast", "bf16")
 
 
-def backend(mode):
-    return brcompile.backend(compiler="eager", mode=mode, **({"chunk_tokens": 8} if mode == "replay" else {}))
+def backend(mode, **options):
+    return brcompile.backend(compiler="eager", mode=mode, **({"chunk_tokens": 8} if mode == "replay" else {}),
+                             **options)
 
 
-def hf_model(family="llama"):
+def hf_model(family="llama", impl="sdpa"):
     """A tiny float32 HF model (skips without transformers)."""
-    return hf_tiny_model(family, "sdpa", dtype=None)
+    return hf_tiny_model(family, impl, dtype=None)
 
 
 def gpt_model():
@@ -59,10 +60,11 @@ def prepare(model, precision):
     return run, copy.deepcopy(run).double()
 
 
-def batch(seed=1):
-    """Two groups of 3 rollouts: left-padded ragged prompts, right-padded ragged responses (TRL's layout)."""
+def batch(seed=1, left=True):
+    """Two groups of 3 rollouts: left-padded ragged prompts, right-padded ragged responses (TRL's layout); with
+    ``left=False`` right-padded rows."""
     return make_grpo_batch(vocab_size=61, seed=seed, num_prompts=2, group_size=3, prompt_len=(4, 7),
-                           response_len=(2, 5), left_pad_prompts=True, pad_id=0, dtype=torch.float64)
+                           response_len=(2, 5), left_pad_prompts=left, pad_id=0, dtype=torch.float64)
 
 
 def hf_loss(model, ids, am, cm, temperature=0.7):
@@ -161,6 +163,22 @@ def test_hf_model_call(precision, mode):
         return head_loss(logits, ids, cm), logits
 
     check_against_float64(eager, fn, model, hf_args(batch()), precision)
+
+
+@pytest.mark.parametrize("family,precision,mode", [
+    ("llama", "autocast", "packed"), ("llama", "bf16", "replay"), ("qwen2", "autocast", "replay"),
+])
+def test_hf_eager_attention(family, precision, mode):
+    """HF's eager attention (``matmul(q, k^T) * c + mask``, a float32 softmax cast back to q's dtype, ``matmul``
+    with v), canonicalised to one SDPA node (passes/canonicalize.py). Under autocast both products run in
+    bfloat16 while the mask (float32, as the weights) promotes the scores to float32 and q/k stay float32 after
+    the rotary: tree attention computes in bfloat16, as both products did. Right-padded rows: a left-padded row's
+    pad queries see no key, which eager attention makes uniform or NaN (the float64 reference's too)."""
+    be = backend(mode)
+    check_against_float64(hf_loss, torch.compile(hf_loss, backend=be), hf_model(family, "eager"),
+                          hf_args(batch(left=False)), precision)
+    rec = next(r for r in be.records if r.packed_code is not None)
+    assert "softmax" in rec.original_code and "tree_attention" in rec.packed_code, rec.packed_code
 
 
 def head_loss(logits, ids, cm):

@@ -267,6 +267,47 @@ def test_eager_spelling_replays_exactly(attn):
     assert "tree_attention" in backend.records[0].packed_code
 
 
+def float64_mask(q, k, v, causal):
+    """A float64 additive mask on float32 scores: the sum promotes the scores exactly, the softmax runs in float64,
+    the probabilities return to float32 for the product with the values."""
+    return F.softmax(q @ k.transpose(-1, -2) * 0.5 + additive(causal), -1).to(q.dtype) @ v
+
+
+def test_higher_precision_mask_replays_to_the_float32_bound():
+    """A mask of higher precision than the scores (autocast's bfloat16 scores plus HF's float32 mask, here float32
+    scores plus a float64 mask) promotes them exactly; tree attention in float32 agrees to the float32 bound."""
+    backend = replay_exact(EagerLM(float64_mask), vocab=V, dtype=torch.float32)
+    assert "tree_attention" in backend.records[0].packed_code
+
+
+def scores_in_bfloat16(q, k, v, causal):
+    """The scores product in an autocast region, the product with the values outside it (float32)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s = q @ k.transpose(-1, -2)
+    return F.softmax(s + additive(causal, torch.float32), -1) @ v
+
+
+def probabilities_in_float16(q, k, v, causal):
+    """Both products in an autocast region (bfloat16), the probabilities rounded to float16 between them."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        p = F.softmax(q @ k.transpose(-1, -2) + additive(causal, torch.float32), -1).half()
+        o = p @ v
+    return o.float()
+
+
+@pytest.mark.parametrize("attn,reason", [
+    (scores_in_bfloat16, r"scores q k\^T are computed in torch.bfloat16, the product with the values in torch.float32"),
+    (probabilities_in_float16, r"the probabilities are torch.float16, the query is torch.float32 and the attention "
+     r"computes in torch.bfloat16"),
+], ids=["scores_in_bfloat16", "probabilities_in_float16"])
+def test_attention_in_two_dtypes_refused(attn, reason):
+    """A chain whose steps compute in dtypes tree attention cannot take together (it computes q k^T and p v in one
+    dtype, the canonical SDPA node's) falls back with the dtypes named."""
+    gm, inputs = capture(EagerLM(attn), torch.randint(1, V, (3, 7)))
+    with pytest.raises(CannotReplay, match=reason):
+        canonicalize(gm, inputs)
+
+
 class LseSink(torch.nn.Module):
     """GraniteMoE-SWA: a learned per-head sink applied after the attention as ``sigmoid(logsumexp(s) - S)``
     (``cast``: the gate computed in that dtype, as Granite's ``.to(torch.float32)``)."""
