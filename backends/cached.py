@@ -110,7 +110,7 @@ class CachedPrefix:
             raise TreeAttentionError(f"tree_attention_cached: cross must be int64 [C, 4], got {self.cross.dtype} "
                                      f"{tuple(self.cross.shape)}")
         check_window(a.window, self.cache_position, k_cache.shape[1])
-        if a.alibi:
+        if a.has_alibi:
             raise TreeAttentionError("tree_attention_cached: ALiBi position biases are not supported against a cached "
                                      "prefix")
         return self

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from brcompile.backends.ops import (
     AttentionImpl, TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward,
-    register_attention_impl,
+    register_attention_impl, slopes_grad,
 )
 from brcompile.backends.reference import relative_bias, relative_bias_grad
 
@@ -346,9 +346,9 @@ def cpu_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
 
 
 def _explicit_math(a: TreeAttentionArgs) -> bool:
-    """Whether the pieces of ``a`` run as explicit matmuls (soft-cap, ALiBi or a relative bias: the flash
-    kernel has none of them)."""
-    return bool(a.softcap or a.alibi or a.relbias is not None)
+    """Whether the pieces of ``a`` run as explicit matmuls (soft-cap, ALiBi (constant or trainable slopes) or a
+    relative bias: the flash kernel has none of them)."""
+    return bool(a.softcap or a.has_alibi or a.relbias is not None)
 
 
 def _bias(a: TreeAttentionArgs, slopes: Optional[Tensor], pc: "_Piece", hkv: int) -> Optional[Tensor]:
@@ -386,9 +386,9 @@ def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Te
 
 @attention_backward
 def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, ...]:
-    """(dq, dk, dv), and dR with a relative bias: per call, the flash backward with the merged out and lse; dq
-    (and dR) accumulates over calls, dk/dv over the calls of each key's segment and over the query heads of its
-    group."""
+    """(dq, dk, dv), and dR with a relative bias, and dslopes with trainable ``slopes``: per call, the flash backward
+    with the merged out and lse; dq (and dR, dslopes) accumulates over calls, dk/dv over the calls of each key's
+    segment and over the query heads of its group (each visible pair lies in one piece)."""
     q, k, v = a.q, a.k, a.v
     _require_cpu(grad_out, q, k, v, out, lse)
     hq, n, d = q.shape
@@ -406,6 +406,7 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
     lseg = lse_k.unflatten(0, (hkv, g))
     slopes = a.alibi_slopes()
     drel = None if a.relbias is None else torch.zeros(a.relbias.shape, dtype=acc_dtype)
+    dslopes = None if a.slopes is None else torch.zeros(hq, dtype=acc_dtype)
     pos = None if a.position is None else a.position.cpu()
     for pc in _schedule_pieces(a):
         qs = slice(pc.q0, pc.q1)
@@ -415,9 +416,11 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
             gq, gk, gv, *ds = math_backward(gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype),
                                             kg.to(acc_dtype), vg.to(acc_dtype), outg[:, :, qs].to(acc_dtype),
                                             lseg[:, :, qs], pc.seen, a.scale, a.softcap, _bias(a, slopes, pc, hkv),
-                                            score_grad=drel is not None)
+                                            score_grad=drel is not None or dslopes is not None)
             if drel is not None:
                 drel[:, qs] += relative_bias_grad(ds[0].flatten(0, 1), pos[qs], pos[ks], drel.shape[-1])
+            if dslopes is not None:
+                dslopes += slopes_grad(ds[0].flatten(0, 1), pos[qs], pos[ks])
         else:
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     pc.causal, attn_mask=pc.mask, scale=a.scale)
@@ -425,10 +428,12 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
         dk[:, ks] += gk.sum(1, dtype=acc_dtype)
         dv[:, ks] += gv.sum(1, dtype=acc_dtype)
     grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
-    return grads if drel is None else grads + (drel.to(a.relbias.dtype),)
+    grads = grads if drel is None else grads + (drel.to(a.relbias.dtype),)
+    return grads if dslopes is None else grads + (dslopes.to(a.slopes.dtype),)
 
 
 register_attention_impl(
     AttentionImpl(name="cpu", forward=cpu_forward, backward=cpu_backward, device_types=frozenset({"cpu"}),
-                  supports_window=True, supports_softcap=True, supports_alibi=True, supports_relbias=True)
+                  supports_window=True, supports_softcap=True, supports_alibi=True, supports_relbias=True,
+                  supports_alibi_grad=True)
 )

@@ -6,15 +6,15 @@ Three ops, mirroring how ``scaled_dot_product_attention`` is built from ``_scale
     What the graph rewrite emits. CompositeImplicitAutograd: it is ``tree_attention_forward(...)[0]``,
     so AOTAutograd traces through it to the two ops below.
 ``brcompile::tree_attention_forward(q, k, v, end, valid, segments, scale, impl, window=0, position=None,
-  softcap=0.0, alibi=None, sinks=None, relbias=None) -> (Tensor out, Tensor lse)``
+  softcap=0.0, alibi=None, sinks=None, relbias=None, slopes=None) -> (Tensor out, Tensor lse)``
     Opaque custom op with a fake impl, a flop formula and an autograd formula. ``lse`` (natural-log
     logsumexp of the scaled scores of each query row, ``-inf`` for a query that sees no key) is saved
     for backward and is not differentiable (as for SDPA's logsumexp).
 ``brcompile::tree_attention_backward(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl,
-  window=0, position=None, softcap=0.0, alibi=None, sinks=None, relbias=None) -> (Tensor dq, Tensor dk, Tensor dv,
-  Tensor drelbias)``
-    Opaque custom op with a fake impl and a flop formula, so AOTAutograd can trace the backward (``drelbias``
-    is an empty tensor without a relative bias).
+  window=0, position=None, softcap=0.0, alibi=None, sinks=None, relbias=None, slopes=None) -> (Tensor dq, Tensor dk,
+  Tensor dv, Tensor drelbias, Tensor dslopes)``
+    Opaque custom op with a fake impl and a flop formula, so AOTAutograd can trace the backward (``drelbias``,
+    ``dslopes`` are empty tensors without a relative bias, without trainable slopes).
 
 Shapes (N packed tokens in DFS preorder, see brcompile.runtime.tree.PackedTree)::
 
@@ -29,7 +29,14 @@ zero gradient. ``out[:, q] = sum_k softmax_k(scale * q.k) v[:, k]`` over the vis
 
 ALiBi (``alibi``: per-query-head slopes m[Hq], numbers, with ``position``): the score of (q, k) in head h
 gets ``+ m[h] * (position[k] - position[q])`` (after the soft-cap, if any). Softmax is invariant to a
-per-query shift, so this is also BLOOM's ``m[h] * position[k]``. The slopes are constants (no gradient).
+per-query shift, so this is also BLOOM's ``m[h] * position[k]``. The slopes are either constants (``alibi``, no
+gradient) or a [Hq] tensor (``slopes``, trainable ALiBi; not both), whose gradient, with ``dS[h, q, k]`` the
+gradient of the (post-cap) score of a visible pair, is
+
+    d slopes[h] = sum over visible (q, k) of dS[h, q, k] * (position[k] - position[q])
+
+computed by impls that declare ``supports_alibi_grad`` (their backward then returns it last; the backward op
+returns an empty ``dslopes`` without ``slopes``).
 
 Relative bias (``relbias``: a per-query-token table R [Hq, N, E], differentiable, with ``position``): the score of
 (q, k) in head h gets ``+ R[h, q, min(position[q] - position[k], E - 1)]`` (after the soft-cap, if any) — a
@@ -94,10 +101,12 @@ __all__ = [
     "attention_forward",
     "attention_relbias",
     "attention_scores_extras",
+    "attention_slopes",
     "check_alibi",
     "check_impl_supports",
     "check_relbias",
     "check_sinks",
+    "check_slopes",
     "count_visible_pairs",
     "get_attention_impl",
     "lse_dtype_for",
@@ -106,6 +115,7 @@ __all__ = [
     "relative_buckets",
     "sink_grad",
     "sink_merge",
+    "slopes_grad",
     "tree_attention",
 ]
 
@@ -133,13 +143,15 @@ class TreeAttentionArgs:
     ``q [Hq, N, D]``, ``k``/``v [Hkv, N, D]``, the tree arrays ``end``/``valid``/``segments``, ``scale``;
     ``window`` W > 0 with ``position [N]``: the sliding window ``position[q] - position[k] < W``;
     ``softcap`` c > 0: scores ``c * tanh(scale * q.k / c)``; ``alibi`` (a tuple of Hq floats m, with
-    ``position``): scores ``+ m[h] * (position[k] - position[q])``; ``sinks`` ([Hq] or per query
+    ``position``): scores ``+ m[h] * (position[k] - position[q])``, or the same with ``slopes`` m a
+    differentiable [Hq] tensor instead of the constants (not both); ``sinks`` ([Hq] or per query
     [Hq, N] tensor): one more logit per query row without a value (applied by the op around the impl: impls
     ignore it, see the module docstring); ``relbias`` ([Hq, N, E] tensor R, with ``position``): scores
-    ``+ R[h, q, min(position[q] - position[k], E - 1)]``. Neutral defaults (0, None, 0.0, None, None, None)
-    mean off; a new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3). The
-    field order is the op's argument order (without ``impl``), so ``TreeAttentionArgs(q, k, v, end, valid,
-    segments, scale, window, position, softcap, alibi, sinks, relbias)`` reads like the op call.
+    ``+ R[h, q, min(position[q] - position[k], E - 1)]``; ``slopes``: ALiBi's m as a differentiable [Hq]
+    tensor instead of the constants ``alibi`` (not both). Neutral defaults (0, None, 0.0, None, None, None,
+    None) mean off; a new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3).
+    The field order is the op's argument order (without ``impl``), so ``TreeAttentionArgs(q, k, v, end, valid,
+    segments, scale, window, position, softcap, alibi, sinks, relbias, slopes)`` reads like the op call.
     """
 
     q: Tensor
@@ -155,6 +167,12 @@ class TreeAttentionArgs:
     alibi: Optional[Sequence[float]] = None
     sinks: Optional[Tensor] = None
     relbias: Optional[Tensor] = None
+    slopes: Optional[Tensor] = None
+
+    @property
+    def has_alibi(self) -> bool:
+        """Whether the scores carry an ALiBi bias (constant ``alibi`` or tensor ``slopes``)."""
+        return bool(self.alibi) or self.slopes is not None
 
     @property
     def tree(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -200,12 +218,16 @@ class TreeAttentionArgs:
             raise TreeAttentionError(f"tree_attention: softcap must be a finite float >= 0 (0: no soft-cap), "
                                      f"got {self.softcap}")
         check_alibi(self.alibi, self.position, self.q.shape[0], n)
+        check_slopes(self.slopes, self.alibi, self.position, self.q.shape[0], n)
         check_sinks(self.sinks, self.q.shape[0], n)
         check_relbias(self.relbias, self.position, self.q.shape[0], n)
         return self
 
     def alibi_slopes(self) -> Optional[Tensor]:
-        """The ALiBi slopes as a [Hq] tensor of the accumulation dtype on q's device (None without ALiBi)."""
+        """The ALiBi slopes as a [Hq] tensor of the accumulation dtype on q's device (None without ALiBi); the
+        ``slopes`` tensor's values, detached, or the constants."""
+        if self.slopes is not None:
+            return self.slopes.detach().to(dtype=self.lse_dtype, device=self.q.device)
         if not self.alibi:
             return None
         return torch.tensor([float(m) for m in self.alibi], dtype=self.lse_dtype, device=self.q.device)
@@ -217,15 +239,16 @@ class TreeAttentionArgs:
     def save_for_backward(self, ctx, *tensors: Optional[Tensor]) -> None:
         """Save the arguments (and ``tensors``, e.g. out and lse) on an autograd ``ctx``; see :meth:`saved`."""
         ctx.save_for_backward(self.q, self.k, self.v, self.end, self.valid, self.segments, self.position, self.sinks,
-                              self.relbias, *tensors)
+                              self.relbias, self.slopes, *tensors)
         ctx.tree_attention = (self.scale, self.window, self.softcap, self.alibi)
 
     @classmethod
     def saved(cls, ctx) -> tuple["TreeAttentionArgs", list]:
         """(args, [tensors]) as :meth:`save_for_backward` saved them."""
-        q, k, v, end, valid, segments, position, sinks, relbias, *tensors = ctx.saved_tensors
+        q, k, v, end, valid, segments, position, sinks, relbias, slopes, *tensors = ctx.saved_tensors
         scale, window, softcap, alibi = ctx.tree_attention
-        return cls(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias), tensors
+        return cls(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias,
+                   slopes), tensors
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TreeAttentionArgs))
@@ -278,6 +301,22 @@ def check_alibi(alibi: Optional[Sequence[float]], position: Optional[Tensor], hq
     if not _integer_positions(position, n):
         got = None if position is None else (position.dtype, tuple(position.shape))
         raise TreeAttentionError(f"tree_attention: alibi needs position, the tokens' integer positions [N={n}], "
+                                 f"got {got}")
+
+
+def check_slopes(slopes: Optional[Tensor], alibi, position: Optional[Tensor], hq: int, n) -> None:
+    """Trainable ALiBi slopes are None (off) or a floating [Hq] tensor, not beside constant ``alibi``, and need
+    the [N] integer positions."""
+    if slopes is None:
+        return
+    if not isinstance(slopes, Tensor) or not slopes.is_floating_point() or tuple(slopes.shape) != (hq,):
+        got = (slopes.dtype, tuple(slopes.shape)) if isinstance(slopes, Tensor) else type(slopes).__name__
+        raise TreeAttentionError(f"tree_attention: slopes must be a floating [Hq={hq}] tensor, got {got}")
+    if alibi:
+        raise TreeAttentionError("tree_attention: ALiBi slopes given twice (constant alibi and a slopes tensor)")
+    if not _integer_positions(position, n):
+        got = None if position is None else (position.dtype, tuple(position.shape))
+        raise TreeAttentionError(f"tree_attention: slopes need position, the tokens' integer positions [N={n}], "
                                  f"got {got}")
 
 
@@ -339,6 +378,15 @@ def sink_grad(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tens
     return (per_row.sum(-1) if sinks.dim() == 1 else per_row).to(sinks.dtype)
 
 
+def slopes_grad(ds: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
+    """[H] ``sum_{q, k} ds[h, q, k] * (kpos[k] - qpos[q])`` (``ds`` [..., H, nq, nk], 0 on pairs not seen, the
+    leading dims summed): the gradient of ALiBi slopes from the gradient of the (post-cap) scores, in ds's dtype,
+    as ``sum_k ds kpos - sum_q qpos sum_k ds``."""
+    ds = ds.reshape(-1, *ds.shape[-3:]).sum(0)
+    kp, qp = kpos.to(ds.dtype), qpos.to(ds.dtype)
+    return (ds * kp[None, None, :]).sum((-1, -2)) - (ds.sum(-1) * qp[None, :]).sum(-1)
+
+
 def attention_forward(fn: Callable) -> Callable:
     """Decorator of an impl's ``forward(args: TreeAttentionArgs, **options) -> (out, lse)``: the result may
     also be called the op's way, ``forward(q, k, v, end, valid, segments, scale, window=0, position=None,
@@ -386,6 +434,11 @@ def attention_relbias(args: Sequence):
     return args[13] if len(args) > 13 else None
 
 
+def attention_slopes(args: Sequence):
+    """The trainable ALiBi slopes of a ``tree_attention_forward`` call's arguments (None: off)."""
+    return args[14] if len(args) > 14 else None
+
+
 # ------------------------------------------------------------------------------------------ registry
 
 
@@ -399,10 +452,12 @@ class AttentionImpl(Impl):
     ``args`` has been checked (:meth:`TreeAttentionArgs.check`). With ``supports_window`` the impl honours
     ``args.window``/``args.position`` (query q sees key k only if also ``pos[q] - pos[k] < W``), with
     ``supports_softcap`` ``args.softcap`` (scores ``c * tanh(scale * q.k / c)``, Gemma2's logit
-    soft-capping), with ``supports_alibi`` ``args.alibi`` (scores ``+ m[h] * (position[k] - position[q])``),
-    with ``supports_relbias`` ``args.relbias`` (scores ``+ R[h, q, min(position[q] - position[k], E - 1)]``;
-    its backward then returns (dq, dk, dv, dR)); an impl without the flag is never handed a window / soft-cap /
-    ALiBi / relative bias (:func:`check_impl_supports`).
+    soft-capping), with ``supports_alibi`` ``args.alibi`` (scores ``+ m[h] * (position[k] - position[q])``,
+    read through ``args.alibi_slopes()``), with ``supports_alibi_grad`` also ``args.slopes`` (trainable: its
+    backward returns the slopes' gradient last), with ``supports_relbias`` ``args.relbias`` (scores
+    ``+ R[h, q, min(position[q] - position[k], E - 1)]``); its backward returns (dq, dk, dv), then dR with a
+    relative bias, then dslopes with trainable slopes; an impl without the flag is never handed a window /
+    soft-cap / ALiBi / trainable slopes / relative bias (:func:`check_impl_supports`).
     Sinks need no flag: the op applies them around every impl (module docstring).
     ``out``/``lse`` passed to backward are the ones forward returned (merged over the whole tree).
     ``device_types`` (keyword): the ``torch.device.type`` values the impl runs on; ``None`` means any.
@@ -419,6 +474,7 @@ class AttentionImpl(Impl):
     supports_softcap: bool = False
     supports_alibi: bool = False
     supports_relbias: bool = False
+    supports_alibi_grad: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -451,9 +507,9 @@ def get_attention_impl(name: str, device) -> AttentionImpl:
 
 
 def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0.0, alibi=None,
-                        relbias: bool = False) -> None:
+                        relbias: bool = False, slopes=None) -> None:
     """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped / ALiBi / relative-bias
-    attention."""
+    attention, or one with trainable ALiBi slopes."""
     if window and not impl.supports_window:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
     if softcap and not impl.supports_softcap:
@@ -463,12 +519,15 @@ def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0
     if relbias and not impl.supports_relbias:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support relative biases (a "
                                  "per-query-token table over the clamped query-key distance)")
+    if slopes is not None and not (impl.supports_alibi and impl.supports_alibi_grad):
+        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support trainable ALiBi slopes (the "
+                                 "gradient of the slopes)")
 
 
 def impl_for(name: str, args: TreeAttentionArgs) -> AttentionImpl:
     """The impl ``name`` for ``args`` (its device; its window, soft-cap, ALiBi and relative bias supported)."""
     impl = get_attention_impl(name, args.q.device)
-    check_impl_supports(impl, args.window, args.softcap, args.alibi, args.relbias is not None)
+    check_impl_supports(impl, args.window, args.softcap, args.alibi, args.relbias is not None, args.slopes)
     return impl
 
 
@@ -488,12 +547,12 @@ def _check_result(name: str, what: str, got: Tensor, like_shape, like_dtype) -> 
 def _tree_attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor, scale: float, impl: str,
     window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0, alibi: Optional[list[float]] = None,
-    sinks: Optional[Tensor] = None, relbias: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, relbias: Optional[Tensor] = None, slopes: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D], lse [Hq, N]) of tree attention, computed by the impl named ``impl`` (the sinks merged
     in afterwards: :func:`sink_merge`)."""
     a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
-                          relbias).check()
+                          relbias, slopes).check()
     chosen = impl_for(impl, a)
     out, lse = chosen.forward(a.without_sinks())
     _check_result(chosen.name, "out", out, q.shape, q.dtype)
@@ -505,10 +564,10 @@ def _tree_attention_forward_op(
 
 @_tree_attention_forward_op.register_fake
 def _tree_attention_forward_fake(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0,
-                                 alibi=None, sinks=None, relbias=None):
+                                 alibi=None, sinks=None, relbias=None, slopes=None):
     """Shapes only: out like q (contiguous), lse [Hq, N]."""
     a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
-                          relbias).check()
+                          relbias, slopes).check()
     ATTENTION_IMPLS.check_name(impl)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=a.lse_dtype)
 
@@ -518,57 +577,69 @@ def _tree_attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, end: Tensor, valid: Tensor,
     segments: Tensor, scale: float, impl: str, window: int = 0, position: Optional[Tensor] = None,
     softcap: float = 0.0, alibi: Optional[list[float]] = None, sinks: Optional[Tensor] = None,
-    relbias: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, drelbias) of tree attention for the upstream gradient ``grad_out`` (any strides);
+    relbias: Optional[Tensor] = None, slopes: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, drelbias, dslopes) of tree attention for the upstream gradient ``grad_out`` (any strides);
     ``out``/``lse`` are the forward's, sinks merged in, so the impl's key gradients are those of the softmax
     with the sinks (the sinks' own gradient is :func:`sink_grad`, taken by the autograd formula). ``drelbias``:
-    the relative bias's gradient from the impl (an empty tensor without one)."""
+    the relative bias's gradient from the impl, ``dslopes`` ([Hq], slopes' dtype) the trainable slopes' (empty
+    tensors without them)."""
     a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
-                          relbias).check()
+                          relbias, slopes).check()
     chosen = impl_for(impl, a)
     grads = chosen.backward(a.without_sinks(), grad_out, out, lse)
     dq, dk, dv = grads[:3]
     _check_result(chosen.name, "dq", dq, q.shape, q.dtype)
     _check_result(chosen.name, "dk", dk, k.shape, k.dtype)
     _check_result(chosen.name, "dv", dv, v.shape, v.dtype)
-    if relbias is None:
-        return dq, dk, dv, q.new_empty(0)
-    if len(grads) != 4:
-        raise AttentionImplError(f"tree_attention impl {chosen.name!r} returned no relative-bias gradient")
-    _check_result(chosen.name, "drelbias", grads[3], relbias.shape, relbias.dtype)
-    return dq, dk, dv, grads[3]
+    expected = 3 + (relbias is not None) + (slopes is not None)
+    if len(grads) != expected:
+        raise AttentionImplError(f"tree_attention impl {chosen.name!r} returned {len(grads)} gradients, expected "
+                                 f"{expected} (dq, dk, dv{', drelbias' if relbias is not None else ''}"
+                                 f"{', dslopes' if slopes is not None else ''})")
+    extra = list(grads[3:])
+    drel = q.new_empty(0) if relbias is None else extra.pop(0)
+    dslopes = q.new_empty(0) if slopes is None else extra.pop(0)
+    if relbias is not None:
+        _check_result(chosen.name, "drelbias", drel, relbias.shape, relbias.dtype)
+    if slopes is not None:
+        _check_result(chosen.name, "dslopes", dslopes, slopes.shape, slopes.dtype)
+    return dq, dk, dv, drel, dslopes
 
 
 @_tree_attention_backward_op.register_fake
 def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0,
-                                  position=None, softcap=0.0, alibi=None, sinks=None, relbias=None):
-    """Shapes only: dq like q, dk like k, dv like v (contiguous), drelbias like relbias (empty without)."""
+                                  position=None, softcap=0.0, alibi=None, sinks=None, relbias=None, slopes=None):
+    """Shapes only: dq like q, dk like k, dv like v (contiguous), drelbias like relbias, dslopes like slopes (empty
+    without)."""
     TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
-                      relbias).check()
+                      relbias, slopes).check()
     ATTENTION_IMPLS.check_name(impl)
     drel = q.new_empty(0) if relbias is None else relbias.new_empty(relbias.shape)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drel
+    dslopes = q.new_empty(0) if slopes is None else slopes.new_empty(slopes.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drel, dslopes
 
 
 def _forward_setup_context(ctx, inputs, output):
     """Save what backward needs; lse is an auxiliary output without gradient."""
-    *fields, impl, window, position, softcap, alibi, sinks, relbias = inputs
-    TreeAttentionArgs(*fields, window, position, softcap, alibi, sinks, relbias).save_for_backward(ctx, *output)
+    *fields, impl, window, position, softcap, alibi, sinks, relbias, slopes = inputs
+    TreeAttentionArgs(*fields, window, position, softcap, alibi, sinks, relbias, slopes).save_for_backward(
+        ctx, *output)
     ctx.impl = impl
     ctx.mark_non_differentiable(output[1])
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
-    """d(out)/d(q, k, v, relbias) via the tree_attention_backward op, d(out)/d(sinks) by :func:`sink_grad`; the
-    tree arrays and the ALiBi slopes (constants) get no gradient."""
+    """d(out)/d(q, k, v, relbias, slopes) via the tree_attention_backward op, d(out)/d(sinks) by
+    :func:`sink_grad`; the tree arrays and constant ALiBi slopes get no gradient."""
     a, (out, lse) = TreeAttentionArgs.saved(ctx)
-    dq, dk, dv, drel = torch.ops.brcompile.tree_attention_backward(
+    dq, dk, dv, drel, dslopes = torch.ops.brcompile.tree_attention_backward(
         grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, a.scale, ctx.impl, a.window, a.position,
-        a.softcap, a.alibi, a.sinks, a.relbias)
+        a.softcap, a.alibi, a.sinks, a.relbias, a.slopes)
     dsinks = sink_grad(grad_out, out, lse, a.sinks) if a.sinks is not None and ctx.needs_input_grad[12] else None
     drel = drel if a.relbias is not None and ctx.needs_input_grad[13] else None
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, drel
+    dslopes = dslopes if a.slopes is not None and ctx.needs_input_grad[14] else None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, drel, dslopes
 
 
 torch.library.register_autograd(
@@ -607,16 +678,20 @@ def autocast_cast(x, device_type: str, dtype: torch.dtype):
     return x
 
 
-def register_lower_precision_autocast(qualname: str) -> None:
+def register_lower_precision_autocast(qualname: str, keep: tuple[str, ...] = ()) -> None:
     """Give the op ``qualname`` SDPA's autocast rule on every autocast device type: inside an autocast
     region its floating inputs (not float64, on that device) are cast to the region's dtype
     (``torch.get_autocast_dtype``, read per call: ``autocast("cuda", dtype=torch.bfloat16)`` gets bfloat16),
     then the op runs with autocast off. ``torch.library.register_autocast`` fixes the dtype at
-    registration, hence this equivalent. Integer/bool inputs (tree arrays, positions) are untouched."""
+    registration, hence this equivalent. Integer/bool inputs (tree arrays, positions) are untouched, and so are
+    the arguments named in ``keep`` (trainable ALiBi slopes: a bias ``m * distance`` over thousands of positions
+    would carry the slope's bfloat16 rounding times the distance; the impls read them in their accumulation
+    dtype)."""
     if qualname in _AUTOCAST_REGISTERED:
         return
     ns, name = qualname.split("::")
     op = getattr(getattr(torch.ops, ns), name).default
+    names = [a.name for a in op._schema.arguments]
     for device_type in AUTOCAST_DEVICE_TYPES:
         try:
             if not torch._C._is_autocast_available(device_type):
@@ -629,8 +704,9 @@ def register_lower_precision_autocast(qualname: str) -> None:
         def kernel(_keyset, *args, _device_type=device_type, _key=key, **kwargs):
             dtype = torch.get_autocast_dtype(_device_type)
             with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
-                return op(*(autocast_cast(a, _device_type, dtype) for a in args),
-                          **{k: autocast_cast(a, _device_type, dtype) for k, a in kwargs.items()})
+                return op(*(a if i < len(names) and names[i] in keep else autocast_cast(a, _device_type, dtype)
+                            for i, a in enumerate(args)),
+                          **{k: a if k in keep else autocast_cast(a, _device_type, dtype) for k, a in kwargs.items()})
 
         # disabled for Dynamo: the kernel runs from the dispatcher, also inside a compiled region that
         # runs a graph eagerly, where Dynamo would otherwise try to compile its frame (and break on the guard)
@@ -641,7 +717,7 @@ def register_lower_precision_autocast(qualname: str) -> None:
 # tree_attention (CompositeImplicitAutograd) reaches tree_attention_forward, which holds the rule; the
 # backward op gets none: autograd hands it the forward's (already cast) q, k, v and a grad_out of out's
 # dtype, and its float32 lse must stay float32.
-register_lower_precision_autocast("brcompile::tree_attention_forward")
+register_lower_precision_autocast("brcompile::tree_attention_forward", keep=("slopes",))
 
 
 # ------------------------------------------------------------------------------------------- flops
@@ -680,7 +756,8 @@ def count_visible_pairs(end: Tensor, valid: Tensor, window: int = 0, position: O
 
 @register_flop_formula(torch.ops.brcompile.tree_attention_forward, get_raw=True)
 def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0,
-                                 alibi=None, sinks=None, relbias=None, *args, out_val=None, **kwargs) -> int:
+                                 alibi=None, sinks=None, relbias=None, slopes=None, *args, out_val=None,
+                                 **kwargs) -> int:
     """Forward: 2 matmuls (q.k and p.v) per visible pair and query head: 2*D + 2*Dv flops."""
     hq, _, d = q.shape
     dv = v.shape[-1]
@@ -690,7 +767,7 @@ def _tree_attention_forward_flop(q, k, v, end, valid, segments, scale, impl, win
 @register_flop_formula(torch.ops.brcompile.tree_attention_backward, get_raw=True)
 def _tree_attention_backward_flop(
     grad_out, q, k, v, out, lse, end, valid, segments, scale, impl, window=0, position=None, softcap=0.0, alibi=None,
-    sinks=None, relbias=None, *args,
+    sinks=None, relbias=None, slopes=None, *args,
     out_val=None, **kwargs
 ) -> int:
     """Backward, as SDPA's formula: recompute q.k, then dv, dp, dq, dk; 6*D + 4*Dv per pair and head
@@ -722,7 +799,7 @@ def _tree_arrays(tree: TreeLike) -> tuple[Tensor, Tensor, Tensor]:
 def tree_attention(
     q: Tensor, k: Tensor, v: Tensor, tree: TreeLike, scale: Optional[float] = None, impl: str = "auto",
     window: int = 0, position: Optional[Tensor] = None, softcap: float = 0.0, alibi: Optional[Sequence[float]] = None,
-    sinks: Optional[Tensor] = None, relbias: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, relbias: Optional[Tensor] = None, slopes: Optional[Tensor] = None,
 ) -> Tensor:
     """Tree attention over packed tokens: out [Hq, N, D] for q [Hq, N, D], k/v [Hkv, N, D].
 
@@ -730,18 +807,20 @@ def tree_attention(
     ``impl``: "auto" (triton on CUDA when available, else cpu), "cpu", "reference", "triton" or any
     registered name. ``window`` > 0: a sliding window over ``position`` (default: the tree's positions when
     ``tree`` is a PackedTree). ``softcap`` > 0: scores ``softcap * tanh(s / softcap)``. ``alibi``: Hq slopes m,
-    scores ``+ m[h] * (position[k] - position[q])`` (positions as for a window).
+    scores ``+ m[h] * (position[k] - position[q])`` (positions as for a window); ``slopes``: the same m as a
+    differentiable [Hq] tensor (trainable ALiBi; not with ``alibi``).
     ``sinks``: sink logits, [Hq] (one per head) or [Hq, N] (one per head and query token). ``relbias``: a
     per-query-token table R [Hq, N, E], scores ``+ R[h, q, min(position[q] - position[k], E - 1)]`` (positions
-    as for a window). Differentiable in q, k, v, the sinks and the relative bias.
+    as for a window). Differentiable in q, k, v, the sinks, the relative bias and the slopes.
     """
     end, valid, segments = _tree_arrays(tree)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if (window or alibi or relbias is not None) and position is None:
+    if (window or alibi or relbias is not None or slopes is not None) and position is None:
         position = getattr(tree, "position", None)
-    if window or softcap or alibi or sinks is not None or relbias is not None:
-        slopes = None if alibi is None else [float(m) for m in alibi]
+    if window or softcap or alibi or sinks is not None or relbias is not None or slopes is not None:
+        constants = None if alibi is None else [float(m) for m in alibi]
         return torch.ops.brcompile.tree_attention_forward(q, k, v, end, valid, segments, float(scale), impl, window,
-                                                          position, float(softcap), slopes, sinks, relbias)[0]
+                                                          position, float(softcap), constants, sinks, relbias,
+                                                          slopes)[0]
     return torch.ops.brcompile.tree_attention(q, k, v, end, valid, segments, float(scale), impl)

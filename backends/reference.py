@@ -30,6 +30,7 @@ from torch import Tensor
 
 from brcompile.backends.ops import (
     AttentionImpl, TreeAttentionArgs, attention_backward, attention_forward, register_attention_impl, relative_buckets,
+    slopes_grad,
 )
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,9 @@ def _masked_scores(q64: Tensor, k64: Tensor, mask: Tensor, scale: float, softcap
 
 
 def _slopes64(a: TreeAttentionArgs) -> Optional[Tensor]:
-    """The ALiBi slopes of ``a`` as a float64 [Hq] tensor, or None."""
+    """The ALiBi slopes of ``a`` (constants or the ``slopes`` tensor) as a float64 [Hq] tensor, or None."""
+    if a.slopes is not None:
+        return a.slopes.detach().to(dtype=torch.float64, device=a.q.device)
     return None if not a.alibi else torch.tensor([float(m) for m in a.alibi], dtype=torch.float64,
                                                  device=a.q.device)
 
@@ -131,9 +134,9 @@ def reference_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
 @attention_backward
 def reference_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor,
                        lse: Tensor) -> tuple[Tensor, ...]:
-    """(dq, dk, dv), and dR with a relative bias, from the saved out and lse, by the explicit formulas above,
-    in float64 (soft-capped: ds is multiplied by d(softcap * tanh(x / softcap))/dx = 1 - t^2 before the q/k
-    products, after dR is taken)."""
+    """(dq, dk, dv), and dR with a relative bias, and dslopes with trainable ``slopes`` (:func:`slopes_grad`), from
+    the saved out and lse, by the explicit formulas above, in float64 (soft-capped: ds is multiplied by
+    d(softcap * tanh(x / softcap))/dx = 1 - t^2 before the q/k products, after dR and dslopes are taken)."""
     hq, hkv = a.q.shape[0], a.k.shape[0]
     mask = dense_tree_mask(a.end, a.valid, a.window, a.position)
     q64, k64, v64 = a.q.double(), a.k.double(), a.v.double()
@@ -144,15 +147,17 @@ def reference_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor,
     delta = (dout * out.double()).sum(-1, keepdim=True)
     ds = p * (dp - delta)
     drel = None if a.relbias is None else relative_bias_grad(ds, a.position, a.position, a.relbias.shape[-1])
+    dslopes = None if a.slopes is None else slopes_grad(ds, a.position, a.position).to(a.slopes.dtype)
     if a.softcap:
         ds = ds * (1 - t * t)
     dq = torch.matmul(ds, _expand_kv(k64, hq)) * a.scale
     dk = _reduce_kv(torch.matmul(ds.transpose(-1, -2), q64) * a.scale, hkv)
     dv = _reduce_kv(torch.matmul(p.transpose(-1, -2), dout), hkv)
     grads = (dq.to(a.q.dtype), dk.to(a.k.dtype), dv.to(a.v.dtype))
-    return grads if drel is None else grads + (drel.to(a.relbias.dtype),)
+    grads = grads if drel is None else grads + (drel.to(a.relbias.dtype),)
+    return grads if dslopes is None else grads + (dslopes,)
 
 
 register_attention_impl(AttentionImpl(name="reference", forward=reference_forward, backward=reference_backward,
                                       supports_window=True, supports_softcap=True, supports_alibi=True,
-                                      supports_relbias=True))
+                                      supports_relbias=True, supports_alibi_grad=True))

@@ -30,7 +30,7 @@ def sinks_param(dtype=torch.float64):
 
 def dense_rows(q, k, v, tree, ids, am, scale, alibi=None, sinks=None, softcap=0.0):
     """Per row b: softmax over the visible keys (and the sink column, joined on the key dim and dropped after)
-    of ``scale q.k [capped] + m (j - i)``."""
+    of ``scale q.k [capped] + m (j - i)`` (``alibi``: the slopes m, numbers or a differentiable tensor)."""
     L = ids.shape[1]
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     outs = []
@@ -41,7 +41,7 @@ def dense_rows(q, k, v, tree, ids, am, scale, alibi=None, sinks=None, softcap=0.
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         if alibi is not None:
-            s = s + torch.tensor(alibi, dtype=s.dtype)[:, None, None] * (j - i).to(s.dtype)
+            s = s + torch.as_tensor(alibi, dtype=s.dtype)[:, None, None] * (j - i).to(s.dtype)
         s = s.masked_fill(~((j <= i) & am[b].bool()[None, :]), float("-inf"))
         if sinks is not None:  # one logit per head [H], or per head and query token [H, N]
             col = sinks[:, idx, None] if sinks.dim() == 2 else sinks[:, None, None].expand(-1, L, 1)
@@ -111,6 +111,81 @@ def test_gradcheck_sinks_and_qkv(impl):
         return tree_attention(q, k, v, tree, scale=0.4, impl=impl, alibi=SLOPES, sinks=sinks)
 
     assert torch.autograd.gradcheck(f, (q, k, v, sinks), atol=1e-8, rtol=1e-6)
+
+
+def slopes_param(dtype=torch.float64):
+    return torch.tensor(SLOPES, dtype=dtype).mul(torch.tensor([1.0, -0.5, 2.0, 0.7], dtype=dtype)).requires_grad_()
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("softcap", [0.0, 0.9], ids=["plain", "capped"])
+@pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
+def test_trainable_slopes_equal_dense_rows(impl, softcap, pad, monkeypatch):
+    """Trainable ALiBi slopes (a [Hq] tensor): output and the gradients of q, k, v, the sinks and the slopes,
+    ``d m[h] = sum over visible (q, k) of dS[h, q, k] (pos[k] - pos[q])``, equal the dense per-row oracle's
+    (autograd through ``m (j - i)``) in float64, on a tree of two branching levels (shared prompts, a shared
+    response prefix) with and without padding holes."""
+    monkeypatch.setattr(cpu, "WINDOW_QUERY_BLOCK", 4)
+    ids, am = batch(8, pad)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    slopes, sinks = slopes_param(), sinks_param()
+    out = tree_attention(q, k, v, tree, scale=0.4, impl=impl, softcap=softcap, slopes=slopes, sinks=sinks)
+    dense = dense_rows(q, k, v, tree, ids, am, 0.4, slopes, sinks, softcap)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    wrt = (q, k, v, sinks, slopes)
+    g_tree = torch.autograd.grad((out * w).sum(), wrt)
+    loss = sum((d * w[:, tree.index[b]] * (tree.rep_row[tree.index[b]] == b)[None, :, None]).sum()
+               for b, d in enumerate(dense))
+    g_dense = torch.autograd.grad(loss, wrt)
+    for b, d in enumerate(dense):
+        torch.testing.assert_close(out[:, tree.index[b]], d, atol=1e-12, rtol=1e-12)
+    for name, a, e in zip(["q", "k", "v", "sinks", "slopes"], g_tree, g_dense):
+        torch.testing.assert_close(a, e, atol=1e-11, rtol=1e-11, msg=lambda m: f"grad of {name}: {m}")
+    assert g_tree[-1].abs().min() > 1e-4  # every head's slope gets a gradient (not a vacuous zero)
+    const = tree_attention(q, k, v, tree, scale=0.4, impl=impl, softcap=softcap, alibi=slopes.tolist(), sinks=sinks)
+    torch.testing.assert_close(out, const, atol=1e-13, rtol=1e-13)  # the same forward as constant slopes
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_gradcheck_slopes(impl):
+    """The slopes' gradient (and q, k, v's beside it) by finite differences in float64."""
+    ids, am = batch(4, True)
+    tree = build_tree(ids[:3, :8], attention_mask=am[:3, :8])
+    q, k, v = qkv(tree.stats.executed_tokens, d=4)
+
+    def f(q, k, v, slopes):
+        return tree_attention(q, k, v, tree, scale=0.4, impl=impl, slopes=slopes)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, slopes_param()), atol=1e-8, rtol=1e-6)
+
+
+def test_trainable_slopes_need_an_impl_that_differentiates_them():
+    """An impl with ALiBi but without ``supports_alibi_grad`` is refused with the missing feature named; constant
+    and tensor slopes together, or slopes of the wrong shape, are contract errors."""
+    from brcompile.backends.ops import AttentionImpl, check_impl_supports
+
+    ref = cpu.cpu_forward, cpu.cpu_backward
+    no_grad = AttentionImpl(name="no_slope_grad", forward=ref[0], backward=ref[1], supports_alibi=True)
+    check_impl_supports(no_grad, alibi=SLOPES)
+    with pytest.raises(AttentionImplError, match="trainable ALiBi slopes"):
+        check_impl_supports(no_grad, slopes=slopes_param())
+    ids, am = batch(7, False)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    with pytest.raises(TreeAttentionError, match="given twice"):
+        tree_attention(q, k, v, tree, impl="cpu", alibi=SLOPES, slopes=slopes_param())
+    with pytest.raises(TreeAttentionError, match="slopes must be a floating"):
+        tree_attention(q, k, v, tree, impl="cpu", slopes=slopes_param()[:2])
+
+
+def test_opcheck_trainable_slopes():
+    ids, am = batch(6, True)
+    tree = build_tree(ids, attention_mask=am)
+    q, k, v = qkv(tree.stats.executed_tokens)
+    args = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(), tree.end,
+            tree.valid, tree.segments, 0.4, "cpu", 0, tree.position, 0.0, None, sinks_param(), slopes_param())
+    torch.library.opcheck(torch.ops.brcompile.tree_attention_forward.default, args)
 
 
 def test_query_that_sees_nothing_with_a_sink():
