@@ -313,8 +313,8 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
     attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias): the original graph runs, with
     the reason. Attention sinks need no support: the op applies them around every impl."""
     from brcompile.backends.ops import (
-        AttentionImplError, attention_extras, attention_relbias, attention_scores_extras, check_impl_supports,
-        get_attention_impl,
+        AttentionImplError, attention_extras, attention_relbias, attention_scores_extras, attention_slopes,
+        check_impl_supports, get_attention_impl,
     )
 
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
@@ -324,10 +324,11 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
         window, _, softcap = attention_extras(n.args)
         alibi, _ = attention_scores_extras(n.args)
         relbias = attention_relbias(n.args) is not None
-        if not (window or softcap or alibi or relbias):
+        slopes = attention_slopes(n.args)
+        if not (window or softcap or alibi or relbias or slopes is not None):
             continue
         try:
-            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias)
+            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias, slopes)
         except AttentionImplError as e:
             raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
 

@@ -32,11 +32,21 @@ plus anything constant along the query row (softmax is invariant to it: this cov
 count of attention-mask tokens up to k (BLOOM's ``cumsum(attention_mask) - 1``, ``count(X)`` for a [B, L]
 0/1 tree input X). The slopes are read off a trial without padding and the form is then checked on every
 trial (up to the rounding of the mask's dtype); the result is ``MaskInfo.alibi`` (the slopes) and
-``MaskInfo.alibi_count`` (X, or None for the columns), tree attention's ``alibi`` feature. A bias that
-depends on a trainable tensor (its gradient would be lost), or on the packed-sequence layout, is refused; the
-refusal says whether the bias also follows the values of a token input (it changes when only that input is
-reordered on a probe: a per-token bias such as a projection of the hidden states) or is a learned position
-bias (trained slopes, a relative-position table). The probes evaluate the subgraph with every trainable tensor
+``MaskInfo.alibi_count`` (X, or None for the columns), tree attention's ``alibi`` feature. A bias on the
+packed-sequence layout is refused.
+
+**Trainable ALiBi slopes.** A bias that depends on trainable tensors is ALiBi with trainable slopes when one
+value ``P`` of the subgraph, computed from trainable tensors (and parameters, buffers, constants) alone, with one
+number per query head (or one for all), carries every trainable tensor into the mask (no path from a trainable
+tensor to the mask avoids it: :func:`_slopes_node`), and the bias is ``P[h] * pos[b, k] + c[b, h, q]`` on every
+trial (each with its own perturbed trainable values) and on one more trial with ``P`` itself replaced by random
+numbers (so the slope is ``P``, not a function of it that agrees at the trainable values). Then
+``MaskInfo.alibi_node`` is ``P``: the packed graph computes it (its ancestors are taken out of the mask-only
+nodes) and hands it to tree attention as its differentiable ``slopes``, whose gradient reaches the trainable
+tensors through ``P``'s own ops. Any other bias of trainable tensors is refused; the refusal says whether the
+bias also follows the values of a token input (it changes when only that input is reordered on a probe: a
+per-token bias such as a projection of the hidden states) or is a learned position bias (a relative-position
+table). The probes evaluate the subgraph with every trainable tensor
 perturbed (:func:`_perturbed_parameters`; the example batch keeps the real values), so a learned value cannot hide
 behind its initial value; a per-key bias has been moved into the keys by the canonicalisation before (what is left
 must be a mask on every probe).
@@ -108,6 +118,9 @@ class MaskInfo:
     alibi: Optional[tuple[float, ...]] = None
     #: The 0/1 input X whose running count gives the ALiBi positions (None: the columns).
     alibi_count: Optional[fx.Node] = None
+    #: Trainable ALiBi: the node whose value is the slopes (``alibi`` then holds the example's values); see
+    #: :func:`_trainable_alibi`.
+    alibi_node: Optional[fx.Node] = None
 
     def __str__(self) -> str:
         arg = self.keypad if self.keypad is not None else self.sequences
@@ -115,7 +128,8 @@ class MaskInfo:
         s += f"+window({self.window})" if self.window else ""
         if self.alibi is not None:
             over = "" if self.alibi_count is None else f" over count({self.alibi_count.name})"
-            s += f"+alibi({', '.join(f'{m:.4g}' for m in self.alibi)}{over})"
+            learned = "" if self.alibi_node is None else f" trainable {self.alibi_node.name}"
+            s += f"+alibi({', '.join(f'{m:.4g}' for m in self.alibi)}{over}{learned})"
         return s + (f" for L <= {self.max_length}" if self.max_length is not None else "")
 
 
@@ -666,27 +680,30 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
     what = "attention bias"
     if info.kind == "causal+sequences":
         raise CannotReplay(f"{what} on packed sequences (ALiBi positions restart per sequence)", attn)
-    for n in ancestors(mask):
-        v = values.get(n) if n.op == "placeholder" else None
-        if isinstance(v, torch.Tensor) and v.requires_grad:
-            x = _followed_input(attn, mask, inputs, trials)
-            if x is not None:
-                raise CannotReplay(f"{what} computed from the values of {x.name} through the trainable tensor "
-                                   f"{n.name} (a per-token bias, e.g. a projection of the hidden states: tree "
-                                   "attention's biases are ALiBi, a fixed per-head slope times the position "
-                                   "distance, and a relative bias gathered from a table of the query token by the "
-                                   "clamped distance)", attn)
-            raise CannotReplay(f"{what} computed from the trainable tensor {n.name} (a learned position bias, e.g. "
-                               "trained ALiBi slopes or a relative-position table: its gradient is not supported)",
-                               attn)
     hq = _query_heads(attn)
+    trainable = [n for n in ancestors(mask) if n.op == "placeholder"
+                 for v in [values.get(n)] if isinstance(v, torch.Tensor) and v.requires_grad]
+    if trainable:
+        n = trainable[0]
+        x = _followed_input(attn, mask, inputs, trials)
+        if x is not None:
+            raise CannotReplay(f"{what} computed from the values of {x.name} through the trainable tensor "
+                               f"{n.name} (a per-token bias, e.g. a projection of the hidden states: tree "
+                               "attention's biases are ALiBi, a per-head slope times the position distance, and a "
+                               "relative bias gathered from a table of the query token by the clamped distance)",
+                               attn)
+        node = _slopes_node(mask, trainable, values, hq)
+        found = None if node is None else _trainable_alibi(attn, mask, info, inputs, trials, node, hq)
+        if found is None:
+            raise CannotReplay(f"{what} computed from the trainable tensor {n.name} that is not ALiBi with trainable "
+                               "slopes (a learned position bias, e.g. a relative-position table: its gradient is "
+                               "not supported)", attn)
+        return found
     slopes = _alibi_slopes(attn, mask, trials, hq)
     if slopes is None:
         raise CannotReplay(f"{what} that is not ALiBi: no per-head slope can be read off a probe without padding",
                            attn)
-    counts = [info.keypad] if info.keypad is not None else []
-    counts += [x for x in inputs if x not in counts and _is_binary(trials[0].values.get(x))]
-    for count in [None] + counts:
+    for count in _alibi_counts(info, inputs, trials):
         if all(_fits_alibi(t.visible(mask, attn), t.bias(mask, attn), slopes, _alibi_positions(t, count))
                for t in trials):
             if not any(slopes):
@@ -696,6 +713,67 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
             return dataclasses.replace(info, alibi=tuple(slopes), alibi_count=count)
     raise CannotReplay(f"{what} that is not ALiBi (a per-head slope times the key position minus the query "
                        "position, over the columns or the count of attention-mask tokens)", attn)
+
+
+def _alibi_counts(info: MaskInfo, inputs: Sequence[fx.Node], trials: Sequence[_Trial]) -> list:
+    """The candidate ALiBi position sources: None (the columns), the key-padding input, every other 0/1 input."""
+    counts = [info.keypad] if info.keypad is not None else []
+    return [None] + counts + [x for x in inputs if x not in counts and _is_binary(trials[0].values.get(x))]
+
+
+def _slopes_node(mask: fx.Node, trainable: Sequence[fx.Node], values: dict, hq: Optional[int]) -> Optional[fx.Node]:
+    """The latest node ``P`` of the mask's subgraph that is computed from trainable tensors, parameters, buffers
+    and constants alone (no token input, no size), holds a float per query head (``hq`` numbers, or one), and
+    that every path from a trainable tensor to the mask passes through; None when there is none."""
+    if hq is None:
+        return None
+    anc = ancestors(mask)
+    tset = set(trainable)
+    reached: set[fx.Node] = set()
+    for n in anc:
+        if n in tset or any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+    for n in reversed(anc):
+        if n not in reached or n is mask:
+            continue
+        v = values.get(n) if n.op == "placeholder" else example_value(n)
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() in (1, hq)):
+            continue
+        if any(p.op == "placeholder" and p not in tset and not is_static_input(p) for p in ancestors(n)):
+            continue
+        if not any(p in tset for p in ancestors(mask, inside=lambda a, n=n: a is not n)):
+            return n
+    return None
+
+
+def _trainable_alibi(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence[fx.Node],
+                     trials: Sequence[_Trial], node: fx.Node, hq: int) -> Optional[MaskInfo]:
+    """``info`` with ALiBi slopes ``node`` (module docstring: trainable ALiBi slopes), or None when the bias is not
+    ``node[h] * pos[b, k]`` up to a per-query shift on every trial, and on the longest trial without padding with
+    ``node``'s value replaced by random numbers."""
+    unpadded = [t for t in trials if t.unpadded]
+    if not unpadded:
+        return None
+    t0 = max(unpadded, key=lambda t: t.size[1])
+    like = evaluate(node, t0.values, t0.literal)
+    gen = torch.Generator().manual_seed(1)
+    fresh = torch.randn(like.shape, generator=gen, dtype=torch.float64).to(like)
+    substituted = _Trial({**t0.values, node: fresh}, t0.literal, t0.size, t0.unpadded)
+    checks = [(t, _per_head(evaluate(node, t.values, t.literal), hq)) for t in trials]
+    checks.append((substituted, _per_head(fresh, hq)))
+    for count in _alibi_counts(info, inputs, trials):
+        if all(_fits_alibi(t.visible(mask, attn), t.bias(mask, attn), slopes, _alibi_positions(t, count))
+               for t, slopes in checks):
+            if count is not None and info.window:
+                raise CannotReplay("attention bias: ALiBi over attention-mask counts with a sliding window", attn)
+            return dataclasses.replace(info, alibi=tuple(checks[0][1]), alibi_count=count, alibi_node=node)
+    return None
+
+
+def _per_head(value: torch.Tensor, hq: int) -> list[float]:
+    """The ``hq`` slopes of a value of one number per query head, or of one number for all."""
+    flat = value.detach().to(torch.float64).cpu().flatten().tolist()
+    return flat * hq if len(flat) == 1 else flat
 
 
 def _followed_input(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Sequence[_Trial],
@@ -798,7 +876,7 @@ def _fits_alibi(vis: torch.Tensor, bias: Optional[torch.Tensor], slopes: Sequenc
             return True
         bias = torch.zeros(vis.shape, dtype=torch.float64)
     eps = torch.finfo(bias.dtype).eps
-    b = _as_4d(bias).to(torch.float64).cpu()
+    b = _as_4d(bias).detach().to(torch.float64).cpu()  # detached: a trainable bias's probe carries a graph
     if b.shape[1] not in (1, hq) or vis.shape[1] not in (1, hq):
         return False
     m = torch.tensor(list(slopes), dtype=torch.float64)[None, :, None, None]

@@ -203,6 +203,9 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in mask_args if isinstance(m, fx.Node)])
     classified = _classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_mask,
                                  set(outside))
+    for info in classified.values():  # trainable ALiBi slopes: computed by the packed graph for tree attention
+        if info.alibi_node is not None:
+            mask_nodes -= set(masks_mod.ancestors(info.alibi_node))
     keypads = {info.keypad for info in classified.values() if info.keypad is not None}
     if len(keypads) > 1:
         raise CannotReplay("attentions use different key-padding inputs")

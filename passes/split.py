@@ -46,7 +46,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from brcompile.backends.ops import attention_extras, attention_relbias, attention_scores_extras
+from brcompile.backends.ops import attention_extras, attention_relbias, attention_scores_extras, attention_slopes
 from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
@@ -248,7 +248,7 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, *, 
             if window and position is not tok_nodes.position:
                 raise CannotReplay("streaming replay: a windowed attention's positions are not the tree's", n)
             alibi, sinks = attention_scores_extras(n.args)
-            if alibi:
+            if alibi or attention_slopes(n.args) is not None:
                 raise CannotReplay("streaming replay: ALiBi position biases are not supported against a cached prefix "
                                    "(the packed mode runs)", n)
             if attention_relbias(n.args) is not None:

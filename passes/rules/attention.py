@@ -8,7 +8,9 @@ padding) selects the same keys with the same values, and the softmax over them i
 (query column i sees key columns j > i - W) is ``position[q] - position[k] < W`` on the tree positions.
 An ALiBi bias ``m[h] * (pos[k] - pos[q])`` (classified by :mod:`..masks`) is tree attention's ``alibi`` over
 the tree positions (the columns), or over ``count(X)[rep_row, position]`` — the running count of a 0/1
-input X at the token's column, which depends only on the token's ancestors, like every tree value. Attention
+input X at the token's column, which depends only on the token's ancestors, like every tree value. Trained
+slopes (``MaskInfo.alibi_node``, a per-head value computed from parameters) are its differentiable ``slopes``
+(:func:`_slopes`), computed by the packed graph. Attention
 sinks (``br_sinks``, from the eager canonicalisation) are its ``sinks`` argument: one learned logit per head
 ([H], dense), or one logit per query row — a [B, H, L, 1] TOKEN value (row 0, position 2: the query's token
 axis, e.g. a projection of the query's hidden state), packed to tree attention's [H, N] like any token value
@@ -101,6 +103,7 @@ def emit_sdpa(pk, node):
     args = (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale), pk.options.attention)
     softcap = float(node.meta.get("br_softcap", 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
     alibi = getattr(info, "alibi", None)
+    slopes = getattr(info, "alibi_node", None)  # trainable ALiBi slopes (:mod:`..masks`)
     sinks = a.get("br_sinks")  # attention sinks (eager canonicalisation)
     rel = a.get("br_relbias")  # relative bias (canonicalisation)
     extra = sinks is not None or rel is not None
@@ -109,14 +112,31 @@ def emit_sdpa(pk, node):
     if softcap or alibi or extra:
         args += (softcap,)
     if alibi or extra:
-        args += (list(alibi) if alibi else None, None if sinks is None else _sinks(pk, sinks))
-    if rel is not None:
-        args += (_relbias(pk, rel, bool(node.meta.get("br_relbias_zero"))),)
+        args += (list(alibi) if alibi and slopes is None else None, None if sinks is None else _sinks(pk, sinks))
+    if rel is not None or slopes is not None:
+        args += (None if rel is None else _relbias(pk, rel, bool(node.meta.get("br_relbias_zero"))),)
+    if slopes is not None:
+        args += (_slopes(pk, slopes, pk.static_shape(a["query"])[1]),)
     out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     if dv is not None:
         out = pk.graph.call_function(operator.getitem, (out, (Ellipsis, slice(None, dv))))
     return pk.graph.call_method("unsqueeze", (out, 0))
+
+
+def _slopes(pk, node, hq: int):
+    """The ``slopes`` argument of tree attention for trainable ALiBi: the dense value of the slopes node (one
+    number per query head, or one for all), as [Hq]."""
+    g = pk.graph
+    flat = g.call_method("reshape", (pk.dense(node), -1))
+    return flat if pk.static_shape(node) and _numel(pk.static_shape(node)) == hq else g.call_method("expand", (flat, hq))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 def _sinks(pk, sinks):

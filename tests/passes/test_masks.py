@@ -371,7 +371,8 @@ def test_sequence_positions_are_well_formed():
 
 class BiasLM(nn.Module):
     """One attention layer with a float mask that adds a trainable bias: ``bias="slopes"``, ALiBi with learned
-    per-head slopes ``m[h] * (k - q)``; ``bias="per_key"``, Doge's ``u = exp(A[h] * softplus(proj(v[b, h, k])))``
+    per-head slopes ``m[h] * (k - q)``; ``bias="table"``, a learned relative-position table ``T[h, q - k]``;
+    ``bias="per_key"``, Doge's ``u = exp(A[h] * softplus(proj(v[b, h, k])))``
     (the same for every query, different per token) with Doge's initial ``A = 0``, where the bias is 1
     everywhere and shows what it follows only for other values of ``A``; ``bias="query_key"``, ``u[q] * u[k]``
     (per token in both the query and the key)."""
@@ -383,6 +384,8 @@ class BiasLM(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         if bias == "slopes":
             self.slopes = nn.Parameter(torch.tensor([-0.5, -0.25]))
+        elif bias == "table":
+            self.table = nn.Parameter(0.1 * torch.randn(heads, 64))
         else:
             self.key_bias = nn.Linear(dim // heads, 1)
             self.A = nn.Parameter(torch.full((heads,), A))
@@ -394,6 +397,8 @@ class BiasLM(nn.Module):
         i = torch.arange(L, device=ids.device)
         if self.bias == "slopes":
             b = self.slopes[None, :, None, None] * (i[None, :] - i[:, None])[None, None]
+        elif self.bias == "table":
+            b = self.table[:, (i[:, None] - i[None, :]).clamp(min=0)][None]
         else:
             u = torch.exp(self.A[None, :, None] * F.softplus(self.key_bias(v)[..., 0]))
             b = u[:, :, None, :].expand(-1, -1, L, -1) if self.bias == "per_key" else u[:, :, None, :] * u[..., None]
@@ -404,7 +409,7 @@ class BiasLM(nn.Module):
 
 
 @pytest.mark.parametrize("bias, reason", [
-    ("slopes", "a learned position bias"),
+    ("table", "a learned position bias"),
     ("query_key", "computed from the values of"),
 ])
 def test_trainable_bias_is_refused_naming_its_kind(bias, reason):
@@ -415,6 +420,23 @@ def test_trainable_bias_is_refused_naming_its_kind(bias, reason):
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     assert any("trainable tensor" in r and reason in r for r in s.fallback_reasons), str(s)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_trainable_alibi_slopes_replay_exactly(dynamic):
+    """ALiBi with learned slopes ``m[h] * (k - q)``, ``m`` a parameter: the slopes node is tree attention's
+    differentiable ``slopes`` (masks._trainable_alibi), so the loss and every gradient, the slopes' included, are
+    exact, with key padding, at one length and (dynamic) at two."""
+    model = BiasLM("slopes").double()
+    batches = [shared_batch(3, 5, 4, right_pad=2)] + ([shared_batch(4, 7, 3, seed=2, right_pad=1)] if dynamic else [])
+    backend = run_exact(model, batches, dynamic=dynamic)
+    s = brcompile.stats()
+    assert s.replayed_calls == len(batches) and s.fallback_calls == 0, str(s)
+    assert s.executed_tokens < s.logical_tokens, str(s)
+    code = backend.records[-1].packed_code  # the slopes parameter reaches tree attention's last argument
+    call = next(line for line in code.splitlines() if "tree_attention_forward" in line)
+    assert call.split("(", 1)[1].split(")")[0].split(", ")[-1].startswith("reshape"), call
+    assert "parameters_slopes_" in code, code
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

@@ -968,7 +968,7 @@ class QuadraticBias(Decoder):
 
 
 class LearnedSlopeAttention(AlibiAttention):
-    """ALiBi whose slopes are trained parameters (their gradient would be lost: refused)."""
+    """ALiBi whose slopes are trained parameters: tree attention's differentiable ``slopes``."""
 
     def __init__(self):
         super().__init__()
@@ -985,6 +985,54 @@ class LearnedSlopeBlock(AlibiBlock):
 class LearnedSlopes(Decoder):
     def __init__(self):
         super().__init__(LearnedSlopeBlock)
+
+
+class LogSlopeAttention(AlibiAttention):
+    """Trained ALiBi slopes parametrised by their logarithm, the bias built as [1, H, 1, 1] slopes times the
+    distance (the slope is ``exp(log_slopes)``: its gradient passes through ``exp``)."""
+
+    def __init__(self):
+        super().__init__()
+        del self.slopes
+        self.log_slopes = nn.Parameter(alibi_slopes(HEADS).log().to(torch.get_default_dtype()))
+
+    def position_bias(self, T):
+        pos = torch.arange(T)
+        return self.log_slopes.exp().view(1, HEADS, 1, 1) * (pos[None, :] - pos[:, None])
+
+
+class LogSlopeBlock(AlibiBlock):
+    def __init__(self):
+        super().__init__()
+        self.attn = LogSlopeAttention()
+
+
+class LogSlopes(Decoder):
+    def __init__(self):
+        super().__init__(LogSlopeBlock)
+
+
+class RelativeTableAttention(AlibiAttention):
+    """A learned relative-position table (T5-like, one bias per head and distance): not ALiBi (refused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(0.1 * torch.randn(HEADS, MAX_SEQ))
+
+    def position_bias(self, T):
+        pos = torch.arange(T)
+        return self.table[:, (pos[:, None] - pos[None, :]).clamp(min=0)]
+
+
+class RelativeTableBlock(AlibiBlock):
+    def __init__(self):
+        super().__init__()
+        self.attn = RelativeTableAttention()
+
+
+class RelativeTable(Decoder):
+    def __init__(self):
+        super().__init__(RelativeTableBlock)
 
 
 class SinkAttention(nn.Module):
@@ -1296,6 +1344,8 @@ REPLAY = {
     "lora_llama": LoraLlama,
     "torch_rms_norm": TorchRMSNorm,
     "alibi": Alibi,
+    "learned_alibi_slopes": LearnedSlopes,
+    "learned_log_alibi_slopes": LogSlopes,
     "attention_sinks": AttentionSinks,
     "bmm_3d": Bmm3D,
     "hf_bart": Bart,
@@ -1306,7 +1356,7 @@ REPLAY = {
 #: style name -> (model class, a phrase the fallback reason must contain)
 FALLBACK = {
     "quadratic_bias": (QuadraticBias, "not ALiBi"),
-    "learned_alibi_slopes": (LearnedSlopes, "trainable"),
+    "relative_position_table": (RelativeTable, "trainable tensor"),
     "soft_multiplicative_mask": (SoftMultiplicativeMask, "does not block"),
     "query_key_bias": (QueryKeyBias, "per-token bias"),
 }

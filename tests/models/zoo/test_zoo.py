@@ -3,9 +3,10 @@ compiled unchanged with ``branch_replay``.
 
 Each replaying style must give the eager loss and every parameter gradient to 1e-10 relative error in
 float64 on a GRPO batch with shared prompts, with ``brcompile.stats()`` showing that the rewrite ran and
-shared tokens (executed < logical); ALiBi and attention-sink styles among them, whose packed graph must hold
-tree attention with the ``alibi`` / ``sinks`` feature. Styles that need what tree attention does not have (a
-per-head bias that is not ALiBi, trained ALiBi slopes) must fall back with a reason that names the construct.
+shared tokens (executed < logical); ALiBi (constant or trained slopes) and attention-sink styles among them, whose
+packed graph must hold tree attention with the ``alibi`` / ``slopes`` / ``sinks`` feature. Styles that need what
+tree attention does not have (a per-head bias that is not ALiBi, a learned relative-position table) must fall back
+with a reason that names the construct.
 """
 import pytest
 import torch
@@ -18,7 +19,10 @@ from tests.models.zoo import models
 BACKEND = brcompile.backend(compiler="eager")
 #: style -> what its packed code must show (the feature the rewrite used)
 FEATURES = {"alibi": "0.0, [0.25, 0.0625, 0.015625, 0.00390625], None)",  # the slopes, no sinks
-            "attention_sinks": "0.0, None, l_model_modules_blocks_modules_0_modules_attn_parameters_sinks_)"}
+            "attention_sinks": "0.0, None, l_model_modules_blocks_modules_0_modules_attn_parameters_sinks_)",
+            # trained slopes: no constant alibi, no sinks, the slopes node's [Hq] reshape
+            "learned_alibi_slopes": "tree_position, 0.0, None, None, reshape",
+            "learned_log_alibi_slopes": "tree_position, 0.0, None, None, reshape"}
 BATCH = dict(num_prompts=2, group_size=3, prompt_len=(6, 9), response_len=(2, 5), vocab_size=models.VOCAB,
              seed=1, dtype=torch.float64)
 
