@@ -32,5 +32,6 @@ register_attention_impl(
         supports_window=True,
         supports_softcap=True,
         supports_alibi=True,
+        supports_alibi_grad=True,
     )
 )

@@ -34,7 +34,10 @@ ALiBi (``alibi`` slopes m[Hq], with ``position``): the natural-log score of (q, 
 ``m[h] * (position[k] - position[q])`` after the soft-cap. The kernels take ``SLOPES`` = m * log2(e) (float32
 [Hq]) behind the constexpr flag HAS_ALIBI (without it they compile as before and read no slopes) and add
 ``SLOPES[h] * (pos[k] - pos[q])`` to the base-2 score; the bias is constant in q and k, so dS (and the
-soft-cap's factor) are unchanged. It combines with a window and a soft-cap.
+soft-cap's factor) are unchanged. It combines with a window and a soft-cap. Trainable slopes (``a.slopes``, a
+[Hq] tensor) run the same kernels; their gradient ``sum over visible (q, k) of dS[h, q, k] (pos[k] - pos[q])``
+(dS of the natural-log, post-cap score) is summed per query row by the dQ kernel, which owns every row
+(HAS_ALIBI_GRAD: ``DSLOPES[h, q]`` in float32, no atomics), and over the rows on the host.
 
 Schedule, without any N x N or (N/block)^2 structure:
 
@@ -436,7 +439,7 @@ def _tree_attn_bwd_dkdv(
 
 @triton.jit
 def _tree_attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, KEND, POS, SLOPES, TILE_PTR, TILE_START, TILES, DQ,
+    Q, K, V, DO, LSE, DELTA, KEND, POS, SLOPES, TILE_PTR, TILE_START, TILES, DQ, DSLOPES,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -446,13 +449,15 @@ def _tree_attn_bwd_dq(
     N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ALIBI_GRAD: tl.constexpr,
 ):
     """dQ[q] = scale * sum_k dS[q, k] k[k],  dS = P (dO[q].v[k] - delta[q]),  P = exp(scale q.k - lse[q]).
 
     One program per (query block, query head), visiting the same key tiles (and window mask) as the
     forward. With HAS_SOFTCAP, ``P`` from the capped score and ``dS`` times ``1 - t^2`` (as for dK); with
-    HAS_ALIBI, ``P`` from the score plus its ALiBi bias.
+    HAS_ALIBI, ``P`` from the score plus its ALiBi bias; with HAS_ALIBI_GRAD also
+    ``DSLOPES[h, q] = sum_k dS[q, k] (pos[k] - pos[q])`` (dS before the soft-cap factor: the bias is added after
+    the cap).
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -483,6 +488,7 @@ def _tree_attn_bwd_dq(
     v_head = V + kv_h.to(tl.int64) * stride_vh
 
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    dslope = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
                                                          pid_m, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     alibi2 = tl.load(SLOPES + pid_h) if HAS_ALIBI else 0.0
@@ -501,10 +507,15 @@ def _tree_attn_bwd_dq(
         p = tl.where(visible, tl.exp2(s2 - lse2[:, None]), 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if HAS_ALIBI_GRAD:  # ds is 0 off the visible pairs (p is)
+            pos_kd = tl.load(POS + offs_n, mask=n_in, other=0)
+            dslope += tl.reduce(ds * (pos_kd[None, :] - pos_q[:, None]).to(tl.float32), 1, _add)
         if HAS_SOFTCAP:
             ds = ds * slope
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
     dq = dq * sm_scale
+    if HAS_ALIBI_GRAD:
+        tl.store(DSLOPES + pid_h.to(tl.int64) * N + offs_m, dslope, mask=m_in)
 
     dq_ptrs = (DQ + pid_h.to(tl.int64) * stride_dqh + b0.to(tl.int64) * stride_dqn
                + tl.arange(0, BLOCK_M)[:, None] * stride_dqn + offs_d[None, :] * stride_dqd)
@@ -844,7 +855,7 @@ def _check_inputs(a: TreeAttentionArgs) -> None:
         raise ValueError(f"head dim must be in [1, {_MAX_HEAD_DIM}], got {d}")
     if q.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"q, k, v must share one dtype of {_SUPPORTED_DTYPES}; got {q.dtype}")
-    devices = {t.device for t in (q, a.k, a.v, *a.tree) + ((a.position,) if a.window or a.alibi else ())}
+    devices = {t.device for t in (q, a.k, a.v, *a.tree) + ((a.position,) if a.window or a.has_alibi else ())}
     if len(devices) != 1:
         raise ValueError(f"all tree-attention inputs must be on one device, got {sorted(map(str, devices))}")
     if q.device.type != "cuda" and not is_interpreter():
@@ -856,12 +867,15 @@ def _check_inputs(a: TreeAttentionArgs) -> None:
 def _positions_arg(a: TreeAttentionArgs, kend: torch.Tensor) -> torch.Tensor:
     """The POS kernel argument: int64 contiguous positions; without a window or ALiBi (never read) ``kend``
     stands in, so every launch passes plain tensors."""
-    return a.position.to(torch.int64).contiguous() if a.window or a.alibi else kend
+    return a.position.to(torch.int64).contiguous() if a.window or a.has_alibi else kend
 
 
 def _slopes_arg(a: TreeAttentionArgs, kend: torch.Tensor) -> torch.Tensor:
     """The SLOPES kernel argument: the ALiBi slopes times log2(e) (the kernels' scores are base 2), float32
-    [Hq], rounded once from float64; without ALiBi (HAS_ALIBI=False, never read) ``kend`` stands in."""
+    [Hq], rounded once from float64 (trainable ``slopes``: their values); without ALiBi (HAS_ALIBI=False, never
+    read) ``kend`` stands in."""
+    if a.slopes is not None:
+        return (a.slopes.detach().to(device=kend.device, dtype=torch.float64) * _LOG2E).to(torch.float32)
     if not a.alibi:
         return kend
     return torch.tensor([float(m) * _LOG2E for m in a.alibi], dtype=torch.float32, device=kend.device)
@@ -933,14 +947,15 @@ def tree_attention_forward(a: TreeAttentionArgs, *, config: LaunchConfig | None 
         n, hq, float(a.scale) * _LOG2E, window, softcap,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=_block_d(d),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INPUT_PRECISION=_input_precision(q.dtype),
-        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=bool(a.alibi),
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=a.has_alibi,
     )
     return out, lse
 
 
 @attention_backward
 def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config: LaunchConfig | None = None):
-    """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes.
+    """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes; with trainable
+    ``a.slopes`` also dslopes (the dQ kernel's per-row sums, summed in float64, in the slopes' dtype).
 
     ``a`` as the forward got it. Also callable as ``tree_attention_backward(grad_out, q, k, v, out, lse, end,
     valid, segments, scale, window=0, position=None, softcap=0.0, *, config=None)``.
@@ -957,7 +972,7 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if n == 0 or hq == 0:
-        return dq, dk, dv
+        return (dq, dk, dv) if a.slopes is None else (dq, dk, dv, torch.zeros_like(a.slopes))
     launch = config or default_launch_config(d, q.dtype, q.device)
     grad_out = grad_out.to(q.dtype)
     lse = lse.to(torch.float32).contiguous()
@@ -975,7 +990,7 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
     qk_scale = sm_scale * _LOG2E
     group = hq // hkv
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=_block_d(d), INPUT_PRECISION=_input_precision(q.dtype),
-                  HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=bool(a.alibi))
+                  HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=a.has_alibi)
 
     cfg = launch.dkdv
     _launch(
@@ -994,9 +1009,10 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
     cfg = launch.dq
     kt = _TILE_CACHE.get(segments, (n, cfg.block_m, cfg.block_n), segments, n, cfg.block_m, cfg.block_n, end)
     tile_start = _tile_start_arg(window, position, kt, n)
+    rows = kend if a.slopes is None else torch.empty((hq, n), dtype=torch.float32, device=q.device)
     _launch(
         _tree_attn_bwd_dq, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
-        q, k, v, grad_out, lse, delta, kend, pos, slopes, kt.ptr, tile_start, kt.tiles, dq,
+        q, k, v, grad_out, lse, delta, kend, pos, slopes, kt.ptr, tile_start, kt.tiles, dq, rows,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -1004,9 +1020,11 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
         dq.stride(0), dq.stride(1), dq.stride(2),
         lse.stride(0),
         n, hq, sm_scale, qk_scale, window, softcap,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_ALIBI_GRAD=a.slopes is not None, **common,
     )
-    return dq, dk, dv
+    if a.slopes is None:
+        return dq, dk, dv
+    return dq, dk, dv, rows.sum(-1, dtype=torch.float64).to(a.slopes.dtype)
 
 
 class TreeAttentionFunction(torch.autograd.Function):

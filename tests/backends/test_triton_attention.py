@@ -592,6 +592,27 @@ def test_alibi_through_the_registered_impl():
     assert_rel_close(got[0], want[0], 1e-4, "out")
 
 
+@pytest.mark.parametrize("case,window,softcap", [("left_pad", 0, 0.0), ("dropped", 3, 0.6)],
+                         ids=["slopes", "slopes_window_softcap"])
+def test_trainable_slopes_through_the_registered_impl(case, window, softcap):
+    """Trainable ALiBi slopes (``supports_alibi_grad``): out and the gradients of q, k, v and the slopes from
+    ``impl="triton"`` (float32; the slopes' from the dQ kernel's per-row sums) agree with ``impl="reference"``
+    (float64, ``sum dS (pos[k] - pos[q])``), alone and with a window and a soft-cap."""
+    tree = window_tree(case)
+    q, k, v = random_qkv(4, 2, tree.num_tokens, 16, torch.float32, seed=63)
+    slopes = torch.tensor([0.5, -0.25, 0.125, 0.3], device=q.device)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(q.device)
+    got = {}
+    for impl, dt in (("triton", torch.float32), ("reference", torch.float64)):
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v, slopes)]
+        out = ops.tree_attention(*xs[:3], (tree.end, tree.valid, tree.segments), 0.25, impl, window, tree.position,
+                                 softcap, slopes=xs[3])
+        got[impl] = (out, *torch.autograd.grad((out * w.to(dt)).sum(), xs))
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dslopes"], got["triton"], got["reference"]):
+        assert_rel_close(a, b, 1e-4, name)
+    assert got["reference"][-1].abs().min() > 1e-3  # every slope gets a gradient
+
+
 def test_window_float16():
     tree = window_tree("right_pad")
     q, k, v = random_qkv(2, 1, tree.num_tokens, 32, torch.float16, seed=41)
