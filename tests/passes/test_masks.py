@@ -439,6 +439,28 @@ def test_trainable_alibi_slopes_replay_exactly(dynamic):
     assert "parameters_slopes_" in code, code
 
 
+def test_trainable_alibi_slopes_are_read_per_call():
+    """The slopes are an input of the packed graph, not constants of the compile: after an update of the slopes
+    (an optimizer step, here one that flips a sign) the same compiled graph, not compiled again, gives eager's
+    loss and gradients."""
+    model = BiasLM("slopes").double()
+    backend = brcompile.backend(compiler="eager")
+    fn = loss_fn(model)
+    compiled = torch.compile(fn, backend=backend)
+    ids, am = shared_batch(3, 5, 4, right_pad=2)
+    params = list(model.parameters())
+    for _ in range(2):
+        ref, out = fn(ids, am), compiled(ids, am)
+        assert_exact(out, ref, torch.float64, "loss")
+        for (name, _), a, b in zip(model.named_parameters(), torch.autograd.grad(out, params),
+                                   torch.autograd.grad(ref, params)):
+            assert_exact(a, b, torch.float64, f"grad of {name}")
+        with torch.no_grad():
+            model.slopes.mul_(-1.5).add_(0.1)
+    s = brcompile.stats()
+    assert len(backend.records) == 1 and s.replayed_calls == 2 and s.fallback_calls == 0, str(s)
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("A", [0.0, 0.7])
 def test_per_key_bias_replays_exactly(A, dynamic):
