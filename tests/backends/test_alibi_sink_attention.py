@@ -184,7 +184,7 @@ def test_opcheck_trainable_slopes():
     tree = build_tree(ids, attention_mask=am)
     q, k, v = qkv(tree.stats.executed_tokens)
     args = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(), tree.end,
-            tree.valid, tree.segments, 0.4, "cpu", 0, tree.position, 0.0, None, sinks_param(), slopes_param())
+            tree.valid, tree.segments, 0.4, "cpu", 0, tree.position, 0.0, None, sinks_param(), None, slopes_param())
     torch.library.opcheck(torch.ops.brcompile.tree_attention_forward.default, args)
 
 

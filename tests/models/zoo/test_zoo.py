@@ -20,9 +20,9 @@ BACKEND = brcompile.backend(compiler="eager")
 #: style -> what its packed code must show (the feature the rewrite used)
 FEATURES = {"alibi": "0.0, [0.25, 0.0625, 0.015625, 0.00390625], None)",  # the slopes, no sinks
             "attention_sinks": "0.0, None, l_model_modules_blocks_modules_0_modules_attn_parameters_sinks_)",
-            # trained slopes: no constant alibi, no sinks, the slopes node's [Hq] reshape
-            "learned_alibi_slopes": "tree_position, 0.0, None, None, reshape",
-            "learned_log_alibi_slopes": "tree_position, 0.0, None, None, reshape"}
+            # trained slopes: no constant alibi, no sinks, no relative bias, the slopes node's [Hq] reshape
+            "learned_alibi_slopes": "tree_position, 0.0, None, None, None, reshape",
+            "learned_log_alibi_slopes": "tree_position, 0.0, None, None, None, reshape"}
 BATCH = dict(num_prompts=2, group_size=3, prompt_len=(6, 9), response_len=(2, 5), vocab_size=models.VOCAB,
              seed=1, dtype=torch.float64)
 
