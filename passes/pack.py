@@ -34,7 +34,7 @@ from brcompile.passes.guards import BatchGuard, scalar_equals
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.rules import scan as scan_rules
-from brcompile.passes.rules.attention import SDPA
+from brcompile.passes.rules.attention import PER_TOKEN, SDPA
 from brcompile.passes.spellings import is_op
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
@@ -173,10 +173,11 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
             return _analyse_token_local(gm, token_ids, placeholders, values, canon, training, left)
         return _analyse_scans(gm, scans, token_ids, placeholders, values, canon, training, left)
     mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
+    attentions_all = list(attentions)
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
     else:
-        B, L = _attention_batch_dims(attentions[0])
+        B, L = _attention_batch_dims(next((a for a in attentions if not _unmasked(a)), attentions[0]))
     needed, needed_qkv = _attention_inputs(attentions, mask_args)
     outside = {a: m for a, m in zip(attentions, mask_args) if input_masks.input_mask_source(m) is not None}
     outside_sources = {input_masks.input_mask_source(m) for m in outside.values()}
@@ -210,11 +211,15 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     if len(keypads) > 1:
         raise CannotReplay("attentions use different key-padding inputs")
     keypad = next(iter(keypads), None)
-    sequences = _sequences_input(attentions, classified)
+    sequences = _sequences_input([a for a in attentions if not _unmasked(a)], classified)
     ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs,
                       values=values, sequences=sequences is not None)
     ctx.notes.update(classified)
     propagate(ctx)
+    # an SDPA whose token dims are its batch dims is a per-token op (rules/attention.py), no tree attention
+    attentions = [a for a in attentions if ctx.notes.get(a) != PER_TOKEN]
+    classified = {a: info for a, info in classified.items() if a in attentions}
+    mask_args = [m for a, m in zip(attentions_all, mask_args) if a in attentions]
     if sequences is not None:
         _check_column_free(gm, mask_nodes, sequences)
     guards = canon.guards + _mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences,
@@ -413,7 +418,7 @@ def _sequences_input(attentions: list[fx.Node], classified: dict) -> Optional[fx
     input), None when no attention is; CannotReplay when only some are (the tree is over sequences or over
     rows, not both)."""
     seqs = {classified[a].sequences if a in classified else None for a in attentions}
-    if seqs == {None}:
+    if seqs <= {None}:
         return None
     if len(seqs) > 1:
         names = sorted(str(classified[a]) if a in classified else "bidirectional" for a in attentions)
@@ -504,6 +509,13 @@ def _reads_no_input_values(n: Any) -> bool:
         return False
     outside = masks_mod.ancestors(n, lambda a: not (a.op == "call_method" and a.target == "size"))
     return not any(a.op == "placeholder" and isinstance(example_value(a), torch.Tensor) for a in outside)
+
+
+def _unmasked(attn: fx.Node) -> bool:
+    """An SDPA without a mask and without ``is_causal``: never a tree attention (the sdpa rule makes it a per-token
+    op when its token dims are batch dims, else refuses it as bidirectional)."""
+    mask = attn.kwargs.get("attn_mask", attn.args[3] if len(attn.args) > 3 else None)
+    return mask is None and not attn.kwargs.get("is_causal", attn.args[5] if len(attn.args) > 5 else False)
 
 
 def _attention_batch_dims(attn: fx.Node) -> tuple[int, int]:

@@ -23,6 +23,11 @@ every row, as HF's ``arange(Lq)[:, None] - arange(Lk)[None, :]``). A table that 
 A value head dim other than the query/key one (MLA) is zero-padded to one D and the output sliced back
 (:func:`pad_head_dims`).
 
+An SDPA whose token dims are among its *batch* dims (every dim but the last two) is no attention over the tokens
+but a per-token op (:func:`per_token_attention`): Inkling2's block-attention residual, a learned query against
+each token's own stack of block outputs ([B, L, 1, D] against [B, L, S, D]). It stays the same SDPA on the packed
+operands and is none of the graph's tree attentions.
+
 ``gather(x, -1, idx)`` of a TOKEN ``x`` (log-probs) with a dense index (the targets) reads
 ``x.packed[index[b, t], idx[b, t, j]]`` — B·L·J scalars, never the dense [B, L, V] value.
 """
@@ -32,14 +37,18 @@ import operator
 
 import torch
 
+import torch.fx as fx
+
 from brcompile.passes.axes import (
     DENSE, AxesContext, CannotReplay, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
+    shape_of, token,
 )
 from brcompile.passes.fuse_logprob import emit_fused_gather
 from brcompile.passes.spellings import spellings
 from brcompile.backends.read_packed import read_packed
 
 SDPA = list(spellings("sdpa"))
+_EXPANDS = ("expand", "expand_as", torch.broadcast_to)
 
 
 def _sdpa_args(node):
@@ -83,10 +92,12 @@ def attention_dtype(node) -> tuple[torch.dtype | None, str | None]:
 
 
 def emit_sdpa(pk, node):
-    """q, k, v [1, H, N, D] -> brcompile::tree_attention on [H, N, D] -> [1, H, N, D]. Under autocast q, k,
+    """A per-token SDPA (:data:`PER_TOKEN`): :func:`emit_per_token_sdpa`. Otherwise q, k, v [1, H, N, D] -> brcompile::tree_attention on [H, N, D] -> [1, H, N, D]. Under autocast q, k,
     v are cast to the dtype the original attention computed in (:func:`attention_dtype`) explicitly, so
     the packed graph does not depend on the autocast state it runs under (a streaming tail re-run in
     backward) and the cached K/V of streaming replay have that dtype."""
+    if pk.notes.get(node) == PER_TOKEN:
+        return emit_per_token_sdpa(pk, node)
     a = _sdpa_args(node)
     info = pk.notes[node]
     q, k, v = (pk.graph.call_method("squeeze", (pk.packed(a[n]), 0)) for n in ("query", "key", "value"))
@@ -191,10 +202,95 @@ def _positions(pk, info):
     return g.call_function(operator.getitem, (count, (pk.tree("rep_row"), pk.tree("position"))))
 
 
+#: ``ctx.notes`` of an SDPA that is a per-token op (:func:`per_token_attention`), not a tree attention
+PER_TOKEN = "per_token_attention"
+_QKV = ("query", "key", "value")
+
+
+def per_token_attention(ctx: AxesContext, node):
+    """The token fact of an SDPA whose token dims are batch dims of the attention, None when it is not one.
+
+    SDPA on q [..., Lq, E], k [..., S, E], v [..., S, Ev] (the same number of dims) computes, for every index
+    beta of the batch dims (all dims but the last two), ``softmax(q[beta] @ k[beta]^T * scale (+ causal)) @
+    v[beta]`` from q, k and v at beta alone (``enable_gqa`` maps the head dim -3 of k and v to ``h // g``: a
+    batch dim other than -3, or -3 where the extents agree and g = 1). When the operands' token dims (row,
+    position) are batch dims with the same place in q, k and v, the output at token (b, t) reads q, k and v at
+    token (b, t) only: like a pointwise op, it is a TOKEN value with those token dims, and rows whose tree keys
+    agree up to column t have equal operands at (b, t), hence equal outputs. On the packed operands ([1, N, ...]
+    in place of [B, L, ...]) batch index (0, n) is token n: the same SDPA computes every tree node's value once,
+    and its backward is the SDPA's own, per batch index, so every gradient is the dense one read at the tokens.
+
+    Each operand is a TOKEN value with those token dims, or a value constant along them: an ``expand`` (or
+    ``expand_as`` / ``broadcast_to``) of a non-token value whose extents there are 1 or new (a learned query
+    expanded over (B, L)); its value at every token is the expanded source, so on the packed side it is the
+    same source expanded to the packed extents. The attention mask must be absent (a mask is a tree attention's
+    or refused), dropout 0, and no canonicalised extra (sinks, relative bias, soft-cap): the same plain SDPA
+    then runs on the packed operands."""
+    a = _sdpa_args(node)
+    if a["attn_mask"] is not None or a["dropout_p"] not in (0, 0.0) or a.get("br_sinks") is not None \
+            or a.get("br_relbias") is not None or node.meta.get("br_softcap"):
+        return None
+    facts = [get_axes(a[n]) for n in _QKV]
+    tokens = {(f.ndim, f.row, f.pos, f.window) for f in facts if f.is_token}
+    if len(tokens) != 1 or any(f.local for f in facts):
+        return None
+    ndim, row, pos, window = next(iter(tokens))
+    shapes = [ctx.shape(a[n]) for n in _QKV]
+    dims = [d for d in (row, pos) if d is not None]
+    if any(s is None or len(s) != ndim for s in shapes) or max(dims) >= ndim - 2:
+        return None
+    if a["enable_gqa"] and ndim - 3 in dims and len({s[ndim - 3] for s in shapes}) != 1:
+        return None
+    token_shape = next(s for s, f in zip(shapes, facts) if f.is_token)
+    for n, f, s in zip(_QKV, facts, shapes):
+        if not f.is_token and (_broadcast_source(a[n], dims) is None
+                               or any(s[d] != token_shape[d] for d in dims)):
+            return None
+    return token(ndim, row, pos, window)
+
+
+def _broadcast_source(x, dims):
+    """The source of ``x`` when ``x`` is an ``expand`` / ``expand_as`` / ``broadcast_to`` of a non-token value
+    whose extents at the output dims ``dims`` are 1 or new (``x`` is constant along them), else None."""
+    if not isinstance(x, fx.Node) or x.target not in _EXPANDS or not x.args or not isinstance(x.args[0], fx.Node):
+        return None
+    src = x.args[0]
+    ins, outs = shape_of(src), shape_of(x)
+    if get_axes(src).is_token or ins is None or outs is None:
+        return None
+    off = len(outs) - len(ins)
+    return src if all(d < off or ins[d - off] == 1 for d in dims) else None
+
+
+def emit_per_token_sdpa(pk, node):
+    """The same SDPA call on the packed operands (:func:`per_token_attention`): TOKEN q/k/v packed, an operand
+    constant along the token dims as its source expanded to the packed extents (position dim N, row dim 1)."""
+    ax = get_axes(node)
+    a = _sdpa_args(node)
+    operands = {}
+    for n in _QKV:
+        x = a[n]
+        if get_axes(x).is_token or x in operands:
+            continue
+        sizes: list = list(pk.static_shape(x))
+        sizes[ax.pos] = pk.N()
+        if ax.row is not None:
+            sizes[ax.row] = 1
+        src = _broadcast_source(x, ax.token_dims())
+        operands[x] = pk.graph.call_method("expand", (pk.dense(src), *sizes))
+    return pk._emit_copy(node, lambda x: operands[x] if x in operands else pk.packed(x))
+
+
 @register_rule(SDPA, emit=emit_sdpa, always=True)
 def sdpa(ctx: AxesContext, node):
-    """scaled_dot_product_attention -> tree attention (see module docstring)."""
+    """scaled_dot_product_attention -> tree attention (see module docstring); an SDPA whose token dims are its
+    batch dims -> the same SDPA per token (:func:`per_token_attention`)."""
     a = _sdpa_args(node)
+    _, why = attention_dtype(node)
+    per_token = per_token_attention(ctx, node) if why is None else None
+    if per_token is not None:
+        ctx.notes[node] = PER_TOKEN
+        return per_token
     facts = [get_axes(a[n]) for n in ("query", "key", "value")]
     if not all(f.is_token for f in facts):
         ctx.fail(node, "attention inputs are not packed token values: "
