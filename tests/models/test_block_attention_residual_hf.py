@@ -69,6 +69,6 @@ def test_block_attention_residual_replays_exactly(model_type, class_name):
     (rec,) = [r for r in backend.records if r.rewritten]
     trees = rec.packed_code.count("tree_attention_forward.default(")
     depth = len(re.findall(r"scaled_dot_product_attention\(", rec.packed_code))
-    # the two layers' attentions; the residuals before layer 0's MLP, before layer 1's attention (3 queries) and MLP, and
-    # the final one (`final_input`)
+    # the two layers' attentions; the residuals before layer 0's MLP, before layer 1's attention (3 queries) and
+    # MLP, and the final one (`final_input`)
     assert (trees, depth) == (2, 4), rec.packed_code
