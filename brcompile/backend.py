@@ -235,10 +235,11 @@ class BranchReplayBackend:
         "aten": its functional ATen graph, passes/aten.py, which takes the same inputs); CannotReplay when the
         analysis, the rewrite or the checks after it refuse."""
         if level == "aten":
-            from brcompile.passes.aten import lower_and_respell
+            from brcompile.passes.aten import GUARDS, lower_and_respell
 
-            gm = lower_and_respell(gm)
+            gm = lower_and_respell(gm, example_inputs)
         an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
+        an.guards.extend(gm.meta.get(GUARDS, ()))
         packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
                                                     drop_padding=opts.drop_padding, scan=opts.scan))
         _check_attention_support(packed, example_inputs, opts.attention)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from brcompile.passes import checkpoint as checkpoints
 from brcompile.passes.axes import CannotReplay, example_value
 from brcompile.passes.functionalize import writes_inverse_permutation
+from brcompile.passes.guards import scalar_equals
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,20 @@ _REDUCTION = {0: "none", 1: "mean", 2: "sum"}
 _DROP = object()  # a respelling's answer for a node that is left out
 
 
-def lower(gm: fx.GraphModule) -> fx.GraphModule:
+#: ``GraphModule.meta`` key of the per-call guards the lowering added (its specialised scalar inputs)
+GUARDS = "br_aten_guards"
+
+
+def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> fx.GraphModule:
     """The functional pre-dispatch ATen graph of ``gm`` (step 1 of the module docstring), traced on the fake
     values Dynamo recorded for its placeholders. CannotReplay when it cannot be traced (the reason names the
-    error) or when it writes into one of its inputs (a buffer, an argument)."""
+    error) or when it writes into one of its inputs (a buffer, an argument). ``example_inputs`` (the call's
+    inputs) give the values of scalar inputs read with ``.item()`` (:func:`_specialise_items`); the guards
+    holding them are in the result's ``meta[GUARDS]``."""
     from torch._functorch.aot_autograd import aot_export_module
     from torch._guards import detect_fake_mode
 
+    gm, guards = _specialise_items(gm, example_inputs)
     gm, regions = _inline_checkpoints(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [example_value(p) for p in placeholders]
@@ -86,7 +94,39 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
         index = (n.meta.get("custom") or {}).get(_CKPT_KEY)
         if index is not None:
             n.meta[checkpoints.META] = regions[index]
+    out.meta[GUARDS] = guards
     return out
+
+
+def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
+    """(gm with every ``x.item()`` of a 0-dim tensor input replaced by its value in this call, the per-call
+    guards ``scalar_equals`` holding each). Under ``dynamic=True`` Dynamo passes float module attributes and
+    arguments (a norm's ``eps``, ``clip_eps``) as 0-dim tensor inputs read with ``.item()``: a data-dependent
+    scalar the export cannot trace. The rewrite holds for that value, and a call with another runs the
+    original graph (the Dynamo level does the same for the attention's scalars, passes/canonicalize.py)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    items = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "item" and len(n.args) == 1
+             and n.args[0] in placeholders]
+    if not items or example_inputs is None:
+        return gm, []
+    graph = fx.Graph()
+    env: dict = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta.update(gm.meta)
+    guards = []
+    for n in items:
+        pos = placeholders.index(n.args[0])
+        x = example_inputs[pos]
+        if not (isinstance(x, torch.Tensor) and x.dim() == 0) or isinstance(x, torch.nn.Parameter):
+            continue
+        value = x.item()
+        env[n].replace_all_uses_with(value)
+        graph.erase_node(env[n])
+        guards.append(scalar_equals(pos, value, f"scalar input {placeholders[pos].name} (read with .item())"))
+    graph.lint()
+    new.recompile()
+    return new, guards
 
 
 _CKPT_KEY = "br_ckpt_region"
@@ -527,9 +567,13 @@ def respell(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
-def lower_and_respell(gm: fx.GraphModule) -> fx.GraphModule:
-    """:func:`lower` then :func:`respell`: the graph the backend analyses at the ATen level."""
-    lowered = respell(lower(gm))
+def lower_and_respell(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> fx.GraphModule:
+    """:func:`lower` then :func:`respell`: the graph the backend analyses at the ATen level (its per-call guards
+    in ``meta[GUARDS]``)."""
+    lowered = lower(gm, example_inputs)
+    guards = lowered.meta.get(GUARDS, [])
+    lowered = respell(lowered)
+    lowered.meta[GUARDS] = guards
     log.debug("ATen level of the graph:\n%s", lowered.code)
     return lowered
 

@@ -228,3 +228,27 @@ def test_explain_says_which_level_replayed():
     assert "was refused at the dynamo level: in-place op" in text
     d = report.to_dict()["graphs"][0]
     assert d["level"] == "aten" and d["refusals"][0]["level"] == "dynamo"
+
+
+def test_dynamic_shapes_and_scalar_inputs_at_the_aten_level():
+    """dynamic=True: Dynamo passes float attributes and arguments (LayerNorm's eps, the loss's clip) as 0-dim
+    tensors read with ``.item()``; the ATen level traces them as their values under a per-call guard. Two
+    batch shapes replay exactly through one capture; a call with another clip runs the original graph."""
+    model = _model(Tiny)
+    params = list(model.parameters())
+    be = brcompile.backend(compiler="eager", level="aten")
+    compiled = torch.compile(grpo_loss, backend=be, dynamic=True)
+    for seed, clip in ((1, 0.2), (2, 0.2), (2, 0.3)):
+        batch = make_grpo_batch(**{**BATCH, "seed": seed, "prompt_len": (5 + seed, 9)})
+        args = grpo_args({k: v.clone() for k, v in batch.items()}, clip, True)
+        ref = grpo_loss(model, *args)
+        gref = torch.autograd.grad(ref, params)
+        out = compiled(model, *args)
+        gout = torch.autograd.grad(out, params)
+        assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+        for a, b in zip(gout, gref):
+            assert_exact(a, b, torch.float64, "grad")
+    s = brcompile.stats()
+    assert len(be.records) == 1 and be.records[0].level == "aten"
+    assert s.replayed_calls == 2 and s.fallback_calls == 1, str(s)
+    assert any("scalar input" in r and "read with .item()" in r for r in s.fallback_reasons), str(s)
