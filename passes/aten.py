@@ -75,7 +75,7 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> fx.G
         raise CannotReplay(f"the ATen level needs the example value of every input; `{missing}` has none")
     fake_mode = detect_fake_mode(fakes)
     try:
-        with (fake_mode if fake_mode is not None else contextlib.nullcontext()):
+        with (fake_mode if fake_mode is not None else contextlib.nullcontext()), _functorch_layers_kept():
             lowered, sig = aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)
     except Exception as e:  # the export's own refusal (data-dependent control flow, an unsupported HOP, ...)
         raise CannotReplay(f"the graph could not be lowered to ATen ({type(e).__name__}: "
@@ -130,6 +130,24 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
 
 
 _CKPT_KEY = "br_ckpt_region"
+
+
+@contextlib.contextmanager
+def _functorch_layers_kept():
+    """Leaves functorch's interpreter stack as it found it. A graph that runs vmap levels (functorch's
+    ``_vmap_increment_nesting``, Zamba's) pushes layers while it is traced; a trace that stops inside one would
+    leave it pushed, and Dynamo's guard on that stack would then fail on the very frame being compiled."""
+    from torch._functorch.pyfunctorch import pop_dynamic_layer_stack
+
+    def depth() -> int:
+        return len(torch._C._functorch.get_interpreter_stack() or ())
+
+    before = depth()
+    try:
+        yield
+    finally:
+        while depth() > before:
+            pop_dynamic_layer_stack()
 
 
 def _inline_checkpoints(gm: fx.GraphModule):

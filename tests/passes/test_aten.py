@@ -252,3 +252,18 @@ def test_dynamic_shapes_and_scalar_inputs_at_the_aten_level():
     assert len(be.records) == 1 and be.records[0].level == "aten"
     assert s.replayed_calls == 2 and s.fallback_calls == 1, str(s)
     assert any("scalar input" in r and "read with .item()" in r for r in s.fallback_reasons), str(s)
+
+
+def test_a_graph_with_vmap_levels_falls_back_and_leaves_functorch_as_it_was():
+    """A vmap inside the compiled function puts functorch's nesting calls in the graph; the export cannot trace
+    them functionally and stops inside a vmap level. The lowering pops what it left pushed, so Dynamo's guard
+    on functorch's stack holds and the call runs the original graph with the reason (it raised before)."""
+    def f(x, w):
+        return torch.vmap(lambda r: (r @ w).relu())(x).sum()
+
+    x, w = torch.randn(3, 4, 5), torch.randn(5, 2)
+    be = brcompile.backend(compiler="eager", level="aten")
+    torch.testing.assert_close(torch.compile(f, backend=be)(x, w), f(x, w), rtol=0, atol=0)
+    rec, = be.records
+    assert not rec.rewritten and "could not be lowered to ATen" in rec.reason
+    assert torch._C._functorch.peek_interpreter_stack() is None
