@@ -238,8 +238,11 @@ class BranchReplayBackend:
             from brcompile.passes.aten import GUARDS, lower_and_respell
 
             gm = lower_and_respell(gm, example_inputs)
+            extra_guards = gm.meta.get(GUARDS, [])
+        else:
+            extra_guards = []
         an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
-        an.guards.extend(gm.meta.get(GUARDS, ()))
+        an.guards.extend(extra_guards)
         packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
                                                     drop_padding=opts.drop_padding, scan=opts.scan))
         _check_attention_support(packed, example_inputs, opts.attention)
