@@ -176,3 +176,60 @@ def tree_qkv(n: int, dtype=torch.float64, hq: int = 4, hkv: int = 2, d: int = 8,
     """Random packed q [hq, n, d], k and v [hkv, n, d] that require grad."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(h, n, d, generator=g, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]
+
+
+# ------------------------------------------------------------------------------------ HF Inkling2 attention
+
+
+class _NoBias(torch.nn.Module):
+    """Inkling2's relative position bias swapped out (``position_bias=None``: the scores get no bias)."""
+
+    def forward(self, *args, **kwargs):
+        return None
+
+
+class Inkling2AttentionLM(torch.nn.Module):
+    """Embedding -> one HF Inkling2 attention module ``cls`` (causal additive mask, HF's relative distance) ->
+    projection -> a scalar. ``rel_extent``: the relative position table's width (and the sliding window when
+    wider than 4); ``relative_bias=False`` swaps the bias out. ``index`` (settable): another spelling of the
+    relative distance (None: HF's). Vocabulary ``INKLING2_VOCAB``."""
+
+    def __init__(self, cls, model_type, layer_idx, rel_extent=3, relative_bias=True):
+        super().__init__()
+        transformers = transformers_or_skip()
+        cfg = transformers.AutoConfig.for_model(
+            model_type, vocab_size=INKLING2_VOCAB, hidden_size=32, num_hidden_layers=2,
+            layer_types=["hybrid_sliding", "hybrid"], num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4, rel_extent=rel_extent,
+            sliding_window_size=max(4, rel_extent))
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(INKLING2_VOCAB, cfg.hidden_size)
+        self.attn = cls(cfg, layer_idx)
+        if not relative_bias:
+            self.attn.relative_position_bias = _NoBias()
+        self.out = torch.nn.Linear(cfg.hidden_size, INKLING2_VOCAB)
+        for p in self.parameters():  # HF initialises some of them to 0 (the convolutions, the sink projection)
+            torch.nn.init.normal_(p, std=0.3)
+        if relative_bias:
+            torch.nn.init.normal_(self.attn.relative_position_bias.proj, std=1.0)
+        self.register_buffer("tril", torch.tril(torch.ones(16, 16, dtype=torch.bool)))
+        self.full = "FullAttention" in cls.__name__
+        self.index = None
+
+    def forward(self, ids):
+        B, L = ids.shape
+        h = self.emb(ids)
+        mask = torch.zeros(L, L, dtype=h.dtype).masked_fill(~self.tril[:L, :L], torch.finfo(h.dtype).min)
+        pos = torch.arange(L)[None].expand(B, -1)
+        dist = pos[0][:, None] - pos[0][None, :]
+        if self.index is not None:
+            dist = self.index(dist)
+        if self.full:
+            o, _ = self.attn(h, h, h, mask[None, None], dist, position_ids=pos)
+        else:
+            o, _ = self.attn(h, mask[None, None], dist, position_ids=pos)
+        return self.out(o).log_softmax(-1).pow(2).sum()
+
+
+INKLING2_VOCAB = 11

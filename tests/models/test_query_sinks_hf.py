@@ -16,58 +16,18 @@ import re
 import pytest
 import torch
 
-from tests.helpers import KeepFloat64, replay_exact
+from tests.helpers import INKLING2_VOCAB, Inkling2AttentionLM, KeepFloat64, replay_exact
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
 inkling2_loop = pytest.importorskip("transformers.models.inkling2_loop.modeling_inkling2_loop")
 
-V = 11
+V = INKLING2_VOCAB
 
 
-def _config(model_type):
-    cfg = transformers.AutoConfig.for_model(
-        model_type, vocab_size=V, hidden_size=32, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
-        swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4, rel_extent=16, sliding_window_size=16)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-class _NoBias(torch.nn.Module):
-    """The relative position bias swapped out (``position_bias=None``: the scores get no bias)."""
-
-    def forward(self, *args, **kwargs):
-        return None
-
-
-class _AttentionLM(torch.nn.Module):
-    """Embedding -> one HF Inkling2 attention module (causal additive mask) -> projection -> a scalar."""
-
-    def __init__(self, cls, model_type, layer_idx):
-        super().__init__()
-        cfg = _config(model_type)
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(V, cfg.hidden_size)
-        self.attn = cls(cfg, layer_idx)
-        self.attn.relative_position_bias = _NoBias()
-        self.out = torch.nn.Linear(cfg.hidden_size, V)
-        for p in self.parameters():  # HF initialises some of them to 0 (the convolutions, the sink projection)
-            torch.nn.init.normal_(p, std=0.3)
-        self.register_buffer("tril", torch.tril(torch.ones(16, 16, dtype=torch.bool)))
-        self.full = "FullAttention" in cls.__name__
-
-    def forward(self, ids):
-        B, L = ids.shape
-        h = self.emb(ids)
-        mask = torch.zeros(L, L, dtype=h.dtype).masked_fill(~self.tril[:L, :L], torch.finfo(h.dtype).min)
-        pos = torch.arange(L)[None].expand(B, -1)
-        dist = pos[0][:, None] - pos[0][None, :]
-        if self.full:
-            o, _ = self.attn(h, h, h, mask[None, None], dist, position_ids=pos)
-        else:
-            o, _ = self.attn(h, mask[None, None], dist, position_ids=pos)
-        return self.out(o).log_softmax(-1).pow(2).sum()
+def _AttentionLM(cls, model_type, layer_idx):
+    """The attention module with its relative position bias swapped out: the per-query sinks alone."""
+    return Inkling2AttentionLM(cls, model_type, layer_idx, rel_extent=16, relative_bias=False)
 
 
 @pytest.mark.parametrize("cls,model_type,layer_idx", [
