@@ -290,6 +290,14 @@ def _integer_positions(position: Optional[Tensor], n) -> bool:
                 or position.is_complex() or position.dim() != 1 or position.shape[0] != n)
 
 
+def _require_positions(position: Optional[Tensor], n, what: str) -> None:
+    """The ALiBi slopes and the relative bias read the tokens' [N] integer positions."""
+    if not _integer_positions(position, n):
+        got = None if position is None else (position.dtype, tuple(position.shape))
+        raise TreeAttentionError(f"tree_attention: {what} position, the tokens' integer positions [N={n}], "
+                                 f"got {got}")
+
+
 def check_alibi(alibi: Optional[Sequence[float]], position: Optional[Tensor], hq: int, n) -> None:
     """ALiBi slopes are None (off) or a sequence of Hq finite numbers, and need the [N] integer positions."""
     if alibi is None:
@@ -298,10 +306,7 @@ def check_alibi(alibi: Optional[Sequence[float]], position: Optional[Tensor], hq
             or not all(isinstance(m, numbers.Real) and not isinstance(m, bool) and math.isfinite(m) for m in alibi):
         raise TreeAttentionError(f"tree_attention: alibi must be a list of {hq} finite slopes (one per query head), "
                                  f"got {alibi!r}")
-    if not _integer_positions(position, n):
-        got = None if position is None else (position.dtype, tuple(position.shape))
-        raise TreeAttentionError(f"tree_attention: alibi needs position, the tokens' integer positions [N={n}], "
-                                 f"got {got}")
+    _require_positions(position, n, "alibi needs")
 
 
 def check_slopes(slopes: Optional[Tensor], alibi, position: Optional[Tensor], hq: int, n) -> None:
@@ -314,10 +319,7 @@ def check_slopes(slopes: Optional[Tensor], alibi, position: Optional[Tensor], hq
         raise TreeAttentionError(f"tree_attention: slopes must be a floating [Hq={hq}] tensor, got {got}")
     if alibi:
         raise TreeAttentionError("tree_attention: ALiBi slopes given twice (constant alibi and a slopes tensor)")
-    if not _integer_positions(position, n):
-        got = None if position is None else (position.dtype, tuple(position.shape))
-        raise TreeAttentionError(f"tree_attention: slopes need position, the tokens' integer positions [N={n}], "
-                                 f"got {got}")
+    _require_positions(position, n, "slopes need")
 
 
 def check_sinks(sinks: Optional[Tensor], hq: int, n: int) -> None:
@@ -341,10 +343,7 @@ def check_relbias(relbias: Optional[Tensor], position: Optional[Tensor], hq: int
         got = (relbias.dtype, tuple(relbias.shape)) if isinstance(relbias, Tensor) else type(relbias).__name__
         raise TreeAttentionError(f"tree_attention: relbias must be a floating [Hq={hq}, N={n}, E] table (E >= 1), "
                                  f"got {got}")
-    if not _integer_positions(position, n):
-        got = None if position is None else (position.dtype, tuple(position.shape))
-        raise TreeAttentionError(f"tree_attention: relbias needs position, the tokens' integer positions [N={n}], "
-                                 f"got {got}")
+    _require_positions(position, n, "relbias needs")
 
 
 def relative_buckets(qpos: Tensor, kpos: Tensor, extent: int) -> Tensor:
