@@ -417,9 +417,10 @@ def _line(e: BaseException, limit: int = 300) -> str:
 #: the refusal of an eager attention whose softmax runs in float32 inside a float64 model (that rounding is
 #: not a reassociation); the architecture is then run in float32, the precision its attention computes in
 SOFTMAX_FLOAT32 = "is computed in torch.float32"
-#: the refusal of an eager attention that casts q and k to float32 inside a float64 model (GPT-Neo) while its
-#: additive mask stays float64: mixed precision; the architecture is then run in float32, as for the softmax
-SCORES_FLOAT32 = "the mask promotes the scores to torch.float64"
+#: the refusal of an eager attention that casts q and k to float32 inside a float64 model (GPT-Neo, FLINT) and
+#: multiplies the float64 values: two products in two dtypes (tree attention computes both in one); the
+#: architecture is then run in float32, as for the softmax
+SCORES_FLOAT32 = "the scores q k^T are computed in torch.float32"
 
 
 def run_arch(model_type: str, class_name: str | None = None, dtypes: tuple = ("float64", "float32")) -> dict:
