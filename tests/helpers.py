@@ -233,3 +233,20 @@ class Inkling2AttentionLM(torch.nn.Module):
 
 
 INKLING2_VOCAB = 11
+
+
+def inkling2_streamed(model, chunk_tokens: int = 4):
+    """``model`` (an ``Inkling2AttentionLM``) eager and compiled with ``mode="replay"`` on 4 rows of 9 sharing their
+    first 5 tokens, in float64 (``KeepFloat64``): (eager loss, its gradients, compiled loss, its gradients,
+    the backend)."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, INKLING2_VOCAB, (1, 9), generator=g).repeat(4, 1)
+    ids[1:, 5:] = torch.randint(1, INKLING2_VOCAB, (3, 4), generator=g)
+    params = list(model.parameters())
+    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=chunk_tokens)
+    with KeepFloat64():
+        want = model(ids)
+        gw = torch.autograd.grad(want, params)
+        got = torch.compile(model, backend=backend)(ids)
+        gg = torch.autograd.grad(got, params)
+    return want, gw, got, gg, backend

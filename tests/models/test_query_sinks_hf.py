@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from tests.helpers import INKLING2_VOCAB, Inkling2AttentionLM, KeepFloat64, replay_exact
+from tests.helpers import INKLING2_VOCAB, Inkling2AttentionLM, inkling2_streamed, KeepFloat64, replay_exact
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
@@ -64,21 +64,12 @@ def test_inkling2_per_query_sinks_streamed():
     torch._dynamo.reset()
     brcompile.reset_stats()
     model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).double()
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(1, V, (1, 9), generator=g).repeat(4, 1)
-    ids[1:, 5:] = torch.randint(1, V, (3, 4), generator=g)
-    params = list(model.parameters())
-    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=4)
-    with KeepFloat64():
-        want = model(ids)
-        gw = torch.autograd.grad(want, params)
-        got = torch.compile(model, backend=backend)(ids)
-        gg = torch.autograd.grad(got, params)
+    want, gw, got, gg, backend = inkling2_streamed(model)
     s = brcompile.stats()
     assert s.streamed_calls == 1 and s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
     rec = backend.records[-1]
     assert rec.runtime.calls[-1].schedule["chunks"] >= 2
     _assert_packed_sinks(rec.replay["tail_code"], "tree_attention_cached_forward")
     assert rel_err(got.detach(), want.detach()) <= TOLERANCE[torch.float64]
-    for p, a, b in zip(params, gg, gw):
+    for p, a, b in zip(model.parameters(), gg, gw):
         assert rel_err(a, b) <= TOLERANCE[torch.float64], (tuple(p.shape), rel_err(a, b))

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import brcompile
-from tests.helpers import INKLING2_VOCAB, Inkling2AttentionLM, KeepFloat64, assert_grads_exact, replay_exact
+from tests.helpers import INKLING2_VOCAB, Inkling2AttentionLM, inkling2_streamed, KeepFloat64, assert_grads_exact, replay_exact
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
@@ -85,21 +85,12 @@ def test_streaming_refuses_relative_bias_packed_mode_runs():
     torch._dynamo.reset()
     brcompile.reset_stats()
     model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).double()
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(1, V, (1, 9), generator=g).repeat(4, 1)
-    ids[1:, 5:] = torch.randint(1, V, (3, 4), generator=g)
-    params = list(model.parameters())
-    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=4)
-    with KeepFloat64():
-        want = model(ids)
-        gw = torch.autograd.grad(want, params)
-        got = torch.compile(model, backend=backend)(ids)
-        gg = torch.autograd.grad(got, params)
+    want, gw, got, gg, backend = inkling2_streamed(model)
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.streamed_calls == 0 and s.fallback_calls == 0, str(s)
     assert "relative biases" in backend.records[-1].replay_reason, backend.records[-1].replay_reason
     assert rel_err(got.detach(), want.detach()) <= TOLERANCE[torch.float64]
-    assert_grads_exact(gg, gw, [str(tuple(p.shape)) for p in params], torch.float64)
+    assert_grads_exact(gg, gw, [str(tuple(p.shape)) for p in model.parameters()], torch.float64)
 
 
 def test_impl_without_relative_bias_falls_back_naming_it():
