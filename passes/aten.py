@@ -373,9 +373,12 @@ def _softmax(fn) -> Respell:
 
 
 def _embedding(node, args, kwargs):
+    """``aten.embedding(W, ids, padding_idx, scale_grad_by_freq, sparse)`` → ``F.embedding(ids, W, ...)``: the
+    arguments that change the gradient (padding row, frequency scaling, sparse) are kept."""
     b = _bound(node, args, kwargs)
     weight, ids, pad = b["weight"], b["indices"], b["padding_idx"]
     kw = {"padding_idx": pad} if pad not in (-1, None) else {}
+    kw.update({k: True for k in ("scale_grad_by_freq", "sparse") if b[k]})
     return "call_function", F.embedding, (ids, weight), kw
 
 

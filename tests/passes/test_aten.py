@@ -267,3 +267,17 @@ def test_a_graph_with_vmap_levels_falls_back_and_leaves_functorch_as_it_was():
     rec, = be.records
     assert not rec.rewritten and "could not be lowered to ATen" in rec.reason
     assert torch._C._functorch.peek_interpreter_stack() is None
+
+
+def test_respelled_embedding_keeps_its_gradient_flags():
+    """``scale_grad_by_freq`` changes the gradient, not the value: the respelled embedding keeps it (the table's
+    gradient of the lowered graph equals eager's, the repeated ids' rows scaled by their counts)."""
+    def f(w, ids):
+        return F.embedding(ids, w, scale_grad_by_freq=True).pow(2).sum()
+
+    w, ids = torch.randn(7, 4, dtype=torch.float64, requires_grad=True), torch.tensor([[1, 1, 2], [1, 3, 3]])
+    gm = _capture(f, w, ids)
+    low = lower_and_respell(gm)
+    got = torch.autograd.grad(low(*_inputs(gm, w=w, ids=ids))[0], w)[0]
+    want = torch.autograd.grad(f(w, ids), w)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
