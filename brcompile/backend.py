@@ -234,13 +234,11 @@ class BranchReplayBackend:
         """(analysis, packed graph, its example inputs) of ``gm`` read at ``level`` ("dynamo": gm itself;
         "aten": its functional ATen graph, passes/aten.py, which takes the same inputs); CannotReplay when the
         analysis, the rewrite or the checks after it refuse."""
+        extra_guards: list = []
         if level == "aten":
-            from brcompile.passes.aten import GUARDS, lower_and_respell
+            from brcompile.passes.aten import lower_and_respell
 
-            gm = lower_and_respell(gm, example_inputs)
-            extra_guards = gm.meta.get(GUARDS, [])
-        else:
-            extra_guards = []
+            gm, extra_guards = lower_and_respell(gm, example_inputs)
         an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
         an.guards.extend(extra_guards)
         packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,

@@ -45,7 +45,7 @@ from brcompile.passes.guards import scalar_equals
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-__all__ = ["lower", "respell", "ATEN_SPELLINGS", "lower_and_respell"]
+__all__ = ["lower", "respell", "ATEN_SPELLINGS", "lower_and_respell", "aten_ops"]
 
 #: ``aten.slice``'s default end: "to the end of the dim".
 _END = 2 ** 63 - 1
@@ -53,16 +53,12 @@ _REDUCTION = {0: "none", 1: "mean", 2: "sum"}
 _DROP = object()  # a respelling's answer for a node that is left out
 
 
-#: ``GraphModule.meta`` key of the per-call guards the lowering added (its specialised scalar inputs)
-GUARDS = "br_aten_guards"
-
-
-def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> fx.GraphModule:
-    """The functional pre-dispatch ATen graph of ``gm`` (step 1 of the module docstring), traced on the fake
-    values Dynamo recorded for its placeholders. CannotReplay when it cannot be traced (the reason names the
-    error) or when it writes into one of its inputs (a buffer, an argument). ``example_inputs`` (the call's
-    inputs) give the values of scalar inputs read with ``.item()`` (:func:`_specialise_items`); the guards
-    holding them are in the result's ``meta[GUARDS]``."""
+def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tuple[fx.GraphModule, list]:
+    """(the functional pre-dispatch ATen graph of ``gm``, its per-call guards) (step 1 of the module docstring),
+    traced on the fake values Dynamo recorded for its placeholders. CannotReplay when it cannot be traced (the
+    reason names the error) or when it writes into one of its inputs (a buffer, an argument).
+    ``example_inputs`` (the call's inputs) give the values of scalar inputs read with ``.item()``
+    (:func:`_specialise_items`); the guards hold them."""
     from torch._functorch.aot_autograd import aot_export_module
     from torch._guards import detect_fake_mode
 
@@ -94,8 +90,7 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> fx.G
         index = (n.meta.get("custom") or {}).get(_CKPT_KEY)
         if index is not None:
             n.meta[checkpoints.META] = regions[index]
-    out.meta[GUARDS] = guards
-    return out
+    return out, guards
 
 
 def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
@@ -113,7 +108,6 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
     env: dict = {}
     graph.output(graph.graph_copy(gm.graph, env))
     new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    new.meta.update(gm.meta)
     guards = []
     for n in items:
         pos = placeholders.index(n.args[0])
@@ -287,6 +281,11 @@ def _dropped(node, args, kwargs):
     return _DROP
 
 
+def _whole(start: Any, end: Any, step: Any) -> bool:
+    """Whether ``aten.slice``'s ``start:end:step`` keeps the whole dim (0 or None, to ``_END`` or None, step 1)."""
+    return start in (0, None) and (end is None or (isinstance(end, int) and end >= _END)) and step in (1, None)
+
+
 def _index_tuple(d: int, entry: Any) -> tuple:
     return (*([slice(None)] * d), entry)
 
@@ -297,11 +296,11 @@ def _slice(node, args, kwargs):
     x, d, start, end, step = b["self"], b["dim"], b.get("start"), b.get("end"), b.get("step", 1)
     ndim = example_value(x).dim()
     d = d + ndim if d < 0 else d
+    if _whole(start, end, step):
+        return x
     start = None if start in (0, None) else start
     end = None if end is None or (isinstance(end, int) and end >= _END) else end
     step = None if step in (1, None) else step
-    if start is None and end is None and step is None:
-        return x
     return "call_function", operator.getitem, (x, _index_tuple(d, slice(start, end, step))), {}
 
 
@@ -323,20 +322,19 @@ def _slice_scatter(node, args, kwargs):
     b = _bound(node, args, kwargs)
     x, src, d, start, end, step = b["self"], b["src"], b["dim"], b.get("start"), b.get("end"), b.get("step", 1)
     ev_x, ev_src = example_value(x), example_value(src)
-    whole = (start in (0, None) and (end is None or (isinstance(end, int) and end >= _END)) and step in (1, None))
-    if whole and ev_x is not None and ev_src is not None and ev_x.shape == ev_src.shape and ev_x.dtype == ev_src.dtype:
+    if _whole(start, end, step) and ev_x is not None and ev_src is not None and ev_x.shape == ev_src.shape and ev_x.dtype == ev_src.dtype:
         return src
     return "call_function", torch.slice_scatter, (x, src, d, start, end, step), {}
 
 
 def _copy(node, args, kwargs):
     """Functional ``aten.copy(dst, src)``: src broadcast to dst's shape in dst's dtype — src itself when it has
-    both already, else ``src.to(dst.dtype).expand_as(dst)`` (``.clone()``: a fresh value, as the copy is)."""
+    both already; otherwise it stays ``aten.copy`` (no rule: materialised)."""
     dst, src = args[:2]
     ev_d, ev_s = example_value(dst), example_value(src)
     if ev_d is not None and ev_s is not None and ev_d.shape == ev_s.shape and ev_d.dtype == ev_s.dtype:
         return src
-    return None  # stays aten.copy (no rule: materialised)
+    return None
 
 
 def _index_put(node, args, kwargs):
@@ -442,9 +440,7 @@ def _squeeze(node, args, kwargs):
         return "call_method", "squeeze", args, {}
     x, dims = args[:2]
     if isinstance(dims, (list, tuple)):
-        if len(dims) == 1:
-            return "call_method", "squeeze", (x, dims[0]), {}
-        return "call_method", "squeeze", (x, tuple(dims)), {}
+        dims = dims[0] if len(dims) == 1 else tuple(dims)
     return "call_method", "squeeze", (x, dims), {}
 
 
@@ -543,9 +539,10 @@ def _packet_table() -> dict:
         aten.arange: _factory(torch.arange), aten.zeros: _factory(torch.zeros), aten.ones: _factory(torch.ones),
         aten.full: _factory(torch.full), aten.scalar_tensor: _factory(torch.scalar_tensor),
         aten.zeros_like: _factory(torch.zeros_like), aten.ones_like: _factory(torch.ones_like),
-        aten.full_like: _factory(torch.full_like), aten.empty_like: _factory(torch.empty_like), aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
+        aten.full_like: _factory(torch.full_like), aten.empty_like: _factory(torch.empty_like),
+        aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
     }
-    return {k: v for k, v in t.items() if k is not None}
+    return t
 
 
 #: Every ATen op family the analysis reads at the ATen level, and the torch-level call it is written as.
@@ -588,15 +585,13 @@ def respell(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
-def lower_and_respell(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> fx.GraphModule:
-    """:func:`lower` then :func:`respell`: the graph the backend analyses at the ATen level (its per-call guards
-    in ``meta[GUARDS]``)."""
-    lowered = lower(gm, example_inputs)
-    guards = lowered.meta.get(GUARDS, [])
+def lower_and_respell(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tuple[fx.GraphModule, list]:
+    """:func:`lower` then :func:`respell`: (the graph the backend analyses at the ATen level, its per-call
+    guards)."""
+    lowered, guards = lower(gm, example_inputs)
     lowered = respell(lowered)
-    lowered.meta[GUARDS] = guards
     log.debug("ATen level of the graph:\n%s", lowered.code)
-    return lowered
+    return lowered, guards
 
 
 def aten_ops(gm: fx.GraphModule) -> list[str]:

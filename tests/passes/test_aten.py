@@ -157,7 +157,7 @@ def test_lowering_is_functional_and_keeps_symbolic_sizes():
 
     x, w = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
     gm = _capture(f, x, w, dynamic_dim=1)
-    low = lower_and_respell(gm)
+    low, _ = lower_and_respell(gm)
     targets = [n.target for n in low.graph.nodes if n.op in ("call_function", "call_method")]
     assert not any(str(t).endswith("_") and str(t) != "aten.index_add.default" for t in targets), targets
     assert aten_ops(low) == ["aten.index_add.default"]
@@ -174,7 +174,7 @@ def test_respelling_drops_the_identities_of_the_lowering():
         return (y.to(torch.float64) * 2).view(-1)
 
     gm = _capture(f, torch.randn(3, 4, dtype=torch.float64))
-    low = lower_and_respell(gm)
+    low, _ = lower_and_respell(gm)
     ops = [n for n in low.graph.nodes if n.op in ("call_function", "call_method")]
     assert [n.target for n in ops][-1] == "reshape", low.code  # aten.view is respelled as a reshape
     assert not any("slice" in str(n.target) or "alias" in str(n.target) or "assert" in str(n.target) for n in ops), low.code
@@ -205,7 +205,7 @@ def test_respell_keeps_values_on_hf_style_ops():
 
     x, ids = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 4, (2, 3))  # ids < 4: the classes
     gm = _capture(f, x, ids)
-    low = lower_and_respell(gm)
+    low, _ = lower_and_respell(gm)
     assert aten_ops(low) == [], low.code
     for a, b in zip(low(*_inputs(gm, x=x, ids=ids)), f(x, ids)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -213,7 +213,7 @@ def test_respell_keeps_values_on_hf_style_ops():
 
 def test_respell_of_lowered_graph_is_idempotent_on_respelled_graph():
     gm = _capture(lambda x: (x.transpose(0, 1) @ x).softmax(-1), torch.randn(3, 4, dtype=torch.float64))
-    once = lower_and_respell(gm)
+    once, _ = lower_and_respell(gm)
     twice = respell(once)
     assert once.code == twice.code
 
@@ -277,7 +277,7 @@ def test_respelled_embedding_keeps_its_gradient_flags():
 
     w, ids = torch.randn(7, 4, dtype=torch.float64, requires_grad=True), torch.tensor([[1, 1, 2], [1, 3, 3]])
     gm = _capture(f, w, ids)
-    low = lower_and_respell(gm)
+    low, _ = lower_and_respell(gm)
     got = torch.autograd.grad(low(*_inputs(gm, w=w, ids=ids))[0], w)[0]
     want = torch.autograd.grad(f(w, ids), w)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
