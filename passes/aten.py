@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import re
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -64,6 +65,7 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
 
     gm, guards = _specialise_items(gm, example_inputs)
     gm, regions = _inline_checkpoints(gm)
+    _refuse_custom_backwards(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [example_value(p) for p in placeholders]
     if any(f is None for f in fakes):
@@ -91,6 +93,26 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
         if index is not None:
             n.meta[checkpoints.META] = regions[index]
     return out, guards
+
+
+def _refuse_custom_backwards(gm: fx.GraphModule) -> None:
+    """CannotReplay at a custom ``torch.autograd.Function`` (Dynamo's ``autograd_function_apply``: a forward body
+    and the user's backward). The pre-dispatch export inlines the forward under ``no_grad`` and keeps no
+    backward: the lowered graph would compute the same values with the gradient through the Function cut off
+    (or, were it kept differentiable, the derivative of the forward instead of the user's backward), a
+    silently wrong gradient. The Dynamo level keeps the Function whole (it has no token-axis rule: its token
+    operands are materialised and it runs densely with its own backward)."""
+    hop = getattr(getattr(torch.ops, "higher_order", None), "autograd_function_apply", None)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and hop is not None and n.target is hop:
+            raise CannotReplay(f"a custom torch.autograd.Function ({_function_name(n)}) is in the graph: the ATen "
+                               "lowering keeps its forward and drops its backward", n)
+
+
+def _function_name(node: fx.Node) -> str:
+    """The ``X`` of the ``X.apply(...)`` that made ``node`` (from its stack trace), else ``node``'s name."""
+    calls = re.findall(r"([A-Za-z_][\w.]*)\.apply\(", node.meta.get("stack_trace") or "")
+    return f"`{calls[-1]}`" if calls else f"`{node.name}`"
 
 
 def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):

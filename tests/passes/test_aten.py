@@ -281,3 +281,41 @@ def test_respelled_embedding_keeps_its_gradient_flags():
     got = torch.autograd.grad(low(*_inputs(gm, w=w, ids=ids))[0], w)[0]
     want = torch.autograd.grad(f(w, ids), w)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _HalfGradGelu(torch.autograd.Function):
+    """gelu forward, half its gradient backward: a backward that is not the forward's derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        cdf, pdf = 0.5 * (1 + torch.erf(x * 0.5 ** 0.5)), torch.exp(-0.5 * x * x) * (2 * torch.pi) ** -0.5
+        return 0.5 * g * (cdf + x * pdf)  # gelu'(x) = Φ(x) + x φ(x)
+
+
+class CustomFunction(Tiny):
+    def mix(self, q):
+        return _HalfGradGelu.apply(q)
+
+
+def test_custom_autograd_function_is_kept_out_of_the_aten_level():
+    """The export inlines a Function's forward under no_grad and drops its backward: at the ATen level the
+    gradient through it would be cut off. The level refuses it by the Function's name, and the run is exact
+    (the original graph; under auto the Dynamo level replays with the Function run densely)."""
+    model = _model(CustomFunction)
+    be, (ref, gref), (out, gout) = _run(model, level="aten")
+    rec = be.records[0]
+    assert not rec.rewritten and "custom torch.autograd.Function (`_HalfGradGelu`)" in rec.reason, rec.reason
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
+    be, (ref, gref), (out, gout) = _run(model)  # auto: the Dynamo level replays it
+    assert be.records[0].rewritten and be.records[0].level == "dynamo", be.records[0].reason
+    assert_replayed()
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
