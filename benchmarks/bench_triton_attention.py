@@ -212,15 +212,16 @@ def measure(make_run, shapes, dtype, device, cap_s, max_reps):
 # ------------------------------------------------------------------------------------------ checks
 
 
-#: (sliding window, logit soft-cap) variants the kernels are checked with: plain, Mistral/Gemma-like window,
-#: Gemma2-like cap, both.
-CHECK_VARIANTS = ((0, 0.0), (64, 0.0), (0, 30.0), (64, 30.0))
+#: (sliding window, logit soft-cap, relative-bias extent E) variants the kernels are checked with: plain,
+#: Mistral/Gemma-like window, Gemma2-like cap, both; an Inkling2-like relative bias (a per-query [Hq, N, E] table,
+#: its gradient dR checked too), alone and with window and cap.
+CHECK_VARIANTS = ((0, 0.0, 0), (64, 0.0, 0), (0, 30.0, 0), (64, 30.0, 0), (0, 0.0, 96), (64, 30.0, 48))
 
 
 def check_small_case(device, length: int = 700, dtypes=((torch.float32, 1e-4), (torch.bfloat16, 5e-2)),
                      variants=CHECK_VARIANTS, flex: bool = True) -> list[str]:
-    """Kernels (fp32 and bf16; with and without a sliding window and soft-capping) and Flex's mask vs the
-    float64 reference on a nested, padded tree."""
+    """Kernels (fp32 and bf16; with and without a sliding window, soft-capping and a relative bias) and Flex's
+    mask vs the float64 reference on a nested, padded tree."""
     from brcompile.backends.reference import reference_backward, reference_forward
     from brcompile.backends.triton import tree_attention_backward, tree_attention_forward
 
@@ -234,19 +235,24 @@ def check_small_case(device, length: int = 700, dtypes=((torch.float32, 1e-4), (
     go = torch.randn(4, n, 64, device=device, generator=gen, dtype=torch.float64)
     scale = 64 ** -0.5
     ok = True
-    for window, softcap in variants:
-        extra = dict(window=window, position=position if window else None, softcap=softcap)
-        r_out, r_lse = reference_forward(q, k, v, end, valid, segments, scale, **extra)
-        refs = (r_out,) + reference_backward(go, q, k, v, r_out, r_lse, end, valid, segments, scale, **extra)
+    for window, softcap, extent in variants:
+        extra = dict(window=window, position=position if window or extent else None, softcap=softcap)
+        rel = torch.randn(4, n, extent, device=device, generator=gen, dtype=torch.float64) if extent else None
+        r_out, r_lse = reference_forward(q, k, v, end, valid, segments, scale, relbias=rel, **extra)
+        refs = (r_out,) + reference_backward(go, q, k, v, r_out, r_lse, end, valid, segments, scale, relbias=rel,
+                                             **extra)
         for dtype, bound in dtypes:
             qc, kc, vc, goc = (t.to(dtype) for t in (q, k, v, go))
-            out, lse = tree_attention_forward(qc, kc, vc, end, valid, segments, scale, **extra)
-            grads = tree_attention_backward(goc, qc, kc, vc, out, lse, end, valid, segments, scale, **extra)
+            relc = None if rel is None else rel.to(dtype)
+            out, lse = tree_attention_forward(qc, kc, vc, end, valid, segments, scale, relbias=relc, **extra)
+            grads = tree_attention_backward(goc, qc, kc, vc, out, lse, end, valid, segments, scale, relbias=relc,
+                                            **extra)
             errs = {name: ((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
-                    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), refs)}
+                    for name, got, ref in zip(("out", "dq", "dk", "dv", "dR"), (out,) + tuple(grads), refs)}
             good = max(errs.values()) <= bound
             ok &= good
-            lines.append(f"triton {str(dtype).replace('torch.', '')} window={window} softcap={softcap:g}: "
+            lines.append(f"triton {str(dtype).replace('torch.', '')} window={window} softcap={softcap:g}"
+                         + (f" relbias E={extent}" if extent else "") + ": "
                          "max error / max|ref| " + ", ".join(f"{k}={v:.1e}" for k, v in errs.items())
                          + f" (bound {bound:g}) " + ("OK" if good else "FAILED"))
     r_out, _ = reference_forward(q, k, v, end, valid, segments, scale)

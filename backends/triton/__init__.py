@@ -2,9 +2,11 @@
 
 ``brcompile.backends.ops`` imports this package when ``impl="triton"`` (or ``"auto"`` on CUDA) is first
 requested; importing it registers ``AttentionImpl("triton", forward=tree_attention_forward,
-backward=tree_attention_backward, supports_window=True, supports_softcap=True, supports_alibi=True)`` (both
-take a ``TreeAttentionArgs``): sliding windows over tree positions, logit soft-capping (``c * tanh(scale * q.k /
-c)``, Gemma2) and ALiBi biases (``m[h] * (position[k] - position[q])``) run in the kernels.
+backward=tree_attention_backward, supports_window=True, supports_softcap=True, supports_alibi=True,
+supports_relbias=True, supports_alibi_grad=True)`` (both take a ``TreeAttentionArgs``): sliding windows over tree
+positions, logit soft-capping (``c * tanh(scale * q.k / c)``, Gemma2), ALiBi biases (``m[h] * (position[k] -
+position[q])``, constant or trainable slopes) and relative biases (``R[h, q, min(position[q] - position[k], E -
+1)]``, with the table's gradient) run in the kernels.
 The impl runs on CUDA tensors, and on any device when Triton's interpreter is active (TRITON_INTERPRET=1
 set before triton is imported).
 """
@@ -32,6 +34,7 @@ register_attention_impl(
         supports_window=True,
         supports_softcap=True,
         supports_alibi=True,
+        supports_relbias=True,
         supports_alibi_grad=True,
     )
 )

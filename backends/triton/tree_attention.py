@@ -39,6 +39,16 @@ soft-cap's factor) are unchanged. It combines with a window and a soft-cap. Trai
 (dS of the natural-log, post-cap score) is summed per query row by the dQ kernel, which owns every row
 (HAS_ALIBI_GRAD: ``DSLOPES[h, q]`` in float32, no atomics), and over the rows on the host.
 
+Relative bias (``relbias``: a table R [Hq, N, E] of the query token, with ``position``): the natural-log score
+of (q, k) in head h gains ``R[h, q, clamp(position[q] - position[k], 0, E - 1)]`` after the soft-cap. The
+kernels take the table as given (any strides and floating dtype, read in float32) behind the constexpr flag
+HAS_RELBIAS, gather its entry per visible pair (:func:`_relative_bias`) and add ``log2(e)`` times it to the
+base-2 score; dS is unchanged (the bias does not depend on q or k). Its gradient ``dR[h, q, e] = sum over
+visible k in bucket e of dS[h, q, k]`` (dS of the post-cap score) is the dQ kernel's, whose program owns its
+query rows: the far column ``E - 1`` per row in registers, the nearer buckets by uncontended atomic adds to a
+zeroed float32 [Hq, N, E] (see :func:`_tree_attn_bwd_dq`). The GPU tiles are halved with it
+(:func:`_relbias_tiles`).
+
 Schedule, without any N x N or (N/block)^2 structure:
 
 * Forward and dQ: a query block ``[b0, b1)`` can only see ``{k < b1 : kend[k] > b0}``, and for ``k < b0``
@@ -98,6 +108,7 @@ _LOG2E = 1.4426950408889634  # the kernels spell log2(e) and ln(2) as literals (
 _MAX_HEAD_DIM = 256
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DELTA_BLOCK_M = 32  # rows per program of the (memory-bound) delta kernel
+_MAX_BLOCK = 256  # the largest tile side (KernelConfig)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,10 +178,11 @@ def _softcap_factors(qk_scale, SOFTCAP):
 
 @triton.jit
 def _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR, pid_m,
-                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_RELBIAS: tl.constexpr):
     """(cap_in, cap_out, pos_q, t_begin, t_end) for a query block's walk over its key tiles (forward, dQ):
-    the soft-cap factors, the block's positions (read with a window or ALiBi), and its tile range — from the
-    window's first reachable tile (TILE_START) with a window, else from the CSR pointer."""
+    the soft-cap factors, the block's positions (read with a window, ALiBi or a relative bias), and its tile
+    range — from the window's first reachable tile (TILE_START) with a window, else from the CSR pointer."""
     if HAS_SOFTCAP:
         cap_in, cap_out = _softcap_factors(qk_scale, SOFTCAP)
     else:
@@ -181,7 +193,7 @@ def _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR, pid_
     else:
         pos_q = offs_m  # unused
         t_begin = tl.load(TILE_PTR + pid_m)
-    if HAS_ALIBI:
+    if HAS_ALIBI or HAS_RELBIAS:
         pos_q = tl.load(POS + offs_m, mask=m_in, other=0)
     t_end = tl.load(TILE_PTR + pid_m + 1)
     return cap_in, cap_out, pos_q, t_begin, t_end
@@ -200,12 +212,33 @@ def _key_tile(TILES, KEND, t, offs_n0):
 
 
 @triton.jit
+def _relative_bucket(dist, REL_E):
+    """The relative bias's column of each pair: ``clamp(dist, 0, REL_E - 1)`` of ``dist = pos[q] - pos[k]``, int32
+    (exact: clamped before the cast)."""
+    return tl.minimum(tl.maximum(dist, 0), REL_E - 1).to(tl.int32)
+
+
+@triton.jit
+def _relative_bias(REL_ROWS, rows, dist, visible, stride_rn, stride_re, REL_E):
+    """``R[h, q, clamp(dist, 0, REL_E - 1)]`` of one tile, in either layout ([M, N] or [N, M]), in float32
+    (natural log; 0 off the visible pairs, whose entries are not read), with ``dist = pos[q] - pos[k]``.
+    ``REL_ROWS``: the table of the head at the tile's first query, ``rows``: the tile's queries counted from it,
+    broadcast to the tile ([M, 1] or [1, M]); offsets within the tile stay 32-bit (fewer registers)."""
+    bucket = _relative_bucket(dist, REL_E)
+    bias = tl.load(REL_ROWS + (rows * stride_rn + bucket * stride_re), mask=visible, other=0.0)
+    return bias.to(tl.float32)
+
+
+@triton.jit
 def _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in, cap_out, alibi2,
-                      HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                      REL_ROWS, stride_rn, stride_re, REL_E,
+                      HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                      HAS_RELBIAS: tl.constexpr):
     """(s2, visible, slope) of one [BLOCK_M, BLOCK_N] tile for the forward and dQ walks: base-2 scores
     ``s2`` (soft-capped: ``cap_out * tanh(cap_in * q.k)``; plus ``alibi2 * (pos[k] - pos[q])``, the head's
-    ALiBi slope in base 2), the tree mask ``k <= q < kend[k]`` (and ``pos[q] - pos[k] < WINDOW``), and
-    d(capped)/d(raw) = 1 - t^2 (1.0 without a cap)."""
+    ALiBi slope in base 2; plus ``log2(e) * R[h, q, clamp(pos[q] - pos[k], 0, REL_E - 1)]``, the relative bias,
+    ``REL_ROWS`` the head's table at the block's first query), the tree mask ``k <= q < kend[k]`` (and
+    ``pos[q] - pos[k] < WINDOW``), and d(capped)/d(raw) = 1 - t^2 (1.0 without a cap)."""
     visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kend[None, :])
     if HAS_WINDOW:
         pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
@@ -219,26 +252,33 @@ def _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_sca
     if HAS_ALIBI:
         pos_kb = tl.load(POS + offs_n, mask=n_in, other=0)
         s2 = s2 + alibi2 * (pos_kb[None, :] - pos_q[:, None]).to(tl.float32)
+    if HAS_RELBIAS:
+        pos_kr = tl.load(POS + offs_n, mask=n_in, other=0)
+        rows = tl.arange(0, offs_m.shape[0])[:, None]
+        s2 = s2 + _relative_bias(REL_ROWS, rows, pos_q[:, None] - pos_kr[None, :], visible, stride_rn, stride_re,
+                                 REL_E) * 1.4426950408889634
     return s2, visible, slope
 
 
 @triton.jit
 def _tree_attn_fwd(
-    Q, K, V, KEND, POS, SLOPES, TILE_PTR, TILE_START, TILES, OUT, LSE,
+    Q, K, V, KEND, POS, SLOPES, REL, TILE_PTR, TILE_START, TILES, OUT, LSE,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
     stride_oh, stride_on, stride_od,
     stride_lh,
-    N, NUM_HEADS, qk_scale, WINDOW, SOFTCAP,
+    stride_rh, stride_rn, stride_re,
+    N, NUM_HEADS, qk_scale, WINDOW, SOFTCAP, REL_E,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_RELBIAS: tl.constexpr,
 ):
     """out[h, q] = sum_k p[q, k] v[k],  p = softmax_k(scale * q.k) over visible k;  lse[h, q] = log sum exp.
 
     With HAS_SOFTCAP the scores are ``SOFTCAP * tanh(scale * q.k / SOFTCAP)`` instead of ``scale * q.k``; with
-    HAS_ALIBI they gain ``m[h] * (pos[k] - pos[q])`` (``SLOPES[h] = m[h] * log2(e)`` on the base-2 scores).
+    HAS_ALIBI they gain ``m[h] * (pos[k] - pos[q])`` (``SLOPES[h] = m[h] * log2(e)`` on the base-2 scores); with
+    HAS_RELBIAS ``REL[h, q, min(pos[q] - pos[k], REL_E - 1)]`` (the [Hq, N, REL_E] table, any strides).
 
     One program per (query block, query head); see :func:`_block_and_head` for the order. Visible:
     ``k <= q < kend[k]``, and with HAS_WINDOW also ``pos[q] - pos[k] < WINDOW``; the block then starts at
@@ -273,8 +313,9 @@ def _tree_attn_fwd(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
     cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
-                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_RELBIAS)
     alibi2 = tl.load(SLOPES + pid_h) if HAS_ALIBI else 0.0
+    rel_rows = REL + pid_h.to(tl.int64) * stride_rh + (pid_m * BLOCK_M).to(tl.int64) * stride_rn
     for t in range(t_begin, t_end):
         lo, offs_n, n_in, kend = _key_tile(TILES, KEND, t, offs_n0)
         kT_ptrs = (k_head + lo.to(tl.int64) * stride_kn
@@ -282,7 +323,8 @@ def _tree_attn_fwd(
         kT = tl.load(kT_ptrs, mask=n_in[None, :] & d_in[:, None], other=0.0)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         s2, visible, _ = _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale, cap_in,
-                                           cap_out, alibi2, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                           cap_out, alibi2, rel_rows, stride_rn, stride_re, REL_E, HAS_WINDOW,
+                                           HAS_SOFTCAP, HAS_ALIBI, HAS_RELBIAS)
         s = tl.where(visible, s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _maximum))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -333,7 +375,7 @@ def _tree_attn_bwd_delta(
 
 @triton.jit
 def _tree_attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, KEND, POS, SLOPES, DK, DV,
+    Q, K, V, DO, LSE, DELTA, KEND, POS, SLOPES, REL, DK, DV,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -341,10 +383,11 @@ def _tree_attn_bwd_dkdv(
     stride_dkh, stride_dkn, stride_dkd,
     stride_dvh, stride_dvn, stride_dvd,
     stride_lh,
-    N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP,
+    stride_rh, stride_rn, stride_re,
+    N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP, REL_E,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_RELBIAS: tl.constexpr,
 ):
     """dV[k] = sum_q P[q, k] dO[q];  dK[k] = scale * sum_q dS[q, k] q[q],  dS = P (dO.v[k] - delta[q]).
 
@@ -353,7 +396,9 @@ def _tree_attn_bwd_dkdv(
     program walks that range for each of the GROUP query heads sharing this kv head (no atomics). With
     HAS_WINDOW a pair is visible only if also ``pos[q] - pos[k] < WINDOW``. With HAS_SOFTCAP ``P`` uses the
     capped score ``c tanh(scale q.k / c)`` and ``dS`` is multiplied by ``1 - t^2``, ``t = tanh(scale q.k / c)``.
-    With HAS_ALIBI ``P`` includes the bias ``m[h] (pos[k] - pos[q])`` (``dS`` needs nothing more: it is constant).
+    With HAS_ALIBI ``P`` includes the bias ``m[h] (pos[k] - pos[q])`` (``dS`` needs nothing more: it is constant),
+    with HAS_RELBIAS the relative bias ``REL[h, q, min(pos[q] - pos[k], REL_E - 1)]`` (likewise: dK and dV only
+    read dS; the table's gradient is the dQ kernel's).
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -373,7 +418,7 @@ def _tree_attn_bwd_dkdv(
     kend = tl.load(KEND + offs_n, mask=n_in, other=0)
     if HAS_WINDOW:
         pos_k = tl.load(POS + offs_n, mask=n_in, other=0)
-    if HAS_ALIBI:
+    if HAS_ALIBI or HAS_RELBIAS:
         pos_kb = tl.load(POS + offs_n, mask=n_in, other=0)
     k_ptrs = (K + kv_h.to(tl.int64) * stride_kh + c0.to(tl.int64) * stride_kn
               + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd)
@@ -394,6 +439,7 @@ def _tree_attn_bwd_dkdv(
         l_head = LSE + h.to(tl.int64) * stride_lh
         d_head = DELTA + h.to(tl.int64) * stride_lh
         alibi2 = tl.load(SLOPES + h) if HAS_ALIBI else 0.0
+        rel_rows = REL + h.to(tl.int64) * stride_rh + c0.to(tl.int64) * stride_rn  # the table at query m0
         qT_ptrs = (q_head + c0.to(tl.int64) * stride_qn
                    + offs_m0[None, :] * stride_qn + offs_d[:, None] * stride_qd)
         do_ptrs = (do_head + c0.to(tl.int64) * stride_don
@@ -413,9 +459,14 @@ def _tree_attn_bwd_dkdv(
                 s2T = tT * cap_out
             else:
                 s2T = qkT * qk_scale
-            if HAS_ALIBI:
+            if HAS_ALIBI or HAS_RELBIAS:
                 pos_qb = tl.load(POS + offs_m, mask=m_in, other=0)
+            if HAS_ALIBI:
                 s2T = s2T + alibi2 * (pos_kb[:, None] - pos_qb[None, :]).to(tl.float32)
+            if HAS_RELBIAS:
+                relT = _relative_bias(rel_rows, offs_m0[None, :], pos_qb[None, :] - pos_kb[:, None], visible,
+                                      stride_rn, stride_re, REL_E)
+                s2T = s2T + relT * 1.4426950408889634
             pT = tl.where(visible, tl.exp2(s2T - lse[None, :] * 1.4426950408889634), 0.0)
             do = tl.load(do_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
             dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
@@ -427,6 +478,7 @@ def _tree_attn_bwd_dkdv(
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
             qT_ptrs += BLOCK_M * stride_qn
             do_ptrs += BLOCK_M * stride_don
+            rel_rows += BLOCK_M * stride_rn
     dk = dk * sm_scale
 
     dk_ptrs = (DK + kv_h.to(tl.int64) * stride_dkh + c0.to(tl.int64) * stride_dkn
@@ -439,17 +491,18 @@ def _tree_attn_bwd_dkdv(
 
 @triton.jit
 def _tree_attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, KEND, POS, SLOPES, TILE_PTR, TILE_START, TILES, DQ, DSLOPES,
+    Q, K, V, DO, LSE, DELTA, KEND, POS, SLOPES, REL, TILE_PTR, TILE_START, TILES, DQ, DSLOPES, DREL,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
     stride_doh, stride_don, stride_dod,
     stride_dqh, stride_dqn, stride_dqd,
     stride_lh,
-    N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP,
+    stride_rh, stride_rn, stride_re,
+    N, NUM_HEADS, sm_scale, qk_scale, WINDOW, SOFTCAP, REL_E,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ALIBI_GRAD: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ALIBI_GRAD: tl.constexpr, HAS_RELBIAS: tl.constexpr,
 ):
     """dQ[q] = scale * sum_k dS[q, k] k[k],  dS = P (dO[q].v[k] - delta[q]),  P = exp(scale q.k - lse[q]).
 
@@ -457,7 +510,13 @@ def _tree_attn_bwd_dq(
     forward. With HAS_SOFTCAP, ``P`` from the capped score and ``dS`` times ``1 - t^2`` (as for dK); with
     HAS_ALIBI, ``P`` from the score plus its ALiBi bias; with HAS_ALIBI_GRAD also
     ``DSLOPES[h, q] = sum_k dS[q, k] (pos[k] - pos[q])`` (dS before the soft-cap factor: the bias is added after
-    the cap).
+    the cap). With HAS_RELBIAS, ``P`` also from the relative bias, and its gradient ``DREL[h, q, e] = sum over
+    visible k with bucket(q, k) = e of dS[q, k]`` (dS before the soft-cap factor, as for the slopes; ``DREL`` a
+    zeroed contiguous float32 [Hq, N, REL_E]): this program owns rows q of head h, so no other program writes
+    them. The last column (every distance >= REL_E - 1, most pairs of a long context) is summed per row in
+    registers and stored once; a nearer bucket holds one key per row for tree positions (the ancestors' positions
+    are distinct) and is added with an uncontended atomic, which keeps arbitrary positions (two visible keys in one
+    bucket of a tile) exact.
     """
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -489,9 +548,12 @@ def _tree_attn_bwd_dq(
 
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     dslope = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    drel_last = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     cap_in, cap_out, pos_q, t_begin, t_end = _walk_setup(qk_scale, SOFTCAP, POS, offs_m, m_in, TILE_START, TILE_PTR,
-                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                                         pid_m, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_RELBIAS)
     alibi2 = tl.load(SLOPES + pid_h) if HAS_ALIBI else 0.0
+    rel_rows = REL + pid_h.to(tl.int64) * stride_rh + b0.to(tl.int64) * stride_rn
+    drel_rows = DREL + (pid_h.to(tl.int64) * N + b0) * REL_E  # the block's first row; its rows are contiguous
     for t in range(t_begin, t_end):
         lo, offs_n, n_in, kend = _key_tile(TILES, KEND, t, offs_n0)
         dn_mask = d_in[:, None] & n_in[None, :]
@@ -503,19 +565,29 @@ def _tree_attn_bwd_dq(
                      mask=dn_mask, other=0.0)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         s2, visible, slope = _query_key_scores(qk, offs_m, offs_n, n_in, kend, pos_q, POS, WINDOW, qk_scale,
-                                               cap_in, cap_out, alibi2, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                               cap_in, cap_out, alibi2, rel_rows, stride_rn, stride_re, REL_E,
+                                               HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_RELBIAS)
         p = tl.where(visible, tl.exp2(s2 - lse2[:, None]), 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_ALIBI_GRAD:  # ds is 0 off the visible pairs (p is)
             pos_kd = tl.load(POS + offs_n, mask=n_in, other=0)
             dslope += tl.reduce(ds * (pos_kd[None, :] - pos_q[:, None]).to(tl.float32), 1, _add)
+        if HAS_RELBIAS:  # ds is 0 off the visible pairs; the far column in registers, nearer buckets by atomics
+            pos_kr = tl.load(POS + offs_n, mask=n_in, other=0)
+            bucket = _relative_bucket(pos_q[:, None] - pos_kr[None, :], REL_E)
+            far = bucket == REL_E - 1
+            drel_last += tl.reduce(tl.where(far, ds, 0.0), 1, _add)
+            tl.atomic_add(drel_rows + (tl.arange(0, BLOCK_M)[:, None] * REL_E + bucket), ds,
+                          mask=visible & (bucket < REL_E - 1), sem="relaxed")
         if HAS_SOFTCAP:
             ds = ds * slope
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
     dq = dq * sm_scale
     if HAS_ALIBI_GRAD:
         tl.store(DSLOPES + pid_h.to(tl.int64) * N + offs_m, dslope, mask=m_in)
+    if HAS_RELBIAS:
+        tl.store(drel_rows + (tl.arange(0, BLOCK_M) * REL_E + (REL_E - 1)), drel_last, mask=m_in)
 
     dq_ptrs = (DQ + pid_h.to(tl.int64) * stride_dqh + b0.to(tl.int64) * stride_dqn
                + tl.arange(0, BLOCK_M)[:, None] * stride_dqn + offs_d[None, :] * stride_dqd)
@@ -543,8 +615,8 @@ class KernelConfig:
     def __post_init__(self):
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and _is_pow2(value) and 16 <= value <= 256):
-                raise ValueError(f"KernelConfig.{name} must be a power of two in [16, 256], got {value!r}")
+            if not (isinstance(value, int) and _is_pow2(value) and 16 <= value <= _MAX_BLOCK):
+                raise ValueError(f"KernelConfig.{name} must be a power of two in [16, {_MAX_BLOCK}], got {value!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
         if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
@@ -594,12 +666,31 @@ _GPU_CONFIGS = {
 _HOPPER_SMEM = 200 * 1024  # below this much shared memory per block: fewer stages, narrower D=256 tiles
 
 
-def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+def _relbias_tiles(fwd: tuple, dkdv: tuple, dq: tuple) -> tuple:
+    """The tiles with a relative bias: each kernel's tile of pairs halved along its gathered side (the keys of
+    the forward and dQ, the queries of dK/dV; dK/dV's keys where its queries are already 16), at least 16.
+
+    Each pair of a tile gathers its table entry through a 64-bit address, which at the tuned tiles pushes the
+    kernels past 255 registers (sm_90, bf16, window + soft-cap + relative bias, offline as above: D=128 spills
+    704 / 400 / 920 bytes in forward / dK/dV / dQ, against 40 / 72 / 80 without the bias). Halved: D=64 0 / 0 /
+    48 bytes, D=128 32 / 40 / 176, D=256 384 / 0 / 144; float32 D=64 none. Not timed on a GPU yet."""
+    def half(b):
+        return max(16, b // 2)
+
+    fwd = (fwd[0], half(fwd[1]), *fwd[2:])
+    dq = (dq[0], half(dq[1]), *dq[2:])
+    dkdv = (half(dkdv[0]), dkdv[1], *dkdv[2:]) if dkdv[0] > 16 else (dkdv[0], half(dkdv[1]), *dkdv[2:])
+    return fwd, dkdv, dq
+
+
+def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                          relbias: bool = False) -> LaunchConfig:
     """Tile sizes per head dim and dtype: 16x16 tiles in the interpreter, tuned ones on a GPU.
 
     GPU tiles follow Triton's fused-attention tutorial (forward 128 queries x 64 keys; dK/dV 32 queries x
     128 keys; dQ 128 x 64, which lets dQ reuse the forward's key tiles), tuned for H100/H200; on GPUs with
-    less shared memory per block the pipelines get at most 2 stages and D = 256 forward tiles 64 x 32.
+    less shared memory per block the pipelines get at most 2 stages and D = 256 forward tiles 64 x 32. With a
+    relative bias (``relbias``) the tiles are halved (:func:`_relbias_tiles`).
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -614,6 +705,8 @@ def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.devic
         if width == "16bit" and _block_d(head_dim) == 256:
             fwd = (64, 32, 8, 2)
         fwd, dkdv, dq = ((bm, bn, w, min(st, 2)) for bm, bn, w, st in (fwd, dkdv, dq))
+    if relbias:
+        fwd, dkdv, dq = _relbias_tiles(fwd, dkdv, dq)
     return LaunchConfig(fwd=KernelConfig(*fwd), dkdv=KernelConfig(*dkdv), dq=KernelConfig(*dq))
 
 
@@ -855,7 +948,8 @@ def _check_inputs(a: TreeAttentionArgs) -> None:
         raise ValueError(f"head dim must be in [1, {_MAX_HEAD_DIM}], got {d}")
     if q.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"q, k, v must share one dtype of {_SUPPORTED_DTYPES}; got {q.dtype}")
-    devices = {t.device for t in (q, a.k, a.v, *a.tree) + ((a.position,) if a.window or a.has_alibi else ())}
+    devices = {t.device for t in (q, a.k, a.v, *a.tree) + ((a.position,) if _reads_positions(a) else ())
+               + (() if a.relbias is None else (a.relbias,))}
     if len(devices) != 1:
         raise ValueError(f"all tree-attention inputs must be on one device, got {sorted(map(str, devices))}")
     if q.device.type != "cuda" and not is_interpreter():
@@ -864,10 +958,28 @@ def _check_inputs(a: TreeAttentionArgs) -> None:
             f"triton is imported); got device {q.device}")
 
 
+def _reads_positions(a: TreeAttentionArgs) -> bool:
+    """Whether the kernels read the positions: a window, ALiBi or a relative bias."""
+    return bool(a.window or a.has_alibi or a.relbias is not None)
+
+
 def _positions_arg(a: TreeAttentionArgs, kend: torch.Tensor) -> torch.Tensor:
-    """The POS kernel argument: int64 contiguous positions; without a window or ALiBi (never read) ``kend``
-    stands in, so every launch passes plain tensors."""
-    return a.position.to(torch.int64).contiguous() if a.window or a.has_alibi else kend
+    """The POS kernel argument: int64 contiguous positions; without a window, ALiBi or a relative bias (never
+    read) ``kend`` stands in, so every launch passes plain tensors."""
+    return a.position.to(torch.int64).contiguous() if _reads_positions(a) else kend
+
+
+def _relbias_args(a: TreeAttentionArgs, kend: torch.Tensor) -> tuple:
+    """The REL kernel argument, its three strides and REL_E: the [Hq, N, E] relative-bias table as given (any
+    strides, any floating dtype: the kernels read it in float32) unless a tile's offsets into it could pass
+    int32 (:func:`_relative_bias` keeps them 32-bit; e.g. a view with E outermost), then a contiguous copy;
+    without one (HAS_RELBIAS=False, never read) ``kend``, zero strides and E = 1."""
+    if a.relbias is None:
+        return kend, 0, 0, 0, 1
+    rel, extent = a.relbias, a.relbias.shape[2]
+    if _MAX_BLOCK * abs(rel.stride(1)) + extent * abs(rel.stride(2)) >= 2 ** 31:
+        rel = rel.contiguous()
+    return (rel, *rel.stride(), extent)
 
 
 def _slopes_arg(a: TreeAttentionArgs, kend: torch.Tensor) -> torch.Tensor:
@@ -918,7 +1030,8 @@ def tree_attention_forward(a: TreeAttentionArgs, *, config: LaunchConfig | None 
 
     ``a.window`` W > 0 restricts query q to keys with ``position[q] - position[k] < W`` (position: [N] int).
     ``a.softcap`` c > 0 caps the scores: ``c * tanh(scale * q.k / c)`` (lse is over the capped scores).
-    ``a.alibi`` (slopes m[Hq]) adds ``m[h] * (position[k] - position[q])`` to them.
+    ``a.alibi`` (slopes m[Hq]) adds ``m[h] * (position[k] - position[q])`` to them, ``a.relbias`` (R [Hq, N, E])
+    ``R[h, q, min(position[q] - position[k], E - 1)]``.
     Also callable as ``tree_attention_forward(q, k, v, end, valid, segments, scale, window=0, position=None,
     softcap=0.0, *, config=None)`` (:func:`brcompile.backends.ops.attention_forward`).
     """
@@ -931,31 +1044,34 @@ def tree_attention_forward(a: TreeAttentionArgs, *, config: LaunchConfig | None 
     lse = torch.empty((hq, n), dtype=torch.float32, device=q.device)
     if n == 0 or hq == 0:
         return out, lse
-    cfg = (config or default_launch_config(d, q.dtype, q.device)).fwd
+    cfg = (config or default_launch_config(d, q.dtype, q.device, a.relbias is not None)).fwd
     kt = _TILE_CACHE.get(segments, (n, cfg.block_m, cfg.block_n), segments, n, cfg.block_m, cfg.block_n, end)
     kend = _key_end(end, valid)
     pos, slopes = _positions_arg(a, kend), _slopes_arg(a, kend)
+    rel, *rel_strides, extent = _relbias_args(a, kend)
     tile_start = _tile_start_arg(window, position, kt, n)
     _launch(
         _tree_attn_fwd, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
-        q, k, v, kend, pos, slopes, kt.ptr, tile_start, kt.tiles, out, lse,
+        q, k, v, kend, pos, slopes, rel, kt.ptr, tile_start, kt.tiles, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0),
-        n, hq, float(a.scale) * _LOG2E, window, softcap,
+        *rel_strides,
+        n, hq, float(a.scale) * _LOG2E, window, softcap, extent,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=_block_d(d),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INPUT_PRECISION=_input_precision(q.dtype),
-        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=a.has_alibi,
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=a.has_alibi, HAS_RELBIAS=a.relbias is not None,
     )
     return out, lse
 
 
 @attention_backward
 def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config: LaunchConfig | None = None):
-    """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes; with trainable
-    ``a.slopes`` also dslopes (the dQ kernel's per-row sums, summed in float64, in the slopes' dtype).
+    """(dq, dk, dv) of tree attention given the forward's out and lse; grads in the inputs' dtypes; with a relative
+    bias ``a.relbias`` then dR (from the dQ kernel, accumulated in float32, in the table's dtype); with trainable
+    ``a.slopes`` then dslopes (the dQ kernel's per-row sums, summed in float64, in the slopes' dtype).
 
     ``a`` as the forward got it. Also callable as ``tree_attention_backward(grad_out, q, k, v, out, lse, end,
     valid, segments, scale, window=0, position=None, softcap=0.0, *, config=None)``.
@@ -971,9 +1087,11 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # every row is written by the kernels
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    extra = (() if a.relbias is None else (torch.zeros_like(a.relbias),)) \
+        + (() if a.slopes is None else (torch.zeros_like(a.slopes),))
     if n == 0 or hq == 0:
-        return (dq, dk, dv) if a.slopes is None else (dq, dk, dv, torch.zeros_like(a.slopes))
-    launch = config or default_launch_config(d, q.dtype, q.device)
+        return (dq, dk, dv, *extra)
+    launch = config or default_launch_config(d, q.dtype, q.device, a.relbias is not None)
     grad_out = grad_out.to(q.dtype)
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty((hq, n), dtype=torch.float32, device=q.device)
@@ -986,16 +1104,18 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
     )
     kend = _key_end(end, valid)
     pos, slopes = _positions_arg(a, kend), _slopes_arg(a, kend)
+    rel, *rel_strides, extent = _relbias_args(a, kend)
     sm_scale = float(a.scale)
     qk_scale = sm_scale * _LOG2E
     group = hq // hkv
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=_block_d(d), INPUT_PRECISION=_input_precision(q.dtype),
-                  HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=a.has_alibi)
+                  HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=a.has_alibi,
+                  HAS_RELBIAS=a.relbias is not None)
 
     cfg = launch.dkdv
     _launch(
         _tree_attn_bwd_dkdv, (triton.cdiv(n, cfg.block_n) * hkv,), cfg,
-        q, k, v, grad_out, lse, delta, kend, pos, slopes, dk, dv,
+        q, k, v, grad_out, lse, delta, kend, pos, slopes, rel, dk, dv,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -1003,28 +1123,33 @@ def tree_attention_backward(a: TreeAttentionArgs, grad_out, out, lse, *, config:
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0),
-        n, hkv, sm_scale, qk_scale, window, softcap,
+        *rel_strides,
+        n, hkv, sm_scale, qk_scale, window, softcap, extent,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
     )
     cfg = launch.dq
     kt = _TILE_CACHE.get(segments, (n, cfg.block_m, cfg.block_n), segments, n, cfg.block_m, cfg.block_n, end)
     tile_start = _tile_start_arg(window, position, kt, n)
     rows = kend if a.slopes is None else torch.empty((hq, n), dtype=torch.float32, device=q.device)
+    # zeroed: the dQ kernel adds the near buckets atomically (and stores the far column)
+    drel = kend if a.relbias is None else torch.zeros((hq, n, extent), dtype=torch.float32, device=q.device)
     _launch(
         _tree_attn_bwd_dq, (triton.cdiv(n, cfg.block_m) * hq,), cfg,
-        q, k, v, grad_out, lse, delta, kend, pos, slopes, kt.ptr, tile_start, kt.tiles, dq, rows,
+        q, k, v, grad_out, lse, delta, kend, pos, slopes, rel, kt.ptr, tile_start, kt.tiles, dq, rows, drel,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         lse.stride(0),
-        n, hq, sm_scale, qk_scale, window, softcap,
+        *rel_strides,
+        n, hq, sm_scale, qk_scale, window, softcap, extent,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_ALIBI_GRAD=a.slopes is not None, **common,
     )
+    grads = (dq, dk, dv) if a.relbias is None else (dq, dk, dv, drel.to(a.relbias.dtype))
     if a.slopes is None:
-        return dq, dk, dv
-    return dq, dk, dv, rows.sum(-1, dtype=torch.float64).to(a.slopes.dtype)
+        return grads
+    return (*grads, rows.sum(-1, dtype=torch.float64).to(a.slopes.dtype))
 
 
 class TreeAttentionFunction(torch.autograd.Function):

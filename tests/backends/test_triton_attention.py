@@ -613,6 +613,137 @@ def test_trainable_slopes_through_the_registered_impl(case, window, softcap):
     assert got["reference"][-1].abs().min() > 1e-3  # every slope gets a gradient
 
 
+# ----------------------------------------------------------------------------------------- relative bias
+
+
+def relbias_table(hq, n, extent, seed, strided=False):
+    """[hq, n, extent] float32 relative-bias table; ``strided``: a permuted view of an [n, hq, extent] tensor (the
+    kernels read it through its strides)."""
+    g = torch.Generator().manual_seed(seed)
+    if strided:
+        return (torch.randn(n, hq, extent, generator=g) * 1.5).permute(1, 0, 2).to(DEVICE)
+    return (torch.randn(hq, n, extent, generator=g) * 1.5).to(DEVICE)
+
+
+def relbias_results(impl, dtype, tree, position, q, k, v, rel, w, window=0, softcap=0.0, slopes=None):
+    """(out, lse, dq, dk, dv, dR[, dslopes]) of the forward op with a relative bias through ``impl``, inputs cast
+    to ``dtype``; the loss is ``sum(out * w)``."""
+    xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, rel) + (() if slopes is None else (slopes,))]
+    out, lse = torch.ops.brcompile.tree_attention_forward(
+        *xs[:3], tree.end, tree.valid, tree.segments, 0.25, impl, window, position, softcap, None, None, xs[3],
+        *xs[4:])
+    return (out, lse, *torch.autograd.grad((out * w.to(dtype)).sum(), xs))
+
+
+@pytest.mark.parametrize("case,extent,window,softcap,trainable", [
+    ("right_pad", 6, 0, 0.0, False), ("dropped", 3, 3, 0.6, True)], ids=["relbias", "relbias_window_softcap_slopes"])
+def test_relbias_matches_reference_float32(case, extent, window, softcap, trainable):
+    """fp32, GQA 4/2: out, lse and the gradients of q, k, v and the table ``R[h, q, min(pos[q] - pos[k], E - 1)]``
+    (the dQ kernel's per-row sums) from ``impl="triton"`` vs ``impl="reference"`` (float64); alone on a strided
+    table, and with a window, a soft-cap and trainable ALiBi slopes (their gradient after dR). Both the far
+    column (distances >= E - 1) and the near buckets get gradient."""
+    tree = window_tree(case)
+    n = tree.num_tokens
+    q, k, v = random_qkv(4, 2, n, 16, torch.float32, seed=71)
+    rel = relbias_table(4, n, extent, seed=72, strided=not trainable)
+    slopes = torch.tensor([0.5, -0.25, 0.125, 0.3], device=q.device) if trainable else None
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(73), dtype=torch.float64).to(q.device)
+    got, want = (relbias_results(impl, dt, tree, tree.position, q, k, v, rel, w, window, softcap, slopes)
+                 for impl, dt in (("triton", torch.float32), ("reference", torch.float64)))
+    names = ["out", "lse", "dq", "dk", "dv", "dR", "dslopes"]
+    seen = torch.isfinite(want[1])
+    assert torch.equal(torch.isfinite(got[1]), seen)
+    for name, a, b in zip(names, got, want):
+        a, b = (a[seen], b[seen]) if name == "lse" else (a, b)
+        assert a.dtype == torch.float32, name  # the inputs' dtype (dR: the table's)
+        assert_rel_close(a, b, 1e-5, name)
+    assert len(got) == 6 + trainable
+    dR = want[5]
+    assert dR[..., -1].abs().max() > 1e-2 and dR[..., :-1].abs().max() > 1e-2
+    plain = torch.ops.brcompile.tree_attention_forward(q, k, v, tree.end, tree.valid, tree.segments, 0.25, "triton",
+                                                       window, tree.position, softcap)[0]
+    assert (got[0] - plain).abs().max() > 1e-2, "the bias must change the result"
+
+
+def test_relbias_arbitrary_positions():
+    """Positions that are not increasing along the tree (``(7 * pos) % 5``): visible keys share near buckets, also
+    through negative distances clamped to bucket 0, so the dQ kernel's adds to one dR entry collide within a
+    tile; dR (and the rest) still equal the reference's per-bucket sums. GQA 2/1, head dim 8 (padded lanes)."""
+    tree = window_tree("right_pad")
+    n = tree.num_tokens
+    position = (tree.position * 7) % 5
+    q, k, v = random_qkv(2, 1, n, 8, torch.float32, seed=74)
+    rel = relbias_table(2, n, 4, seed=75)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(76), dtype=torch.float64).to(q.device)
+    got, want = (relbias_results(impl, dt, tree, position, q, k, v, rel, w)
+                 for impl, dt in (("triton", torch.float32), ("reference", torch.float64)))
+    seen = torch.isfinite(want[1])
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dR"], got, want):
+        a, b = (a[seen], b[seen]) if name == "lse" else (a, b)
+        assert_rel_close(a, b, 1e-5, name)
+    assert got[5].dtype == torch.float32 and got[5].shape == rel.shape
+    assert ops.get_attention_impl("triton", DEVICE).supports_relbias
+
+
+def test_relbias_halves_the_gathered_tiles():
+    """GPU tiles with a relative bias: the forward's and dQ's key side and dK/dV's query side halved (dK/dV's key
+    side where its queries are already 16), never below 16; every tuned config stays a valid KernelConfig."""
+    assert ta_module._relbias_tiles((128, 64, 8, 3), (32, 128, 8, 3), (128, 64, 8, 3)) == (
+        (128, 32, 8, 3), (16, 128, 8, 3), (128, 32, 8, 3))
+    assert ta_module._relbias_tiles((16, 16, 4, 2), (16, 64, 8, 2), (32, 16, 4, 2)) == (
+        (16, 16, 4, 2), (16, 32, 8, 2), (32, 16, 4, 2))
+    for tiles in ta_module._GPU_CONFIGS.values():
+        for cfg in ta_module._relbias_tiles(*tiles):
+            KernelConfig(*cfg)
+
+
+#: Compiles the three kernels with every feature on (window, soft-cap, ALiBi with its gradient, relative bias) for
+#: sm_90 in a process without the interpreter, which does not type-check what the compiler does.
+COMPILE_SM90 = r"""
+import importlib
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ta = importlib.import_module("brcompile.backends.triton.tree_attention")
+POINTERS = {"KEND": "*i32", "POS": "*i64", "SLOPES": "*fp32", "TILE_PTR": "*i32", "TILE_START": "*i32",
+            "TILES": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "DSLOPES": "*fp32", "DREL": "*fp32"}
+TENSORS = ("Q", "K", "V", "REL", "OUT", "DO", "DK", "DV", "DQ")  # bf16
+
+def build(fn, constexprs):
+    sig = {name: "constexpr" if name in constexprs else POINTERS.get(name, "*bf16" if name in TENSORS else
+           "fp32" if name in ("qk_scale", "sm_scale", "SOFTCAP") else "i32") for name in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+
+flags = dict(GROUP=2, HEAD_DIM=128, BLOCK_D=128, INPUT_PRECISION=None, HAS_WINDOW=True, HAS_SOFTCAP=True,
+             HAS_ALIBI=True, HAS_RELBIAS=True)
+build(ta._tree_attn_fwd, dict(BLOCK_M=128, BLOCK_N=32, **flags))
+build(ta._tree_attn_bwd_dkdv, dict(BLOCK_M=16, BLOCK_N=128, **flags))
+ptx = build(ta._tree_attn_bwd_dq, dict(BLOCK_M=128, BLOCK_N=32, HAS_ALIBI_GRAD=True, **flags))
+assert "atom.global" in ptx or "red.global" in ptx  # dR's near buckets
+print("compiled")
+"""
+
+
+@pytest.mark.slow  # a fresh process and three CUDA compiles (~40 s)
+def test_kernels_compile_for_sm90():
+    """The forward, dK/dV and dQ kernels with every feature flag on (bf16, D=128, the relative bias's halved
+    tiles) go through Triton's whole CUDA pipeline (ttir, ttgir, llir, ptx, cubin for sm_90), which the
+    interpreter skips; dR's atomic adds are in the dQ kernel's PTX."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 def test_window_float16():
     tree = window_tree("right_pad")
     q, k, v = random_qkv(2, 1, tree.num_tokens, 32, torch.float16, seed=41)
@@ -902,11 +1033,15 @@ def test_softcap_bad_values_raise():
 
 def test_gpu_benchmark_check_runs_all_variants():
     """benchmarks/bench_triton_attention.py's pre-timing check (what a GPU session runs first) covers the
-    plain, windowed, soft-capped and windowed+capped kernels; here on a tiny tree in the interpreter."""
+    plain, windowed, soft-capped, windowed+capped and relative-bias kernels (dR checked); here on a tiny tree in
+    the interpreter."""
     from benchmarks import bench_triton_attention as bench
 
-    lines = bench.check_small_case(DEVICE, length=12, dtypes=((torch.float32, 1e-4),),
-                                   variants=((0, 0.0), (3, 0.0), (0, 2.0), (3, 2.0)), flex=False)
+    variants = ((0, 0.0, 0), (3, 0.0, 0), (0, 2.0, 0), (3, 2.0, 0), (3, 2.0, 4))
+    assert len(bench.CHECK_VARIANTS[0]) == len(variants[0])
+    lines = bench.check_small_case(DEVICE, length=12, dtypes=((torch.float32, 1e-4),), variants=variants,
+                                   flex=False)
     kernel_lines = [line for line in lines if line.startswith("triton ")]
-    assert len(kernel_lines) == 4 and all(line.endswith("OK") for line in kernel_lines), lines
+    assert len(kernel_lines) == 5 and all(line.endswith("OK") for line in kernel_lines), lines
+    assert "dR=" in kernel_lines[-1], kernel_lines[-1]
     assert not any("FAILED" in line for line in lines), lines

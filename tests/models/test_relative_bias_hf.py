@@ -15,6 +15,7 @@ the full one with its dynamic convolution weights), float64 with their float32 c
 included) equal eager's within 1e-10, and the packed attention takes the packed table. A whole tiny
 InklingForCausalLM replays the same way. Refused by name: a bias gathered from a per-query table whose index is
 not the clamped distance, the streaming split (the packed mode runs), an attention impl without the feature.
+The Triton impl replays it in float32 (its kernels add the bias and compute dR).
 """
 import re
 
@@ -93,18 +94,54 @@ def test_streaming_refuses_relative_bias_packed_mode_runs():
     assert_grads_exact(gg, gw, [str(tuple(p.shape)) for p in model.parameters()], torch.float64)
 
 
-def test_impl_without_relative_bias_falls_back_naming_it():
-    """An attention impl without ``supports_relbias`` (the Triton kernels, here through Triton's interpreter: the
-    conftest sets TRITON_INTERPRET=1 without a GPU): the original graph runs, the reason names the feature."""
+def test_triton_impl_replays_relative_bias():
+    """``attention="triton"`` (``supports_relbias``; through Triton's interpreter without a GPU: the conftest sets
+    TRITON_INTERPRET=1) replays the sliding layer's relative bias in float32: the loss and every parameter
+    gradient (the bias's projection through the kernels' dR included) equal eager's within float32's bound."""
+    from brcompile.testing import assert_exact
+
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).float()
+    ids = torch.randint(1, V, (1, 7), generator=torch.Generator().manual_seed(1)).repeat(3, 1)
+    ids[1:, 5:] = 3
+    names, params = zip(*model.named_parameters())
+    want = model(ids)
+    gw = torch.autograd.grad(want, params)
+    backend = brcompile.backend(compiler="eager", attention="triton")
+    got = torch.compile(model, backend=backend)(ids)
+    gg = torch.autograd.grad(got, params)
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
+    assert_exact(got, want, torch.float32, "loss")
+    assert_grads_exact(gg, gw, names, torch.float32)
+    assert any(g.abs().max() > 0 for n, g in zip(names, gg) if "relative_position_bias" in n)
+
+
+@pytest.fixture
+def reference_without_relbias():
+    """The "reference" attention impl registered again without ``supports_relbias``; restored after."""
+    import dataclasses
+
+    from brcompile.backends.ops import get_attention_impl, register_attention_impl
+
+    real = get_attention_impl("reference", torch.device("cpu"))
+    register_attention_impl(dataclasses.replace(real, supports_relbias=False))
+    yield
+    register_attention_impl(real)
+
+
+def test_impl_without_relative_bias_falls_back_naming_it(reference_without_relbias):
+    """An attention impl without ``supports_relbias``: the original graph runs, the reason names the feature."""
     torch._dynamo.reset()
     brcompile.reset_stats()
     model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).double()
     ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
     ids[1:, 5:] = 3
-    backend = brcompile.backend(compiler="eager", attention="triton")
+    backend = brcompile.backend(compiler="eager", attention="reference")
     with KeepFloat64():
         torch.compile(model, backend=backend)(ids)
     s = brcompile.stats()
     assert s.fallback_calls == 1 and s.replayed_calls == 0, str(s)
     why = backend.records[-1].reason
-    assert "impl 'triton' does not support relative biases" in why, why
+    assert "impl 'reference' does not support relative biases" in why, why
