@@ -250,3 +250,20 @@ def inkling2_streamed(model, chunk_tokens: int = 4):
         got = torch.compile(model, backend=backend)(ids)
         gg = torch.autograd.grad(got, params)
     return want, gw, got, gg, backend
+
+
+def assert_compiles_for_sm90(script: str) -> None:
+    """Runs ``script`` (it compiles Triton kernels for sm_90 through Triton's whole CUDA pipeline, which the
+    interpreter skips, and prints "compiled") in a fresh process without TRITON_INTERPRET, with this checkout
+    on the path, and asserts it did."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -33,6 +33,7 @@ from brcompile.backends.triton import (
     tree_attention_forward,
     window_tile_starts,
 )
+from tests.helpers import assert_compiles_for_sm90
 
 # the package re-exports the function `tree_attention`, which shadows the submodule's attribute name
 ta_module = importlib.import_module("brcompile.backends.triton.tree_attention")
@@ -731,17 +732,7 @@ def test_kernels_compile_for_sm90():
     """The forward, dK/dV and dQ kernels with every feature flag on (bf16, D=128, the relative bias's halved
     tiles) go through Triton's whole CUDA pipeline (ttir, ttgir, llir, ptx, cubin for sm_90), which the
     interpreter skips; dR's atomic adds are in the dQ kernel's PTX."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(COMPILE_SM90)
 
 
 def test_window_float16():

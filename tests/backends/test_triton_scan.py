@@ -15,9 +15,6 @@ if not torch.cuda.is_available():  # must precede the first `import triton` in t
     os.environ["TRITON_INTERPRET"] = "1"
 
 import functools  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -27,7 +24,7 @@ from brcompile.backends.triton import scan as tscan  # noqa: E402
 from brcompile.testing import assert_exact  # noqa: E402
 from tests.backends.test_scan import dense_of, dense_recurrence, tree_of  # noqa: E402
 from tests.passes.test_linear_scans import scan_lm  # noqa: E402
-from tests.helpers import assert_grads_exact  # noqa: E402
+from tests.helpers import assert_compiles_for_sm90, assert_grads_exact  # noqa: E402
 from tests.passes.test_scan_rules import grpo_like_batch, packed_code, token_loss  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -268,13 +265,7 @@ def test_kernels_compile_for_sm90():
     """The kernels (float16 inputs, float32 accumulation) go through Triton's whole CUDA pipeline (ttir, ttgir,
     llir, ptx, cubin for sm_90), which the interpreter skips; the scans' branch-point barriers and the conv
     and matrix scan backwards' atomics are in the PTX."""
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(COMPILE_SM90)
 
 
 # ------------------------------------------------------------------------------------ through the backend
