@@ -12,7 +12,9 @@ tokens. It runs the loss and every parameter gradient eagerly, then the same fun
 (``brcompile.testing.rel_err``) and classifies the architecture:
 
   replayed      brcompile.stats(): replayed calls >= 1, no fallback call, fewer executed than logical tokens,
-                loss and every gradient within the bound
+                loss and every gradient within the bound (a graph piece with nothing to share — it computes
+                nothing, or reads no per-token value: ``NothingToShare`` — runs as it is and is no fallback;
+                its calls are the row's ``unshared_calls``)
   partly        some calls replayed, some ran the original graph (or a replay that saved no token)
   fell back     no call replayed: the reasons (stats().fallback_reasons and the backend's graph records)
   not instantiable   the config, the model or its eager forward/backward failed (one line: why)
@@ -579,8 +581,10 @@ def _run_arch(model_type: str, class_name: str | None, dtypes: tuple, float64_th
 
 def _add_stats(row: dict, s, backend) -> None:
     row.update(replayed_calls=s.replayed_calls, fallback_calls=s.fallback_calls, logical_tokens=s.logical_tokens,
-               executed_tokens=s.executed_tokens, fallback_reasons=dict(s.fallback_reasons))
-    row["graphs"] = [dict(id=r.graph_id, rewritten=r.rewritten, reason=r.reason, node=r.failed_node, level=r.level)
+               executed_tokens=s.executed_tokens, fallback_reasons=dict(s.fallback_reasons),
+               unshared_calls=s.unshared_calls, unshared_reasons=dict(s.unshared_reasons))
+    row["graphs"] = [dict(id=r.graph_id, rewritten=r.rewritten, reason=r.reason, node=r.failed_node, level=r.level,
+                          unshared=r.unshared)
                      for r in backend.records]
     row["level"] = LEVEL
     row["aten_graphs"] = sum(r.level == "aten" for r in backend.records)
@@ -609,10 +613,11 @@ def reason_class(reason: str) -> str:
 
 
 def row_reasons(row: dict) -> list[str]:
-    """The distinct fallback reasons of a row: run-time counters and compile-time graph records."""
+    """The distinct fallback reasons of a row: run-time counters and compile-time graph records (not those of
+    graphs with nothing to share: they are no fallback)."""
     out = list(row.get("fallback_reasons") or {})
     for g in row.get("graphs") or []:
-        if g.get("reason") and g["reason"] not in out:
+        if g.get("reason") and not g.get("unshared") and g["reason"] not in out:
             out.append(g["reason"])
     return out
 

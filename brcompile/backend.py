@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from brcompile import runtime
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.axes import CannotReplay, NothingToShare
 from brcompile.passes.check import check_packed_graph
 from brcompile.passes.pack import PackOptions, analyse, build_packed_graph
 
@@ -146,6 +146,7 @@ class GraphRecord:
     replay_reason: Optional[str] = None  # why the streaming split was refused (packed mode is used)
     level: Optional[str] = None  # the level whose graph was rewritten ("dynamo" or "aten"; Options.level)
     refusals: tuple[tuple[str, str], ...] = ()  # (level, reason) of each level tried and refused
+    unshared: bool = False  # not rewritten because it has nothing to share (passes/axes.py: NothingToShare)
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -169,6 +170,9 @@ class BranchReplayBackend:
             try:
                 an, packed, example_args = self._rewrite(gm, example_inputs, opts, level)
                 break
+            except NothingToShare as e:  # no per-token work at any level: the graph runs as it is, not a fallback
+                tried = tuple((lv, r) for lv, r, _ in refusals) + ((level, str(e)),)
+                return self._fallback(gid, gm, str(e), e.node_name, opts, tried, unshared=True)
             except CannotReplay as e:
                 refusals.append((level, str(e), e.node_name))
             except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
@@ -277,9 +281,10 @@ class BranchReplayBackend:
         return streaming, info
 
     def _fallback(self, gid: int, gm: fx.GraphModule, reason: str, node: Optional[str],
-                  opts: Optional[Options] = None, refusals: tuple = ()):
-        rt = runtime.FallbackRuntime(gm.forward, reason)
-        self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, refusals=refusals, runtime=rt))
+                  opts: Optional[Options] = None, refusals: tuple = (), unshared: bool = False):
+        rt = runtime.FallbackRuntime(gm.forward, reason, unshared=unshared)
+        self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, refusals=refusals,
+                                        unshared=unshared, runtime=rt))
         runtime.record_graph(False, reason)
         self._dump(opts or self.options, gm, None, reason, node)
         return rt

@@ -56,6 +56,14 @@ class CannotReplay(RuntimeError):
         return None if self.node is None else self.node.name
 
 
+class NothingToShare(CannotReplay):
+    """A graph with no per-token work: nothing in it is a function of the batch's tokens, so there is nothing
+    that rows sharing a prefix could compute once (it only views, casts or indexes its inputs; or it reads no
+    token ids, no floating-point per-token value and looks nothing up by an integer input: masks and position
+    tables built from ``[B, L]`` metadata between two graph breaks). Running it as it is is all a replay could
+    do; the backend does, and counts its calls apart from the fallbacks (``Stats.unshared_calls``)."""
+
+
 class Kind(enum.Enum):
     CONST = "const"
     TOKEN = "token"
@@ -301,6 +309,8 @@ class AxesContext:
     #: the tree inputs are [T, ...] rows (a token-local graph over flattened tokens): B = T, L = 1, each row one
     #: token; their fact is the flattened layout (``flat=1``, position dim 0)
     rows: bool = False
+    #: inputs of a token-local graph that are the same tensor for every row (``pack._call_constants``): CONST
+    call_constants: set = dataclasses.field(default_factory=set)
 
     def axes(self, arg: Any) -> TokenAxes:
         return get_axes(arg)
@@ -496,7 +506,8 @@ def _placeholder_axes(ctx: AxesContext, node: fx.Node) -> TokenAxes:
     if node in ctx.position_inputs:  # [L, ...] or [1, L, ...]: the same in every row
         return token(example_value(node).dim(), None, ctx.position_inputs[node], ctx.full_window())
     v = example_value(node)
-    if isinstance(v, torch.Tensor) and not is_static_input(node) and v.dim() >= 1:
+    if isinstance(v, torch.Tensor) and not is_static_input(node) and v.dim() >= 1 \
+            and node not in ctx.call_constants:
         return DENSE
     return CONST
 
@@ -526,7 +537,7 @@ def summarize(gm: fx.GraphModule) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "CannotReplay", "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
+    "CannotReplay", "NothingToShare", "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
     "register_rule", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value", "hint",
     "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
 ]

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from brcompile.passes import checkpoint as checkpoints, input_masks, masks as masks_mod
 from brcompile.passes.axes import (
-    AxesContext, CannotReplay, Materialisation, Window, example_value, get_axes, hint, is_static_input,
+    AxesContext, CannotReplay, Materialisation, NothingToShare, Window, example_value, get_axes, hint, is_static_input,
     node_args, normalize_dim, propagate, rule_for, shape_of,
 )
 from brcompile.passes.functionalize import functionalize
@@ -281,27 +281,48 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     nothing = f"no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged){left}"
     ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     if all(n.target in _CHEAP for n in ops):  # hidden.reshape(-1, D) alone between two graph breaks
-        what = ", ".join(dict.fromkeys(getattr(n.target, "__name__", str(n.target)) for n in ops)) or "nothing"
-        raise CannotReplay(f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
-                           f"compute")
+        what = ", ".join(dict.fromkeys(_op_name(n) for n in ops)) or "nothing"
+        raise NothingToShare(f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
+                             f"compute")
+    if not any(_float_arithmetic(n) for n in ops):  # a mask built from [B, L] metadata; a sort of routing keys
+        what = ", ".join(dict.fromkeys(_op_name(n) for n in ops if n.target not in _CHEAP and n.target not in _MOVES))
+        raise NothingToShare(f"{nothing}: the graph computes no floating-point value (integer and boolean "
+                             f"bookkeeping only: {what}; floating-point values are only viewed, cast or indexed): "
+                             f"nothing to compute per token")
     rows = False
+    first = token_ids  # the input (B, L) come from
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
     else:
         floats = [p for p in placeholders if _free_float(p, 3)]
         if floats:
-            B, L = hint(tuple(example_value(floats[0]).shape[:2]))
+            first = floats[0]
+            B, L = hint(tuple(example_value(first).shape[:2]))
         else:
             flat = [p for p in placeholders if _free_float(p, 2)]
+            flat = [p for p in flat if not _read_as_weight(p)] or flat
             if not flat:
-                raise CannotReplay(f"{nothing}: no token ids, no [B, L, D] float input (hidden states) and no "
-                                   f"[T, D] float input (flattened hidden states)")
-            B, L, rows = hint(example_value(flat[0]).shape[0]), 1, True
+                why = (f"{nothing}: no token ids, no [B, L, D] float input (hidden states) and no [T, D] float "
+                       f"input (flattened hidden states)")
+                lookup = _lookup_by_integer_input(gm, placeholders)
+                if lookup is not None:
+                    raise CannotReplay(f"{why}, but {lookup.name} looks a floating-point value up by an integer "
+                                       f"input (per-token work on what it holds)", lookup)
+                if not any(_free_float(p, n) for p in placeholders for n in range(1, 9)):
+                    raise NothingToShare(f"{why}: it reads no per-token value (masks and position tables built "
+                                         f"from integer inputs and parameters)")
+                raise CannotReplay(why)
+            first = flat[0]
+            B, L, rows = hint(example_value(first).shape[0]), 1, True
+    if _one_row(first):  # an expert that received one token, Dynamo's graph for that size
+        raise NothingToShare(f"{nothing}: its batch is one row at every call ({first.name}: a size specialised "
+                             f"to 1): a row shares nothing with itself")
     tree_inputs = _row_inputs(placeholders, B) if rows else [p for p in placeholders if _is_token_shaped(p, B, L)]
     position_inputs = {} if rows else {p: d for p in placeholders if p not in tree_inputs
                                        for d in [_position_dim(p, B, L)] if d is not None}
+    call_constants = _call_constants(placeholders, set(tree_inputs) | set(position_inputs), (B,) if rows else (B, L))
     ctx = AxesContext(gm, B, L, tree_inputs, set(), training=training, position_inputs=position_inputs,
-                      values=values, sequences=False, rows=rows)
+                      values=values, sequences=False, rows=rows, call_constants=call_constants)
     propagate(ctx)
     if not any(_computes_packed(n) for n in gm.graph.nodes):
         why = ctx.first_materialisation() or "no op computes on the per-token inputs"
@@ -309,6 +330,105 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     log.debug("token-local graph: tree inputs %s, (B, L) = (%d, %d)", [p.name for p in tree_inputs], B, L)
     return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
                     canon.notes)
+
+
+_RIGHT_OPERAND = {operator.matmul, torch.matmul, "matmul", "__matmul__", torch.mm, "mm", torch.nn.functional.linear}
+_TRANSPOSES = {"T", "mT", "t", "transpose", "permute", torch.t, torch.transpose, torch.permute}
+
+
+def _read_as_weight(p: fx.Node, depth: int = 0) -> bool:
+    """Every use of ``p`` is as the right operand of a matrix product (``x @ W``, ``F.linear(x, W)``), directly or
+    through a transpose (``x @ W.T``): a weight passed into the graph (DBRX's expert weights sliced before a graph
+    break), not the flattened tokens, whose rows are the product's rows (its left operand)."""
+    if not p.users or depth > 2:
+        return False
+    for u in p.users:
+        if u.target in _RIGHT_OPERAND and len(u.args) > 1 and u.args[1] is p and u.args[0] is not p:
+            continue
+        if (u.target in _TRANSPOSES or (u.target is getattr and len(u.args) > 1 and u.args[1] in _TRANSPOSES)) \
+                and u.args[0] is p and _read_as_weight(u, depth + 1):
+            continue
+        return False
+    return True
+
+
+#: ops that move floating-point values without computing on them (with :data:`_CHEAP`)
+_MOVES = {"flatten", "index_select", "gather", "take", "take_along_dim", "clone", torch.flatten, torch.index_select,
+          torch.gather, torch.take, torch.take_along_dim, torch.clone}
+
+
+def _op_name(n: fx.Node) -> str:
+    return getattr(n.target, "__name__", str(n.target))
+
+
+def _float_arithmetic(n: fx.Node) -> bool:
+    """``n`` computes a floating-point value (one of its outputs is floating and it is no view, cast, index
+    or move of values: :data:`_CHEAP`, :data:`_MOVES`)."""
+    if n.target in _CHEAP or n.target in _MOVES:
+        return False
+    v = example_value(n)
+    vals = v if isinstance(v, (tuple, list)) else (v,)
+    return any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in vals) or v is None
+
+
+def _lookup_by_integer_input(gm: fx.GraphModule, placeholders: list) -> Optional[fx.Node]:
+    """The first node that reads a floating-point value at places an integer graph input (or a value computed
+    from one) names — ``W[ids]``, ``index_select(W, 0, ids)``, ``gather``, ``embedding`` — or None. Such a
+    lookup is per-token work on whatever the integer input holds (token ids under another spelling), so a
+    graph with one is not a graph with nothing to share."""
+    ints = {p for p in placeholders for v in [example_value(p)]
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and not v.is_floating_point() and v.dtype != torch.bool}
+    derived: set[fx.Node] = set(ints)
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        reads = [a for a in n.all_input_nodes if a in derived]
+        if not reads:
+            continue
+        v = example_value(n)
+        floats = [a for a in n.all_input_nodes for av in [example_value(a)]
+                  if isinstance(av, torch.Tensor) and av.is_floating_point()]
+        if floats and isinstance(v, torch.Tensor) and v.is_floating_point() and _indexes_by(n, reads):
+            return n
+        if isinstance(v, torch.Tensor) and not v.is_floating_point():
+            derived.add(n)
+    return None
+
+
+def _indexes_by(n: fx.Node, index_args: list) -> bool:
+    """``n`` reads its data at the places one of ``index_args`` names (an embedding, an index, a gather)."""
+    if n.target in _EMBEDDINGS:
+        return True
+    name = getattr(n.target, "__name__", n.target)
+    if name in ("getitem", "__getitem__", "index_select", "gather", "take", "take_along_dim", "index"):
+        return any(a is not (n.args[0] if n.args else None) for a in index_args)
+    return False
+
+
+def _call_constants(placeholders: list, keyed: set, extents: tuple) -> set[fx.Node]:
+    """The floating-point graph inputs of a token-local graph that are no tree key, no position input and no
+    parameter, and have no dim of a token extent (``extents``: B and L, or T for flattened rows; expert weights sliced from a parameter before a graph
+    break: DBRX's ``w1[expert]``): *per-call constants*, the same tensor for every row. A packed row computes
+    the same function of (its own tree inputs, these tensors) as each dense row it stands for, whatever they
+    hold, so they are CONST to the rules; the probes of a dense region never read them
+    (``passes/repack.py``), since their values differ from call to call."""
+    out = set()
+    for p in placeholders:
+        v = example_value(p)
+        if p in keyed or is_static_input(p) or not isinstance(v, torch.Tensor) or not v.is_floating_point() \
+                or v.dim() == 0:
+            continue
+        if any(hint(s) in extents for s in v.shape):
+            continue
+        out.add(p)
+    return out
+
+
+def _one_row(p: fx.Node) -> bool:
+    """The graph input ``p`` has one row at every call: dim 0 of its example value is the int 1, a size Dynamo
+    specialised (guarded), not a symbol."""
+    v = example_value(p)
+    return isinstance(v, torch.Tensor) and v.dim() >= 1 and type(v.shape[0]) is int and v.shape[0] == 1
 
 
 def _free_float(p: fx.Node, ndim: int) -> bool:

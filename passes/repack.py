@@ -186,6 +186,11 @@ def _region(ctx: AxesContext, v: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]
             raise _NotCausal(f"its region holds a {n.op} node ({n.name})")
     seen = set(order)
     inputs = {a: None for n in order for a in n.all_input_nodes if a not in seen}
+    for a in inputs if ctx.call_constants else ():
+        const = next((c for c in ancestors(a) if c in ctx.call_constants), None)
+        if const is not None:
+            raise _NotCausal(f"it reads {const.name}, a per-call input (the probes would prove it for this "
+                             f"call's value only)")
     return _with_side_effects(order, seen, inputs), list(inputs)
 
 

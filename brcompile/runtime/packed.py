@@ -306,13 +306,18 @@ class PackedRuntime:
 
 
 class FallbackRuntime:
-    """The callable for a graph that could not be rewritten: the original graph, counted."""
+    """The callable for a graph that could not be rewritten: the original graph, counted — as a fallback, or,
+    for a graph with nothing to share (``unshared``: passes/axes.py ``NothingToShare``), as an unshared call."""
 
-    def __init__(self, original: Callable, reason: str):
+    def __init__(self, original: Callable, reason: str, unshared: bool = False):
         self.original = original
         self.reason = reason
+        self.unshared = unshared
 
     def __call__(self, *args):
-        _record(fallback_calls=1, reason=self.reason)
+        if self.unshared:
+            _record(unshared_calls=1, unshared_reason=self.reason)
+        else:
+            _record(fallback_calls=1, reason=self.reason)
         return self.original(*args)
 

@@ -23,6 +23,9 @@ class Stats:
     compiled_graphs: int = 0
     rewritten_graphs: int = 0
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # calls of graphs with nothing to share (passes/axes.py: NothingToShare), run as they are: no fallback
+    unshared_calls: int = 0
+    unshared_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def dedup_ratio(self) -> float:
@@ -31,6 +34,7 @@ class Stats:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["fallback_reasons"] = dict(self.fallback_reasons)
+        d["unshared_reasons"] = dict(self.unshared_reasons)
         d["dedup_ratio"] = self.dedup_ratio
         return d
 
@@ -40,6 +44,10 @@ class Stats:
                  f"(dedup {self.dedup_ratio:.2f}x)"]
         for reason, n in self.fallback_reasons.most_common():
             lines.append(f"  fallback x{n}: {reason}")
+        if self.unshared_calls:
+            lines.append(f"calls with nothing to share (run as they are) {self.unshared_calls}")
+        for reason, n in self.unshared_reasons.most_common():
+            lines.append(f"  unshared x{n}: {reason}")
         return "\n".join(lines)
 
 
@@ -52,6 +60,7 @@ def stats() -> Stats:
     with _LOCK:
         s = dataclasses.replace(_STATS)
         s.fallback_reasons = collections.Counter(_STATS.fallback_reasons)
+        s.unshared_reasons = collections.Counter(_STATS.unshared_reasons)
         return s
 
 
@@ -66,6 +75,8 @@ def _record(**kw) -> None:
         for k, v in kw.items():
             if k == "reason":
                 _STATS.fallback_reasons[v] += 1
+            elif k == "unshared_reason":
+                _STATS.unshared_reasons[v] += 1
             else:
                 setattr(_STATS, k, getattr(_STATS, k) + v)
 

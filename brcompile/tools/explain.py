@@ -282,7 +282,12 @@ class ExplainReport:
 
     @property
     def fallbacks(self) -> list[GraphRecord]:
-        return [g for g in self.graphs if not g.rewritten]
+        return [g for g in self.graphs if not g.rewritten and not getattr(g, "unshared", False)]
+
+    @property
+    def unshared(self) -> list[GraphRecord]:
+        """Graphs with nothing to share (passes/axes.py: NothingToShare), run as they are: no fallback."""
+        return [g for g in self.graphs if not g.rewritten and getattr(g, "unshared", False)]
 
     @staticmethod
     def graph_dict(g: GraphRecord) -> dict:
@@ -298,7 +303,7 @@ class ExplainReport:
             "brcompile_nodes": brcompile_nodes(packed_module(g)),
             "original_code": g.original_code, "packed_code": g.packed_code,
             "replay": getattr(g, "replay", None), "replay_reason": getattr(g, "replay_reason", None),
-            "level": getattr(g, "level", None),
+            "level": getattr(g, "level", None), "unshared": getattr(g, "unshared", False),
             "refusals": [dict(level=lv, reason=r) for lv, r in getattr(g, "refusals", ())],
         }
 
@@ -316,7 +321,9 @@ class ExplainReport:
     def summary(self) -> str:
         replayed = sum(1 for c in self.calls if c["replayed"])
         return (f"branch_replay: {len(self.graphs)} graph(s), {len(self.rewritten)} rewritten, "
-                f"{len(self.fallbacks)} fell back; {len(self.calls)} call(s), {replayed} replayed, "
+                f"{len(self.fallbacks)} fell back" + (f", {len(self.unshared)} with nothing to share (run as they are)"
+                                                      if self.unshared else "") +
+                f"; {len(self.calls)} call(s), {replayed} replayed, "
                 f"{len(self.calls) - replayed} ran the original graph")
 
     def graph_table(self) -> Table:
@@ -326,7 +333,8 @@ class ExplainReport:
         rows = []
         for g in self.graphs:
             if not g.rewritten:
-                row = [str(g.graph_id), "FELL BACK"] + ["-"] * (len(headers) - 2)
+                status = "NOTHING TO SHARE" if getattr(g, "unshared", False) else "FELL BACK"
+                row = [str(g.graph_id), status] + ["-"] * (len(headers) - 2)
             else:
                 mats = g.materialisations
                 mat = f"{len(mats)} ({sum(int(m[2]) for m in mats):,} elements)" if mats else "0"
@@ -443,6 +451,9 @@ class ExplainReport:
         out: list = [self.summary(), self.graph_table()]
         if self.fallbacks or any(getattr(g, "refusals", ()) for g in self.rewritten):
             out.append(self.fallback_table())
+        if self.unshared:
+            out.append(Table("graphs with NOTHING TO SHARE (no per-token work: they run as they are, no fallback)",
+                             ["graph", "why"], [[str(g.graph_id), _wrap(g.reason, 80)] for g in self.unshared]))
         if any(g.materialisations for g in self.rewritten):
             out.append(self.materialisation_table())
         if any(getattr(g, "repacked", ()) or getattr(g, "not_repacked", ()) for g in self.graphs):

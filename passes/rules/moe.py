@@ -186,6 +186,13 @@ def region_getitem(ctx: AxesContext, node):
         v = example_value(entries[ax.pos])
         if not ix.is_token or ix.points is None or ix.points != (ax.flat, ax.order) or ix.ndim != 1 or \
                 not isinstance(v, torch.Tensor) or v.dtype not in _INT_DTYPES:
+            from brcompile.passes.masks import ancestors
+            made = next((a for a in ancestors(entries[ax.pos]) if a.op == "placeholder"), None) \
+                if ix.is_dense else None
+            if made is not None:  # JetMoE's experts after the graph break that follows its routing sort
+                return _refuse(ctx, node, ax, f"gathering flattened tokens by an index made outside the graph "
+                                              f"({made.name}, such as a routing order computed before a graph "
+                                              f"break: it names rows of the batch, not packed tokens)")
             return _refuse(ctx, node, ax, "gathering flattened tokens by an index that does not point into "
                                           "their layout")
         return token(len(shape_of(node)), None, ax.pos, ix.window, flat=ix.flat, order=ix.order)
@@ -213,7 +220,8 @@ def _refuse(ctx, node, ax, reason):
 
 def region_op(ctx: AxesContext, node):
     """An op with a permutation-index or group-offsets operand and no region rule of its own: an index may be
-    divided by the number of entries per token (``P // k`` points at the token) or cast to another integer
+    divided by the number of entries per token (``P // k`` points at the token; any spelling:
+    :func:`_floor_division`) or cast to another integer
     type; counts may be cast and summed up into offsets (``cumsum(counts, 0)``). Anything else would read
     the batch's token order: refused."""
     args = [a for a in node.args if isinstance(a, fx.Node)] + [
@@ -226,8 +234,7 @@ def region_op(ctx: AxesContext, node):
     if len(args) == 1 and ax.is_token and (ax.points is not None or ax.groups is not None):
         if name in _CASTS and isinstance(v, torch.Tensor) and (ax.groups is not None or v.dtype in _INT_DTYPES):
             return ax
-        if node.target in (operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__") and \
-                ax.points is not None and isinstance(node.args[1], int) and node.args[1] > 0:
+        if _floor_division(node) and ax.points is not None and isinstance(node.args[1], int) and node.args[1] > 0:
             f, o = ax.points
             c = node.args[1]
             if o is None and isinstance(f, int) and f % c == 0:
@@ -238,6 +245,15 @@ def region_op(ctx: AxesContext, node):
             return token(1, None, None, ax.window, groups=("offsets", ax.groups[1], ax.groups[2]))
     what = next(f for f in facts if f.is_token and (f.points is not None or f.groups is not None))
     ctx.fail(node, f"{name} of a value of a token-local region ({what}) would read the batch's token order")
+
+
+def _floor_division(node: fx.Node) -> bool:
+    """``x // c`` in any spelling: ``floordiv``, or ``div(x, c, rounding_mode="floor")``; on an index also
+    ``rounding_mode="trunc"`` (JetMoE's ``P.div(k, rounding_mode="trunc")``), which equals the floor on the
+    non-negative places an index holds."""
+    if node.target in (operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__"):
+        return True
+    return node.target in (torch.div, "div") and node.kwargs.get("rounding_mode") in ("floor", "trunc")
 
 
 def _lookup_table(node: fx.Node) -> Optional[fx.Node]:

@@ -196,7 +196,7 @@ def test_rows_gathered_by_a_batch_index_stay_dense():
     (rec,) = backend.records
     made_dense = {m[0]: m[3] for m in rec.materialisations}
     h = rec.tree_inputs[0]
-    assert "does not point into their layout" in made_dense.get(h, ""), (rec.tree_inputs, rec.materialisations)
+    assert "index made outside the graph" in made_dense.get(h, ""), (rec.tree_inputs, rec.materialisations)
     assert rec.tree_inputs == (h,), rec.tree_inputs  # the [n] index is no tree key
 
 
@@ -230,3 +230,117 @@ def test_graph_that_only_views_its_input_says_so():
     assert torch.equal(out, h.reshape(-1, h.shape[-1]))
     (rec,) = backend.records
     assert not rec.rewritten and "only views, casts or indexes its inputs (reshape)" in rec.reason, rec.reason
+    # nothing to share is no fallback: the call is counted apart
+    assert rec.unshared and brcompile.stats().unshared_calls == 1 and brcompile.stats().fallback_calls == 0
+
+
+class Expert(nn.Module):
+    """DBRX's expert after its loop's graph break: the routed tokens ``x [n, D]`` and the expert's weights, sliced
+    from the parameters before the break, are all graph inputs."""
+
+    def forward(self, x, w1, v1, w2):
+        return (F.silu(x @ w1.T) * (x @ v1.T)) @ w2
+
+
+def test_weights_passed_into_the_graph_are_per_call_constants():
+    """The weights are no rows (no dim of the T tokens' extent): the same tensor for every row, CONST to the rules,
+    so the expert replays on the packed rows; loss and every gradient (the sliced parameters' too) equal eager's."""
+    torch.manual_seed(0)
+    emb, ids = flat_rows()
+    w = [nn.Parameter(torch.randn(2, 12, 8, dtype=F64) / 3) for _ in range(3)]
+    model = Expert()
+
+    def loss(x, w1, w2, w3):
+        return model(x, w1[1], w2[1], w3[1]).pow(2).sum()
+
+    params = [emb.weight, *w]
+    want = loss(emb(ids), *w)
+    gw = torch.autograd.grad(want, params)
+    backend = brcompile.backend(compiler="eager", strict=True)
+    compiled = torch.compile(model, backend=backend)
+    got = compiled(emb(ids), w[0][1], w[1][1], w[2][1]).pow(2).sum()
+    gg = torch.autograd.grad(got, params)
+    assert_exact(got, want, F64, "loss")
+    for name, a, b in zip(["embedding", "w1", "v1", "w2"], gg, gw):
+        assert_exact(a, b, F64, f"grad of {name}")
+    (rec,) = backend.records
+    assert rec.rewritten and len(rec.tree_inputs) == 1, (rec.reason, rec.tree_inputs)
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
+
+
+def _routing_order(top_k_indices, top_k_gates):
+    """JetMoE's routing bookkeeping between two graph breaks: the flattened top-k picks sorted, each sorted
+    entry's token, its gate in that order."""
+    _, order = top_k_indices.flatten().sort(0)
+    return order, order.div(2, rounding_mode="trunc"), top_k_gates.flatten()[order]
+
+
+class PositionTables(nn.Module):
+    """A rotary embedding's tables from ``[1, L]`` positions (no row dim) between two graph breaks."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.rand(4))
+
+    def forward(self, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq
+        return freqs.cos(), freqs.sin()
+
+
+def test_graphs_with_nothing_per_token_to_compute_are_no_fallback():
+    """A graph that computes no floating-point value (a sort of routing keys, integer division, gates moved into
+    the sorted order: its outputs name places in the batch) and one that reads no per-token value (position
+    tables from [1, L] positions and a buffer) have nothing to share: they run as they are, counted as unshared
+    calls, not as fallbacks."""
+    torch.manual_seed(0)
+    idx, gates = torch.randint(0, 4, (28, 2)), torch.rand(28, 2, dtype=F64)
+    backend = brcompile.backend(compiler="eager", strict=True)
+    for fn, args in ((_routing_order, (idx, gates)), (PositionTables(), (torch.arange(7)[None],))):
+        for a, b in zip(torch.compile(fn, backend=backend)(*args), fn(*args)):
+            assert torch.equal(a, b)
+    assert [r.unshared for r in backend.records] == [True, True], [r.reason for r in backend.records]
+    assert "computes no floating-point value" in backend.records[0].reason
+    assert "reads no per-token value" in backend.records[1].reason
+    s = brcompile.stats()
+    assert s.unshared_calls == 2 and s.fallback_calls == 0, str(s)
+
+
+def test_lookup_by_an_integer_input_is_a_fallback():
+    """``W[ids]`` then ``tanh``, without an ``embedding`` call: per-token work on whatever the integer input holds,
+    so the graph is no graph with nothing to share; it runs unchanged as a fallback that names the lookup."""
+    table = nn.Module()
+    table.W = nn.Parameter(torch.randn(13, 8, dtype=F64))
+    ids = prefix_rows()[0]
+    backend = brcompile.backend(compiler="eager", strict=True)
+    out = torch.compile(lambda i: torch.tanh(table.W[i]), backend=backend)(ids)
+    assert torch.equal(out, torch.tanh(table.W[ids]))
+    (rec,) = backend.records
+    assert not rec.rewritten and not rec.unshared and "looks a floating-point value up" in rec.reason, rec.reason
+    s = brcompile.stats()
+    assert s.fallback_calls == 1 and s.unshared_calls == 0, str(s)
+
+
+def test_dense_region_reading_a_per_call_constant_is_not_packed_again():
+    """A running maximum (no rule: a dense region) scaled by a weight passed into the graph: the repack probes
+    would prove the region for this call's weight only, so it stays dense and the graph, with nothing packed,
+    runs unchanged, the reason naming the weight; loss and gradients equal eager's."""
+    ids, cm = prefix_rows()
+    torch.manual_seed(2)
+    emb = nn.Embedding(13, 8).to(F64)
+    w = torch.rand(8, dtype=F64, requires_grad=True)
+
+    def piece(h, w, cm):
+        y = h + torch.cummax(h, dim=1).values * w
+        return (y.pow(2).sum(-1) * cm).sum()
+
+    want = piece(emb(ids), w, cm)
+    gw = torch.autograd.grad(want, [emb.weight, w])
+    backend = brcompile.backend(compiler="eager", strict=True)
+    got = torch.compile(piece, backend=backend)(emb(ids), w, cm)
+    gg = torch.autograd.grad(got, [emb.weight, w])
+    assert_exact(got, want, F64, "loss")
+    for name, a, b in zip(["embedding", "w"], gg, gw):
+        assert_exact(a, b, F64, f"grad of {name}")
+    (rec,) = backend.records
+    assert not rec.rewritten and not rec.unshared and "l_w_, a per-call input" in rec.reason, rec.reason
