@@ -26,8 +26,8 @@ import torch.fx as fx
 
 from brcompile.passes import checkpoint as checkpoints, input_masks, masks as masks_mod
 from brcompile.passes.axes import (
-    AxesContext, CannotReplay, Materialisation, NothingToShare, Window, example_value, get_axes, hint, is_static_input,
-    node_args, normalize_dim, propagate, rule_for, shape_of,
+    AxesContext, CannotReplay, Materialisation, NothingToShare, Window, example_value, get_axes, hint,
+    is_static_input, node_args, normalize_dim, propagate, rule_for, shape_of,
 )
 from brcompile.passes.functionalize import functionalize
 from brcompile.passes.guards import BatchGuard, scalar_equals
@@ -279,13 +279,14 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     cumsum over dim 0, an index ``x[idx]`` by a per-batch index) are dense by their rules, as for
     ``[B·L, D]`` values in a graph over ``[B, L, D]`` inputs."""
     nothing = f"no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged){left}"
-    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     if all(n.target in _CHEAP for n in ops):  # hidden.reshape(-1, D) alone between two graph breaks
         what = ", ".join(dict.fromkeys(_op_name(n) for n in ops)) or "nothing"
         raise NothingToShare(f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
                              f"compute")
     if not any(_float_arithmetic(n) for n in ops):  # a mask built from [B, L] metadata; a sort of routing keys
-        what = ", ".join(dict.fromkeys(_op_name(n) for n in ops if n.target not in _CHEAP and n.target not in _MOVES))
+        what = ", ".join(dict.fromkeys(_op_name(n) for n in ops
+                                       if n.target not in _CHEAP and n.target not in _MOVES))
         raise NothingToShare(f"{nothing}: the graph computes no floating-point value (integer and boolean "
                              f"bookkeeping only: {what}; floating-point values are only viewed, cast or indexed): "
                              f"nothing to compute per token")
@@ -320,7 +321,8 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     tree_inputs = _row_inputs(placeholders, B) if rows else [p for p in placeholders if _is_token_shaped(p, B, L)]
     position_inputs = {} if rows else {p: d for p in placeholders if p not in tree_inputs
                                        for d in [_position_dim(p, B, L)] if d is not None}
-    call_constants = _call_constants(placeholders, set(tree_inputs) | set(position_inputs), (B,) if rows else (B, L))
+    call_constants = _call_constants(placeholders, set(tree_inputs) | set(position_inputs),
+                                     (B,) if rows else (B, L))
     ctx = AxesContext(gm, B, L, tree_inputs, set(), training=training, position_inputs=position_inputs,
                       values=values, sequences=False, rows=rows, call_constants=call_constants)
     propagate(ctx)
@@ -364,6 +366,8 @@ def _op_name(n: fx.Node) -> str:
 def _float_arithmetic(n: fx.Node) -> bool:
     """``n`` computes a floating-point value (one of its outputs is floating and it is no view, cast, index
     or move of values: :data:`_CHEAP`, :data:`_MOVES`)."""
+    if n.op == "call_module":  # a module not inlined: assumed to compute
+        return True
     if n.target in _CHEAP or n.target in _MOVES:
         return False
     v = example_value(n)
@@ -407,11 +411,12 @@ def _indexes_by(n: fx.Node, index_args: list) -> bool:
 
 def _call_constants(placeholders: list, keyed: set, extents: tuple) -> set[fx.Node]:
     """The floating-point graph inputs of a token-local graph that are no tree key, no position input and no
-    parameter, and have no dim of a token extent (``extents``: B and L, or T for flattened rows; expert weights sliced from a parameter before a graph
-    break: DBRX's ``w1[expert]``): *per-call constants*, the same tensor for every row. A packed row computes
-    the same function of (its own tree inputs, these tensors) as each dense row it stands for, whatever they
-    hold, so they are CONST to the rules; the probes of a dense region never read them
-    (``passes/repack.py``), since their values differ from call to call."""
+    parameter, and have no dim of a token extent (``extents``: B and L, or T for flattened rows; expert weights
+    sliced from a parameter before a graph break: DBRX's ``w1[expert]``): *per-call constants*, the same tensor
+    for every row. A packed row computes the same function of (its own tree inputs, these tensors) as each
+    dense row it stands for, whatever they hold, so they are CONST to the rules (which, as for parameters, admit
+    no extent > 1 along a token dim); the probes of a dense region never read them (``passes/repack.py``),
+    since their values differ from call to call."""
     out = set()
     for p in placeholders:
         v = example_value(p)

@@ -344,3 +344,15 @@ def test_dense_region_reading_a_per_call_constant_is_not_packed_again():
         assert_exact(a, b, F64, f"grad of {name}")
     (rec,) = backend.records
     assert not rec.rewritten and not rec.unshared and "l_w_, a per-call input" in rec.reason, rec.reason
+
+
+def test_one_row_graph_has_nothing_to_share():
+    """An expert's activation graph for the one token it received (LongCat-Flash): Dynamo specialises the size 1,
+    so every call is one row, which shares nothing with itself: it runs as it is, no fallback."""
+    x = torch.randn(1, 8, dtype=F64)
+    backend = brcompile.backend(compiler="eager", strict=True)
+    assert torch.equal(torch.compile(F.silu, backend=backend)(x), F.silu(x))
+    (rec,) = backend.records
+    assert rec.unshared and "one row at every call" in rec.reason, rec.reason
+    s = brcompile.stats()
+    assert s.unshared_calls == 1 and s.fallback_calls == 0, str(s)
