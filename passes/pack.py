@@ -278,7 +278,8 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     batch: a token-local op's value at row i reads row i of the inputs only. Ops that mix rows (a reduction or
     cumsum over dim 0, an index ``x[idx]`` by a per-batch index) are dense by their rules, as for
     ``[B·L, D]`` values in a graph over ``[B, L, D]`` inputs."""
-    nothing = f"no scaled_dot_product_attention in the graph (nothing to share; it runs unchanged){left}"
+    nothing = f"no scaled_dot_product_attention in the graph (nothing to share; it runs as it is){left}"
+    unpacked = f"no scaled_dot_product_attention in the graph and nothing packed (it runs unchanged){left}"
     ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     if all(n.target in _CHEAP for n in ops):  # hidden.reshape(-1, D) alone between two graph breaks
         what = ", ".join(dict.fromkeys(_op_name(n) for n in ops)) or "nothing"
@@ -303,16 +304,16 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
             flat = [p for p in placeholders if _free_float(p, 2)]
             flat = [p for p in flat if not _read_as_weight(p)] or flat
             if not flat:
-                why = (f"{nothing}: no token ids, no [B, L, D] float input (hidden states) and no [T, D] float "
-                       f"input (flattened hidden states)")
+                why = ("no token ids, no [B, L, D] float input (hidden states) and no [T, D] float input "
+                       "(flattened hidden states)")
                 lookup = _lookup_by_integer_input(gm, placeholders)
                 if lookup is not None:
-                    raise CannotReplay(f"{why}, but {lookup.name} looks a floating-point value up by an integer "
-                                       f"input (per-token work on what it holds)", lookup)
+                    raise CannotReplay(f"{unpacked}: {why}, but {lookup.name} looks a floating-point value up by an "
+                                       f"integer input (per-token work on what it holds)", lookup)
                 if not any(_free_float(p, n) for p in placeholders for n in range(1, 9)):
-                    raise NothingToShare(f"{why}: it reads no per-token value (masks and position tables built "
-                                         f"from integer inputs and parameters)")
-                raise CannotReplay(why)
+                    raise NothingToShare(f"{nothing}: {why}: it reads no per-token value (masks and position "
+                                         f"tables built from integer inputs and parameters)")
+                raise CannotReplay(f"{unpacked}: {why}")
             first = flat[0]
             B, L, rows = hint(example_value(first).shape[0]), 1, True
     if _one_row(first):  # an expert that received one token, Dynamo's graph for that size
@@ -328,7 +329,7 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     propagate(ctx)
     if not any(_computes_packed(n) for n in gm.graph.nodes):
         why = ctx.first_materialisation() or "no op computes on the per-token inputs"
-        raise CannotReplay(f"{nothing}: {why}")
+        raise CannotReplay(f"{unpacked}: {why}")
     log.debug("token-local graph: tree inputs %s, (B, L) = (%d, %d)", [p.name for p in tree_inputs], B, L)
     return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
                     canon.notes)
