@@ -246,8 +246,11 @@ def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional
     needed = set().union(*(masks_mod.ancestors(s) for s in scans))
     tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L)]
     if token_ids not in tree_inputs:
+        unrecognised = eager_attention.unrecognised_attention(gm)  # the tokens' mixing is an attention we missed
+        if unrecognised is not None:
+            raise CannotReplay(unrecognised[1], unrecognised[0])
         raise CannotReplay("no scaled_dot_product_attention in the graph, and its scans do not depend on the "
-                           "token ids (nothing to share; it runs unchanged)")
+                           "token ids (nothing packed; it runs unchanged)")
     position_inputs = {p: d for p in placeholders if p in needed and p not in tree_inputs
                        for d in [_position_dim(p, B, L)] if d is not None}
     ctx = AxesContext(gm, B, L, tree_inputs, set(), training=training, position_inputs=position_inputs,

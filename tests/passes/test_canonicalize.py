@@ -418,3 +418,19 @@ def test_unrecognised_attention_is_named():
     reasons = fallback_reasons(EagerLM(single_head_3d))
     assert "softmax <- masked_fill <- matmul" in reasons and "not recognised as an attention" in reasons, reasons
     assert "no scaled_dot_product_attention" not in reasons
+
+
+def single_head_3d_with_cumsum(q, k, v, causal):
+    """:func:`single_head_3d` with a per-key bias from a ``cumsum`` of the mask (a scan the token ids do not feed,
+    as ProphetNet's position buckets)."""
+    bias = causal.to(q.dtype).cumsum(-1)[None] * 1e-3
+    q3, k3, v3 = (t[:, 0] for t in (q, k, v))
+    s = (torch.matmul(q3, k3.transpose(1, 2)) + bias).masked_fill(~causal, float("-inf"))
+    return (F.softmax(s, dim=-1) @ v3).unsqueeze(1).expand(-1, H, -1, -1)
+
+
+def test_unrecognised_attention_is_named_in_a_graph_with_scans():
+    """A scan the token ids do not feed does not hide the unrecognised attention behind "its scans do not
+    depend on the token ids"."""
+    reasons = fallback_reasons(EagerLM(single_head_3d_with_cumsum))
+    assert "not recognised as an attention" in reasons and "scans do not depend" not in reasons, reasons
