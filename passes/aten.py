@@ -38,7 +38,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from brcompile.backends.scan import linear_scan
 from brcompile.passes import checkpoint as checkpoints
+from brcompile.passes import linear_scans
 from brcompile.passes.axes import CannotReplay, example_value
 from brcompile.passes.functionalize import writes_inverse_permutation
 from brcompile.passes.guards import scalar_equals
@@ -66,6 +68,7 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
     gm, guards = _specialise_items(gm, example_inputs)
     gm, regions = _inline_checkpoints(gm)
     _refuse_custom_backwards(gm)
+    gm = _canonicalize_scans(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [example_value(p) for p in placeholders]
     if any(f is None for f in fakes):
@@ -146,6 +149,28 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
 
 
 _CKPT_KEY = "br_ckpt_region"
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def _canonicalize_scans(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm (a copy, when it has one) with its affine associative scans as ``linear_scan`` nodes. The export
+    cannot trace torch.vmap's levels functionally, and the inlined generic associative scan (HF Mamba's on
+    CPU) runs its combine under vmap: passes/linear_scans.py proves each such region (or the scan HOP) on the
+    captured graph's spelling and writes it as ``linear_scan(a, b, dim)``, which the export traces to
+    ``brcompile::tree_linear_scan`` over the chain parent and :func:`_chain_scan` writes back. A region not
+    proved stays, and the export refuses it."""
+    if not any(n.op == "call_function" and (n.target in linear_scans.VMAP_DATA or n.target is linear_scans.HOP)
+               for n in gm.graph.nodes):
+        return gm
+    gm = _graph_copy(gm)
+    for note in linear_scans.canonicalize_linear_scans(gm):
+        log.debug("ATen level, before the export: %s", note)
+    return gm
 
 
 @contextlib.contextmanager
@@ -491,6 +516,44 @@ def _div(node, args, kwargs):
     return "call_function", torch.div, args[:2], {"rounding_mode": mode}
 
 
+def _vector_norm(node, args, kwargs):
+    """``aten.linalg_vector_norm(x, ord, dim, keepdim, dtype=)`` → ``torch.linalg.vector_norm`` (the same)."""
+    b = _bound(node, args, kwargs)
+    kw = {"dtype": b["dtype"]} if b.get("dtype") is not None else {}
+    return "call_function", torch.linalg.vector_norm, (b["self"], b["ord"], b["dim"], b["keepdim"]), kw
+
+
+def _new_filled(name: str) -> Respell:
+    """``aten.new_zeros(x, size, dtype=, device=)`` (``new_ones``, ``new_full(x, size, v)``) → ``x.new_zeros(size,
+    dtype=, device=)``: the fill in x's dtype and device unless given."""
+    def respell(node, args, kwargs):
+        kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
+        return "call_method", name, args, kw
+    return respell
+
+
+def _chain_scan(node, args, kwargs):
+    """``brcompile::tree_linear_scan(a, b, arange(-1, n - 1), dim)`` with n the length of ``dim`` — the tree
+    of one chain per row, what the dense ``linear_scan(a, b, dim)`` traces to (backends/scan.py) —
+    → ``linear_scan(a, b, dim)``; on any other parent (or impl) it stays the op."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    orig = _bound(node, node.args, node.kwargs)
+    parent, dim, impl = orig["parent"], orig["dim"], orig["impl"]
+    if impl != "auto" or not isinstance(parent, fx.Node) or parent.target not in (aten.arange.start,
+                                                                                   aten.arange.start_step):
+        return None
+    start, step = parent.args[0], (parent.args[2] if len(parent.args) > 2 else 1)
+    ev_a, ev_b, ev_p = example_value(orig["a"]), example_value(orig["b"]), example_value(parent)
+    if start != -1 or step != 1 or ev_a is None or ev_b is None or ev_p is None or ev_p.dim() != 1:
+        return None
+    n = torch.broadcast_shapes(ev_a.shape, ev_b.shape)[dim]
+    if not statically_known_true(ev_p.shape[0] == n):
+        return None
+    b = _bound(node, args, kwargs)
+    return "call_function", linear_scan, (b["a"], b["b"], dim), {}
+
+
 def _packet_table() -> dict:
     """ATen op packet -> respelling (see :data:`ATEN_SPELLINGS`)."""
     t: dict = {
@@ -549,7 +612,7 @@ def _packet_table() -> dict:
         aten.argmax: _fn(torch.argmax), aten.argmin: _fn(torch.argmin), aten.topk: _fn(torch.topk),
         aten.sort: _fn(torch.sort, keep=("stable", "dim", "descending")),
         aten.argsort: _fn(torch.argsort, keep=("stable", "dim", "descending")), aten.histc: _fn(torch.histc),
-        aten.cumsum: _reduction(torch.cumsum), aten.softmax: _softmax(F.softmax),
+        aten.linalg_vector_norm: _vector_norm, aten.cumsum: _reduction(torch.cumsum), aten.softmax: _softmax(F.softmax),
         aten.log_softmax: _softmax(F.log_softmax), aten.layer_norm: _layer_norm, aten.rms_norm: _fn(torch.rms_norm),
         aten.cross_entropy_loss: _cross_entropy,
         # contractions, convolutions, attention
@@ -562,7 +625,21 @@ def _packet_table() -> dict:
         aten.full: _factory(torch.full), aten.scalar_tensor: _factory(torch.scalar_tensor),
         aten.zeros_like: _factory(torch.zeros_like), aten.ones_like: _factory(torch.ones_like),
         aten.full_like: _factory(torch.full_like), aten.empty_like: _factory(torch.empty_like),
+        aten.new_zeros: _new_filled("new_zeros"), aten.new_ones: _new_filled("new_ones"),
+        aten.new_full: _new_filled("new_full"),
         aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
+        # the aliases torch keeps as ATen ops of their own (torch.concatenate, torch.swapaxes, torch.multiply, ...)
+        aten.concatenate: _fn(torch.cat), aten.concat: _fn(torch.cat), aten.swapaxes: _method("transpose"),
+        aten.swapdims: _method("transpose"), aten.moveaxis: _method("movedim"),
+        aten.multiply: _fn(operator.mul), aten.divide: _div, aten.true_divide: _div,
+        aten.subtract: _add_sub(operator.sub), aten.negative: _fn(operator.neg), aten.absolute: _fn(torch.abs),
+        aten.clip: _fn(torch.clamp), aten.arctan2: _fn(torch.atan2), aten.fix: _fn(torch.trunc),
+        aten.greater: _fn(torch.gt), aten.greater_equal: _fn(torch.ge), aten.less: _fn(torch.lt),
+        aten.less_equal: _fn(torch.le), aten.not_equal: _fn(torch.ne),
+        aten.__and__: _fn(operator.and_), aten.__or__: _fn(operator.or_), aten.__xor__: _fn(operator.xor),
+        aten.bitwise_xor: _fn(operator.xor), aten.logical_xor: _fn(torch.logical_xor),
+        # brcompile's own ops, as the dense functions the scan canonicalisations wrote traced them
+        torch.ops.brcompile.tree_linear_scan: _chain_scan,
     }
     return t
 
