@@ -364,8 +364,65 @@ def _index(node, args, kwargs):
     return "call_function", operator.getitem, (x, tuple(slice(None) if i is None else i for i in indices)), {}
 
 
+#: uninitialised tensors: every value read from one must have been written first
+_EMPTY = (aten.new_empty, aten.empty, aten.empty_like)
+
+
+def _tiles_of_empty(n: fx.Node) -> Optional[tuple[list, int]]:
+    """(the sources, dim d) when ``n`` (a respelled graph's ``torch.slice_scatter``) ends a chain of writes, each
+    value of the chain read by the next write only, into an uninitialised tensor (ATen ``new_empty``, ``empty``,
+    ``empty_like``) whose step-1 ranges along d follow each other from 0 to the end of d: the tensor is
+    ``cat(sources, d)`` (MLA's ``k = kv.new_empty(...); k[..., :n] = k_nope; k[..., n:] = k_pe``). Else None."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    ev = example_value(n)
+    if ev is None:
+        return None
+    pieces, cur = [], n
+    while cur.op == "call_function" and cur.target is torch.slice_scatter:
+        x, src, d, start, end, step = cur.args
+        d = d + ev.dim() if d < 0 else d
+        if step not in (1, None) or (pieces and d != pieces[0][3]) or (cur is not n and len(cur.users) != 1):
+            return None
+        pieces.insert(0, (src, start, end, d))
+        cur = x
+    base = example_value(cur) if isinstance(cur, fx.Node) else None
+    if base is None or getattr(cur.target, "overloadpacket", None) not in _EMPTY or len(cur.users) != 1 \
+            or base.shape != ev.shape:
+        return None
+    size, pos = ev.shape[pieces[0][3]], 0
+    for _, start, end, _ in pieces:
+        if not statically_known_true((0 if start is None else start) == pos):
+            return None
+        pos = size if end is None or (isinstance(end, int) and end >= _END) else end
+    if not statically_known_true(pos == size):
+        return None
+    return [p[0] for p in pieces], pieces[0][3]
+
+
+def _fold_tiled_empties(gm: fx.GraphModule) -> None:
+    """Every chain of writes that fills an uninitialised tensor (:func:`_tiles_of_empty`) as its ``cat``; the
+    writes and the empty tensor then go dead. Run on the respelled graph after dead code is gone, so a value's
+    users are the ones that read it."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not torch.slice_scatter or (
+                len(n.users) == 1 and next(iter(n.users)).target is torch.slice_scatter
+                and next(iter(n.users)).args[0] is n):
+            continue  # not a write, or not the last of its chain
+        tiles = _tiles_of_empty(n)
+        if tiles is None:
+            continue
+        with graph.inserting_before(n):
+            cat = graph.call_function(torch.cat, (tiles[0], tiles[1]))
+        cat.meta.update(n.meta)
+        n.replace_all_uses_with(cat)
+    graph.eliminate_dead_code()
+
+
 def _slice_scatter(node, args, kwargs):
-    """``aten.slice_scatter(x, src, d, start, end, step)``; a write of the whole of x is ``src`` itself."""
+    """``aten.slice_scatter(x, src, d, start, end, step)``; a write of the whole of x is ``src`` itself (writes
+    that fill an uninitialised tensor become a ``cat`` after the respelling: :func:`_fold_tiled_empties`)."""
     b = _bound(node, args, kwargs)
     x, src, d, start, end, step = b["self"], b["src"], b["dim"], b.get("start"), b.get("end"), b.get("step", 1)
     ev_x, ev_src = example_value(x), example_value(src)
@@ -679,6 +736,7 @@ def respell(gm: fx.GraphModule) -> fx.GraphModule:
             env[n] = out
     out = fx.GraphModule(gm, graph, class_name="ATenGraph")
     out.graph.eliminate_dead_code()
+    _fold_tiled_empties(out)
     out.graph.lint()
     out.recompile()
     return out

@@ -464,3 +464,26 @@ def test_inlined_associative_scan_replays_at_the_aten_level():
     assert rec.rewritten and rec.level == "aten", rec.reason
     assert rec.packed_code.count("brcompile.tree_linear_scan") == 1 and "_add_batch_dim" not in rec.packed_code
     assert_replayed()
+
+
+def test_writes_filling_an_empty_tensor_are_a_cat():
+    """MLA's key (``k = kv.new_empty(...); k[..., :n] = k_nope; k[..., n:] = k_pe``) is, at the ATen level, two
+    ``slice_scatter`` into ``new_empty``: writes that fill the uninitialised tensor in order are respelled as their
+    ``cat``. Writes that leave a hole stay writes (the hole's values are undefined: nothing to cat)."""
+    def f(kv, pe):
+        k = kv.new_empty(*kv.shape[:-1], 6)
+        k[..., :4] = kv
+        k[..., 4:] = pe.expand(*kv.shape[:-1], 2)
+        e = torch.empty(3, 5, 2, dtype=kv.dtype)
+        e[:, :2] = kv[..., :2]
+        e[:, 3:] = 2.0  # column 2 is never written
+        return k * 2, e[:, :2].sum()
+
+    kv, pe = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 1, 2, dtype=torch.float64)
+    gm = _capture(f, kv, pe)
+    low, _ = lower_and_respell(gm)
+    cats = [n for n in low.graph.nodes if n.target is torch.cat]
+    assert len(cats) == 1 and [a.name for a in cats[0].args[0]][0] == "l_kv_", low.code
+    assert sum(n.target is torch.slice_scatter for n in low.graph.nodes) == 2, low.code  # the holed writes
+    for a, b in zip(low(*_inputs(gm, kv=kv, pe=pe)), f(kv, pe)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
