@@ -475,7 +475,7 @@ def test_writes_filling_an_empty_tensor_are_a_cat():
         k[..., :4] = kv
         k[..., 4:] = pe.expand(*kv.shape[:-1], 2)
         e = torch.empty(3, 5, 2, dtype=kv.dtype)
-        e[:, :2] = kv[..., :2]
+        e[:, :2] = kv[:, :2, :2]
         e[:, 3:] = 2.0  # column 2 is never written
         return k * 2, e[:, :2].sum()
 
