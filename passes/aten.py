@@ -364,53 +364,55 @@ def _index(node, args, kwargs):
     return "call_function", operator.getitem, (x, tuple(slice(None) if i is None else i for i in indices)), {}
 
 
-#: uninitialised tensors: every value read from one must have been written first
-_EMPTY = (aten.new_empty, aten.empty, aten.empty_like)
-
-
-def _tiles_of_empty(n: fx.Node) -> Optional[tuple[list, int]]:
-    """(the sources, dim d) when ``n`` (a respelled graph's ``torch.slice_scatter``) ends a chain of writes, each
-    value of the chain read by the next write only, into an uninitialised tensor (ATen ``new_empty``, ``empty``,
-    ``empty_like``) whose step-1 ranges along d follow each other from 0 to the end of d: the tensor is
-    ``cat(sources, d)`` (MLA's ``k = kv.new_empty(...); k[..., :n] = k_nope; k[..., n:] = k_pe``). Else None."""
+def _tiles(n: fx.Node) -> Optional[tuple[list, int]]:
+    """(the sources, dim d) when the last writes of the ``torch.slice_scatter`` chain ending at ``n`` (a respelled
+    graph's node) write disjoint step-1 ranges along d that together cover d: whatever the written tensor held is
+    overwritten, and the value is the ``cat`` of the sources in the order of their ranges (MLA's ``k =
+    kv.new_empty(...); k[..., :n] = k_nope; k[..., n:] = k_pe``, ``out = zeros_like(o); out[..., :h] = a;
+    out[..., h:] = b``). Else None."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     ev = example_value(n)
     if ev is None:
         return None
     pieces, cur = [], n
-    while cur.op == "call_function" and cur.target is torch.slice_scatter:
+    while isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target is torch.slice_scatter:
         x, src, d, start, end, step = cur.args
         d = d + ev.dim() if d < 0 else d
-        if step not in (1, None) or (pieces and d != pieces[0][3]) or (cur is not n and len(cur.users) != 1):
+        if step not in (1, None) or (pieces and d != pieces[0][3]):
             return None
-        pieces.insert(0, (src, start, end, d))
+        start = 0 if start is None else start
+        end = ev.shape[d] if end is None or (isinstance(end, int) and end >= _END) else end
+        pieces.append((src, start, end, d))
+        tiles = _in_order(pieces, ev.shape[d], statically_known_true)
+        if tiles is not None:
+            return tiles, d
         cur = x
-    base = example_value(cur) if isinstance(cur, fx.Node) else None
-    if base is None or getattr(cur.target, "overloadpacket", None) not in _EMPTY or len(cur.users) != 1 \
-            or base.shape != ev.shape:
-        return None
-    size, pos = ev.shape[pieces[0][3]], 0
-    for _, start, end, _ in pieces:
-        if not statically_known_true((0 if start is None else start) == pos):
+    return None
+
+
+def _in_order(pieces: list, size: Any, known: Callable) -> Optional[list]:
+    """The sources of ``pieces`` ((src, start, end, d)) sorted by start when their ranges follow each other from
+    0 to ``size`` (each start provably the previous end), else None."""
+    by_start = sorted(pieces, key=lambda p: (p[1] if isinstance(p[1], int) else float("inf")))
+    pos = 0
+    for _, start, end, _ in by_start:
+        if not known(start == pos):
             return None
-        pos = size if end is None or (isinstance(end, int) and end >= _END) else end
-    if not statically_known_true(pos == size):
-        return None
-    return [p[0] for p in pieces], pieces[0][3]
+        pos = end
+    return [p[0] for p in by_start] if known(pos == size) else None
 
 
-def _fold_tiled_empties(gm: fx.GraphModule) -> None:
-    """Every chain of writes that fills an uninitialised tensor (:func:`_tiles_of_empty`) as its ``cat``; the
-    writes and the empty tensor then go dead. Run on the respelled graph after dead code is gone, so a value's
-    users are the ones that read it."""
+def _fold_tiled_writes(gm: fx.GraphModule) -> None:
+    """Every chain of writes that covers a dim of the written value (:func:`_tiles`) as its ``cat``; the
+    writes (and what they wrote into) then go dead unless read elsewhere."""
     graph = gm.graph
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not torch.slice_scatter or (
                 len(n.users) == 1 and next(iter(n.users)).target is torch.slice_scatter
                 and next(iter(n.users)).args[0] is n):
             continue  # not a write, or not the last of its chain
-        tiles = _tiles_of_empty(n)
+        tiles = _tiles(n)
         if tiles is None:
             continue
         with graph.inserting_before(n):
@@ -422,7 +424,7 @@ def _fold_tiled_empties(gm: fx.GraphModule) -> None:
 
 def _slice_scatter(node, args, kwargs):
     """``aten.slice_scatter(x, src, d, start, end, step)``; a write of the whole of x is ``src`` itself (writes
-    that fill an uninitialised tensor become a ``cat`` after the respelling: :func:`_fold_tiled_empties`)."""
+    that cover a dim become a ``cat`` after the respelling: :func:`_fold_tiled_writes`)."""
     b = _bound(node, args, kwargs)
     x, src, d, start, end, step = b["self"], b["src"], b["dim"], b.get("start"), b.get("end"), b.get("step", 1)
     ev_x, ev_src = example_value(x), example_value(src)
@@ -443,12 +445,19 @@ def _copy(node, args, kwargs):
 
 def _index_put(node, args, kwargs):
     """Functional ``aten.index_put(inv, [p], arange(n))`` into ``inv = empty_like(p)``, p a permutation:
-    ``argsort(p)``, the inverse permutation (MoE dispatch; passes/functionalize.py's proof). Any other
+    ``argsort(p)``, the inverse permutation (MoE dispatch; passes/functionalize.py's proof); ``x[mask] = v``
+    (``index_put(x, [mask], v)``, a bool mask of x's shape, one value) is ``masked_fill(x, mask, v)``. Any other
     indexed write stays ATen (no rule: materialised)."""
     b = _bound(node, args, kwargs)
-    indices = b["indices"]
-    if not b["accumulate"] and len(indices) == 1 and writes_inverse_permutation(b["self"], indices[0], b["values"]):
+    indices, x, values = b["indices"], b["self"], b["values"]
+    if b["accumulate"] or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        return None
+    if writes_inverse_permutation(x, indices[0], values):
         return "call_function", torch.argsort, (indices[0],), {}
+    ev_x, ev_m, ev_v = example_value(x), example_value(indices[0]), example_value(values)
+    if ev_x is not None and ev_m is not None and ev_m.dtype == torch.bool and ev_m.shape == ev_x.shape \
+            and ev_v is not None and ev_v.dim() == 0:
+        return "call_function", torch.masked_fill, (x, indices[0], values), {}
     return None
 
 
@@ -736,7 +745,7 @@ def respell(gm: fx.GraphModule) -> fx.GraphModule:
             env[n] = out
     out = fx.GraphModule(gm, graph, class_name="ATenGraph")
     out.graph.eliminate_dead_code()
-    _fold_tiled_empties(out)
+    _fold_tiled_writes(out)
     out.graph.lint()
     out.recompile()
     return out

@@ -429,8 +429,8 @@ def test_parity_scan_hybrid_at_the_aten_level():
 
 def test_respell_covers_aliases_vector_norms_and_new_fills():
     """The aliases torch keeps as ATen ops of their own (``concatenate``, ``swapaxes``, ``multiply``, ``clip``,
-    ``__and__``, ...), ``linalg_vector_norm`` (``F.normalize``, ``x.norm(dim=)``) and ``new_zeros`` / ``new_ones``
-    / ``new_full`` are respelled (no ATen op left), with the values of the captured graph."""
+    ``__and__``, ...), ``linalg_vector_norm`` (``F.normalize``, ``x.norm(dim=)``), ``new_zeros`` / ``new_ones``
+    / ``new_full`` and ``x[mask] = v`` are respelled (no ATen op left), with the values of the captured graph."""
     def f(x, y):
         a = torch.concatenate([x, y], -1) + torch.concat([y, x], -1)
         c = torch.swapaxes(a, 0, 1).sum() + torch.swapdims(a, 0, 1).sum() + torch.moveaxis(a, 0, 1).sum()
@@ -441,7 +441,9 @@ def test_respell_covers_aliases_vector_norms_and_new_fills():
             | torch.not_equal(x, y)
         n = torch.linalg.vector_norm(x, 2, -1, True) + x.norm(dim=-1, keepdim=True) + F.normalize(y, dim=-1)
         z = x.new_zeros(2, 0, 4).sum() + x.new_ones((3, 4)) + x.new_full((3, 4), 2.5)
-        return c + (g + h + m + n * z).sum()
+        w = x.clone()
+        w[w > 0] = 0.5  # index_put with a bool mask of w's shape: masked_fill
+        return c + (g + h + m + n * z + w).sum()
 
     x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64) + 2
     gm = _capture(f, x, y)
@@ -468,8 +470,8 @@ def test_inlined_associative_scan_replays_at_the_aten_level():
 
 def test_writes_filling_an_empty_tensor_are_a_cat():
     """MLA's key (``k = kv.new_empty(...); k[..., :n] = k_nope; k[..., n:] = k_pe``) is, at the ATen level, two
-    ``slice_scatter`` into ``new_empty``: writes that fill the uninitialised tensor in order are respelled as their
-    ``cat``. Writes that leave a hole stay writes (the hole's values are undefined: nothing to cat)."""
+    ``slice_scatter`` into ``new_empty``: writes that cover a dim of the written value are respelled as their
+    ``cat`` (what it held is overwritten). Writes that leave a hole stay writes (the hole keeps the old value)."""
     def f(kv, pe):
         k = kv.new_empty(*kv.shape[:-1], 6)
         k[..., :4] = kv
