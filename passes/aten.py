@@ -715,6 +715,25 @@ def _packet_table() -> dict:
 ATEN_SPELLINGS: dict = _packet_table()
 
 
+def _lifted_scalar(gm: fx.GraphModule, n: fx.Node) -> Optional[torch.Tensor]:
+    """The 0-dim tensor a ``get_attr`` of the export's lifted constants (``_tensor_constantN``: ``torch.tensor(False)``
+    in the model) reads, else None. The respelling writes it back as ``torch.tensor(v)``, so two constants made
+    alike are two alike calls (CPM-Ant builds its mask condition twice) and a number reads as one."""
+    if n.op != "get_attr" or not n.target.startswith("_tensor_constant"):
+        return None
+    value = getattr(gm, n.target, None)
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or value.dim() != 0:
+        return None
+    return value
+
+
+def _scalar_kwargs(t: torch.Tensor) -> dict:
+    kw: dict = {"dtype": t.dtype}
+    if t.device.type != "cpu":
+        kw["device"] = t.device
+    return kw
+
+
 def respell(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` (an ATen graph) with every op of :data:`ATEN_SPELLINGS` written as its torch-level call (step 2
     of the module docstring). Metadata (the fake values) is kept; a node replaced by one of its operands
@@ -722,6 +741,12 @@ def respell(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     for n in gm.graph.nodes:
+        scalar = _lifted_scalar(gm, n)
+        if scalar is not None:
+            env[n] = graph.create_node("call_function", torch.tensor, (scalar.item(),), _scalar_kwargs(scalar),
+                                       name=n.name)
+            env[n].meta.update(n.meta)
+            continue
         packet = getattr(n.target, "overloadpacket", None) if n.op == "call_function" else None
         rule = ATEN_SPELLINGS.get(packet) if packet is not None else None
         if rule is None:
