@@ -489,3 +489,20 @@ def test_writes_filling_an_empty_tensor_are_a_cat():
     assert sum(n.target is torch.slice_scatter for n in low.graph.nodes) == 2, low.code  # the holed writes
     for a, b in zip(low(*_inputs(gm, kv=kv, pe=pe)), f(kv, pe)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class GumbelNoise(Tiny):
+    def mix(self, q):
+        return q + torch.empty_like(q).exponential_()  # a router's training-mode noise: each row draws its own
+
+
+def test_random_draw_over_token_values_is_refused_at_the_aten_level():
+    """``empty_like(q).exponential_()`` is the functional ``aten.exponential`` at the ATen level (tagged
+    ``nondeterministic_seeded``): refused over token values by name, as the method is at the Dynamo level."""
+    torch.manual_seed(0)
+    model = _model(GumbelNoise)
+    batch = make_grpo_batch(**BATCH)
+    be = brcompile.backend(compiler="eager", level="aten")
+    torch.compile(grpo_loss, backend=be)(model, *grpo_args(batch, 0.2, True))
+    rec, = be.records
+    assert not rec.rewritten and "random draw exponential_ (aten.exponential.default)" in rec.reason, rec.reason
