@@ -166,13 +166,15 @@ class BranchReplayBackend:
         gid = len(self.records)
         original = gm.forward
         refusals: list[tuple[str, str, Optional[str]]] = []  # (level, reason, node)
+        read: dict[str, fx.GraphModule] = {}  # level -> the graph the analysis read there (a refusal's node is in it)
         for level in _LEVEL_ORDER[opts.level]:
             try:
-                an, packed, example_args = self._rewrite(gm, example_inputs, opts, level)
+                an, packed, example_args = self._rewrite(gm, example_inputs, opts, level, read)
                 break
             except NothingToShare as e:  # no per-token work at any level: the graph runs as it is, not a fallback
                 tried = tuple((lv, r) for lv, r, _ in refusals) + ((level, str(e)),)
-                return self._fallback(gid, gm, str(e), e.node_name, opts, tried, unshared=True)
+                return self._fallback(gid, gm, str(e), e.node_name, opts, tried, unshared=True,
+                                      dumped=read.get(level, gm))
             except CannotReplay as e:
                 refusals.append((level, str(e), e.node_name))
             except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
@@ -185,8 +187,9 @@ class BranchReplayBackend:
                 log.info("branch_replay: graph %d refused at the Dynamo level (%s); trying its ATen graph",
                          gid, refusals[-1][1])
         else:
-            _, reason, node = refusals[0]
-            return self._fallback(gid, gm, reason, node, opts, tuple((lv, r) for lv, r, _ in refusals))
+            level, reason, node = refusals[0]
+            return self._fallback(gid, gm, reason, node, opts, tuple((lv, r) for lv, r, _ in refusals),
+                                  dumped=read.get(level, gm))
         run_packed = self._compile(packed, opts)
         streaming, replay_info, replay_reason = None, None, None
         if opts.mode != "packed":
@@ -234,15 +237,17 @@ class BranchReplayBackend:
         return rt
 
     @staticmethod
-    def _rewrite(gm: fx.GraphModule, example_inputs, opts: Options, level: str):
+    def _rewrite(gm: fx.GraphModule, example_inputs, opts: Options, level: str, read: Optional[dict] = None):
         """(analysis, packed graph, its example inputs) of ``gm`` read at ``level`` ("dynamo": gm itself;
         "aten": its functional ATen graph, passes/aten.py, which takes the same inputs); CannotReplay when the
-        analysis, the rewrite or the checks after it refuse."""
+        analysis, the rewrite or the checks after it refuse. ``read[level]``: the graph read, once it exists."""
         extra_guards: list = []
         if level == "aten":
             from brcompile.passes.aten import lower_and_respell
 
             gm, extra_guards = lower_and_respell(gm, example_inputs)
+        if read is not None:
+            read[level] = gm
         an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
         an.guards.extend(extra_guards)
         packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
@@ -281,12 +286,15 @@ class BranchReplayBackend:
         return streaming, info
 
     def _fallback(self, gid: int, gm: fx.GraphModule, reason: str, node: Optional[str],
-                  opts: Optional[Options] = None, refusals: tuple = (), unshared: bool = False):
+                  opts: Optional[Options] = None, refusals: tuple = (), unshared: bool = False,
+                  dumped: Optional[fx.GraphModule] = None):
+        """Runs ``gm`` as captured, with the reason; the dump draws ``dumped`` (the graph the refusing level
+        read, where ``node`` is: the ATen graph for an ATen-level refusal), gm by default."""
         rt = runtime.FallbackRuntime(gm.forward, reason, unshared=unshared)
         self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, refusals=refusals,
                                         unshared=unshared, runtime=rt))
         runtime.record_graph(False, reason)
-        self._dump(opts or self.options, gm, None, reason, node)
+        self._dump(opts or self.options, gm if dumped is None else dumped, None, reason, node)
         return rt
 
     @staticmethod

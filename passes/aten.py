@@ -38,7 +38,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from brcompile.backends.scan import linear_scan
 from brcompile.passes import checkpoint as checkpoints
+from brcompile.passes import linear_scans
 from brcompile.passes.axes import CannotReplay, example_value
 from brcompile.passes.functionalize import writes_inverse_permutation
 from brcompile.passes.guards import scalar_equals
@@ -66,6 +68,7 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
     gm, guards = _specialise_items(gm, example_inputs)
     gm, regions = _inline_checkpoints(gm)
     _refuse_custom_backwards(gm)
+    gm = _canonicalize_scans(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [example_value(p) for p in placeholders]
     if any(f is None for f in fakes):
@@ -146,6 +149,28 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
 
 
 _CKPT_KEY = "br_ckpt_region"
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def _canonicalize_scans(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm (a copy, when it has one) with its affine associative scans as ``linear_scan`` nodes. The export
+    cannot trace torch.vmap's levels functionally, and the inlined generic associative scan (HF Mamba's on
+    CPU) runs its combine under vmap: passes/linear_scans.py proves each such region (or the scan HOP) on the
+    captured graph's spelling and writes it as ``linear_scan(a, b, dim)``, which the export traces to
+    ``brcompile::tree_linear_scan`` over the chain parent and :func:`_chain_scan` writes back. A region not
+    proved stays, and the export refuses it."""
+    if not any(n.op == "call_function" and (n.target in linear_scans.VMAP_DATA or n.target is linear_scans.HOP)
+               for n in gm.graph.nodes):
+        return gm
+    gm = _graph_copy(gm)
+    for note in linear_scans.canonicalize_linear_scans(gm):
+        log.debug("ATen level, before the export: %s", note)
+    return gm
 
 
 @contextlib.contextmanager
@@ -339,8 +364,67 @@ def _index(node, args, kwargs):
     return "call_function", operator.getitem, (x, tuple(slice(None) if i is None else i for i in indices)), {}
 
 
+def _tiles(n: fx.Node) -> Optional[tuple[list, int]]:
+    """(the sources, dim d) when the last writes of the ``torch.slice_scatter`` chain ending at ``n`` (a respelled
+    graph's node) write disjoint step-1 ranges along d that together cover d: whatever the written tensor held is
+    overwritten, and the value is the ``cat`` of the sources in the order of their ranges (MLA's ``k =
+    kv.new_empty(...); k[..., :n] = k_nope; k[..., n:] = k_pe``, ``out = zeros_like(o); out[..., :h] = a;
+    out[..., h:] = b``). Else None."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    ev = example_value(n)
+    if ev is None:
+        return None
+    pieces, cur = [], n
+    while isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target is torch.slice_scatter:
+        x, src, d, start, end, step = cur.args
+        d = d + ev.dim() if d < 0 else d
+        if step not in (1, None) or (pieces and d != pieces[0][3]):
+            return None
+        start = 0 if start is None else start
+        end = ev.shape[d] if end is None or (isinstance(end, int) and end >= _END) else end
+        pieces.append((src, start, end, d))
+        tiles = _in_order(pieces, ev.shape[d], statically_known_true)
+        if tiles is not None:
+            return tiles, d
+        cur = x
+    return None
+
+
+def _in_order(pieces: list, size: Any, known: Callable) -> Optional[list]:
+    """The sources of ``pieces`` ((src, start, end, d)) sorted by start when their ranges follow each other from
+    0 to ``size`` (each start provably the previous end), else None."""
+    by_start = sorted(pieces, key=lambda p: (p[1] if isinstance(p[1], int) else float("inf")))
+    pos = 0
+    for _, start, end, _ in by_start:
+        if not known(start == pos):
+            return None
+        pos = end
+    return [p[0] for p in by_start] if known(pos == size) else None
+
+
+def _fold_tiled_writes(gm: fx.GraphModule) -> None:
+    """Every chain of writes that covers a dim of the written value (:func:`_tiles`) as its ``cat``; the
+    writes (and what they wrote into) then go dead unless read elsewhere."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not torch.slice_scatter or (
+                len(n.users) == 1 and next(iter(n.users)).target is torch.slice_scatter
+                and next(iter(n.users)).args[0] is n):
+            continue  # not a write, or not the last of its chain
+        tiles = _tiles(n)
+        if tiles is None:
+            continue
+        with graph.inserting_before(n):
+            cat = graph.call_function(torch.cat, (tiles[0], tiles[1]))
+        cat.meta.update(n.meta)
+        n.replace_all_uses_with(cat)
+    graph.eliminate_dead_code()
+
+
 def _slice_scatter(node, args, kwargs):
-    """``aten.slice_scatter(x, src, d, start, end, step)``; a write of the whole of x is ``src`` itself."""
+    """``aten.slice_scatter(x, src, d, start, end, step)``; a write of the whole of x is ``src`` itself (writes
+    that cover a dim become a ``cat`` after the respelling: :func:`_fold_tiled_writes`)."""
     b = _bound(node, args, kwargs)
     x, src, d, start, end, step = b["self"], b["src"], b["dim"], b.get("start"), b.get("end"), b.get("step", 1)
     ev_x, ev_src = example_value(x), example_value(src)
@@ -361,12 +445,19 @@ def _copy(node, args, kwargs):
 
 def _index_put(node, args, kwargs):
     """Functional ``aten.index_put(inv, [p], arange(n))`` into ``inv = empty_like(p)``, p a permutation:
-    ``argsort(p)``, the inverse permutation (MoE dispatch; passes/functionalize.py's proof). Any other
+    ``argsort(p)``, the inverse permutation (MoE dispatch; passes/functionalize.py's proof); ``x[mask] = v``
+    (``index_put(x, [mask], v)``, a bool mask of x's shape, one value) is ``masked_fill(x, mask, v)``. Any other
     indexed write stays ATen (no rule: materialised)."""
     b = _bound(node, args, kwargs)
-    indices = b["indices"]
-    if not b["accumulate"] and len(indices) == 1 and writes_inverse_permutation(b["self"], indices[0], b["values"]):
+    indices, x, values = b["indices"], b["self"], b["values"]
+    if b["accumulate"] or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        return None
+    if writes_inverse_permutation(x, indices[0], values):
         return "call_function", torch.argsort, (indices[0],), {}
+    ev_x, ev_m, ev_v = example_value(x), example_value(indices[0]), example_value(values)
+    if ev_x is not None and ev_m is not None and ev_m.dtype == torch.bool and ev_m.shape == ev_x.shape \
+            and ev_v is not None and ev_v.dim() == 0:
+        return "call_function", torch.masked_fill, (x, indices[0], values), {}
     return None
 
 
@@ -491,6 +582,44 @@ def _div(node, args, kwargs):
     return "call_function", torch.div, args[:2], {"rounding_mode": mode}
 
 
+def _vector_norm(node, args, kwargs):
+    """``aten.linalg_vector_norm(x, ord, dim, keepdim, dtype=)`` → ``torch.linalg.vector_norm`` (the same)."""
+    b = _bound(node, args, kwargs)
+    kw = {"dtype": b["dtype"]} if b.get("dtype") is not None else {}
+    return "call_function", torch.linalg.vector_norm, (b["self"], b["ord"], b["dim"], b["keepdim"]), kw
+
+
+def _new_filled(name: str) -> Respell:
+    """``aten.new_zeros(x, size, dtype=, device=)`` (``new_ones``, ``new_full(x, size, v)``) → ``x.new_zeros(size,
+    dtype=, device=)``: the fill in x's dtype and device unless given."""
+    def respell(node, args, kwargs):
+        kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
+        return "call_method", name, args, kw
+    return respell
+
+
+def _chain_scan(node, args, kwargs):
+    """``brcompile::tree_linear_scan(a, b, arange(-1, n - 1), dim)`` with n the length of ``dim`` — the tree
+    of one chain per row, what the dense ``linear_scan(a, b, dim)`` traces to (backends/scan.py) —
+    → ``linear_scan(a, b, dim)``; on any other parent (or impl) it stays the op."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    orig = _bound(node, node.args, node.kwargs)
+    parent, dim, impl = orig["parent"], orig["dim"], orig["impl"]
+    if impl != "auto" or not isinstance(parent, fx.Node) or parent.target not in (aten.arange.start,
+                                                                                   aten.arange.start_step):
+        return None
+    start, step = parent.args[0], (parent.args[2] if len(parent.args) > 2 else 1)
+    ev_a, ev_b, ev_p = example_value(orig["a"]), example_value(orig["b"]), example_value(parent)
+    if start != -1 or step != 1 or ev_a is None or ev_b is None or ev_p is None or ev_p.dim() != 1:
+        return None
+    n = torch.broadcast_shapes(ev_a.shape, ev_b.shape)[dim]
+    if not statically_known_true(ev_p.shape[0] == n):
+        return None
+    b = _bound(node, args, kwargs)
+    return "call_function", linear_scan, (b["a"], b["b"], dim), {}
+
+
 def _packet_table() -> dict:
     """ATen op packet -> respelling (see :data:`ATEN_SPELLINGS`)."""
     t: dict = {
@@ -549,7 +678,7 @@ def _packet_table() -> dict:
         aten.argmax: _fn(torch.argmax), aten.argmin: _fn(torch.argmin), aten.topk: _fn(torch.topk),
         aten.sort: _fn(torch.sort, keep=("stable", "dim", "descending")),
         aten.argsort: _fn(torch.argsort, keep=("stable", "dim", "descending")), aten.histc: _fn(torch.histc),
-        aten.cumsum: _reduction(torch.cumsum), aten.softmax: _softmax(F.softmax),
+        aten.linalg_vector_norm: _vector_norm, aten.cumsum: _reduction(torch.cumsum), aten.softmax: _softmax(F.softmax),
         aten.log_softmax: _softmax(F.log_softmax), aten.layer_norm: _layer_norm, aten.rms_norm: _fn(torch.rms_norm),
         aten.cross_entropy_loss: _cross_entropy,
         # contractions, convolutions, attention
@@ -562,7 +691,21 @@ def _packet_table() -> dict:
         aten.full: _factory(torch.full), aten.scalar_tensor: _factory(torch.scalar_tensor),
         aten.zeros_like: _factory(torch.zeros_like), aten.ones_like: _factory(torch.ones_like),
         aten.full_like: _factory(torch.full_like), aten.empty_like: _factory(torch.empty_like),
+        aten.new_zeros: _new_filled("new_zeros"), aten.new_ones: _new_filled("new_ones"),
+        aten.new_full: _new_filled("new_full"),
         aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
+        # the aliases torch keeps as ATen ops of their own (torch.concatenate, torch.swapaxes, torch.multiply, ...)
+        aten.concatenate: _fn(torch.cat), aten.concat: _fn(torch.cat), aten.swapaxes: _method("transpose"),
+        aten.swapdims: _method("transpose"), aten.moveaxis: _method("movedim"),
+        aten.multiply: _fn(operator.mul), aten.divide: _div, aten.true_divide: _div,
+        aten.subtract: _add_sub(operator.sub), aten.negative: _fn(operator.neg), aten.absolute: _fn(torch.abs),
+        aten.clip: _fn(torch.clamp), aten.arctan2: _fn(torch.atan2), aten.fix: _fn(torch.trunc),
+        aten.greater: _fn(torch.gt), aten.greater_equal: _fn(torch.ge), aten.less: _fn(torch.lt),
+        aten.less_equal: _fn(torch.le), aten.not_equal: _fn(torch.ne),
+        aten.__and__: _fn(operator.and_), aten.__or__: _fn(operator.or_), aten.__xor__: _fn(operator.xor),
+        aten.bitwise_xor: _fn(operator.xor), aten.logical_xor: _fn(torch.logical_xor),
+        # brcompile's own ops, as the dense functions the scan canonicalisations wrote traced them
+        torch.ops.brcompile.tree_linear_scan: _chain_scan,
     }
     return t
 
@@ -572,6 +715,25 @@ def _packet_table() -> dict:
 ATEN_SPELLINGS: dict = _packet_table()
 
 
+def _lifted_scalar(gm: fx.GraphModule, n: fx.Node) -> Optional[torch.Tensor]:
+    """The 0-dim tensor a ``get_attr`` of the export's lifted constants (``_tensor_constantN``: ``torch.tensor(False)``
+    in the model) reads, else None. The respelling writes it back as ``torch.tensor(v)``, so two constants made
+    alike are two alike calls (CPM-Ant builds its mask condition twice) and a number reads as one."""
+    if n.op != "get_attr" or not n.target.startswith("_tensor_constant"):
+        return None
+    value = getattr(gm, n.target, None)
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or value.dim() != 0:
+        return None
+    return value
+
+
+def _scalar_kwargs(t: torch.Tensor) -> dict:
+    kw: dict = {"dtype": t.dtype}
+    if t.device.type != "cpu":
+        kw["device"] = t.device
+    return kw
+
+
 def respell(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` (an ATen graph) with every op of :data:`ATEN_SPELLINGS` written as its torch-level call (step 2
     of the module docstring). Metadata (the fake values) is kept; a node replaced by one of its operands
@@ -579,6 +741,12 @@ def respell(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     for n in gm.graph.nodes:
+        scalar = _lifted_scalar(gm, n)
+        if scalar is not None:
+            env[n] = graph.create_node("call_function", torch.tensor, (scalar.item(),), _scalar_kwargs(scalar),
+                                       name=n.name)
+            env[n].meta.update(n.meta)
+            continue
         packet = getattr(n.target, "overloadpacket", None) if n.op == "call_function" else None
         rule = ATEN_SPELLINGS.get(packet) if packet is not None else None
         if rule is None:
@@ -602,6 +770,7 @@ def respell(gm: fx.GraphModule) -> fx.GraphModule:
             env[n] = out
     out = fx.GraphModule(gm, graph, class_name="ATenGraph")
     out.graph.eliminate_dead_code()
+    _fold_tiled_writes(out)
     out.graph.lint()
     out.recompile()
     return out

@@ -376,6 +376,19 @@ RANDOM_FILLS = frozenset({"exponential_", "uniform_", "normal_", "bernoulli_", "
                           "log_normal_"})
 
 
+def random_draw(node: fx.Node) -> Optional[str]:
+    """The name of the random draw ``node`` makes, or None: a Tensor method of :data:`RANDOM_FILLS`, or an ATen
+    op tagged ``nondeterministic_seeded`` (the ATen level, docs/ARCHITECTURE.md §3.0: ``exponential_`` is the
+    functional ``aten.exponential`` there, named by the in-place method the model called when there is one)."""
+    if node.op == "call_method" and node.target in RANDOM_FILLS:
+        return node.target
+    op = node.target if node.op == "call_function" else None
+    if isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
+        name = op._schema.name.split("::")[-1]
+        return f"{name}_ ({op})" if f"{name}_" in RANDOM_FILLS else str(op)
+    return None
+
+
 def _register_state_changes() -> None:
     """functorch's level changes (``torch.vmap`` / ``jvp`` traced inline, as Dynamo records
     ``associative_scan``'s reference implementation) have no users but change how the ops between them
@@ -441,8 +454,9 @@ def propagate(ctx: AxesContext) -> None:
         args = node_args(node)
         if any(a in tainted or get_axes(a).is_token for a in args):
             tainted.add(node)
-            if node.op == "call_method" and node.target in RANDOM_FILLS:
-                ctx.fail(node, f"random draw {node.target} over token values: every copy of a shared token draws "
+            draw = random_draw(node)
+            if draw is not None:
+                ctx.fail(node, f"random draw {draw} over token values: every copy of a shared token draws "
                                f"its own numbers (training-mode sampling, e.g. the Gumbel noise of a router)")
             if is_inplace(node):
                 ctx.fail(node, "in-place op on a value derived from the token inputs")

@@ -44,13 +44,13 @@ from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LEFT", "PROBE_TOL", "canonicalize_linear_scans", "is_affine_combine", "probes_agree"]
+__all__ = ["HOP", "LEFT", "PROBE_TOL", "VMAP_DATA", "canonicalize_linear_scans", "is_affine_combine", "probes_agree"]
 
 #: the words of a note on a scan that is not rewritten (the no-attention refusal quotes those notes)
 LEFT = "left as is"
 
 #: the HOP as Dynamo records it (absent from torch builds without it)
-_HOP = getattr(getattr(torch.ops, "higher_order", None), "associative_scan", None)
+HOP = getattr(getattr(torch.ops, "higher_order", None), "associative_scan", None)
 #: pointwise arithmetic a combine body may use
 _POINTWISE_FAMILIES = ("add", "sub", "mul", "neg")
 _POINTWISE_ATEN = {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
@@ -58,7 +58,7 @@ _POINTWISE_ATEN = {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor, torch.o
 #: torch.vmap's bookkeeping as traced by Dynamo (no data: nesting levels and the lazy decompositions)
 _VMAP_CONTROL = {predispatch.lazy_load_decompositions, predispatch._vmap_increment_nesting,
                  predispatch._vmap_decrement_nesting}
-_VMAP_DATA = {predispatch._add_batch_dim, predispatch._remove_batch_dim}
+VMAP_DATA = {predispatch._add_batch_dim, predispatch._remove_batch_dim}
 _SLICE = {torch.ops.aten.slice, torch.ops.aten.slice.Tensor}
 _FLATTEN = {torch.flatten, "flatten"}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
@@ -120,8 +120,8 @@ def canonicalize_linear_scans(gm: fx.GraphModule) -> list[str]:
     ``linear_scan`` / ``cumprod`` nodes; returns one note per rewrite (or per scan left as it is)."""
     notes: list[str] = []
     graph = gm.graph
-    if _HOP is not None:
-        for hop in [n for n in graph.nodes if n.op == "call_function" and n.target is _HOP]:
+    if HOP is not None:
+        for hop in [n for n in graph.nodes if n.op == "call_function" and n.target is HOP]:
             notes.append(_rewrite_hop(gm, hop))
     for region in _inlined_regions(graph):
         notes.append(_rewrite_region(graph, region))

@@ -315,7 +315,194 @@ def test_custom_autograd_function_is_kept_out_of_the_aten_level():
         assert_exact(a, b, torch.float64, f"grad of {name}")
     be, (ref, gref), (out, gout) = _run(model)  # auto: the Dynamo level replays it
     assert be.records[0].rewritten and be.records[0].level == "dynamo", be.records[0].reason
+
+
+# --------------------------------------------------------------------------------------------------
+# parity: the rewrite's features fire at the ATen level as at the Dynamo level
+
+
+def _gpt():
+    from examples.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48), seed=0).double()
+
+
+def _padded_grpo():
+    """Two groups of 3, left-padded prompts, ragged right-padded responses sharing their first token."""
+    return make_grpo_batch(vocab_size=61, seed=2, dtype=torch.float64, num_prompts=2, group_size=3,
+                           prompt_len=(4, 9), response_len=(2, 6), left_pad_prompts=True, shared_response_prefix=1)
+
+
+def _dropped_all_padding(rec, batch):
+    from brcompile.runtime.tree import build_tree
+
+    full = build_tree(batch["input_ids"], batch["attention_mask"])
+    s = brcompile.stats()
+    return s.executed_tokens == int(full.valid.sum()) < full.num_tokens
+
+
+def _streamed(rec, batch):
+    s = brcompile.stats()
+    return s.streamed_calls == 1 and rec.replay is not None and rec.runtime.calls[-1].schedule["chunks"] >= 2
+
+
+#: feature -> (backend options, what the record and counters must show: the feature fired)
+PARITY = {
+    "fused_logprob": (dict(), lambda rec, batch: bool(rec.fused) and "packed_logprob" in rec.packed_code
+                      and "log_softmax" not in rec.packed_code),
+    "drop_padding": (dict(drop_padding=True), _dropped_all_padding),
+    "streaming": (dict(mode="replay", chunk_tokens=4), _streamed),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(PARITY))
+def test_parity_features_fire_at_the_aten_level(feature):
+    """The example GPT under grpo_loss at ``level="aten"``: fused log-probs, dropped padding and streaming
+    replay each fire on the ATen graph (the record and the counters say so), with the eager loss and every
+    gradient in float64."""
+    options, fired = PARITY[feature]
+    model, batch = _gpt(), _padded_grpo()
+    params = list(model.parameters())
+    args = grpo_args(batch, 0.2, True)
+    ref = grpo_loss(model, *args)
+    gref = torch.autograd.grad(ref, params)
+    be = brcompile.backend(compiler="eager", level="aten", **options)
+    out = torch.compile(grpo_loss, backend=be)(model, *args)
+    gout = torch.autograd.grad(out, params)
+    rec, = be.records
+    assert rec.rewritten and rec.level == "aten", rec.reason
+    assert fired(rec, batch), (feature, brcompile.stats(), rec.fused, rec.replay_reason)
     assert_replayed()
     assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
     for (name, _), a, b in zip(model.named_parameters(), gout, gref):
         assert_exact(a, b, torch.float64, f"grad of {name}")
+
+
+
+
+def test_parity_hf_sliding_window_and_logits_to_keep_at_the_aten_level(float64_norms):
+    """HF Mistral with an active sliding window (3) called with ``logits_to_keep``, its completion log-probs
+    in the compiled loss: at the ATen level the windows are classified (every mask ``window(3)``), the head
+    runs on the kept columns and the log-probs are fused; loss and every gradient equal eager's (float64)."""
+    from tests.helpers import hf_tiny_model
+
+    model = hf_tiny_model("mistral", "sdpa", sliding_window=3)
+    b = make_grpo_batch(vocab_size=61, seed=4, num_prompts=2, group_size=3, prompt_len=(4, 7), response_len=(2, 5),
+                        left_pad_prompts=True, pad_id=0, dtype=torch.float64)
+    ids, am, cm = b["input_ids"], b["attention_mask"], b["completion_mask"]
+    C = ids.shape[1] - int((cm == 0).all(0).long().cumprod(0).sum())  # the completion columns
+
+    def loss(ids, am, cm):
+        logits = model(input_ids=ids, attention_mask=am, logits_to_keep=C + 1).logits[:, :-1]
+        lp = logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+        m = cm[:, -C:].to(lp.dtype)
+        return -(lp * m).sum() / m.sum()
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = loss(ids, am, cm)
+    gref = torch.autograd.grad(ref, params)
+    be = brcompile.backend(compiler="eager", level="aten")
+    out = torch.compile(loss, backend=be)(ids, am, cm)
+    gout = torch.autograd.grad(out, params)
+    rec, = be.records
+    assert rec.rewritten and rec.level == "aten", rec.reason
+    assert rec.masks and all("window(3)" in m for m in rec.masks), rec.masks
+    assert rec.fused, rec.packed_code
+    assert_replayed()
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    for (name, _), a, g in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, g, torch.float64, f"grad of {name}")
+
+
+def test_parity_scan_hybrid_at_the_aten_level():
+    """A short-conv + attention hybrid with cumsum positions (tests/passes/test_scan_rules.py's ScanGPT): at
+    the ATen level its conv runs as ``brcompile::tree_causal_conv1d`` along the tree paths; exact in float64."""
+    from tests.passes.test_scan_rules import grpo_like_batch, run_exact, scan_model, token_loss
+
+    model = scan_model()
+    be = run_exact(model, lambda *a: token_loss(model, *a), grpo_like_batch(), level="aten")
+    rec, = be.records
+    assert rec.rewritten and rec.level == "aten", rec.reason
+    assert rec.packed_code.count("brcompile.tree_causal_conv1d") == 2, rec.packed_code
+    assert_replayed()
+
+
+def test_respell_covers_aliases_vector_norms_and_new_fills():
+    """The aliases torch keeps as ATen ops of their own (``concatenate``, ``swapaxes``, ``multiply``, ``clip``,
+    ``__and__``, ...), ``linalg_vector_norm`` (``F.normalize``, ``x.norm(dim=)``), ``new_zeros`` / ``new_ones``
+    / ``new_full`` and ``x[mask] = v`` are respelled (no ATen op left), with the values of the captured graph."""
+    def f(x, y):
+        a = torch.concatenate([x, y], -1) + torch.concat([y, x], -1)
+        c = torch.swapaxes(a, 0, 1).sum() + torch.swapdims(a, 0, 1).sum() + torch.moveaxis(a, 0, 1).sum()
+        g = torch.multiply(x, y) + torch.divide(x, y) + torch.true_divide(x, y) + torch.subtract(x, y, alpha=2) \
+            + torch.negative(x) + torch.absolute(y) + torch.divide(x, y, rounding_mode="floor")
+        h = torch.clip(x, -0.5, 0.5) + torch.arctan2(x, y) + torch.fix(x)
+        m = (torch.greater(x, y) & torch.greater_equal(x, y)) | (torch.less(x, y) ^ torch.less_equal(x, y)) \
+            | torch.not_equal(x, y)
+        n = torch.linalg.vector_norm(x, 2, -1, True) + x.norm(dim=-1, keepdim=True) + F.normalize(y, dim=-1)
+        z = x.new_zeros(2, 0, 4).sum() + x.new_ones((3, 4)) + x.new_full((3, 4), 2.5)
+        w = x.clone()
+        w[w > 0] = 0.5  # index_put with a bool mask of w's shape: masked_fill
+        return c + (g + h + m + n * z + w).sum()
+
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64) + 2
+    gm = _capture(f, x, y)
+    low, _ = lower_and_respell(gm)
+    assert aten_ops(low) == [], low.code
+    torch.testing.assert_close(low(*_inputs(gm, x=x, y=y))[0], f(x, y), rtol=0, atol=0)
+
+
+def test_inlined_associative_scan_replays_at_the_aten_level():
+    """HF Mamba's CPU scan (``associative_scan(combine_mode="generic")``: the combine under ``torch.vmap``, whose
+    levels the export cannot trace): proved and written as ``linear_scan`` before the export, traced to the tree
+    scan over the chain parent and respelled back, so it runs as ``brcompile::tree_linear_scan`` at the ATen
+    level too; loss and every gradient exact (float64)."""
+    from tests.passes.test_linear_scans import scan_lm
+    from tests.passes.test_scan_rules import grpo_like_batch, run_exact, token_loss
+
+    model = scan_lm(layers=1)
+    be = run_exact(model, lambda *a: token_loss(model, *a), grpo_like_batch(), level="aten")
+    rec, = be.records
+    assert rec.rewritten and rec.level == "aten", rec.reason
+    assert rec.packed_code.count("brcompile.tree_linear_scan") == 1 and "_add_batch_dim" not in rec.packed_code
+    assert_replayed()
+
+
+def test_writes_filling_an_empty_tensor_are_a_cat():
+    """MLA's key (``k = kv.new_empty(...); k[..., :n] = k_nope; k[..., n:] = k_pe``) is, at the ATen level, two
+    ``slice_scatter`` into ``new_empty``: writes that cover a dim of the written value are respelled as their
+    ``cat`` (what it held is overwritten). Writes that leave a hole stay writes (the hole keeps the old value)."""
+    def f(kv, pe):
+        k = kv.new_empty(*kv.shape[:-1], 6)
+        k[..., :4] = kv
+        k[..., 4:] = pe.expand(*kv.shape[:-1], 2)
+        e = torch.empty(3, 5, 2, dtype=kv.dtype)
+        e[:, :2] = kv[:, :2, :2]
+        e[:, 3:] = 2.0  # column 2 is never written
+        return k * 2, e[:, :2].sum()
+
+    kv, pe = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 1, 2, dtype=torch.float64)
+    gm = _capture(f, kv, pe)
+    low, _ = lower_and_respell(gm)
+    cats = [n for n in low.graph.nodes if n.target is torch.cat]
+    assert len(cats) == 1 and [a.name for a in cats[0].args[0]][0] == "l_kv_", low.code
+    assert sum(n.target is torch.slice_scatter for n in low.graph.nodes) == 2, low.code  # the holed writes
+    for a, b in zip(low(*_inputs(gm, kv=kv, pe=pe)), f(kv, pe)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class GumbelNoise(Tiny):
+    def mix(self, q):
+        return q + torch.empty_like(q).exponential_()  # a router's training-mode noise: each row draws its own
+
+
+def test_random_draw_over_token_values_is_refused_at_the_aten_level():
+    """``empty_like(q).exponential_()`` is the functional ``aten.exponential`` at the ATen level (tagged
+    ``nondeterministic_seeded``): refused over token values by name, as the method is at the Dynamo level."""
+    torch.manual_seed(0)
+    model = _model(GumbelNoise)
+    batch = make_grpo_batch(**BATCH)
+    be = brcompile.backend(compiler="eager", level="aten")
+    torch.compile(grpo_loss, backend=be)(model, *grpo_args(batch, 0.2, True))
+    rec, = be.records
+    assert not rec.rewritten and "random draw exponential_ (aten.exponential.default)" in rec.reason, rec.reason

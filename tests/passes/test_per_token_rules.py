@@ -3,8 +3,8 @@ executed tokens): ``polar`` of position-only frequencies (a complex rotary table
 on a feature dim (Falcon's fused ``qkv[..., [-2], :]``), ``scatter`` along a non-token dim (a router's
 per-token mask), ``max``/``min`` over the features and elementwise, GPT-2's ``addmm`` and RecurrentGemma's
 per-head ``baddbmm`` over flattened tokens, ``x[mask] = 0`` / ``x[..., a:b] = v`` into fresh values
-(passes/functionalize.py), and ``new_zeros`` / ``new_full`` in a token value's shape (Inkling2's empty stack of
-block states)."""
+(passes/functionalize.py), ``new_zeros`` / ``new_full`` in a token value's shape (Inkling2's empty stack of
+block states), and ``torch.linalg.vector_norm`` with its dim as the third positional argument."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,13 +71,16 @@ class Block(torch.nn.Module):
             stack = o.new_zeros(*o.shape[:-1], 0, D)
             stack = torch.cat([stack, o.unsqueeze(-2), h.unsqueeze(-2)], -2)
             o = stack.softmax(-2).mul(stack).sum(-2) + h.new_full((*h.shape[:-1], 1), 0.5)
+        if self.variant == "vector_norm":  # torch.linalg.vector_norm(x, ord, dim, keepdim): its dim is the third
+            o = o / torch.linalg.vector_norm(o, 2, -1, True)  # per token (over the features)
+            o = o * torch.linalg.vector_norm(o, 2, 1, True)  # over the positions: mixes tokens, computed dense
         return o.square().sum()
 
 
 @pytest.mark.parametrize("variant,dynamic", [("polar", False), ("polar", True), ("array_index", False),
                                              ("scatter", False), ("addmm", True), ("baddbmm", True),
                                              ("setitem", False), ("max", False), ("new_zeros", False),
-                                             ("new_zeros", True)])
+                                             ("new_zeros", True), ("vector_norm", False)])
 def test_per_token_rule_replays_exactly(variant, dynamic):
     backend = replay_exact(Block(variant), dynamic=dynamic)
     rec = backend.records[0]
