@@ -16,10 +16,11 @@ spelling or a write neither knows makes the graph fall back. This module gives t
 2. :func:`respell` — every ATen op in :data:`ATEN_SPELLINGS` (a bounded table: one entry per ATen op family)
    is written as the one canonical torch-level call the rules and matchers read (``aten.slice.Tensor(x, d,
    a, b)`` → ``x[..., a:b]``, ``aten.embedding(W, ids)`` → ``F.embedding(ids, W)``, ``aten.view(x, s)`` →
-   ``x.view(*s)``); identities of the lowering (``alias``, full slices, ``lift_fresh_copy`` of a constant,
-   a ``copy`` into a value of the same shape and dtype) are dropped. An ATen op not in the table stays as
+   ``x.view(*s)``); identities of the lowering (``alias``, full slices, ``lift_fresh_copy`` of a tensor
+   constant, a ``copy`` into a value of the same shape and dtype) are dropped. An ATen op not in the table stays as
    it is: it has no rule, so the analysis materialises its token operands (exact, nothing shared past it),
-   as for any op without a rule.
+   as for any op without a rule. ``lift_fresh_copy`` of a zero-dimensional constant (``torch.tensor(v)``
+   traced) is written back as ``torch.tensor(v)``, so a value made only from numbers stays a constant.
 
 The lowered graph takes the same inputs in the same order, with the placeholders' names and metadata of
 the captured graph, and returns the same outputs; the backend runs the analysis and the rewrite on it
@@ -297,6 +298,23 @@ def _identity(node, args, kwargs):
     return args[0]
 
 
+def _lift_fresh_copy(node, args, kwargs):
+    """``aten.lift_fresh_copy(c)`` of a constant ``c`` the trace recorded (a ``get_attr``) is how the export
+    spells ``torch.tensor(data)``. A zero-dimensional ``c`` is written back as ``torch.tensor(v, dtype=c.dtype,
+    device=c.device)`` with ``v = c.item()`` (a Python number holds every value of a float or integer dtype, so
+    the tensor is bit-identical): a value made only from a number is then one for the matchers, as at the
+    Dynamo level (GPT-Neo's ``torch.tensor(finfo.min)`` mask value). Any other operand: the copy is an
+    identity."""
+    src = node.args[0]
+    value = None
+    if isinstance(src, fx.Node) and src.op == "get_attr" and isinstance(src.target, str):
+        value = getattr(src.graph.owning_module, src.target, None)
+    fake = torch._subclasses.fake_tensor.is_fake(value) if isinstance(value, torch.Tensor) else True
+    if fake or value.dim() != 0 or value.dtype.is_complex or value.requires_grad:
+        return args[0]
+    return "call_function", torch.tensor, (value.item(),), {"dtype": value.dtype, "device": value.device}
+
+
 def _dropped(node, args, kwargs):
     """``_assert_tensor_metadata`` (a no-op ``.to(dtype)``): a check of dtype and device, which the trace fixed
     and the packed value shares."""
@@ -495,7 +513,7 @@ def _packet_table() -> dict:
     """ATen op packet -> respelling (see :data:`ATEN_SPELLINGS`)."""
     t: dict = {
         # identities of the lowering
-        aten.alias: _identity, aten.lift_fresh_copy: _identity, aten.detach: _method("detach"),
+        aten.alias: _identity, aten.lift_fresh_copy: _lift_fresh_copy, aten.detach: _method("detach"),
         aten.copy: _copy, aten._assert_tensor_metadata: _dropped,
         # arithmetic and comparisons
         aten.add: _add_sub(operator.add), aten.sub: _add_sub(operator.sub), aten.mul: _fn(operator.mul),
