@@ -281,6 +281,15 @@ def _factory(target) -> Respell:
     return respell
 
 
+def _new_filled(name: str) -> Respell:
+    """``aten.new_zeros(x, size)`` / ``new_ones`` / ``new_full(x, size, v)`` → the method ``x.new_zeros(size)``
+    (a fill in x's dtype and device unless given): layout and pin_memory dropped, dtype and device kept."""
+    def respell(node, args, kwargs):
+        kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
+        return "call_method", name, args, kw
+    return respell
+
+
 def _bound(node: fx.Node, args: tuple, kwargs: dict) -> dict:
     """Every argument of an ATen node by its schema name, defaults filled in."""
     out = {}
@@ -564,6 +573,7 @@ def _packet_table() -> dict:
         # reductions, norms, scans
         aten.sum: _reduction(torch.sum), aten.mean: _reduction(torch.mean), aten.amax: _fn(torch.amax),
         aten.amin: _fn(torch.amin), aten.prod: _reduction(torch.prod), aten.logsumexp: _fn(torch.logsumexp),
+        aten.linalg_vector_norm: _reduction(torch.linalg.vector_norm),
         aten.argmax: _fn(torch.argmax), aten.argmin: _fn(torch.argmin), aten.topk: _fn(torch.topk),
         aten.sort: _fn(torch.sort, keep=("stable", "dim", "descending")),
         aten.argsort: _fn(torch.argsort, keep=("stable", "dim", "descending")), aten.histc: _fn(torch.histc),
@@ -580,6 +590,8 @@ def _packet_table() -> dict:
         aten.full: _factory(torch.full), aten.scalar_tensor: _factory(torch.scalar_tensor),
         aten.zeros_like: _factory(torch.zeros_like), aten.ones_like: _factory(torch.ones_like),
         aten.full_like: _factory(torch.full_like), aten.empty_like: _factory(torch.empty_like),
+        aten.new_zeros: _new_filled("new_zeros"), aten.new_ones: _new_filled("new_ones"),
+        aten.new_full: _new_filled("new_full"),
         aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
     }
     return t

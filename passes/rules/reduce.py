@@ -26,7 +26,7 @@ REDUCTIONS = [
 
 def _reduced_dims(node, ndim: int):
     name = node.target if isinstance(node.target, str) else node.target.__name__
-    if name in ("norm", "vector_norm"):
+    if name in ("norm", "vector_norm", "linalg_vector_norm"):  # (x, p / ord, dim, ...)
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
     else:
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)

@@ -57,3 +57,55 @@ def test_tensor_mask_value_replays_at_aten_level():
     """GPT-Neo: the mask value is a constant at the ATen level too (it was refused as 'a value computed in
     the graph')."""
     _check_aten_replay(_model(TensorMaskValue))
+
+
+class NewZerosStack(Tiny):
+    """Inkling2's empty stack of block states: ``x.new_zeros(*x.shape[:-1], 0, D)`` in a token value's shape,
+    concatenated with a state on the new dim; and a vector norm over the features."""
+
+    def mix(self, q):
+        stack = q.new_zeros(*q.shape[:-1], 0, q.shape[-1])
+        stack = torch.cat([stack, q.unsqueeze(-2)], dim=-2)
+        q = stack.sum(-2) + q.new_ones(q.shape) * 0.5
+        return q / torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+
+
+def test_new_zeros_is_respelled_as_the_method():
+    def f(x):
+        return x.new_zeros(x.shape[0], 2) + x.new_full((x.shape[0], 2), 3.0)
+
+    x = torch.randn(3, 2, dtype=torch.float64)
+    low, _ = lower_and_respell(_capture(f, x))
+    methods = sorted(n.target for n in low.graph.nodes if n.op == "call_method")
+    assert "new_zeros" in methods and "new_full" in methods, low.code
+    torch.testing.assert_close(low(x)[0], f(x), rtol=0, atol=0)
+
+
+def test_new_zeros_of_a_token_value_replays_at_aten_level():
+    """The fill keeps the token dims of its token operand: the new_zeros rule, as at the Dynamo level (it was
+    made dense: no rule for ``aten.new_zeros``); ``aten.linalg_vector_norm`` over the features is the
+    reduction rule's (its ``dim`` is the third argument, after ``ord``). Neither materialises its operand."""
+    rec = _check_aten_replay(_model(NewZerosStack))
+    assert "new_zeros" in rec.packed_code and "vector_norm" in rec.packed_code
+    users = [user for _, user, _, _ in rec.materialisations]
+    assert not any(u.startswith(("new_", "linalg_vector_norm")) for u in users), rec.materialisations
+
+
+class NormOverPositions(Tiny):
+    """``torch.linalg.vector_norm(q, 2, 1, True)``: ``dim`` given positionally after ``ord``, a token dim."""
+
+    def mix(self, q):
+        return q / torch.linalg.vector_norm(q, 2, 1, True)
+
+
+def test_vector_norm_reads_dim_after_ord():
+    """A norm over the positions mixes tokens: it is a reduction over a token dim (its operand is made dense,
+    here the attention's input, so the graph falls back), not over the feature dim ``ord`` would name."""
+    model = _model(NormOverPositions)
+    be, (ref, gref), (out, gout) = _run(model, level="dynamo")
+    rec = be.records[0]
+    assert not rec.rewritten and "made dense by linalg_vector_norm (reduction over a token dim" in rec.reason, \
+        rec.reason
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
