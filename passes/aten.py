@@ -538,6 +538,7 @@ def _packet_table() -> dict:
         aten.logical_and: _fn(torch.logical_and), aten.logical_or: _fn(torch.logical_or),
         aten.logical_not: _fn(torch.logical_not), aten.bitwise_and: _fn(operator.and_),
         aten.bitwise_or: _fn(operator.or_), aten.bitwise_not: _fn(operator.invert),
+        aten.__and__: _fn(operator.and_), aten.__or__: _fn(operator.or_),
         aten.lerp: _fn(torch.lerp), aten.atan2: _fn(torch.atan2),
         aten.addcmul: _fn(torch.addcmul, keep=("value",)), aten.addcdiv: _fn(torch.addcdiv, keep=("value",)),
         # unary math
@@ -546,6 +547,7 @@ def _packet_table() -> dict:
             "sigmoid", "abs", "sign", "square", "reciprocal", "erf", "floor", "ceil", "round", "trunc", "relu",
             "isnan", "isinf", "isfinite", "nan_to_num", "real", "imag", "polar", "complex")},
         aten.silu: _fn(F.silu), aten.gelu: _gelu, aten.softplus: _fn(F.softplus),
+        aten.log_sigmoid: _fn(F.logsigmoid),
         aten.dropout: _dropout,
         # casts and copies
         aten.to: _to, aten._to_copy: _to, aten.type_as: _method("type_as"), aten.clone: _method("clone"),

@@ -3,6 +3,7 @@
 parameter gradient.
 """
 import torch
+import torch.nn.functional as F
 
 from brcompile.passes.aten import lower_and_respell
 from tests.helpers import assert_replayed
@@ -109,3 +110,21 @@ def test_vector_norm_reads_dim_after_ord():
     assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
     for (name, _), a, b in zip(model.named_parameters(), gout, gref):
         assert_exact(a, b, torch.float64, f"grad of {name}")
+
+
+class LogSigmoidAndMask(Tiny):
+    """Inkling's router scores ``F.logsigmoid(logits)`` and a mask made with ``&`` / ``|`` of comparisons:
+    ``aten.log_sigmoid``, ``aten.__and__`` and ``aten.__or__`` at the ATen level."""
+
+    def mix(self, q):
+        keep = ((q > -0.5) & (q < 0.5)) | (q > 1.0)
+        return torch.where(keep, F.logsigmoid(q), q)
+
+
+def test_log_sigmoid_and_bool_ops_replay_at_aten_level():
+    """Each is respelled as its Dynamo-level call (the pointwise rule), so no operand is materialised for it
+    (they stayed ATen ops without a rule)."""
+    rec = _check_aten_replay(_model(LogSigmoidAndMask))
+    assert "log_sigmoid" in rec.packed_code
+    users = [user for _, user, _, _ in rec.materialisations]
+    assert not any(u.startswith(("log_sigmoid", "and", "or", "where")) for u in users), rec.materialisations
