@@ -77,7 +77,9 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
         with (fake_mode if fake_mode is not None else contextlib.nullcontext()), _functorch_layers_kept():
             lowered, sig = aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)
     except Exception as e:  # the export's own refusal (data-dependent control flow, an unsupported HOP, ...)
-        raise CannotReplay(f"the graph could not be lowered to ATen ({type(e).__name__}: "
+        site = _vmap_site(gm)
+        what = f"torch.vmap {site}: functorch batching is not traced by the pre-dispatch export; " if site else ""
+        raise CannotReplay(f"the graph could not be lowered to ATen ({what}{type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from e
     written = [*sig.user_inputs_to_mutate.values(), *sig.buffers_to_mutate.values(),
                *getattr(sig, "parameters_to_mutate", {}).values()]
@@ -94,6 +96,25 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
         if index is not None:
             n.meta[checkpoints.META] = regions[index]
     return out, guards
+
+
+def _vmap_site(gm: fx.GraphModule) -> Optional[str]:
+    """``in `fn` (file:line)`` of the first function the graph runs under ``torch.vmap`` (Dynamo's
+    ``_vmap_increment_nesting`` ... ``_vmap_decrement_nesting``; HF Mamba's ``associative_scan`` in its generic
+    mode vmaps its ``combine_fn``), the innermost frame of the user's code there; None when it runs no vmap.
+    The pre-dispatch export fails on a batched value (``FunctionalTensor`` used outside its mode)."""
+    inside = False
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name == "_vmap_increment_nesting":
+            inside = True
+        elif inside and name not in ("_add_batch_dim", "lazy_load_decompositions") and n.op == "call_function":
+            frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', n.meta.get("stack_trace") or "")
+            if frames:
+                path, line, fn = frames[-1]
+                return f"in `{fn}` ({path.rsplit('/', 1)[-1]}:{line})"
+            return "in the graph"
+    return None
 
 
 def _refuse_custom_backwards(gm: fx.GraphModule) -> None:

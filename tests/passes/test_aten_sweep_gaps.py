@@ -2,10 +2,12 @@
 ``level="aten"``): each model replays at ``level="aten"``, float64-exact against eager, loss and every
 parameter gradient.
 """
+import pytest
 import torch
 import torch.nn.functional as F
 
-from brcompile.passes.aten import lower_and_respell
+from brcompile.passes.aten import lower, lower_and_respell
+from brcompile.passes.axes import CannotReplay
 from tests.helpers import assert_replayed
 from tests.passes.test_aten import Tiny, _capture, _model, _run
 from brcompile.testing import assert_exact
@@ -128,3 +130,18 @@ def test_log_sigmoid_and_bool_ops_replay_at_aten_level():
     assert "log_sigmoid" in rec.packed_code
     users = [user for _, user, _, _ in rec.materialisations]
     assert not any(u.startswith(("log_sigmoid", "and", "or", "where")) for u in users), rec.materialisations
+
+
+def test_vmap_is_refused_at_aten_level_naming_the_function():
+    """HF Mamba's ``associative_scan`` (generic mode) runs its ``combine_fn`` under ``torch.vmap``: the pre-dispatch
+    export fails on the batched values; the reason names vmap and the function it maps, and the dense graph runs."""
+    def combine(a, b):
+        return a * b
+
+    def f(x, y):
+        return torch.vmap(combine)(x[0::2], y[1::2]).sum()
+
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    site = r"torch\.vmap in `combine` \(test_aten_sweep_gaps\.py:\d+\): functorch batching"
+    with pytest.raises(CannotReplay, match=site):
+        lower(_capture(f, x, y))
