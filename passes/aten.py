@@ -81,8 +81,9 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
         what = f"torch.vmap {site}: functorch batching is not traced by the pre-dispatch export; " if site else ""
         raise CannotReplay(f"the graph could not be lowered to ATen ({what}{type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from e
-    written = [*sig.user_inputs_to_mutate.values(), *sig.buffers_to_mutate.values(),
-               *getattr(sig, "parameters_to_mutate", {}).values()]
+    by_export_name = dict(zip(sig.user_inputs, (p.name for p in placeholders)))  # the export's argN_1 -> gm's
+    written = [*(by_export_name.get(n, n) for n in sig.user_inputs_to_mutate.values()),
+               *sig.buffers_to_mutate.values(), *getattr(sig, "parameters_to_mutate", {}).values()]
     if written:
         raise CannotReplay(f"the graph writes into its input(s) {sorted(set(written))} (kept out of the ATen level)")
     if getattr(sig, "input_tokens", None) or getattr(sig, "output_tokens", None):

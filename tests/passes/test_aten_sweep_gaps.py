@@ -145,3 +145,24 @@ def test_vmap_is_refused_at_aten_level_naming_the_function():
     site = r"torch\.vmap in `combine` \(test_aten_sweep_gaps\.py:\d+\): functorch batching"
     with pytest.raises(CannotReplay, match=site):
         lower(_capture(f, x, y))
+
+
+class ClampedCoefs(torch.nn.Module):
+    """Gemma3n's AltUp: ``self.prediction_coefs.weight.data.clamp_(-c, c)`` in training, a write into a
+    parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.prediction_coefs = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        self.prediction_coefs.weight.data.clamp_(-1.0, 1.0)
+        return self.prediction_coefs(x)
+
+
+def test_a_written_input_is_named_by_its_graph_input():
+    """The write stays refused at the ATen level; the reason names the captured graph's input (the parameter),
+    not the export's ``argN_1``."""
+    with pytest.raises(CannotReplay, match=r"writes into its input\(s\) \['l_self_modules_prediction_coefs_"
+                                           r"parameters_weight_'\]"):
+        lower(_capture(ClampedCoefs().double(), torch.randn(2, 3, dtype=torch.float64)))
