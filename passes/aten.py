@@ -16,10 +16,12 @@ spelling or a write neither knows makes the graph fall back. This module gives t
 2. :func:`respell` — every ATen op in :data:`ATEN_SPELLINGS` (a bounded table: one entry per ATen op family)
    is written as the one canonical torch-level call the rules and matchers read (``aten.slice.Tensor(x, d,
    a, b)`` → ``x[..., a:b]``, ``aten.embedding(W, ids)`` → ``F.embedding(ids, W)``, ``aten.view(x, s)`` →
-   ``x.view(*s)``); identities of the lowering (``alias``, full slices, ``lift_fresh_copy`` of a constant,
-   a ``copy`` into a value of the same shape and dtype) are dropped. An ATen op not in the table stays as
+   ``x.view(*s)``); identities of the lowering (``alias``, full slices, ``lift_fresh_copy`` of a tensor
+   constant, a ``copy`` into a value of the same shape and dtype) are dropped. An ATen op not in the table stays as
    it is: it has no rule, so the analysis materialises its token operands (exact, nothing shared past it),
-   as for any op without a rule.
+   as for any op without a rule. A zero-dimensional constant the export lifted (``_tensor_constantN``, what
+   ``torch.tensor(v)`` traces to under its ``lift_fresh_copy``) is written back as ``torch.tensor(v)``, so a
+   value made only from numbers stays a constant (GPT-Neo's mask value).
 
 The lowered graph takes the same inputs in the same order, with the placeholders' names and metadata of
 the captured graph, and returns the same outputs; the backend runs the analysis and the rewrite on it
@@ -79,10 +81,13 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
         with (fake_mode if fake_mode is not None else contextlib.nullcontext()), _functorch_layers_kept():
             lowered, sig = aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)
     except Exception as e:  # the export's own refusal (data-dependent control flow, an unsupported HOP, ...)
-        raise CannotReplay(f"the graph could not be lowered to ATen ({type(e).__name__}: "
+        site = _vmap_site(gm)
+        what = f"torch.vmap {site}: functorch batching is not traced by the pre-dispatch export; " if site else ""
+        raise CannotReplay(f"the graph could not be lowered to ATen ({what}{type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from e
-    written = [*sig.user_inputs_to_mutate.values(), *sig.buffers_to_mutate.values(),
-               *getattr(sig, "parameters_to_mutate", {}).values()]
+    by_export_name = dict(zip(sig.user_inputs, (p.name for p in placeholders)))  # the export's argN_1 -> gm's
+    written = [*(by_export_name.get(n, n) for n in sig.user_inputs_to_mutate.values()),
+               *sig.buffers_to_mutate.values(), *getattr(sig, "parameters_to_mutate", {}).values()]
     if written:
         raise CannotReplay(f"the graph writes into its input(s) {sorted(set(written))} (kept out of the ATen level)")
     if getattr(sig, "input_tokens", None) or getattr(sig, "output_tokens", None):
@@ -96,6 +101,25 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
         if index is not None:
             n.meta[checkpoints.META] = regions[index]
     return out, guards
+
+
+def _vmap_site(gm: fx.GraphModule) -> Optional[str]:
+    """``in `fn` (file:line)`` of the first function the graph runs under ``torch.vmap`` (Dynamo's
+    ``_vmap_increment_nesting`` ... ``_vmap_decrement_nesting``; HF Mamba's ``associative_scan`` in its generic
+    mode vmaps its ``combine_fn``), the innermost frame of the user's code there; None when it runs no vmap.
+    The pre-dispatch export fails on a batched value (``FunctionalTensor`` used outside its mode)."""
+    inside = False
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name == "_vmap_increment_nesting":
+            inside = True
+        elif inside and name not in ("_add_batch_dim", "lazy_load_decompositions") and n.op == "call_function":
+            frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', n.meta.get("stack_trace") or "")
+            if frames:
+                path, line, fn = frames[-1]
+                return f"in `{fn}` ({path.rsplit('/', 1)[-1]}:{line})"
+            return "in the graph"
+    return None
 
 
 def _refuse_custom_backwards(gm: fx.GraphModule) -> None:
@@ -302,6 +326,15 @@ def _factory(target) -> Respell:
     def respell(node, args, kwargs):
         kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
         return "call_function", target, args, kw
+    return respell
+
+
+def _new_filled(name: str) -> Respell:
+    """``aten.new_zeros(x, size)`` / ``new_ones`` / ``new_full(x, size, v)`` → the method ``x.new_zeros(size)``
+    (a fill in x's dtype and device unless given): layout and pin_memory dropped, dtype and device kept."""
+    def respell(node, args, kwargs):
+        kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
+        return "call_method", name, args, kw
     return respell
 
 
@@ -589,15 +622,6 @@ def _vector_norm(node, args, kwargs):
     return "call_function", torch.linalg.vector_norm, (b["self"], b["ord"], b["dim"], b["keepdim"]), kw
 
 
-def _new_filled(name: str) -> Respell:
-    """``aten.new_zeros(x, size, dtype=, device=)`` (``new_ones``, ``new_full(x, size, v)``) → ``x.new_zeros(size,
-    dtype=, device=)``: the fill in x's dtype and device unless given."""
-    def respell(node, args, kwargs):
-        kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
-        return "call_method", name, args, kw
-    return respell
-
-
 def _chain_scan(node, args, kwargs):
     """``brcompile::tree_linear_scan(a, b, arange(-1, n - 1), dim)`` with n the length of ``dim`` — the tree
     of one chain per row, what the dense ``linear_scan(a, b, dim)`` traces to (backends/scan.py) —
@@ -648,6 +672,7 @@ def _packet_table() -> dict:
             "sigmoid", "abs", "sign", "square", "reciprocal", "erf", "floor", "ceil", "round", "trunc", "relu",
             "isnan", "isinf", "isfinite", "nan_to_num", "real", "imag", "polar", "complex")},
         aten.silu: _fn(F.silu), aten.gelu: _gelu, aten.softplus: _fn(F.softplus),
+        aten.log_sigmoid: _fn(F.logsigmoid),
         aten.dropout: _dropout,
         # casts and copies
         aten.to: _to, aten._to_copy: _to, aten.type_as: _method("type_as"), aten.clone: _method("clone"),

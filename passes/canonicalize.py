@@ -1328,9 +1328,16 @@ def _number(x: Any) -> Optional[float]:
 _CONSTANT = (torch.full, torch.tensor, torch.scalar_tensor)
 
 
+#: calls whose value is their operand's: ``x.detach()``, ``x.clone()``, ``x.contiguous()`` (the ATen level's
+#: ``torch.tensor(v).detach()``)
+_SAME_VALUE = (torch.detach, "detach", torch.clone, "clone", "contiguous")
+
+
 def _constant(n: fx.Node) -> Optional[float]:
     """``v`` rounded to the node's dtype when ``n`` makes a one-element tensor of the number ``v`` (``_CONSTANT``),
-    else None."""
+    through calls that keep their operand's value (``_SAME_VALUE``), else None."""
+    while _call_in(n, _SAME_VALUE) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
     t = _tensor(n)
     if n.op != "call_function" or n.target not in _CONSTANT or t is None or not t.is_floating_point() \
             or t.numel() != 1:
