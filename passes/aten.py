@@ -44,7 +44,7 @@ from brcompile.backends.scan import linear_scan
 from brcompile.passes import checkpoint as checkpoints
 from brcompile.passes import linear_scans
 from brcompile.passes.axes import CannotReplay, example_value
-from brcompile.passes.functionalize import writes_inverse_permutation
+from brcompile.passes.functionalize import functionalize, writes_inverse_permutation
 from brcompile.passes.guards import scalar_equals
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,23 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
         missing = next(p.name for p, f in zip(placeholders, fakes) if f is None)
         raise CannotReplay(f"the ATen level needs the example value of every input; `{missing}` has none")
     fake_mode = detect_fake_mode(fakes)
-    try:
+
+    def export(g: fx.GraphModule):
         with (fake_mode if fake_mode is not None else contextlib.nullcontext()), _functorch_layers_kept():
-            lowered, sig = aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)
+            return aot_export_module(g, fakes, trace_joint=False, pre_dispatch=True)
+
+    try:
+        try:
+            lowered, sig = export(gm)
+        except Exception:
+            # The export refuses some writes the Dynamo level proves pure (an in-place op on what a dropout at
+            # p = 0 returned: "cannot mutate tensors with frozen storage", XLM's ``tensor *= mask``): once more
+            # with them made out of place (passes/functionalize.py), when there are any.
+            pure = functionalize(gm)
+            if pure is gm:
+                raise
+            lowered, sig = export(pure)
+            gm = pure
     except Exception as e:  # the export's own refusal (data-dependent control flow, an unsupported HOP, ...)
         site = _vmap_site(gm)
         what = f"torch.vmap {site}: functorch batching is not traced by the pre-dispatch export; " if site else ""

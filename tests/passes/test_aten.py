@@ -506,3 +506,25 @@ def test_random_draw_over_token_values_is_refused_at_the_aten_level():
     torch.compile(grpo_loss, backend=be)(model, *grpo_args(batch, 0.2, True))
     rec, = be.records
     assert not rec.rewritten and "random draw exponential_ (aten.exponential.default)" in rec.reason, rec.reason
+
+
+class DropoutThenWrite(Tiny):
+    def mix(self, q):
+        q = F.dropout(q, p=0.0, training=True)  # returns its input at p = 0
+        q *= 2.0  # XLM's ``tensor *= mask`` after its dropout
+        return q
+
+
+def test_a_write_the_export_refuses_is_made_pure_first():
+    """The export refuses an in-place op on what a dropout at p = 0 returned ("cannot mutate tensors with frozen
+    storage"); the lowering retries with the Dynamo level's proof of pure writes (passes/functionalize.py) and the
+    graph replays at the ATen level, exactly."""
+    model = _model(DropoutThenWrite)
+    model.train()
+    be, (ref, gref), (out, gout) = _run(model, level="aten")
+    rec = be.records[0]
+    assert rec.rewritten and rec.level == "aten", rec.reason
+    assert_replayed()
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
