@@ -167,10 +167,9 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
              and n.args[0] in placeholders]
     if not items or example_inputs is None:
         return gm, []
-    graph = fx.Graph()
     env: dict = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new = _graph_copy(gm, env)
+    graph = new.graph
     guards = []
     for n in items:
         pos = placeholders.index(n.args[0])
@@ -189,9 +188,10 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
 _CKPT_KEY = "br_ckpt_region"
 
 
-def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+def _graph_copy(gm: fx.GraphModule, env: Optional[dict] = None) -> fx.GraphModule:
+    """A copy of ``gm`` (same attributes, a new graph); ``env`` receives old node -> new node."""
     graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.output(graph.graph_copy(gm.graph, {} if env is None else env))
     return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
@@ -334,21 +334,13 @@ def _method(name: str, star: bool = False, keep: tuple = ()) -> Respell:
     return respell
 
 
-def _factory(target) -> Respell:
-    """A factory (``arange``, ``zeros``, ``full``, ``*_like``, ``scalar_tensor``): layout and pin_memory dropped
-    (the defaults: strided, unpinned), dtype and device kept."""
+def _factory(target, op: str = "call_function") -> Respell:
+    """A factory (``arange``, ``zeros``, ``full``, ``*_like``, ``scalar_tensor``; with ``op="call_method"`` the
+    methods ``x.new_zeros(size)`` / ``new_ones`` / ``new_full(size, v)``, a fill in x's dtype and device unless
+    given): layout and pin_memory dropped (the defaults: strided, unpinned), dtype and device kept."""
     def respell(node, args, kwargs):
         kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
-        return "call_function", target, args, kw
-    return respell
-
-
-def _new_filled(name: str) -> Respell:
-    """``aten.new_zeros(x, size)`` / ``new_ones`` / ``new_full(x, size, v)`` → the method ``x.new_zeros(size)``
-    (a fill in x's dtype and device unless given): layout and pin_memory dropped, dtype and device kept."""
-    def respell(node, args, kwargs):
-        kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
-        return "call_method", name, args, kw
+        return op, target, args, kw
     return respell
 
 
@@ -730,8 +722,8 @@ def _packet_table() -> dict:
         aten.full: _factory(torch.full), aten.scalar_tensor: _factory(torch.scalar_tensor),
         aten.zeros_like: _factory(torch.zeros_like), aten.ones_like: _factory(torch.ones_like),
         aten.full_like: _factory(torch.full_like), aten.empty_like: _factory(torch.empty_like),
-        aten.new_zeros: _new_filled("new_zeros"), aten.new_ones: _new_filled("new_ones"),
-        aten.new_full: _new_filled("new_full"),
+        aten.new_zeros: _factory("new_zeros", "call_method"), aten.new_ones: _factory("new_ones", "call_method"),
+        aten.new_full: _factory("new_full", "call_method"),
         aten.tril: _fn(torch.tril), aten.triu: _fn(torch.triu),
         # the aliases torch keeps as ATen ops of their own (torch.concatenate, torch.swapaxes, torch.multiply, ...)
         aten.concatenate: _fn(torch.cat), aten.concat: _fn(torch.cat), aten.swapaxes: _method("transpose"),

@@ -141,7 +141,7 @@ from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace,
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
 from brcompile.passes.masks import ancestors
 from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
-from brcompile.passes.spellings import is_op, spellings
+from brcompile.passes.spellings import is_op, op_name as _op_name, spellings
 
 log = logging.getLogger(__name__)
 
@@ -625,11 +625,6 @@ def _batch_operands(c: fx.Node) -> list[fx.Node]:
                 for p in ancestors(a)):
             out.append(a)
     return out
-
-
-def _op_name(n: fx.Node) -> str:
-    t = n.target
-    return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
 
 
 def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Optional[float]]] = None

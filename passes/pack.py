@@ -35,7 +35,7 @@ from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import PER_TOKEN, SDPA
-from brcompile.passes.spellings import is_op
+from brcompile.passes.spellings import is_op, op_name
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
 
@@ -285,11 +285,11 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     unpacked = f"no scaled_dot_product_attention in the graph and nothing packed (it runs unchanged){left}"
     ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     if all(n.target in _CHEAP for n in ops):  # hidden.reshape(-1, D) alone between two graph breaks
-        what = ", ".join(dict.fromkeys(_op_name(n) for n in ops)) or "nothing"
+        what = ", ".join(dict.fromkeys(op_name(n) for n in ops)) or "nothing"
         raise NothingToShare(f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
                              f"compute")
     if not any(_float_arithmetic(n) for n in ops):  # a mask built from [B, L] metadata; a sort of routing keys
-        what = ", ".join(dict.fromkeys(_op_name(n) for n in ops
+        what = ", ".join(dict.fromkeys(op_name(n) for n in ops
                                        if n.target not in _CHEAP and n.target not in _MOVES))
         raise NothingToShare(f"{nothing}: the graph computes no floating-point value (integer and boolean "
                              f"bookkeeping only: {what}; floating-point values are only viewed, cast or indexed): "
@@ -361,10 +361,6 @@ def _read_as_weight(p: fx.Node, depth: int = 0) -> bool:
 #: ops that move floating-point values without computing on them (with :data:`_CHEAP`)
 _MOVES = {"flatten", "index_select", "gather", "take", "take_along_dim", "clone", torch.flatten, torch.index_select,
           torch.gather, torch.take, torch.take_along_dim, torch.clone}
-
-
-def _op_name(n: fx.Node) -> str:
-    return getattr(n.target, "__name__", str(n.target))
 
 
 def _float_arithmetic(n: fx.Node) -> bool:

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["FAMILIES", "family_of", "is_op", "spellings", "target_name"]
+__all__ = ["FAMILIES", "family_of", "is_op", "op_name", "spellings", "target_name"]
 
 _nn = torch._C._nn
 
@@ -126,6 +126,13 @@ def family_of(node: Any) -> Optional[str]:
 def is_op(node: Any, *families: str) -> bool:
     """Whether ``node`` is a call of one of ``families`` (any spelling)."""
     return family_of(node) in families
+
+
+def op_name(node: fx.Node) -> str:
+    """The short name of a node's target (``mul``, ``view``, ``softmax``): a method's name, a function's
+    ``__name__``."""
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
 
 
 def target_name(node: fx.Node) -> str:
