@@ -405,10 +405,12 @@ def test_multiplicative_mask_that_is_not_a_mask_is_refused(scale, fill, reason):
     assert reason in fallback_reasons(EagerLM(lambda q, k, v, c: openai_gpt(q, k, v, c, scale, fill)))
 
 
-def single_head_3d(q, k, v, causal):
-    """A softmax over ``q @ k^T`` of [B, L, D] values (no head dim): no attention spelling this backend matches."""
+def single_head_3d(q, k, v, causal, bias=None):
+    """A softmax over ``q @ k^T`` (plus ``bias``, when given) of [B, L, D] values (no head dim): no attention
+    spelling this backend matches."""
     q3, k3, v3 = (t[:, 0] for t in (q, k, v))
-    s = torch.matmul(q3, k3.transpose(1, 2)).masked_fill(~causal, float("-inf"))
+    s = torch.matmul(q3, k3.transpose(1, 2))
+    s = (s if bias is None else s + bias).masked_fill(~causal, float("-inf"))
     return (F.softmax(s, dim=-1) @ v3).unsqueeze(1).expand(-1, H, -1, -1)
 
 
@@ -423,10 +425,7 @@ def test_unrecognised_attention_is_named():
 def single_head_3d_with_cumsum(q, k, v, causal):
     """:func:`single_head_3d` with a per-key bias from a ``cumsum`` of the mask (a scan the token ids do not feed,
     as ProphetNet's position buckets)."""
-    bias = causal.to(q.dtype).cumsum(-1)[None] * 1e-3
-    q3, k3, v3 = (t[:, 0] for t in (q, k, v))
-    s = (torch.matmul(q3, k3.transpose(1, 2)) + bias).masked_fill(~causal, float("-inf"))
-    return (F.softmax(s, dim=-1) @ v3).unsqueeze(1).expand(-1, H, -1, -1)
+    return single_head_3d(q, k, v, causal, bias=causal.to(q.dtype).cumsum(-1)[None] * 1e-3)
 
 
 def test_unrecognised_attention_is_named_in_a_graph_with_scans():
