@@ -26,8 +26,14 @@ float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
 
 Attention sinks (``sinks`` [Hq], or [Hq, n] per chunk query) are merged once, after both parts
 (``ops.sink_merge``), and their gradient is ``ops.sink_grad`` of the merged out and lse, as for the uncached
-op. ALiBi is not supported against a cached prefix (``TreeAttentionError``; the streaming split refuses such
-graphs, packed mode runs them).
+op. Position biases need the cache's positions ``cache_position`` [P] (as a window does) and run the cross pairs
+as explicit math with the bias of each (chunk query q, cached key k):
+
+    ALiBi (constant ``alibi`` or trainable ``slopes`` m):  m[h] * (cache_position[k] - position[q])
+    relative bias (the chunk queries' table R [Hq, n, E]):  R[h, q, min(position[q] - cache_position[k], E - 1)]
+
+their gradients (``dslopes`` = sum over pairs of dS * distance, ``drelbias`` = dS summed per distance bucket) are
+the chunk part's plus the cross part's, both from the merged out and lse.
 """
 from __future__ import annotations
 
@@ -57,8 +63,8 @@ USE_CPU_FLASH = True
 
 
 def _flash(a: TreeAttentionArgs) -> bool:
-    """Whether the cross pairs of ``a`` run through the CPU flash kernel (CPU, no soft-cap)."""
-    return a.q.device.type == "cpu" and USE_CPU_FLASH and not a.softcap
+    """Whether the cross pairs of ``a`` run through the CPU flash kernel (CPU, no soft-cap, no position bias)."""
+    return a.q.device.type == "cpu" and USE_CPU_FLASH and not (a.softcap or a.has_alibi or a.relbias is not None)
 
 
 def cross_calls(cross: Tensor, cache_valid: Tensor, max_keys: Optional[int] = None) -> list:
@@ -110,9 +116,9 @@ class CachedPrefix:
             raise TreeAttentionError(f"tree_attention_cached: cross must be int64 [C, 4], got {self.cross.dtype} "
                                      f"{tuple(self.cross.shape)}")
         check_window(a.window, self.cache_position, k_cache.shape[1])
-        if a.has_alibi:
-            raise TreeAttentionError("tree_attention_cached: ALiBi position biases are not supported against a cached "
-                                     "prefix")
+        if (a.has_alibi or a.relbias is not None) and self.cache_position is None:
+            raise TreeAttentionError("tree_attention_cached: a position bias (ALiBi, relbias) needs the cache's "
+                                     "positions (cache_position)")
         return self
 
     def pieces(self, a: TreeAttentionArgs) -> list:
@@ -146,8 +152,10 @@ def _cross_forward(a: TreeAttentionArgs, c: CachedPrefix, out: Tensor, lse: Tens
     """Merge every cross piece's (out_i, lse_i) into (out, lse)."""
     from brcompile.backends.cpu import _flash_fwd, _group_kv, _merge_safe, additive_mask, math_forward
 
-    g = a.q.shape[0] // c.k_cache.shape[0]
-    qg = a.q.unflatten(0, (c.k_cache.shape[0], g))
+    hkv = c.k_cache.shape[0]
+    g = a.q.shape[0] // hkv
+    qg = a.q.unflatten(0, (hkv, g))
+    slopes = a.alibi_slopes()
     for pc in c.pieces(a):
         qs = slice(pc.q0, pc.q1)
         kg, vg = _group_kv(c.k_cache, pc, g), _group_kv(c.v_cache, pc, g)
@@ -156,7 +164,7 @@ def _cross_forward(a: TreeAttentionArgs, c: CachedPrefix, out: Tensor, lse: Tens
                               scale=a.scale)
         else:
             o, l = math_forward(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), vg.to(lse.dtype), pc.seen, a.scale,
-                                a.softcap)
+                                a.softcap, _cross_bias(a, c, slopes, pc, hkv))
         o, l = o.flatten(0, 1), l.flatten(0, 1)
         if pc.empty_rows is not None:
             e = pc.empty_rows.to(o.device)
@@ -164,16 +172,38 @@ def _cross_forward(a: TreeAttentionArgs, c: CachedPrefix, out: Tensor, lse: Tens
         _merge_safe(out[:, qs], lse[:, qs], o, l)
 
 
+def _cross_bias(a: TreeAttentionArgs, c: CachedPrefix, slopes: Optional[Tensor], pc, hkv: int) -> Optional[Tensor]:
+    """The position bias of cross piece ``pc`` (chunk queries against cached keys), [Hkv, g, nq, nk] in the
+    accumulation dtype, or None: ALiBi ``m[h] * (cache_position[k] - position[q])`` plus the relative bias
+    ``R[h, q, min(position[q] - cache_position[k], E - 1)]`` (module docstring)."""
+    from brcompile.backends.cpu import piece_bias
+    from brcompile.backends.reference import relative_bias
+
+    if slopes is None and a.relbias is None:
+        return None
+    qpos, kpos = a.position.cpu()[pc.q0:pc.q1], c.cache_position.cpu()[pc.k0:pc.k1]
+    bias = None if slopes is None else piece_bias(slopes, qpos, kpos, hkv, a.lse_dtype)
+    if a.relbias is not None:
+        rel = relative_bias(a.relbias[:, pc.q0:pc.q1].to(a.lse_dtype), qpos, kpos).unflatten(0, (hkv, -1))
+        bias = rel if bias is None else bias + rel
+    return bias
+
+
 def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out: Tensor, lse: Tensor,
-                    dq: Tensor, dk: Tensor, dv: Tensor) -> None:
-    """Accumulate the cross pieces' (dq, dk_cache, dv_cache) with the merged out and lse (a row that sees
-    nothing at all gets lse = +inf, so every p of it is 0)."""
+                    dq: Tensor, dk: Tensor, dv: Tensor, drel: Optional[Tensor] = None,
+                    dslopes: Optional[Tensor] = None) -> None:
+    """Accumulate the cross pieces' (dq, dk_cache, dv_cache), and the position biases' gradients into ``drel``
+    [Hq, n, E] and ``dslopes`` [Hq] when given, with the merged out and lse (a row that sees nothing at all gets
+    lse = +inf, so every p of it is 0)."""
     from brcompile.backends.cpu import _flash_bwd, _group_kv, additive_mask, math_backward
+    from brcompile.backends.ops import slopes_grad
+    from brcompile.backends.reference import relative_bias_grad
 
     hkv = c.k_cache.shape[0]
     g = a.q.shape[0] // hkv
     qg, gog, outg = (t.unflatten(0, (hkv, g)) for t in (a.q, grad_out.to(a.q.dtype), out))
     lseg = lse.masked_fill(torch.isneginf(lse), float("inf")).unflatten(0, (hkv, g))
+    slopes = a.alibi_slopes()
     for pc in c.pieces(a):
         qs, ks = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
         kg, vg = _group_kv(c.k_cache, pc, g), _group_kv(c.v_cache, pc, g)
@@ -182,17 +212,27 @@ def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out
                                     False, attn_mask=additive_mask(pc.seen, a.q.dtype), scale=a.scale)
         else:
             acc = lse.dtype
-            gq, gk, gv = math_backward(gog[:, :, qs].to(acc), qg[:, :, qs].to(acc), kg.to(acc), vg.to(acc),
-                                       outg[:, :, qs].to(acc), lseg[:, :, qs], pc.seen, a.scale, a.softcap)
+            gq, gk, gv, *ds = math_backward(gog[:, :, qs].to(acc), qg[:, :, qs].to(acc), kg.to(acc), vg.to(acc),
+                                            outg[:, :, qs].to(acc), lseg[:, :, qs], pc.seen, a.scale, a.softcap,
+                                            _cross_bias(a, c, slopes, pc, hkv),
+                                            score_grad=drel is not None or dslopes is not None)
+            if ds:
+                qpos, kpos = a.position.cpu()[qs], c.cache_position.cpu()[ks]
+                if drel is not None:
+                    drel[:, qs] += relative_bias_grad(ds[0].flatten(0, 1), qpos, kpos, drel.shape[-1])
+                if dslopes is not None:
+                    dslopes += slopes_grad(ds[0].flatten(0, 1), qpos, kpos)
         dq[:, qs] += gq.flatten(0, 1).to(dq.dtype)
         dk[:, ks] += gk.sum(1, dtype=dk.dtype)
         dv[:, ks] += gv.sum(1, dtype=dv.dtype)
 
 
 def _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
-               cache_position, softcap, alibi=None, sinks=None) -> tuple[TreeAttentionArgs, CachedPrefix]:
+               cache_position, softcap, alibi=None, sinks=None, relbias=None,
+               slopes=None) -> tuple[TreeAttentionArgs, CachedPrefix]:
     """The op's arguments (but ``impl``) as (chunk args, cached prefix), checked."""
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks).check()
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias,
+                          slopes).check()
     return a, CachedPrefix(k_cache, v_cache, cache_valid, cross, cache_position).check(a)
 
 
@@ -201,10 +241,11 @@ def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tens
                        k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor, scale: float,
                        impl: str, window: int = 0, position: Optional[Tensor] = None,
                        cache_position: Optional[Tensor] = None, softcap: float = 0.0,
-                       alibi: Optional[list[float]] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       alibi: Optional[list[float]] = None, sinks: Optional[Tensor] = None,
+                       relbias: Optional[Tensor] = None, slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out [Hq, n, D], lse [Hq, n]) over the chunk's own tree keys and its cached prefix keys (and the sinks)."""
     a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
-                      cache_position, softcap, alibi, sinks)
+                      cache_position, softcap, alibi, sinks, relbias, slopes)
     a = a.without_sinks()
     out_t, lse_t = impl_for(impl, a).forward(a)
     out, lse = out_t.to(a.lse_dtype).contiguous(), lse_t.to(a.lse_dtype).contiguous()
@@ -216,9 +257,10 @@ def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tens
 
 @_cached_forward_op.register_fake
 def _cached_forward_fake(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl,
-                         window=0, position=None, cache_position=None, softcap=0.0, alibi=None, sinks=None):
+                         window=0, position=None, cache_position=None, softcap=0.0, alibi=None, sinks=None,
+                         relbias=None, slopes=None):
     a, _ = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
-                      cache_position, softcap, alibi, sinks)
+                      cache_position, softcap, alibi, sinks, relbias, slopes)
     ATTENTION_IMPLS.check_name(impl)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=a.lse_dtype)
 
@@ -230,32 +272,42 @@ def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                         impl: str, window: int = 0, position: Optional[Tensor] = None,
                         cache_position: Optional[Tensor] = None,
                         softcap: float = 0.0, alibi: Optional[list[float]] = None,
-                        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dk_cache, dv_cache): each part's backward with the merged out and lse (sinks merged in)."""
+                        sinks: Optional[Tensor] = None, relbias: Optional[Tensor] = None,
+                        slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                  Tensor]:
+    """(dq, dk, dv, dk_cache, dv_cache, drelbias, dslopes): each part's backward with the merged out and lse
+    (sinks merged in); ``drelbias`` and ``dslopes`` sum both parts (empty tensors without them)."""
     a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
-                      cache_position, softcap, alibi, sinks)
+                      cache_position, softcap, alibi, sinks, relbias, slopes)
     a = a.without_sinks()
-    dq, dk, dv = impl_for(impl, a).backward(a, grad_out, out, lse)
+    dq, dk, dv, *extra = impl_for(impl, a).backward(a, grad_out, out, lse)
     acc = a.lse_dtype
     dq = dq.to(acc).contiguous()
     dkc = torch.zeros(k_cache.shape, dtype=acc, device=q.device)
     dvc = torch.zeros(v_cache.shape, dtype=acc, device=q.device)
-    _cross_backward(a, c, grad_out, out, lse.to(acc), dq, dkc, dvc)
-    return dq.to(q.dtype), dk, dv, dkc.to(k_cache.dtype), dvc.to(v_cache.dtype)
+    drel = None if relbias is None else extra.pop(0).to(acc).contiguous()
+    dslopes = None if slopes is None else extra.pop(0).to(acc).contiguous()
+    _cross_backward(a, c, grad_out, out, lse.to(acc), dq, dkc, dvc, drel, dslopes)
+    drel = q.new_empty(0) if drel is None else drel.to(relbias.dtype)
+    dslopes = q.new_empty(0) if dslopes is None else dslopes.to(slopes.dtype)
+    return dq.to(q.dtype), dk, dv, dkc.to(k_cache.dtype), dvc.to(v_cache.dtype), drel, dslopes
 
 
 @_cached_backward_op.register_fake
 def _cached_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, k_cache, v_cache, cache_valid,
                           cross, scale, impl, window=0, position=None, cache_position=None, softcap=0.0,
-                          alibi=None, sinks=None):
+                          alibi=None, sinks=None, relbias=None, slopes=None):
+    drel = q.new_empty(0) if relbias is None else relbias.new_empty(relbias.shape)
+    dslopes = q.new_empty(0) if slopes is None else slopes.new_empty(slopes.shape)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), k_cache.new_empty(k_cache.shape),
-            v_cache.new_empty(v_cache.shape))
+            v_cache.new_empty(v_cache.shape), drel, dslopes)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl, window, position,
-     cache_position, softcap, alibi, sinks) = inputs
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks)
+     cache_position, softcap, alibi, sinks, relbias, slopes) = inputs
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias,
+                          slopes)
     a.save_for_backward(ctx, *output, k_cache, v_cache, cache_valid, cross, cache_position)
     ctx.impl = impl
     ctx.mark_non_differentiable(output[1])
@@ -263,31 +315,39 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     a, (out, lse, k_cache, v_cache, cache_valid, cross, cache_position) = TreeAttentionArgs.saved(ctx)
-    dq, dk, dv, dkc, dvc = torch.ops.brcompile.tree_attention_cached_backward(
+    dq, dk, dv, dkc, dvc, drel, dslopes = torch.ops.brcompile.tree_attention_cached_backward(
         grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, k_cache, v_cache, cache_valid, cross, a.scale,
-        ctx.impl, a.window, a.position, cache_position, a.softcap, a.alibi, a.sinks)
+        ctx.impl, a.window, a.position, cache_position, a.softcap, a.alibi, a.sinks, a.relbias, a.slopes)
     dsinks = sink_grad(grad_out, out, lse, a.sinks) if a.sinks is not None and ctx.needs_input_grad[17] else None
-    return dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None, None, None, dsinks
+    drel = drel if a.relbias is not None and ctx.needs_input_grad[18] else None
+    dslopes = dslopes if a.slopes is not None and ctx.needs_input_grad[19] else None
+    return (dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None, None, None, dsinks,
+            drel, dslopes)
 
 
 torch.library.register_autograd("brcompile::tree_attention_cached_forward", _backward,
                                 setup_context=_setup_context)
-# SDPA's autocast policy (backends/ops.py): q, k, v and the cached K/V cast to the autocast dtype
-register_lower_precision_autocast("brcompile::tree_attention_cached_forward")
+# SDPA's autocast policy (backends/ops.py): q, k, v and the cached K/V cast to the autocast dtype (the trainable
+# slopes kept, as for tree_attention_forward)
+register_lower_precision_autocast("brcompile::tree_attention_cached_forward", keep=("slopes",))
 
 
 def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor, v_cache: Tensor,
                           cache_valid: Tensor, cross: Tensor, scale: float, impl: str = "auto", window: int = 0,
                           position: Optional[Tensor] = None, cache_position: Optional[Tensor] = None,
-                          softcap: float = 0.0, sinks: Optional[Tensor] = None) -> Tensor:
+                          softcap: float = 0.0, sinks: Optional[Tensor] = None,
+                          alibi: Optional[list[float]] = None, relbias: Optional[Tensor] = None,
+                          slopes: Optional[Tensor] = None) -> Tensor:
     """Out [Hq, n, D] of a chunk's queries over its own tree (``tree``: (end, valid, segments)) and the
     cached prefix K/V through ``cross`` (see the module docstring); ``window`` > 0 with the chunk's and the
-    cache's positions: HF's sliding window; ``sinks``: [Hq] sink logits. Differentiable in q, k, v, the cache
-    and the sinks."""
+    cache's positions: HF's sliding window; ``sinks``: [Hq] sink logits; ``alibi`` / ``slopes`` / ``relbias``:
+    the position biases of :func:`brcompile.backends.ops.tree_attention` over the chunk's and the cache's
+    positions. Differentiable in q, k, v, the cache, the sinks, the relative bias and the slopes."""
     end, valid, segments = tree
+    constants = None if alibi is None else [float(m) for m in alibi]
     return torch.ops.brcompile.tree_attention_cached_forward(
         q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, float(scale), impl, window, position,
-        cache_position, float(softcap), None, sinks)[0]
+        cache_position, float(softcap), constants, sinks, relbias, slopes)[0]
 
 
 def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:

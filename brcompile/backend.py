@@ -272,14 +272,15 @@ class BranchReplayBackend:
 
         split = split_for_replay(packed, example_args)
         graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
-                             tuple(d for _, d in split.frontier), 2 * len(split.cached) + len(split.cached_scans),
+                             tuple(d for _, d in split.frontier),
+                             2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),
                              split.scan_depth)
         split.outer.replay_trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
         streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,
                                       self._compile(split.outer, opts), split.outer.replay_trunk)
         info = dict(trunk_nodes=split.trunk_nodes, ext_inputs=split.ext_inputs,
                     frontier=tuple(f"{n} (token dim {d})" for n, d in split.frontier), cached=split.cached,
-                    cached_scans=split.cached_scans,
+                    cached_scans=split.cached_scans, cached_positions=split.cached_positions,
                     bytes_per_token=split.bytes_per_token, chunk_tokens=opts.chunk_tokens,
                     memory_budget=opts.memory_budget, mode=opts.mode,
                     prefix_code=split.prefix.code, tail_code=split.tail.code, outer_code=split.outer.code)

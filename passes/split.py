@@ -84,6 +84,7 @@ class ReplaySplit:
     bytes_per_token: int  # bytes per packed token of the trunk's non-view values (a bound on what is saved)
     cached_scans: tuple[str, ...] = ()  # tree scans whose prefix values the prefix caches (_scan_cache)
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (the chunks' ``ancestors`` rows)
+    cached_positions: tuple[str, ...] = ()  # attention positions other than the tree's, cached (_cached_positions)
 
 
 def _token_dims(val, n) -> list[int]:
@@ -165,13 +166,31 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
         if a.args[4] not in (tok_nodes.valid, tok_nodes.all_valid):
             raise CannotReplay("streaming replay: an attention's key validity is not a tree array", a)
     dims = tuple(_token_dims(n.meta["val"], n_sym)[0] for n in frontier)
-    prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, cached=False)
-    tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, cached=True)
+    positions = _cached_positions(attentions, tok_nodes, trunk_set)
+    prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=False)
+    tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=True)
     outer = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
     return ReplaySplit(outer, prefix, tail, tuple(n.name for n in ext),
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
-                       max((_scan_depth(n) for n in scans), default=0))
+                       max((_scan_depth(n) for n in scans), default=0), cached_positions=tuple(p.name for p in positions))
+
+
+def _cached_positions(attentions: Sequence[fx.Node], tok_nodes, trunk_set) -> list[fx.Node]:
+    """The position arguments of the attentions (window, ALiBi, relative bias) that are trunk values other
+    than the tree's positions — BLOOM's ALiBi over ``count(attention_mask)`` at each token —, each once: the
+    prefix outputs them and a chunk's cross pairs read the cached keys' positions from them (the tree's own
+    positions reach the tail as ``cache_position``)."""
+    found = {}
+    for a in attentions:
+        p = attention_extras(a.args)[1]
+        if p is None or p is tok_nodes.position:
+            continue
+        if p not in trunk_set:  # not a per-token value of the trunk: the prefix could not give its cached rows
+            raise CannotReplay(f"streaming replay: the attention's positions {p.name} are not computed per token "
+                               f"from the tree arrays (the packed mode runs)", a)
+        found[p] = None
+    return list(found)
 
 
 def _scan_depth(scan: fx.Node) -> int:
@@ -219,9 +238,11 @@ def _scan_cache(scan: fx.Node) -> fx.Node:
     return scan.args[0] if scan.target is _CONV else scan
 
 
-def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, *, cached: bool) -> fx.GraphModule:
+def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, *,
+                 cached: bool) -> fx.GraphModule:
     """The trunk as a graph of (*ext, *token arrays[, *cache, cache_valid, cache_all_valid, cross,
-    cache_position, cache_ancestors]); the cache is every attention's K and V, then one value per scan."""
+    cache_position, cache_ancestors]); the cache is every attention's K and V, then one value per scan, then
+    the attentions' ``positions`` that are not the tree's (:func:`_cached_positions`)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in ext:
@@ -231,6 +252,7 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, *, 
     if cached:
         cache = {a: (g.placeholder(f"cache_k_{a.name}"), g.placeholder(f"cache_v_{a.name}")) for a in attentions}
         scan_cache = {n: g.placeholder(f"cache_{n.name}") for n in scans}
+        pos_cache = {p: g.placeholder(f"cache_pos_{p.name}") for p in positions}
         cache_valid = {tok_nodes.valid: g.placeholder("cache_valid"),
                        tok_nodes.all_valid: g.placeholder("cache_all_valid")}
         cross = g.placeholder("cross")
@@ -245,19 +267,19 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, *, 
             kc, vc = cache[n]
             args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
                     scale, impl)
-            if window and position is not tok_nodes.position:
-                raise CannotReplay("streaming replay: a windowed attention's positions are not the tree's", n)
             alibi, sinks = attention_scores_extras(n.args)
-            if alibi or attention_slopes(n.args) is not None:
-                raise CannotReplay("streaming replay: ALiBi position biases are not supported against a cached prefix "
-                                   "(the packed mode runs)", n)
-            if attention_relbias(n.args) is not None:
-                raise CannotReplay("streaming replay: relative biases (a per-query-token table over the query-key "
-                                   "distance) are not supported against a cached prefix (the packed mode runs)", n)
-            if window or softcap or sinks is not None:
-                args += (window, env[position] if window else None, cache_position if window else None, softcap)
-            if sinks is not None:
-                args += (None, env[sinks])
+            relbias, slopes = attention_relbias(n.args), attention_slopes(n.args)
+            if position is not None:  # the cache's positions: the tree's, or the prefix's value of the same node
+                cpos = cache_position if position is tok_nodes.position else pos_cache[position]
+                args += (window, env[position], cpos, softcap)
+            elif softcap or sinks is not None:
+                args += (window, None, None, softcap)
+            if alibi or sinks is not None or relbias is not None or slopes is not None:  # as in the packed call
+                args += (alibi, None if sinks is None else env[sinks])
+            if relbias is not None or slopes is not None:
+                args += (None if relbias is None else env[relbias],)
+            if slopes is not None:
+                args += (env[slopes],)
             new = g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default, args)
         else:
             new = g.node_copy(n, lambda a: env[a])
@@ -267,6 +289,7 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, *, 
     if not cached:
         outs += [env[x] for a in attentions for x in (a.args[1], a.args[2])]
         outs += [env[_scan_cache(n)] for n in scans]
+        outs += [env[p] for p in positions]
     g.output(tuple(outs))
     g.lint()
     gm = fx.GraphModule(packed, g, class_name="ReplayTail" if cached else "ReplayPrefix")

@@ -169,7 +169,7 @@ class TrunkGraphs:
     tail: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments, *cache, cache_valid,
     #                 cache_all_valid, cross, cache_position, cache_ancestors) -> (*frontier)
     frontier_dims: tuple[int, ...]  # the token dim of each frontier output
-    n_cached: int  # number of cached tensors (2 per attention: K and V; 1 per tree scan)
+    n_cached: int  # number of cached tensors (2 per attention: K and V; 1 per tree scan; 1 per cached position)
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (Chunk.ancestors' rows)
 
 

@@ -384,7 +384,8 @@ class ExplainReport:
             budget = "-" if r["memory_budget"] is None else fmt_bytes(r["memory_budget"])
             rows.append([str(g.graph_id), r["mode"], str(r["trunk_nodes"]),
                          "\n".join([f"K/V of {a}" for a in r["cached"]]
-                                   + [f"prefix values of {s}" for s in r.get("cached_scans", ())]),
+                                   + [f"prefix values of {s}" for s in r.get("cached_scans", ())]
+                                   + [f"positions {p}" for p in r.get("cached_positions", ())]),
                          "\n".join(r["frontier"]),
                          fmt_bytes(r["bytes_per_token"]), str(r["chunk_tokens"]), budget])
         tables = [Table("streaming replay: prefix graph (shared segments, records the cached K/V and scan values) + tail graph "

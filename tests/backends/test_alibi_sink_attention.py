@@ -265,14 +265,37 @@ def test_cached_with_sinks_matches_uncached():
     assert_cached_matches_uncached(tree, q, k, v, sinks, lambda t: sinks)
 
 
-def test_cached_refuses_alibi():
+def test_cached_alibi_with_sinks_matches_uncached():
+    """ALiBi and sinks together against a cached prefix (BLOOM-style slopes with GPT-OSS-style sinks): the cross
+    pairs carry the bias over the chunk's and the cache's positions, the sinks merge once after both parts."""
     from brcompile.backends.cached import tree_attention_cached
+    from brcompile.runtime.streaming import plan_replay
 
     ids, am = batch(9, False)
     tree = build_tree(ids, attention_mask=am)
     q, k, v = qkv(tree.stats.executed_tokens)
-    cross = torch.zeros(0, 4, dtype=torch.long)
-    with pytest.raises(TreeAttentionError, match="ALiBi"):
-        torch.ops.brcompile.tree_attention_cached_forward(
-            q, k, v, tree.end, tree.valid, tree.segments, k, v, tree.valid, cross, 0.4, "cpu", 0, tree.position,
-            tree.position, 0.0, SLOPES, None)
+    sinks = sinks_param()
+    want = tree_attention(q, k, v, tree, scale=0.4, impl="reference", alibi=SLOPES, sinks=sinks)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
+    gwant = torch.autograd.grad((want * w).sum(), (q, k, v, sinks))
+    plan = plan_replay(tree.end, tree.segments, chunk_tokens=4)
+    pre = plan.prefix_ids
+    kc, vc, pv, ppos = k[:, pre], v[:, pre], tree.valid[pre], tree.position[pre]
+    got = torch.zeros_like(want)
+    loss = 0
+    assert plan.chunks and plan.prefix_tokens
+    for ch in plan.chunks:
+        t = ch.ids
+        o = tree_attention_cached(q[:, t], k[:, t], v[:, t], (ch.end, tree.valid[t], ch.segments), kc, vc, pv,
+                                  ch.cross, 0.4, impl="cpu", position=tree.position[t], cache_position=ppos,
+                                  sinks=sinks, alibi=SLOPES)
+        got[:, t] = o.detach()
+        loss = loss + (o * w[:, t]).sum()
+    po = tree_attention(q[:, pre], kc, vc, (plan.prefix_end, pv, plan.prefix_segments), scale=0.4, impl="cpu",
+                        position=ppos, alibi=SLOPES, sinks=sinks)
+    got[:, pre] = po.detach()
+    loss = loss + (po * w[:, pre]).sum()
+    ggot = torch.autograd.grad(loss, (q, k, v, sinks))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip(["q", "k", "v", "sinks"], ggot, gwant):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")

@@ -41,18 +41,22 @@ def nested_batch(seed: int, pad: bool):
     return ids, mask
 
 
-def streamed(q, k, v, tree, chunk_tokens, impl, window=0, softcap=0.0):
-    """out [Hq, N, D] assembled from the prefix run and the cached chunk runs."""
+def streamed(q, k, v, tree, chunk_tokens, impl, window=0, softcap=0.0, alibi=None, slopes=None, relbias=None):
+    """out [Hq, N, D] assembled from the prefix run and the cached chunk runs (a relative bias table
+    [Hq, N, E] is sliced to each run's query tokens, as the streaming trunk computes it per chunk)."""
     sched = plan_replay(tree.end, tree.segments, chunk_tokens)
     out = torch.zeros_like(q)
     pid = sched.prefix_ids
     pv, ppos = tree.valid[pid], tree.position[pid]
+    rows = (lambda t: None) if relbias is None else (lambda t: relbias[:, t])
     out[:, pid] = tree_attention(q[:, pid], k[:, pid], v[:, pid], (sched.prefix_end, pv, sched.prefix_segments),
-                                 scale=0.3, impl=impl, window=window, position=ppos, softcap=softcap)
+                                 scale=0.3, impl=impl, window=window, position=ppos, softcap=softcap, alibi=alibi,
+                                 slopes=slopes, relbias=rows(pid))
     for c in sched.chunks:
         out[:, c.ids] = tree_attention_cached(q[:, c.ids], k[:, c.ids], v[:, c.ids],
                                               (c.end, tree.valid[c.ids], c.segments), k[:, pid], v[:, pid], pv,
-                                              c.cross, 0.3, impl, window, tree.position[c.ids], ppos, softcap)
+                                              c.cross, 0.3, impl, window, tree.position[c.ids], ppos, softcap,
+                                              alibi=alibi, slopes=slopes, relbias=rows(c.ids))
     return out, sched
 
 
@@ -156,6 +160,59 @@ def test_streamed_with_softcap(window):
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     for name, a, b in zip("qkv", ggot, gwant):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+
+
+def _position_bias(kind: str, hq: int, n: int, dtype):
+    """The keyword arguments of one position bias: constant ALiBi slopes, trainable slopes, or a relative bias
+    table [Hq, N, E=5] (differentiable), and the tensors to differentiate besides q, k, v."""
+    g = torch.Generator().manual_seed(11)
+    if kind == "alibi":
+        return dict(alibi=[0.5 / 2 ** h for h in range(hq)]), ()
+    if kind == "slopes":
+        slopes = (torch.rand(hq, generator=g, dtype=dtype) * 0.4).requires_grad_()
+        return dict(slopes=slopes), (slopes,)
+    table = torch.randn(hq, n, 5, generator=g, dtype=dtype).requires_grad_()
+    return dict(relbias=table), (table,)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("kind", ["alibi", "slopes", "relbias"])
+def test_streamed_with_position_bias(kind, window, impl, monkeypatch):
+    """ALiBi (constant and trainable slopes) and a relative bias against the cache: the cross pairs' bias reads
+    the chunk's and the cache's positions (padded batch: the positions are not the columns); cache keys cut into
+    blocks of 3, so one query row's bias spans several cross pieces. Out and the gradients of q, k, v and of the
+    slopes / the table equal the whole tree's."""
+    import brcompile.backends.cached as cached
+
+    monkeypatch.setattr(cached, "MATH_KEY_BLOCK", 3)
+    ids, mask = nested_batch(7, True)
+    tree = build_tree(ids, attention_mask=mask)
+    q, k, v = qkv(tree.stats.executed_tokens, torch.float64)
+    bias, extra = _position_bias(kind, q.shape[0], q.shape[1], torch.float64)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = tree_attention(q, k, v, tree, scale=0.3, impl="reference", window=window, **bias)
+    gwant = torch.autograd.grad((want * w).sum(), (q, k, v, *extra))
+    got, sched = streamed(q, k, v, tree, 6, impl, window=window, **bias)
+    ggot = torch.autograd.grad((got * w).sum(), (q, k, v, *extra))
+    assert sched.prefix_tokens > 0 and len(sched.chunks) >= 2
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip(["q", "k", "v", kind], ggot, gwant):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_position_bias_needs_cache_positions():
+    """A position bias against a cache without its positions is a clear TreeAttentionError, not a wrong bias."""
+    from brcompile.backends.ops import TreeAttentionError
+
+    ids, mask = nested_batch(3, False)
+    tree = build_tree(ids, attention_mask=mask)
+    q, k, v = qkv(tree.stats.executed_tokens, torch.float64)
+    cross = torch.zeros(0, 4, dtype=torch.long)
+    with pytest.raises(TreeAttentionError, match="cache_position"):
+        torch.ops.brcompile.tree_attention_cached_forward(
+            q, k, v, tree.end, tree.valid, tree.segments, k, v, tree.valid, cross, 0.3, "cpu", 0, tree.position,
+            None, 0.0, [0.5] * q.shape[0], None)
 
 
 def test_schedule_cuts_at_leaf_chains():

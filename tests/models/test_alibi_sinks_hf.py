@@ -35,9 +35,10 @@ def _loss(m, ids, am):
     return m(input_ids=ids, attention_mask=am, use_cache=False).logits.log_softmax(-1).sum()
 
 
-def _check(m, feature, dynamic=None):
-    """Loss and every parameter gradient vs eager (float32 bound); the call replayed and its packed attention
-    used ``feature``."""
+def _check(m, feature, dynamic=None, mode="packed"):
+    """Loss and every parameter gradient vs eager (float32 bound); the call replayed (streamed with
+    ``mode="replay"``: chunks of 3 tail tokens against the cached prefix) and its packed attention used
+    ``feature``."""
     ids, am = _ids()
     want = torch.compile(_loss, backend="eager")(m, ids, am)
     want.backward()
@@ -45,11 +46,12 @@ def _check(m, feature, dynamic=None):
     m.zero_grad()
     torch._dynamo.reset()
     brcompile.reset_stats()
-    be = brcompile.backend(compiler="eager")
+    be = brcompile.backend(compiler="eager", mode=mode, chunk_tokens=3)
     got = torch.compile(_loss, backend=be, dynamic=dynamic)(m, ids, am)
     got.backward()
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
+    assert s.streamed_calls == (mode == "replay"), (str(s), be.records[-1].replay_reason)
     assert s.executed_tokens < s.logical_tokens, str(s)
     assert feature(be.records[-1]), be.records[-1].packed_code
     assert (got - want).abs().item() <= TOL * want.abs().item()
@@ -60,12 +62,14 @@ def _check(m, feature, dynamic=None):
         assert err <= TOL, (n, err)
 
 
-def test_mpt_alibi_replays():
+@pytest.mark.parametrize("mode", ["packed", "replay"])
+def test_mpt_alibi_replays(mode):
     cfg = transformers.AutoConfig.for_model("mpt", vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
                                             expansion_ratio=2)
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    _check(m, lambda r: all("+alibi(" in x for x in r.masks) and "[0.25, 0.0625, 0.015625, 0.00390625]" in r.packed_code)
+    _check(m, lambda r: all("+alibi(" in x for x in r.masks) and "[0.25, 0.0625, 0.015625, 0.00390625]" in r.packed_code,
+           mode=mode)
 
 
 class _DenseMLP(torch.nn.Module):
@@ -79,7 +83,8 @@ class _DenseMLP(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x))), None
 
 
-def test_gpt_oss_sinks_replay():
+@pytest.mark.parametrize("mode", ["packed", "replay"])
+def test_gpt_oss_sinks_replay(mode):
     cfg = transformers.AutoConfig.for_model(
         "gpt_oss", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
@@ -90,7 +95,7 @@ def test_gpt_oss_sinks_replay():
         for layer in m.model.layers:
             layer.self_attn.sinks.normal_()
             layer.mlp = _DenseMLP(32)
-    _check(m, lambda r: "sinks_)" in r.packed_code and any("window(4)" in x for x in r.masks))
+    _check(m, lambda r: "sinks_)" in r.packed_code and any("window(4)" in x for x in r.masks), mode=mode)
 
 
 class _BloomGelu(torch.nn.Module):
@@ -100,13 +105,17 @@ class _BloomGelu(torch.nn.Module):
         return transformers.models.bloom.modeling_bloom.bloom_gelu_forward(x)
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
-def test_bloom_3d_alibi_replays(dynamic):
-    """Under dynamic=True baddbmm's alpha and beta are scalar inputs: specialised under a guard."""
+@pytest.mark.parametrize("dynamic,mode", [(None, "packed"), (True, "packed"), (None, "replay")],
+                         ids=["static", "dynamic", "streamed"])
+def test_bloom_3d_alibi_replays(dynamic, mode):
+    """Under dynamic=True baddbmm's alpha and beta are scalar inputs: specialised under a guard. Streamed, the
+    ALiBi positions (the attention mask's running count at each token, not the tree's positions; one count per layer
+    as HF computes it) are cached by the prefix graph, and the chunks' cross pairs read the cached keys' counts."""
     cfg = transformers.AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     for block in m.transformer.h:
         block.mlp.gelu_impl = _BloomGelu()
     _check(m, lambda r: all("+alibi(" in x for x in r.masks) and "count" in " ".join(r.masks)
-           and "[0.25, 0.0625, 0.015625, 0.00390625]" in r.packed_code, dynamic)
+           and "[0.25, 0.0625, 0.015625, 0.00390625]" in r.packed_code
+           and (mode == "packed" or len(r.replay["cached_positions"]) == 2), dynamic, mode)

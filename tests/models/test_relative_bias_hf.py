@@ -14,7 +14,7 @@ the full one with its dynamic convolution weights), float64 with their float32 c
 7 so that the clamp and the zero fill show: the loss and every parameter gradient (the bias's ``linear``, ``scale`` and ``proj``
 included) equal eager's within 1e-10, and the packed attention takes the packed table. A whole tiny
 InklingForCausalLM replays the same way. Refused by name: a bias gathered from a per-query table whose index is
-not the clamped distance, the streaming split (the packed mode runs), an attention impl without the feature.
+not the clamped distance, an attention impl without the feature. Streamed (``mode="replay"``) it is exact too.
 The Triton impl replays it in float32 (its kernels add the bias and compute dR).
 """
 import re
@@ -79,8 +79,10 @@ def test_index_other_than_the_clamped_distance_is_refused():
     assert "that is not" in why and "clamp(i - j, 0, E - 1)" in why, why
 
 
-def test_streaming_refuses_relative_bias_packed_mode_runs():
-    """mode="replay": the streaming split refuses the relative bias by name; the call replays packed, exactly."""
+def test_relative_bias_streams():
+    """mode="replay": the prefix graph runs on the shared tokens, each chunk of tail tokens against the cached K/V
+    with its own rows of the table, the cross pairs biased by the cached keys' distance; loss and every gradient
+    (the table's projections summed over the prefix and the chunks) as eager in float64."""
     from brcompile.testing import TOLERANCE, rel_err
 
     torch._dynamo.reset()
@@ -88,8 +90,10 @@ def test_streaming_refuses_relative_bias_packed_mode_runs():
     model = _AttentionLM(inkling2.Inkling2SlidingAttention, "inkling2_text", 0).double()
     want, gw, got, gg, backend = inkling2_streamed(model)
     s = brcompile.stats()
-    assert s.replayed_calls == 1 and s.streamed_calls == 0 and s.fallback_calls == 0, str(s)
-    assert "relative biases" in backend.records[-1].replay_reason, backend.records[-1].replay_reason
+    assert s.replayed_calls == 1 and s.streamed_calls == 1 and s.fallback_calls == 0, str(s)
+    rec = backend.records[-1]
+    assert rec.replay_reason is None, rec.replay_reason
+    assert _relbias_argument(rec.replay["tail_code"], "tree_attention_cached_forward") != "None"
     assert rel_err(got.detach(), want.detach()) <= TOLERANCE[torch.float64]
     assert_grads_exact(gg, gw, [str(tuple(p.shape)) for p in model.parameters()], torch.float64)
 

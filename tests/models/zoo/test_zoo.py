@@ -6,7 +6,7 @@ float64 on a GRPO batch with shared prompts, with ``brcompile.stats()`` showing 
 shared tokens (executed < logical); ALiBi (constant or trained slopes) and attention-sink styles among them, whose
 packed graph must hold tree attention with the ``alibi`` / ``slopes`` / ``sinks`` feature. Styles that need what
 tree attention does not have (a per-head bias that is not ALiBi, a learned relative-position table) must fall back
-with a reason that names the construct.
+with a reason that names the construct. Every replaying style also streams (``mode="replay"``) exactly.
 """
 import pytest
 import torch
@@ -72,6 +72,24 @@ def test_zoo_replays_exactly_at_the_aten_level(style):
     assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
     for a, b in zip(gout, gref):
         assert_exact(a, b, torch.float64, "grad")
+
+
+@pytest.mark.parametrize("style", sorted(models.REPLAY))
+def test_zoo_streams_exactly(style):
+    """Streaming replay (``mode="replay"``, chunks of 3 tail tokens against the cached prompts): every replaying
+    style streams — ALiBi (its cross pairs biased over the chunk's and the cache's positions), trained slopes
+    (their gradient summed over the prefix and every chunk), sinks, windows — with the eager loss and gradients."""
+    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=3)
+    model = models.make(models.REPLAY[style])
+    ref, gref, out, gout = run(model, backend)
+    s = brcompile.stats()
+    assert s.streamed_calls >= 1 and s.fallback_calls == 0, f"{style}: {s}"
+    rec = backend.records[-1]
+    assert rec.replay_reason is None and "tree_attention_cached_forward" in rec.replay["tail_code"], rec.replay_reason
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, a, b in zip(names, gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
 
 
 @pytest.mark.parametrize("style", sorted(models.FALLBACK))
