@@ -523,7 +523,7 @@ def _run_arch(model_type: str, class_name: str | None, dtypes: tuple, float64_th
     # compiled
     torch._dynamo.reset()
     brcompile.reset_stats()
-    backend = brcompile.backend(compiler="eager", strict=False, level=LEVEL)
+    backend = brcompile.backend(compiler="eager", strict=False, level=LEVEL, mode=MODE, chunk_tokens=CHUNK_TOKENS)
     compiled = torch.compile(fn, backend=backend)
     try:
         torch.manual_seed(0)
@@ -588,6 +588,10 @@ def _add_stats(row: dict, s, backend) -> None:
                      for r in backend.records]
     row["level"] = LEVEL
     row["aten_graphs"] = sum(r.level == "aten" for r in backend.records)
+    row["mode"] = MODE
+    row["streamed_calls"] = s.streamed_calls
+    # why a rewritten graph runs packed instead of streamed (mode="replay": the streaming split's refusal)
+    row["replay_reasons"] = sorted({r.replay_reason for r in backend.records if r.rewritten and r.replay_reason})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -635,7 +639,15 @@ def summarize(rows: list[dict]) -> dict:
             examples.setdefault(c, []).append(r["arch"])
     not_inst = collections.Counter(re.sub(r"\d+", "N", (r["error"] or "").split(" {")[0])[:120] for r in rows
                                    if r["status"] == "not instantiable")
+    streaming = collections.Counter()
+    for r in rows:
+        if r.get("mode") == "replay" and r["status"] in ("replayed", "partly"):
+            for c in {reason_class(x) for x in r.get("replay_reasons") or ()}:
+                streaming[c] += 1
     return dict(counts={c: counts.get(c, 0) for c in CLASSES}, total=len(rows), runnable=runnable,
+                streamed=sum(1 for r in rows if r.get("streamed_calls")),
+                streamed_exact=sum(1 for r in rows if r.get("streamed_calls") and r["status"] == "replayed"),
+                streaming_refusals=streaming.most_common(),
                 replay_pct=(100.0 * (counts["replayed"]) / runnable) if runnable else 0.0,
                 any_replay_pct=(100.0 * (counts["replayed"] + counts["partly"]) / runnable) if runnable else 0.0,
                 reason_classes=[(c, n, examples[c]) for c, n in classes.most_common()],
@@ -662,6 +674,16 @@ def markdown(result: dict) -> str:
     out.append(f"Runnable (built and ran eagerly): {summ['runnable']}; replayed exactly: "
                f"{summ['replay_pct']:.0f}%, replayed at least partly: {summ['any_replay_pct']:.0f}%.")
     out.append("")
+    if any(r.get("mode") == "replay" for r in rows):
+        out.append(f"Streaming replay (mode=\"replay\", chunks of {CHUNK_TOKENS} tail tokens): "
+                   f"{summ['streamed']} architectures streamed at least one call, {summ['streamed_exact']} of them "
+                   f"replayed exactly. Why a rewritten graph ran packed instead (architectures per reason):")
+        out.append("")
+        out.append("| archs | streaming refused |")
+        out.append("|---|---|")
+        for cls, n in summ["streaming_refusals"]:
+            out.append(f"| {n} | {cls.replace('|', '/')} |")
+        out.append("")
     out.append("Fallback reason classes (architectures per class; node names, shapes, numbers normalised):")
     out.append("")
     out.append("| archs | reason class | e.g. |")
@@ -760,6 +782,10 @@ def _git_state() -> str:
 
 #: Options.level of the backend under test (``--level``; set before the workers fork)
 LEVEL = "auto"
+#: the backend's mode (``--mode``): "replay" streams each rewritten graph (prefix once, tails in chunks of
+#: CHUNK_TOKENS tokens) where the streaming split accepts it
+MODE = "packed"
+CHUNK_TOKENS = 4
 
 
 def main(argv=None) -> int:
@@ -774,11 +800,14 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", help="no run: summarise an earlier --out file")
     ap.add_argument("--level", default="auto", choices=("auto", "dynamo", "aten"),
                     help="the backend's level option: which form of each graph is analysed")
+    ap.add_argument("--mode", default="packed", choices=("packed", "replay"),
+                    help="the backend's mode option: replay streams every graph the streaming split accepts "
+                         "(chunks of 4 tail tokens)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    global LEVEL
-    LEVEL = args.level
+    global LEVEL, MODE
+    LEVEL, MODE = args.level, args.mode
 
     if args.worker:  # one architecture in this process (debugging: a traceback is not swallowed)
         row = run_arch(args.worker)

@@ -78,3 +78,19 @@ def test_reason_classes_and_table():
     assert summ["reason_classes"][0][1] == 2  # one class, two archs
     md = hf_sweep.markdown(dict(rows=rows, summary=summ, transformers="t", torch="t", date="d"))
     assert "| z | Z | replayed exactly |" in md
+
+
+def test_streaming_sweep_row_and_table(monkeypatch):
+    """``--mode replay``: MPT (ALiBi over the columns) streams exactly — its cross pairs against the cached prompt
+    carry the bias —; the summary counts streamed architectures and the table lists why a graph stayed packed."""
+    monkeypatch.setattr(hf_sweep, "MODE", "replay")
+    row = hf_sweep.run_arch("mpt")
+    assert row["status"] == "replayed" and row["mode"] == "replay", row
+    assert row["streamed_calls"] >= 1 and row["replay_reasons"] == [], row
+    packed = dict(row, arch="p", streamed_calls=0, replay_reasons=[
+        "streaming replay: a dense region is packed again (passes/repack.py): it runs on the whole [B, L] batch"])
+    summ = hf_sweep.summarize([row, packed])
+    assert summ["streamed"] == 1 and summ["streamed_exact"] == 1
+    assert summ["streaming_refusals"][0][1] == 1
+    md = hf_sweep.markdown(dict(rows=[row, packed], summary=summ, transformers="t", torch="t", date="d"))
+    assert "1 architectures streamed at least one call" in md and "a dense region is packed again" in md
