@@ -197,7 +197,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree_inputs
                        for d in [_position_dim(p, B, L)] if d is not None}
     _check_masks_are_computed([a for a in attentions if a not in outside],
-                              [m for a, m in zip(attentions, mask_args) if a not in outside], tree_inputs, placeholders)
+                              [m for a, m in zip(attentions, mask_args) if a not in outside], tree_inputs, B, L)
     input_mask = _input_mask(outside, placeholders, example_inputs)
     # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with
     mask_keys = [p for p in tree_inputs if example_value(p).dim() == 2]
@@ -669,10 +669,11 @@ def _mask_scalar_guards(mask_args, placeholders: list, values: dict) -> list:
     return guards
 
 
-def _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders) -> None:
+def _check_masks_are_computed(attentions, mask_args, tree_inputs, B: int, L: int) -> None:
     """An attention mask must be computed inside the graph from [B, L] tree inputs (or be absent, with
     ``is_causal``): a mask that is itself a graph input, or is built from one (a [B, 1, L, L] mask made
-    before a per-block graph), cannot be classified from inside the graph."""
+    before a per-block graph), cannot be classified from inside the graph; nor can one computed from a
+    per-row input of another length (:func:`_other_axis_reason`)."""
     for a, m in zip(attentions, mask_args):
         if not isinstance(m, fx.Node):
             continue
@@ -683,14 +684,44 @@ def _check_masks_are_computed(attentions, mask_args, tree_inputs, placeholders) 
             if not isinstance(v, torch.Tensor) or v.dim() == 0:  # a lifted scalar: guarded (_mask_scalar_guards)
                 continue
             if n not in tree_inputs:
+                shape = list(hint(tuple(v.shape)))
+                if len(shape) == 2 and shape[0] == B and shape[1] != L:
+                    raise CannotReplay(_other_axis_reason(a, n, shape, L), a)
                 raise CannotReplay(
-                    f"the attention mask comes from graph input {n.name} {list(hint(tuple(v.shape)))} (a mask "
+                    f"the attention mask comes from graph input {n.name} {shape} (a mask "
                     f"built outside the compiled graph, e.g. a [B, 1, L, L] mask passed to a per-block graph): "
                     f"its meaning cannot be checked inside the graph; compile the mask's construction with the "
                     f"graph, or call the block without a mask (is_causal=True)", a)
             if v.dim() != 2:
                 raise CannotReplay(f"the attention mask is computed from the [B, L, ...] input {n.name} "
                                    f"(only [B, L] inputs can be probed)", a)
+
+
+def _other_axis_reason(attention: fx.Node, source: fx.Node, shape: list, L: int) -> str:
+    """Why a mask computed from a per-row ``[B, P]`` input with ``P != L`` is refused: its columns are
+    not the token positions, so it describes another axis of the row — BLT's byte patches, whose P lengths
+    are computed before the graph; the patch id of byte t is ``#{p : start_p <= t} - 1`` with ``start =
+    cumsum(lengths) - lengths``, and the cross-attentions run between the bytes and the patches.
+
+    A value of such a group of tokens is not a value of one token's prefix: a group that straddles the end
+    of the prefix two rows share holds different tokens in each row (its pooled value differs), and the
+    rows' input itself is no tree key (rows sharing a prefix may differ in it). The prefix tree shares
+    tokens only, so nothing can be proven per token; the attention's query and key lengths are named when
+    one of them is not L (the other axis)."""
+    lengths = ""
+    q = example_value(attention.args[0] if attention.args else attention.kwargs.get("query"))
+    k = example_value(attention.args[1] if len(attention.args) > 1 else attention.kwargs.get("key"))
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2 and k.dim() >= 2:
+        lq, lk = hint(q.shape[-2]), hint(k.shape[-2])
+        if lq != L or lk != L:
+            lengths = f"; the attention runs from {lq} query positions to {lk} key positions"
+    return (f"the attention mask is computed from {source.name} {shape}, a per-row input whose {shape[1]} "
+            f"columns are not the L = {L} token positions: another axis of the row (e.g. groups of tokens such "
+            f"as BLT's byte patches, whose lengths such an input gives, computed before this graph){lengths}. "
+            f"A value of a group is not a value of one token's prefix (a group that straddles the end of a "
+            f"prefix two rows share holds different tokens in each row), and that input is no per-token key "
+            f"(rows that share a prefix may differ in it); the prefix tree shares tokens, not groups, so the "
+            f"graph runs unchanged")
 
 
 # --------------------------------------------------------------------------------------------------

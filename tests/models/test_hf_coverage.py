@@ -243,3 +243,41 @@ def test_prompt_ids_joined_in_the_graph_are_refused_by_name():
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     assert any("constant token(s)" in r and "concatenated with the [B, L] input" in r for r in s.fallback_reasons), \
         str(s)
+
+
+@pytest.mark.parametrize("patches", ["one byte each", "of several bytes"])
+def test_byte_patches_are_refused_by_name(patches):
+    """BLT: an entropy patcher (a small causal LM over the bytes) sets patch boundaries, a ``.item()`` breaks the
+    graph, and the model body's graph receives the patch lengths as a per-row ``[B, P]`` input; its
+    cross-attentions run between the L bytes and the 2·P patch queries/keys (``cross_attn_k = 2``), masked by the
+    patch ids computed from those lengths. The patcher's graph, the hash embeddings', the LM head's and the loss's
+    replay; the body's graph is refused naming the other axis (a patch that straddles the end of a shared prefix
+    holds different bytes in each row), and runs unchanged. With the sweep's threshold every byte is a patch; a
+    threshold between the example's entropies makes patches of several bytes (asserted). Run in float64 throughout
+    (KeepFloat64): loss and every gradient at the float64 bound."""
+    from tests.helpers import assert_grads_exact
+
+    model = _tiny("blt")
+    batch = hf_sweep.grpo_batch()
+    ids = batch["input_ids"]
+    if patches == "of several bytes":  # a threshold halfway between two middle entropies: boundaries vary per row
+        with torch.no_grad(), KeepFloat64():
+            entropies = model.model.patcher(ids)[0][:, 1:].flatten().unique()  # sorted
+        mid = len(entropies) // 2
+        model.config.patching_threshold = float(entropies[mid - 1] + entropies[mid]) / 2
+    with torch.no_grad(), KeepFloat64():
+        lengths = model.model.patcher(ids, patch_size=model.config.patch_size,
+                                      threshold=model.config.patching_threshold)[1]
+    assert (lengths.amax() > 1) == (patches == "of several bytes"), lengths
+    got, want, gg, gw, names, backend = _compiled_vs_eager(model, keep_float64=True)
+    s = brcompile.stats()
+    assert s.fallback_calls == 1 and s.replayed_calls == 4 and s.executed_tokens < s.logical_tokens, str(s)
+    refused = [r for r in backend.records if not r.rewritten and not r.unshared]
+    assert len(refused) == 1, [r.reason for r in refused]
+    P, L = lengths.shape[1], ids.shape[1]
+    reason = refused[0].reason
+    assert f"a per-row input whose {P} columns are not the L = {L} token positions" in reason, reason
+    assert f"runs from {2 * P} query positions to {L} key positions" in reason, reason
+    assert any("tree_attention" in r.packed_code for r in backend.records if r.rewritten), "the patcher not packed"
+    assert_exact(got, want, torch.float64, "loss")
+    assert_grads_exact(gg, gw, names, torch.float64)
