@@ -142,6 +142,8 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
             dims = _token_factors(val, n_sym)
+            if not dims and _group_counts(n, n_sym, trunk_set):  # a few numbers per call, none per token
+                continue
             if len(dims) != 1:
                 raise CannotReplay(f"streaming replay: {n.name} has {len(dims)} packed-token dims "
                                    f"(shape {tuple(val.shape)}); the trunk must be token-local", n)
@@ -174,6 +176,31 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
                        max((_scan_depth(n) for n in scans), default=0), cached_positions=tuple(p.name for p in positions))
+
+
+_COUNT_STEPS = {"cumsum", "to", "long", "int", "float", "double", "type", "type_as"}
+
+
+def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:
+    """Whether ``node`` is the group counts (or offsets) of a MoE block's sort-based dispatch, a token-local
+    region (passes/rules/moe.py): ``histc`` of the flattened sorted expert keys — one count per expert, no
+    token dim — then casts and ``cumsum`` into the offsets, read by the grouped matmuls of the same region
+    only (no outer-graph user). The analysis accepts a ``histc`` in no other role. Run on a token subset (the
+    prefix, one chunk), the region sorts, counts and multiplies that subset's entries: each entry's result is
+    the same function of its own token as on all N packed tokens, so the trunk stays token-local."""
+    if any(u not in trunk_set for u in node.users):
+        return False
+    seen = 0
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and seen < 8:
+        seen += 1
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if name == "histc":
+            keys = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            return isinstance(keys, torch.Tensor) and len(_token_factors(keys, n_sym)) == 1
+        if name not in _COUNT_STEPS:
+            return False
+        node = node.args[0]
+    return False
 
 
 def _cached_positions(attentions: Sequence[fx.Node], tok_nodes, trunk_set) -> list[fx.Node]:

@@ -98,8 +98,9 @@ def _aux_loss(m, ids):
     return out.logits.log_softmax(-1).sum() + 10.0 * out.aux_loss
 
 
-def _check(m, loss_fn, level="auto", reference=None):
-    """``reference``: how the loss runs without the rewrite (default: the captured graphs, Dynamo's eager)."""
+def _check(m, loss_fn, level="auto", reference=None, mode="packed"):
+    """``reference``: how the loss runs without the rewrite (default: the captured graphs, Dynamo's eager);
+    ``mode="replay"``: streamed (chunks of 3 tail tokens against the cached prefix)."""
     ids = _ids()
     want = (reference or torch.compile(loss_fn, backend="eager"))(m, ids)
     want.backward()
@@ -107,10 +108,12 @@ def _check(m, loss_fn, level="auto", reference=None):
     m.zero_grad()
     torch._dynamo.reset()
     brcompile.reset_stats()
-    backend = brcompile.backend(compiler="eager", level=level)
+    backend = brcompile.backend(compiler="eager", level=level, mode=mode, chunk_tokens=3)
     got = torch.compile(loss_fn, backend=backend)(m, ids)
     got.backward()
     s = brcompile.stats()
+    if mode == "replay":
+        assert s.streamed_calls >= 1, [r.replay_reason for r in backend.records]
     if level == "aten":
         assert all(r.level == "aten" for r in backend.records if r.rewritten)
     assert s.replayed_calls >= 1 and s.fallback_calls == 0, str(s)
@@ -130,6 +133,14 @@ def _check(m, loss_fn, level="auto", reference=None):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_moe_replays_exactly(family, float64_moe):
     _check(_model(family), _loss)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_streams_exactly(family, float64_moe):
+    """Streaming replay: the sort-based dispatch (sort of the expert keys, ``histc`` group counts, grouped
+    matmuls, inverse permutation) runs on the prefix's tokens, then on each chunk's: a token-local region
+    whose counts have no token dim — exact on any token subset."""
+    _check(_model(family), _loss, mode="replay")
 
 
 def test_moe_replays_exactly_at_the_aten_level(float64_moe):
