@@ -46,6 +46,7 @@ from brcompile.passes import linear_scans
 from brcompile.passes.axes import CannotReplay, example_value
 from brcompile.passes.functionalize import functionalize, writes_inverse_permutation
 from brcompile.passes.guards import scalar_equals
+from brcompile.passes.spellings import copy_graph_module
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
     if not items or example_inputs is None:
         return gm, []
     env: dict = {}
-    new = _graph_copy(gm, env)
+    new = copy_graph_module(gm, env)
     graph = new.graph
     guards = []
     for n in items:
@@ -188,13 +189,6 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
 _CKPT_KEY = "br_ckpt_region"
 
 
-def _graph_copy(gm: fx.GraphModule, env: Optional[dict] = None) -> fx.GraphModule:
-    """A copy of ``gm`` (same attributes, a new graph); ``env`` receives old node -> new node."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {} if env is None else env))
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-
-
 def _canonicalize_scans(gm: fx.GraphModule) -> fx.GraphModule:
     """gm (a copy, when it has one) with its affine associative scans as ``linear_scan`` nodes. The export
     cannot trace torch.vmap's levels functionally, and the inlined generic associative scan (HF Mamba's on
@@ -205,7 +199,7 @@ def _canonicalize_scans(gm: fx.GraphModule) -> fx.GraphModule:
     if not any(n.op == "call_function" and (n.target in linear_scans.VMAP_DATA or n.target is linear_scans.HOP)
                for n in gm.graph.nodes):
         return gm
-    gm = _graph_copy(gm)
+    gm = copy_graph_module(gm)
     for note in linear_scans.canonicalize_linear_scans(gm):
         log.debug("ATen level, before the export: %s", note)
     return gm

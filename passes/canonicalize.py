@@ -141,7 +141,7 @@ from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace,
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
 from brcompile.passes.masks import ancestors
 from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
-from brcompile.passes.spellings import is_op, op_name as _op_name, spellings
+from brcompile.passes.spellings import copy_graph_module, is_op, op_name as _op_name, spellings
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +214,8 @@ class EagerChain:
 
 def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical:
     """A copy of ``gm`` with eager attention chains as SDPA nodes and attention scalars as constants."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    new_gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new_gm = copy_graph_module(gm)
+    graph = new_gm.graph
     canon = Canonical(new_gm)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     values = dict(zip(placeholders, example_inputs))

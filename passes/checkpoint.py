@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.axes import CannotReplay
+from brcompile.passes.spellings import copy_graph_module
 
 __all__ = ["CHECKPOINT_HOPS", "CheckpointRegion", "is_checkpoint", "inline_checkpoints", "outline_checkpoints",
            "body_with_attention", "region_of"]
@@ -78,9 +79,8 @@ def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     ``gm`` itself when it has none."""
     if not any(is_checkpoint(n) for n in gm.graph.nodes):
         return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new = copy_graph_module(gm)
+    graph = new.graph
     for i, hop in enumerate([n for n in graph.nodes if is_checkpoint(n)]):
         body = _body(new, hop)
         if any(n.op == "get_attr" or is_checkpoint(n) for n in body.graph.nodes):

@@ -59,6 +59,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.axes import example_value, is_inplace
+from brcompile.passes.spellings import copy_graph_module
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     writes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and is_inplace(n)]
     if not writes:
         return gm
-    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    copy = copy_graph_module(gm)
     graph = copy.graph
     made: set[fx.Node] = set()  # the out-of-place twins: fresh by construction
     for base in [n for n in graph.nodes if _is_fresh(n)]:
@@ -729,11 +730,3 @@ def _fitted(v: Any, view: fx.Node, make) -> Optional[fx.Node]:
     if tuple(val.shape) != tuple(vv.shape):
         v = make("expand_as", (v, view), method=True)
     return v
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    env: dict = {}
-    out = new.graph_copy(graph, env)
-    new.output(out)
-    return new

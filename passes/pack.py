@@ -35,7 +35,7 @@ from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import PER_TOKEN, SDPA
-from brcompile.passes.spellings import is_op, op_name
+from brcompile.passes.spellings import copy_graph_module, is_op, op_name
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
 
@@ -143,7 +143,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     constants: :mod:`.rules.eager_attention`); ``gm`` itself is not modified."""
     if len([n for n in gm.graph.nodes if n.op == "placeholder"]) != len(example_inputs):
         raise CannotReplay("example inputs do not match the graph's placeholders")
-    gm = _analysis_copy(gm)  # the analysis may insert nodes (passes/repack.py); the user's graph stays as is
+    gm = copy_graph_module(gm)  # the analysis may insert nodes (passes/repack.py); the user's graph stays as is
     gm = checkpoints.inline_checkpoints(gm)  # checkpoint bodies inlined, tagged; the rewrite re-outlines them
     gm = functionalize(gm)
     canon = eager_attention.canonicalize(gm, example_inputs)
@@ -456,13 +456,6 @@ def _computes_packed(n: fx.Node) -> bool:
     """``n`` computes (not a view, cast or index: :data:`_CHEAP`) a TOKEN value: work the packed graph does once
     per tree node."""
     return n.op in ("call_function", "call_method") and n.target not in _CHEAP and get_axes(n).is_token
-
-
-def _analysis_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` (graph and node meta; the same submodules and attributes)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 def _attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:

@@ -11,6 +11,7 @@ A family groups spellings with the *same math and argument order*: ``sub`` is ``
 
 ``family_of(node)`` names the family of a node, ``is_op(node, family, ...)`` tests membership, and
 ``spellings(family, ...)`` is the tuple of targets a rule registers (``register_rule(spellings("mul"))``).
+It also holds the few graph helpers every pass shares (``copy_graph_module``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["FAMILIES", "family_of", "is_op", "op_name", "spellings", "target_name"]
+__all__ = ["FAMILIES", "copy_graph_module", "family_of", "is_op", "op_name", "spellings", "target_name"]
 
 _nn = torch._C._nn
 
@@ -142,3 +143,13 @@ def target_name(node: fx.Node) -> str:
         return f"Tensor.{t}"
     mod = getattr(t, "__module__", None) or ""
     return f"{mod}.{getattr(t, '__name__', repr(t))}".lstrip(".")
+
+
+def copy_graph_module(gm: fx.GraphModule, env: Optional[dict] = None) -> fx.GraphModule:
+    """A copy of ``gm`` that a pass may rewrite in place: a new graph with a copy of every node (its meta
+    included; the output node is made again), in a module of ``gm``'s class name that holds the same
+    submodules and attributes (``gm``'s objects, not copies). ``env``, when given, receives old node -> new
+    node."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {} if env is None else env))
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

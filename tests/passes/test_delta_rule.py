@@ -21,7 +21,7 @@ import torch.fx as fx
 from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes import delta_rule
 from brcompile.passes.functionalize import functionalize
-from brcompile.passes.pack import _analysis_copy
+from brcompile.passes.spellings import copy_graph_module
 from brcompile.passes.rules.scan import scan_candidates
 from brcompile.testing import assert_exact
 from tests.helpers import KeepFloat64, transformers_or_skip
@@ -79,7 +79,7 @@ def output_and_grad(gm, inputs, h):
 def test_chunked_delta_rule_becomes_one_matrix_scan(length):
     gm, inputs, h = captured(length)
     assert inputs[0].shape == h.shape
-    work = functionalize(_analysis_copy(gm))
+    work = functionalize(copy_graph_module(gm))
     assert calls(work, "linalg_solve_triangular")
     notes = delta_rule.canonicalize_delta_rules(work)
     assert len(notes) == 1 and notes[0].endswith("-> matrix_scan") and "scalar gate" in notes[0], notes
@@ -96,7 +96,7 @@ def test_a_perturbed_region_fails_the_proof():
     """The intra-chunk decay mask ``triu(1)`` made ``triu(0)`` (the diagonal masked too: each token's own update
     no longer reaches its output): not the recurrence, left as is, the reason named."""
     gm, _, _ = captured(12)
-    work = functionalize(_analysis_copy(gm))
+    work = functionalize(copy_graph_module(gm))
     triu = [n for n in work.graph.nodes if n.target == "triu"]
     assert len(triu) == 1
     triu[0].args = (triu[0].args[0], 0)
@@ -111,7 +111,7 @@ def test_a_region_read_outside_is_not_closed():
     """An intermediate of the chunked loop (the UT system) read by the graph's output as well: no closed region
     (rewriting would drop a value something else needs), left as is."""
     gm, _, _ = captured(12)
-    work = functionalize(_analysis_copy(gm))
+    work = functionalize(copy_graph_module(gm))
     solve = calls(work, "linalg_solve_triangular")[0]
     out = next(n for n in work.graph.nodes if n.op == "output")
     with work.graph.inserting_before(out):
@@ -159,7 +159,7 @@ def test_kimi_delta_attention_becomes_one_matrix_scan(length, dtype):
         torch.compile(kda, backend=backend, dynamic=False)(**x)
     gm, = got
     names = [n.target[2:-1] for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo's L_q_, ...
-    work = functionalize(_analysis_copy(gm))
+    work = functionalize(copy_graph_module(gm))
     assert calls(work, "select_scatter")
     notes = delta_rule.canonicalize_delta_rules(work)
     assert len(notes) == 1 and notes[0].endswith("-> matrix_scan") and "channel gate" in notes[0], notes
