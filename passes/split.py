@@ -175,7 +175,8 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     return ReplaySplit(outer, prefix, tail, tuple(n.name for n in ext),
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
-                       max((_scan_depth(n) for n in scans), default=0), cached_positions=tuple(p.name for p in positions))
+                       max((_scan_depth(n) for n in scans), default=0),
+                       cached_positions=tuple(p.name for p in positions))
 
 
 _COUNT_STEPS = {"cumsum", "to", "long", "int", "float", "double", "type", "type_as"}
