@@ -111,10 +111,6 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     """Split a packed graph (see module docstring); ``example_args`` are its inputs for one real batch
     (the original inputs followed by the tree arrays). Raises CannotReplay when the trunk is not a
     token-local function of the per-token arrays."""
-    region = next((n for n in packed.graph.nodes if n.op == "call_function" and n.target in _AUTOCAST_REGION), None)
-    if region is not None:  # the trunk graphs would run outside the region (in a lower precision's place)
-        raise CannotReplay("streaming replay: an autocast region inside the compiled function (the packed mode "
-                           "runs; autocast around the compiled call streams)", region)
     ckpt = next((n for n in packed.graph.nodes if n.op == "call_function"
                  and n.target is torch.ops.higher_order.tag_activation_checkpoint), None)
     if ckpt is not None:  # the trunk would have to be split inside the checkpoint bodies (not done)
@@ -131,6 +127,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     token_side = descendants(tok_nodes)
     trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
+    _check_autocast_regions(packed, trunk)
     scans = [n for n in trunk if n.target in TREE_PATH_OPS or n.target in MATRIX_PATH_OPS]
     for n in scans:
         _check_scan(n, tok_nodes)
@@ -219,6 +216,42 @@ def _cached_positions(attentions: Sequence[fx.Node], tok_nodes, trunk_set) -> li
                                f"from the tree arrays (the packed mode runs)", a)
         found[p] = None
     return list(found)
+
+
+def _autocast_nodes(packed: fx.GraphModule) -> list[fx.Node]:
+    """The ``_enter_autocast`` / ``_exit_autocast`` calls of the graph (``with torch.autocast(...)`` inside the
+    compiled function), in graph order."""
+    return [n for n in packed.graph.nodes if n.op == "call_function" and n.target in _AUTOCAST_REGION]
+
+
+def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node]) -> None:
+    """An autocast region inside the compiled function streams when the whole trunk lies in one autocast state:
+    no region starts or ends between its first and last node. The outer graph then keeps the ``replay_trunk``
+    call at the trunk's place, inside the same regions (:func:`_outer_graph` emits every autocast call after the
+    trunk's start after the call, with the frontier's readers), so prefix and chunks run in the region's state,
+    and a chunk's re-run in backward restores it (brcompile/runtime/streaming.py ``_autocast_as``). A region
+    boundary inside the trunk, or an outer value computed after such a boundary that the call would have to
+    precede (it does not read the frontier), is refused: the packed mode runs."""
+    marks = _autocast_nodes(packed)
+    if not marks or not trunk:
+        return
+    order = {n: i for i, n in enumerate(packed.graph.nodes)}
+    first, last = order[trunk[0]], order[trunk[-1]]
+    inside = next((m for m in marks if first < order[m] < last), None)
+    if inside is not None:
+        raise CannotReplay("streaming replay: an autocast region starts or ends inside the token-local part of the "
+                           "graph (its chunks would run in two precisions; the packed mode runs)", inside)
+    later = [m for m in marks if order[m] > last]
+    if not later:
+        return
+    trunk_set = set(trunk)
+    after = descendants([n for n in trunk if any(u not in trunk_set for u in n.users)]) - trunk_set
+    stray = next((n for n in packed.graph.nodes if order[n] > order[later[0]]
+                  and n.op in ("call_function", "call_method", "call_module")
+                  and n not in after and n not in trunk_set and n.target not in _AUTOCAST_REGION), None)
+    if stray is not None:
+        raise CannotReplay(f"streaming replay: {stray.name}, after an autocast region's boundary that follows the "
+                           f"token-local part, does not read it (the packed mode runs)", stray)
 
 
 def _scan_depth(scan: fx.Node) -> int:
@@ -337,6 +370,9 @@ def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     after = descendants(frontier) - trunk_set
+    if trunk_set:  # autocast boundaries after the trunk's start stay after the call (_check_autocast_regions)
+        start = min(i for i, n in enumerate(packed.graph.nodes) if n in trunk_set)
+        after |= {n for i, n in enumerate(packed.graph.nodes) if i > start and n in _autocast_nodes(packed)}
     nodes = [n for n in packed.graph.nodes if n not in trunk_set and n.op != "output"]
     for n in nodes:
         if n not in after:

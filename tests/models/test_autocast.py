@@ -194,20 +194,61 @@ def test_gpt_grpo(precision, mode):
 
 
 @pytest.mark.parametrize("mode", ["packed", "replay"])
-def test_autocast_inside_compiled_function(mode):
+def test_autocast_inside_compiled_function(mode, monkeypatch):
     """``with torch.autocast(...)`` inside the compiled function: Dynamo records the region in the graph and
-    the packed graph keeps it. Streaming replay would run its trunk graphs outside the region, so it is
-    refused for such a graph (passes/split.py) and the packed mode runs, saying why."""
+    the packed graph keeps it. Streamed, the outer graph calls the trunk inside the same region (the region's
+    end stays after the call, with the loss side), so the prefix and every chunk run in bfloat16 as the packed
+    graph does, and a chunk's re-run in backward restores that state."""
     def loss(*a):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return grpo_loss(*a)
 
     loss.__wrapped__ = grpo_loss
+    from brcompile.runtime import streaming
+
+    states, run_tail = [], streaming._run_tail
+
+    def recording_run_tail(*args, **kwargs):  # the autocast state each chunk runs in (forward and re-run)
+        states.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return run_tail(*args, **kwargs)
+
+    monkeypatch.setattr(streaming, "_run_tail", recording_run_tail)
     be = backend(mode)
     check_against_float64(loss, torch.compile(loss, backend=be), gpt_model(), grpo_args(batch()), "autocast",
                           inside=True)
     if mode == "replay":
-        assert "autocast region" in (be.records[-1].replay_reason or ""), be.records[-1].replay_reason
+        rec = be.records[-1]
+        assert rec.replay_reason is None and brcompile.stats().streamed_calls == 1, rec.replay_reason
+        outer = rec.replay["outer_code"].splitlines()
+        call = next(i for i, line in enumerate(outer) if "replay_trunk" in line)
+        enter = next(i for i, line in enumerate(outer) if "_enter_autocast" in line)
+        exit_ = next(i for i, line in enumerate(outer) if "_exit_autocast" in line)
+        assert enter < call < exit_, rec.replay["outer_code"]
+        assert states and all(st == (True, torch.bfloat16) for st in states), states
+
+
+def test_autocast_region_inside_the_trunk_runs_packed():
+    """An autocast region that covers one block only (its start and end fall inside the token-local part):
+    streaming would run the chunks' trunk in two precisions around a boundary it cannot place; the split
+    refuses it by name and the packed mode runs, replayed."""
+    model = gpt_model()
+    block = model.layers[1]
+    plain = block.forward
+
+    def autocast_block(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return plain(*args, **kwargs)
+
+    block.forward = autocast_block
+    be = backend("replay")
+    b = batch()
+    args = grpo_args(b)(torch.float32)
+    brcompile.reset_stats()
+    torch.compile(grpo_loss, backend=be)(model, *args).backward()
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.streamed_calls == 0 and s.fallback_calls == 0, str(s)
+    why = be.records[-1].replay_reason or ""
+    assert "autocast region starts or ends inside the token-local part" in why, why
 
 
 # --------------------------------------------------------------------------------------------------
