@@ -131,9 +131,6 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     scans = [n for n in trunk if n.target in TREE_PATH_OPS or n.target in MATRIX_PATH_OPS]
     for n in scans:
         _check_scan(n, tok_nodes)
-    if not scans and not any(n.target is _ATTENTION for n in trunk):
-        raise CannotReplay("streaming replay: no tree attention and no tree scan in the token-local part of the "
-                           "graph (nothing reads a prefix token from a tail token)")
     bytes_per_token = 0
     for n in trunk:
         val = n.meta.get("val")

@@ -307,9 +307,10 @@ def test_delta_rule_layer_on_hidden_states_streams_exactly():
     assert backend.records[-1].replay["cached_scans"] == ("tree_matrix_scan_default",)
 
 
-def test_graph_without_attention_or_scan_is_not_streamed_with_the_reason():
-    """Token-local all through (a bag-of-tokens model): nothing reads a prefix token from a tail token, so there
-    is nothing to cache; the packed mode runs and the record says why."""
+def test_token_local_graph_streams_without_a_cache():
+    """Token-local all through (a bag-of-tokens model, or a per-expert graph between graph breaks): nothing
+    reads a prefix token from a tail token, so nothing is cached; the trunk still streams — the prefix once,
+    the tails chunk by chunk, each re-run in backward — exactly."""
     torch.manual_seed(0)
     emb, mlp = torch.nn.Embedding(23, 8).double(), torch.nn.Linear(8, 23).double()
 
@@ -329,6 +330,7 @@ def test_graph_without_attention_or_scan_is_not_streamed_with_the_reason():
     for gg, ww in zip(torch.autograd.grad(got, params), gw):
         assert_exact(gg, ww, F64, "grad")
     s = brcompile.stats()
-    assert s.replayed_calls == 1 and s.streamed_calls == 0, str(s)
+    assert s.replayed_calls == 1 and s.streamed_calls == 1, str(s)
     rec = backend.records[-1]
-    assert rec.replay is None and "no tree attention and no tree scan" in rec.replay_reason, rec.replay_reason
+    assert rec.replay_reason is None and rec.replay["cached"] == () and rec.replay["cached_scans"] == (), rec.replay
+    assert rec.runtime.calls[-1].schedule["chunks"] >= 2
