@@ -224,30 +224,32 @@ def test_errors_are_typed():
         op(q, k, v, tree.end, tree.valid, tree.segments, 0.4, "cpu", 0, None, 0.0, None, torch.zeros(3))
 
 
-def assert_cached_matches_uncached(tree, q, k, v, sinks, sinks_of):
+def assert_cached_matches_uncached(tree, q, k, v, sinks, sinks_of, alibi=None):
     """The prefix and each chunk of a streaming plan (``chunk_tokens=4``) through ``tree_attention_cached``, the
-    chunk's sinks ``sinks_of(token ids)``, merged once after both parts: values and the q, k, v and sinks
-    gradients equal the whole tree's (reference impl)."""
+    chunk's sinks ``sinks_of(token ids)``, merged once after both parts (with ``alibi``: the slopes over the
+    chunk's and the cache's positions on the cross pairs): values and the q, k, v and sinks gradients equal the
+    whole tree's (reference impl)."""
     from brcompile.backends.cached import tree_attention_cached
     from brcompile.runtime.streaming import plan_replay
 
-    want = tree_attention(q, k, v, tree, scale=0.4, impl="reference", sinks=sinks)
+    want = tree_attention(q, k, v, tree, scale=0.4, impl="reference", sinks=sinks, alibi=alibi)
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
     gwant = torch.autograd.grad((want * w).sum(), (q, k, v, sinks))
     plan = plan_replay(tree.end, tree.segments, chunk_tokens=4)
     pre = plan.prefix_ids
-    kc, vc = k[:, pre], v[:, pre]
+    kc, vc, pv, ppos = k[:, pre], v[:, pre], tree.valid[pre], tree.position[pre]
     got = torch.zeros_like(want)
     loss = 0
     assert plan.chunks and plan.prefix_tokens
     for ch in plan.chunks:
         t = ch.ids
-        o = tree_attention_cached(q[:, t], k[:, t], v[:, t], (ch.end, tree.valid[t], ch.segments), kc, vc,
-                                  tree.valid[pre], ch.cross, 0.4, impl="cpu", sinks=sinks_of(t))
+        o = tree_attention_cached(q[:, t], k[:, t], v[:, t], (ch.end, tree.valid[t], ch.segments), kc, vc, pv,
+                                  ch.cross, 0.4, impl="cpu", position=tree.position[t], cache_position=ppos,
+                                  sinks=sinks_of(t), alibi=alibi)
         got[:, t] = o.detach()
         loss = loss + (o * w[:, t]).sum()
-    po = tree_attention(q[:, pre], kc, vc, (plan.prefix_end, tree.valid[pre], plan.prefix_segments), scale=0.4,
-                        impl="cpu", sinks=sinks_of(pre))
+    po = tree_attention(q[:, pre], kc, vc, (plan.prefix_end, pv, plan.prefix_segments), scale=0.4, impl="cpu",
+                        position=ppos, sinks=sinks_of(pre), alibi=alibi)
     got[:, pre] = po.detach()
     loss = loss + (po * w[:, pre]).sum()
     ggot = torch.autograd.grad(loss, (q, k, v, sinks))
@@ -268,34 +270,8 @@ def test_cached_with_sinks_matches_uncached():
 def test_cached_alibi_with_sinks_matches_uncached():
     """ALiBi and sinks together against a cached prefix (BLOOM-style slopes with GPT-OSS-style sinks): the cross
     pairs carry the bias over the chunk's and the cache's positions, the sinks merge once after both parts."""
-    from brcompile.backends.cached import tree_attention_cached
-    from brcompile.runtime.streaming import plan_replay
-
     ids, am = batch(9, False)
     tree = build_tree(ids, attention_mask=am)
     q, k, v = qkv(tree.stats.executed_tokens)
     sinks = sinks_param()
-    want = tree_attention(q, k, v, tree, scale=0.4, impl="reference", alibi=SLOPES, sinks=sinks)
-    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
-    gwant = torch.autograd.grad((want * w).sum(), (q, k, v, sinks))
-    plan = plan_replay(tree.end, tree.segments, chunk_tokens=4)
-    pre = plan.prefix_ids
-    kc, vc, pv, ppos = k[:, pre], v[:, pre], tree.valid[pre], tree.position[pre]
-    got = torch.zeros_like(want)
-    loss = 0
-    assert plan.chunks and plan.prefix_tokens
-    for ch in plan.chunks:
-        t = ch.ids
-        o = tree_attention_cached(q[:, t], k[:, t], v[:, t], (ch.end, tree.valid[t], ch.segments), kc, vc, pv,
-                                  ch.cross, 0.4, impl="cpu", position=tree.position[t], cache_position=ppos,
-                                  sinks=sinks, alibi=SLOPES)
-        got[:, t] = o.detach()
-        loss = loss + (o * w[:, t]).sum()
-    po = tree_attention(q[:, pre], kc, vc, (plan.prefix_end, pv, plan.prefix_segments), scale=0.4, impl="cpu",
-                        position=ppos, alibi=SLOPES, sinks=sinks)
-    got[:, pre] = po.detach()
-    loss = loss + (po * w[:, pre]).sum()
-    ggot = torch.autograd.grad(loss, (q, k, v, sinks))
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
-    for name, a, b in zip(["q", "k", "v", "sinks"], ggot, gwant):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+    assert_cached_matches_uncached(tree, q, k, v, sinks, lambda t: sinks, alibi=SLOPES)
