@@ -3,6 +3,7 @@
     python benchmarks/bench_replay.py                  # G in 4 8 16 32, P=1024, T=64, float32
     python benchmarks/bench_replay.py --quick          # tiny sizes (seconds)
     python benchmarks/bench_replay.py --out replay.md  # also write the markdown table
+    python benchmarks/bench_replay.py --model mixtral  # HF Mixtral (a MoE block per layer) of the same sizes
 
 One GRPO loss forward+backward (examples/gpt.py + examples/grpo.py) per (mode, G), each in a fresh
 subprocess so that its peak RSS is its own:
@@ -43,6 +44,41 @@ from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.grpo import grpo_loss, make_grpo_batch  # noqa: E402
 
 MODES = ("dense", "packed", "replay")
+#: --model: the example GPT, or an HF model of the same sizes built from its config (random weights): Mixtral (a
+#: MoE block per layer, sort-based dispatch, 4 experts top-2) or MPT (ALiBi)
+MODELS = ("gpt", "mixtral", "mpt")
+
+
+class HFLogits(torch.nn.Module):
+    """An HF causal LM called as ``model(input_ids, attention_mask)`` -> logits (what ``grpo_loss`` calls)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def build_model(args) -> torch.nn.Module:
+    """The measured model (``--model``), float32, seed 0."""
+    if args.model == "gpt":
+        return GPT(GPTConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                             n_kv_heads=args.kv_heads), seed=0)
+    import transformers
+
+    torch.manual_seed(0)
+    if args.model == "mixtral":
+        cfg = transformers.AutoConfig.for_model(
+            "mixtral", vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=2 * args.dim,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+            num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=2 * (args.prompt_len + args.response_len))
+        return HFLogits(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
+    cfg = transformers.AutoConfig.for_model("mpt", vocab_size=args.vocab, d_model=args.dim, n_heads=args.heads,
+                                            n_layers=args.layers, expansion_ratio=2,
+                                            max_seq_len=2 * (args.prompt_len + args.response_len))
+    return HFLogits(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager"))
 
 
 def rss_bytes() -> int:
@@ -98,8 +134,7 @@ def worker(args) -> dict:
     """One (mode, G) measurement in this process."""
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    model = GPT(GPTConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                          n_kv_heads=args.kv_heads), seed=0)
+    model = build_model(args)
     params = list(model.parameters())
     exclude = {p.untyped_storage().data_ptr() for p in params}
     if args.mode == "dense":
@@ -150,7 +185,7 @@ def _shared_flags(args) -> list[str]:
     return ["--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len), "--dim", str(args.dim),
             "--layers", str(args.layers), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
             "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens), "--compiler", args.compiler,
-            "--repeats", str(args.repeats), "--threads", str(args.threads)]
+            "--repeats", str(args.repeats), "--threads", str(args.threads), "--model", args.model]
 
 
 def _mib(n) -> str:
@@ -160,7 +195,10 @@ def _mib(n) -> str:
 def markdown(results: list[dict], args) -> str:
     by = {(r["mode"], r["G"]): r for r in results}
     gs = sorted({r["G"] for r in results})
-    lines = [f"GPT dim {args.dim}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), vocab {args.vocab}, "
+    name = {"gpt": "GPT", "mixtral": "HF Mixtral (4 experts, top-2)", "mpt": "HF MPT (ALiBi)"}[args.model]
+    kv = "" if args.model == "mpt" else f" ({args.kv_heads} kv)"  # MPT has no grouped K/V heads
+    lines = [f"{name} dim {args.dim}, {args.layers} layers, {args.heads} heads{kv}, "
+             f"vocab {args.vocab}, "
              f"float32; one prompt of P={args.prompt_len}, G responses of T={args.response_len}; replay chunks of "
              f"<= {args.chunk_tokens} tokens; compiler {args.compiler}; {args.threads} thread(s).", "",
              "| G | saved for bwd MiB: dense | packed | replay | step peak MiB: dense | packed | replay | "
@@ -204,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    p.add_argument("--model", default="gpt", choices=MODELS, help="the example GPT or an HF model of its sizes")
     p.add_argument("--out", help="also write the markdown table to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)

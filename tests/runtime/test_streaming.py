@@ -228,3 +228,23 @@ def test_memory_benchmark_worker_and_table():
     assert by["replay"]["saved"] < by["packed"]["saved"] < by["dense"]["saved"]
     table = bench_replay.markdown(results, args)
     assert table.count("\n| 6 |") == 1 and "replay grad err" in table
+
+
+@pytest.mark.parametrize("model", ["mixtral", "mpt"])
+def test_memory_benchmark_hf_models(model):
+    """``bench_replay.py --model mixtral|mpt``: the HF model of the benchmark's sizes streams (a MoE block's sort-based
+    dispatch, ALiBi against the cached prompt) in every call of the worker, within float32's bound of the dense run."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_replay
+
+    args = bench_replay.build_parser().parse_args(
+        ["--prompt-len", "40", "--response-len", "6", "--dim", "32", "--layers", "1", "--heads", "4",
+         "--kv-heads", "2", "--vocab", "64", "--chunk-tokens", "12", "--compiler", "eager", "--repeats", "1",
+         "--threads", "1", "--model", model])
+    args.mode, args.group = "replay", 6
+    brcompile.reset_stats()
+    torch._dynamo.reset()
+    r = bench_replay.worker(args)
+    assert r["streamed"] == 3 and r["replayed"] == 3, r  # warm-up, measured, timed
+    assert r["max_grad_rel_err"] < 1e-4, r
+
