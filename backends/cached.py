@@ -176,17 +176,11 @@ def _cross_bias(a: TreeAttentionArgs, c: CachedPrefix, slopes: Optional[Tensor],
     """The position bias of cross piece ``pc`` (chunk queries against cached keys), [Hkv, g, nq, nk] in the
     accumulation dtype, or None: ALiBi ``m[h] * (cache_position[k] - position[q])`` plus the relative bias
     ``R[h, q, min(position[q] - cache_position[k], E - 1)]`` (module docstring)."""
-    from brcompile.backends.cpu import piece_bias
-    from brcompile.backends.reference import relative_bias
+    from brcompile.backends.cpu import position_bias
 
     if slopes is None and a.relbias is None:
         return None
-    qpos, kpos = a.position.cpu()[pc.q0:pc.q1], c.cache_position.cpu()[pc.k0:pc.k1]
-    bias = None if slopes is None else piece_bias(slopes, qpos, kpos, hkv, a.lse_dtype)
-    if a.relbias is not None:
-        rel = relative_bias(a.relbias[:, pc.q0:pc.q1].to(a.lse_dtype), qpos, kpos).unflatten(0, (hkv, -1))
-        bias = rel if bias is None else bias + rel
-    return bias
+    return position_bias(a, slopes, pc.q0, a.position.cpu()[pc.q0:pc.q1], c.cache_position.cpu()[pc.k0:pc.k1], hkv)
 
 
 def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out: Tensor, lse: Tensor,
@@ -195,9 +189,7 @@ def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out
     """Accumulate the cross pieces' (dq, dk_cache, dv_cache), and the position biases' gradients into ``drel``
     [Hq, n, E] and ``dslopes`` [Hq] when given, with the merged out and lse (a row that sees nothing at all gets
     lse = +inf, so every p of it is 0)."""
-    from brcompile.backends.cpu import _flash_bwd, _group_kv, additive_mask, math_backward
-    from brcompile.backends.ops import slopes_grad
-    from brcompile.backends.reference import relative_bias_grad
+    from brcompile.backends.cpu import _flash_bwd, _group_kv, accumulate_bias_grads, additive_mask, math_backward
 
     hkv = c.k_cache.shape[0]
     g = a.q.shape[0] // hkv
@@ -217,11 +209,8 @@ def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out
                                             _cross_bias(a, c, slopes, pc, hkv),
                                             score_grad=drel is not None or dslopes is not None)
             if ds:
-                qpos, kpos = a.position.cpu()[qs], c.cache_position.cpu()[ks]
-                if drel is not None:
-                    drel[:, qs] += relative_bias_grad(ds[0].flatten(0, 1), qpos, kpos, drel.shape[-1])
-                if dslopes is not None:
-                    dslopes += slopes_grad(ds[0].flatten(0, 1), qpos, kpos)
+                accumulate_bias_grads(ds[0].flatten(0, 1), qs, a.position.cpu()[qs], c.cache_position.cpu()[ks],
+                                      drel, dslopes)
         dq[:, qs] += gq.flatten(0, 1).to(dq.dtype)
         dk[:, ks] += gk.sum(1, dtype=dk.dtype)
         dv[:, ks] += gv.sum(1, dtype=dv.dtype)

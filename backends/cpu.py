@@ -357,12 +357,31 @@ def _bias(a: TreeAttentionArgs, slopes: Optional[Tensor], pc: "_Piece", hkv: int
     if slopes is None and a.relbias is None:
         return None
     pos = a.position.cpu()
-    qpos, kpos = pos[pc.q0:pc.q1], pos[pc.k0:pc.k1]
+    return position_bias(a, slopes, pc.q0, pos[pc.q0:pc.q1], pos[pc.k0:pc.k1], hkv)
+
+
+def position_bias(a: TreeAttentionArgs, slopes: Optional[Tensor], q0: int, qpos: Tensor, kpos: Tensor,
+                  hkv: int) -> Optional[Tensor]:
+    """[Hkv, g, nq, nk] in the accumulation dtype, or None: ALiBi ``slopes[h] * (kpos[k] - qpos[q])`` plus the
+    relative bias ``R[h, q0 + q, min(qpos[q] - kpos[k], E - 1)]`` of ``a``'s table, for the queries from ``q0`` on
+    at positions ``qpos`` against keys at positions ``kpos`` (the tree's own or a cached prefix's)."""
     bias = None if slopes is None else piece_bias(slopes, qpos, kpos, hkv, a.lse_dtype)
     if a.relbias is not None:
-        rel = relative_bias(a.relbias[:, pc.q0:pc.q1].to(a.lse_dtype), qpos, kpos).unflatten(0, (hkv, -1))
+        rows = a.relbias[:, q0:q0 + qpos.shape[0]].to(a.lse_dtype)
+        rel = relative_bias(rows, qpos, kpos).unflatten(0, (hkv, -1))
         bias = rel if bias is None else bias + rel
     return bias
+
+
+def accumulate_bias_grads(ds: Tensor, qs: slice, qpos: Tensor, kpos: Tensor, drel: Optional[Tensor],
+                          dslopes: Optional[Tensor]) -> None:
+    """Add one piece's share of the position biases' gradients, from the gradient ``ds`` [Hq, nq, nk] of its
+    biased scores (0 where not seen): to ``drel`` [Hq, N, E] at the piece's query rows ``qs`` (summed per
+    distance bucket) and to ``dslopes`` [Hq] (summed over pairs times the distance), each when given."""
+    if drel is not None:
+        drel[:, qs] += relative_bias_grad(ds, qpos, kpos, drel.shape[-1])
+    if dslopes is not None:
+        dslopes += slopes_grad(ds, qpos, kpos)
 
 
 def _schedule_pieces(a: TreeAttentionArgs):
@@ -417,10 +436,8 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
                                             kg.to(acc_dtype), vg.to(acc_dtype), outg[:, :, qs].to(acc_dtype),
                                             lseg[:, :, qs], pc.seen, a.scale, a.softcap, _bias(a, slopes, pc, hkv),
                                             score_grad=drel is not None or dslopes is not None)
-            if drel is not None:
-                drel[:, qs] += relative_bias_grad(ds[0].flatten(0, 1), pos[qs], pos[ks], drel.shape[-1])
-            if dslopes is not None:
-                dslopes += slopes_grad(ds[0].flatten(0, 1), pos[qs], pos[ks])
+            if ds:
+                accumulate_bias_grads(ds[0].flatten(0, 1), qs, pos[qs], pos[ks], drel, dslopes)
         else:
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     pc.causal, attn_mask=pc.mask, scale=a.scale)

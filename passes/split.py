@@ -52,6 +52,8 @@ from brcompile.backends.scan import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
 )
 from brcompile.passes.repack import repack_tokens
+from brcompile.passes.rules.moe import _CASTS
+from brcompile.passes.spellings import op_name
 from brcompile.passes.axes import CannotReplay
 from brcompile.passes.check import symbolic_run, token_positions
 from brcompile.passes.masks import descendants
@@ -127,7 +129,8 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     token_side = descendants(tok_nodes)
     trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
     trunk_set = set(trunk)
-    _check_autocast_regions(packed, trunk)
+    frontier = [n for n in trunk if any(u not in trunk_set for u in n.users)]
+    _check_autocast_regions(packed, trunk, trunk_set, frontier)
     scans = [n for n in trunk if n.target in TREE_PATH_OPS or n.target in MATRIX_PATH_OPS]
     for n in scans:
         _check_scan(n, tok_nodes)
@@ -148,7 +151,6 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
                 if d != dim:
                     per *= int(s)
             bytes_per_token += per * val.element_size()
-    frontier = [n for n in trunk if any(u not in trunk_set for u in n.users)]
     for n in frontier:
         if not isinstance(n.meta.get("val"), torch.Tensor):
             raise CannotReplay(f"streaming replay: the outer graph reads {n.name}, which is not a tensor", n)
@@ -173,7 +175,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
                        cached_positions=tuple(p.name for p in positions))
 
 
-_COUNT_STEPS = {"cumsum", "to", "long", "int", "float", "double", "type", "type_as"}
+_COUNT_STEPS = _CASTS | {"cumsum"}  # the region ops rules/moe.py allows on group counts
 
 
 def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:
@@ -188,7 +190,7 @@ def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:
     seen = 0
     while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and seen < 8:
         seen += 1
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        name = op_name(node)
         if name == "histc":
             keys = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
             return isinstance(keys, torch.Tensor) and len(_token_factors(keys, n_sym)) == 1
@@ -221,7 +223,8 @@ def _autocast_nodes(packed: fx.GraphModule) -> list[fx.Node]:
     return [n for n in packed.graph.nodes if n.op == "call_function" and n.target in _AUTOCAST_REGION]
 
 
-def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node]) -> None:
+def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node], trunk_set: set,
+                            frontier: Sequence[fx.Node]) -> None:
     """An autocast region inside the compiled function streams when the whole trunk lies in one autocast state:
     no region starts or ends between its first and last node. The outer graph then keeps the ``replay_trunk``
     call at the trunk's place, inside the same regions (:func:`_outer_graph` emits every autocast call after the
@@ -241,8 +244,7 @@ def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node]) ->
     later = [m for m in marks if order[m] > last]
     if not later:
         return
-    trunk_set = set(trunk)
-    after = descendants([n for n in trunk if any(u not in trunk_set for u in n.users)]) - trunk_set
+    after = descendants(frontier) - trunk_set
     stray = next((n for n in packed.graph.nodes if order[n] > order[later[0]]
                   and n.op in ("call_function", "call_method", "call_module")
                   and n not in after and n not in trunk_set and n.target not in _AUTOCAST_REGION), None)
@@ -367,9 +369,11 @@ def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     after = descendants(frontier) - trunk_set
-    if trunk_set:  # autocast boundaries after the trunk's start stay after the call (_check_autocast_regions)
-        start = min(i for i, n in enumerate(packed.graph.nodes) if n in trunk_set)
-        after |= {n for i, n in enumerate(packed.graph.nodes) if i > start and n in _autocast_nodes(packed)}
+    marks = _autocast_nodes(packed)
+    if trunk_set and marks:  # autocast boundaries after the trunk's start stay after the call (_check_autocast_regions)
+        start = next(n for n in packed.graph.nodes if n in trunk_set)
+        order = {n: i for i, n in enumerate(packed.graph.nodes)}
+        after |= {m for m in marks if order[m] > order[start]}
     nodes = [n for n in packed.graph.nodes if n not in trunk_set and n.op != "output"]
     for n in nodes:
         if n not in after:
