@@ -147,6 +147,7 @@ class GraphRecord:
     level: Optional[str] = None  # the level whose graph was rewritten ("dynamo" or "aten"; Options.level)
     refusals: tuple[tuple[str, str], ...] = ()  # (level, reason) of each level tried and refused
     unshared: bool = False  # not rewritten because it has nothing to share (passes/axes.py: NothingToShare)
+    routed: Optional[dict] = None  # routed pairs (passes/routed.py): experts after a routing graph break
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -187,6 +188,9 @@ class BranchReplayBackend:
                 log.info("branch_replay: graph %d refused at the Dynamo level (%s); trying its ATen graph",
                          gid, refusals[-1][1])
         else:
+            routed = self._routed(gid, gm, example_inputs, opts, refusals)
+            if routed is not None:
+                return routed
             level, reason, node = refusals[0]
             return self._fallback(gid, gm, reason, node, opts, tuple((lv, r) for lv, r, _ in refusals),
                                   dumped=read.get(level, gm))
@@ -234,6 +238,36 @@ class BranchReplayBackend:
             log.debug("branch_replay graph %d before:\n%s", gid, gm.code)
             log.debug("branch_replay graph %d after:\n%s", gid, packed.code)
         self._dump(opts, an.gm, packed)  # an.gm: the analysed (canonical) copy, with the token facts
+        return rt
+
+    def _routed(self, gid: int, gm: fx.GraphModule, example_inputs, opts: Options, refusals: list):
+        """A graph of routed pairs (passes/routed.py: experts after a routing graph break) refused by the
+        token-axis analysis: its :class:`~brcompile.runtime.routed.RoutedRuntime`, or None (the graph has no
+        such gather, or the routed analysis refused: its reason goes first in ``refusals``)."""
+        from brcompile.passes.routed import analyse_routed, find_routed_gather
+        from brcompile.runtime.routed import RoutedRuntime
+
+        if find_routed_gather(gm) is None:
+            return None
+        try:
+            plan = analyse_routed(gm, example_inputs)
+        except CannotReplay as e:
+            refusals.insert(0, ("dynamo", str(e), e.node_name))
+            return None
+        except Exception as e:
+            if opts.strict:
+                raise
+            log.warning("branch_replay: internal error in the routed-pairs rewrite of graph %d", gid, exc_info=True)
+            refusals.insert(0, ("dynamo", f"internal error: {type(e).__name__}: {e}", None))
+            return None
+        rt = RoutedRuntime(gm.forward, plan, strict=opts.strict)
+        self.records.append(GraphRecord(gid, True, None, None, gm.code, plan.gm.code, level="dynamo",
+                                        refusals=tuple((lv, r) for lv, r, _ in refusals),
+                                        routed=plan.describe(), runtime=rt))
+        runtime.record_graph(True)
+        log.info("branch_replay: graph %d runs routed pairs (%d experts, %d pairs at capture)", gid,
+                 len(plan.sizes), sum(plan.sizes))
+        self._dump(opts, gm, plan.gm)
         return rt
 
     @staticmethod

@@ -305,6 +305,7 @@ class ExplainReport:
             "replay": getattr(g, "replay", None), "replay_reason": getattr(g, "replay_reason", None),
             "level": getattr(g, "level", None), "unshared": getattr(g, "unshared", False),
             "refusals": [dict(level=lv, reason=r) for lv, r in getattr(g, "refusals", ())],
+            "routed": getattr(g, "routed", None),
         }
 
     def to_dict(self) -> dict:
@@ -339,7 +340,8 @@ class ExplainReport:
                 mats = g.materialisations
                 mat = f"{len(mats)} ({sum(int(m[2]) for m in mats):,} elements)" if mats else "0"
                 special = brcompile_nodes(packed_module(g))
-                status = "REWRITTEN" + (" (ATen level)" if getattr(g, "level", None) == "aten" else "")
+                status = "REWRITTEN" + (" (routed pairs)" if getattr(g, "routed", None)
+                                        else " (ATen level)" if getattr(g, "level", None) == "aten" else "")
                 row = [str(g.graph_id), status, "\n".join(g.tree_inputs) or "-", _mask_summary(g.masks), mat,
                        "\n".join(g.lazy_gathers) or "-",
                        "\n".join(f"{k} x{n}" for k, n in special.items()) or "-"]
@@ -413,7 +415,8 @@ class ExplainReport:
         tree_rows, cost_rows, notes, cost_notes = [], [], [], []
         for i, c in shown:
             t = c.get("tree") or {}
-            ran = ("streamed" if c.get("mode") == "replay" else "packed") if c["replayed"] else "original"
+            ran = {"replay": "streamed", "routed": "routed pairs"}.get(c.get("mode"), "packed") \
+                if c["replayed"] else "original"
             tree_rows.append([str(i), str(c["graph_id"]), ran,
                               *(fmt_int(t.get(k)) for k in ("rows", "logical_tokens", "valid_tokens",
                                                             "executed_tokens")),

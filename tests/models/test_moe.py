@@ -338,3 +338,39 @@ def test_dbrx_experts_after_graph_breaks_replay():
     assert all(r.rewritten or r.unshared for r in backend.records), [r.reason for r in backend.records]
     s = brcompile.stats()
     assert s.unshared_calls >= 1 and not s.fallback_reasons, str(s)
+
+
+def _jetmoe_gating(self, hidden_states):
+    """JetMoE's top-k gating with its router logits in the input dtype (HF: ``.float()``)."""
+    logits = self.layer(hidden_states)
+    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    zeros = torch.zeros([top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype, device=top_k_gates.device)
+    expert_size = zeros.scatter(1, top_k_indices, 1).long().sum(0).tolist()
+    _, index_sorted_experts = top_k_indices.flatten().sort(0)
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+    batch_gates = top_k_gates.flatten()[index_sorted_experts]
+    return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
+def test_jetmoe_routed_experts_replay(monkeypatch):
+    """JetMoE's router ends in ``expert_size.tolist()``: a graph break inside the router, so its experts (the
+    MLP's and the mixture-of-attention query/output projections) run in graphs that receive the routing
+    order, the gates and the counts from outside. Those graphs run routed pairs (passes/routed.py): each
+    shared token's pairs once. Every graph replays or has nothing to share; loss and every gradient exact."""
+    from transformers.models.jetmoe import modeling_jetmoe as jm
+
+    monkeypatch.setattr(jm.JetMoeRMSNorm, "forward", _rmsnorm)
+    monkeypatch.setattr(jm.JetMoeTopKGating, "forward", _jetmoe_gating)
+    cfg = transformers.JetMoeConfig(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                                    intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                    vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+    backend = _check(m, _loss)
+    routed = [r for r in backend.records if r.routed is not None]
+    assert len(routed) == 2 * cfg.num_hidden_layers, [(r.graph_id, r.reason) for r in backend.records]
+    for r in routed:
+        for c in r.runtime.calls:
+            assert c.replayed and c.tree_stats["executed_pairs"] < c.tree_stats["pairs"], c
+    assert all(r.rewritten or r.unshared for r in backend.records), [r.reason for r in backend.records]
