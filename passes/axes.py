@@ -295,6 +295,8 @@ class AxesContext:
     training: bool = True
     materialised: dict[fx.Node, Materialisation] = dataclasses.field(default_factory=dict)
     notes: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    #: in-place writes into graph inputs (``input_write_destination``): write node -> the input it writes
+    input_writes: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
     # inputs shared by every row, [L, ...] or [1, L, ...]: placeholder -> its position dim (no tree key)
     position_inputs: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
     # placeholder -> example value (for probes); a graph over packed sequences (passes/repack.py)
@@ -438,6 +440,28 @@ def is_inplace(node: fx.Node) -> bool:
     return callable(node.target) and _inplace_argument(node)
 
 
+def input_write_destination(ctx: AxesContext, node: fx.Node, tainted: set) -> Optional[fx.Node]:
+    """The graph input that in-place ``node`` writes values computed from the tokens into, when that write is
+    exact in the packed graph: a placeholder that is no token value and needs no gradient (a buffer: a MoE's
+    load counter, torchtitan's ``tokens_per_expert.add_(counts)``), written by a ``Tensor.op_`` method or an
+    in-place operator as its only use, the result unused. The packed graph then makes the same write with
+    its token operands materialised (their dense values, ``dense_fallback``), at the same point; the runtime
+    snapshots the input around a verification or a failed run (runtime/packed.py). None for anything else
+    (refused by the caller)."""
+    if node.op == "call_method" or node.target in INPLACE_OPERATORS:
+        dest = node.args[0] if node.args else None
+    else:
+        return None
+    if not isinstance(dest, fx.Node) or dest.op != "placeholder" or dest in tainted or dest in ctx.tree_inputs:
+        return None
+    v = example_value(dest)
+    if not isinstance(v, torch.Tensor) or v.requires_grad or not get_axes(dest).is_const:
+        return None
+    if len(dest.users) != 1 or node.users or "out" in node.kwargs:
+        return None
+    return dest
+
+
 def propagate(ctx: AxesContext) -> None:
     """Give every node of ``ctx.gm`` its fact (topological order), raising CannotReplay where a
     TOKEN value would be handled in a way no rule proves exact."""
@@ -459,7 +483,18 @@ def propagate(ctx: AxesContext) -> None:
                 ctx.fail(node, f"random draw {draw} over token values: every copy of a shared token draws "
                                f"its own numbers (training-mode sampling, e.g. the Gumbel noise of a router)")
             if is_inplace(node):
-                ctx.fail(node, "in-place op on a value derived from the token inputs")
+                dest = input_write_destination(ctx, node, tainted)
+                target = node.args[0] if node.args else None
+                if dest is None and isinstance(target, fx.Node) and target.op == "placeholder" \
+                        and target not in tainted:
+                    ctx.fail(node, f"in-place write of values computed from the tokens into the graph input "
+                                   f"{target.name}: only a buffer without gradient that the graph writes once "
+                                   f"and never reads (a load counter) is supported")
+                if dest is None:
+                    ctx.fail(node, "in-place op on a value derived from the token inputs")
+                set_axes(node, dense_fallback(ctx, node, f"written in place into the graph input {dest.name}"))
+                ctx.input_writes[node] = dest
+                continue
         if node.op == "placeholder":
             set_axes(node, _placeholder_axes(ctx, node))
             continue

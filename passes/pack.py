@@ -937,7 +937,8 @@ class Packer:
         out = next(n for n in gm.graph.nodes if n.op == "output")
         outs = fx.node.map_aggregate(out.args[0], lambda a: self.dense(a) if isinstance(a, fx.Node) else a)
         self.graph.output(outs)
-        self.graph.eliminate_dead_code()
+        writes = {self.env[n] for n in self.an.ctx.input_writes if n in self.env}  # unused results, kept
+        self.graph.eliminate_dead_code(is_impure_node=lambda n: n in writes or n.is_impure())
         self.graph.lint()
         new_gm = fx.GraphModule(gm, self.graph, class_name="PackedGraph")
         if regions:  # the packed nodes of each activation checkpoint back into a checkpoint call
@@ -946,6 +947,14 @@ class Packer:
         new_gm.br_token_outputs = self._token_outputs(out)
         new_gm.br_sequences = self.an.sequences_position  # padding-free: the tree is over sequences (runtime)
         new_gm.br_rows = self.an.ctx.rows  # [T, ...] tree inputs: the runtime's keys are row_keys, [T, 1, ...]
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        kept = set(new_gm.graph.nodes)
+        written = [n for n in self.an.ctx.input_writes if self.env.get(n) in kept]
+        if len(written) != len(self.an.ctx.input_writes):  # a write the rewrite dropped would lose its effect
+            raise CannotReplay("an in-place write into a graph input was dropped by the rewrite",
+                               next(iter(self.an.ctx.input_writes)))
+        # inputs the graph writes into (axes.input_write_destination): the runtime snapshots them
+        new_gm.br_written_inputs = tuple(sorted({placeholders.index(d) for d in self.an.ctx.input_writes.values()}))
         return new_gm
 
     def _token_outputs(self, out: fx.Node) -> tuple[int, ...]:

@@ -122,6 +122,11 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     if dense is not None:  # the dense region runs on every row and position: there is no per-chunk trunk before it
         raise CannotReplay("streaming replay: a dense region is packed again (passes/repack.py): it runs on the "
                            "whole [B, L] batch, not per chunk of tokens (the packed mode runs)", dense)
+    written = getattr(packed, "br_written_inputs", ())
+    if written:  # the write would have to be placed in one of the prefix / chunk / outer graphs (not done)
+        ph = [n for n in packed.graph.nodes if n.op == "placeholder"]
+        raise CannotReplay(f"streaming replay: the graph writes into its input {ph[written[0]].name} in place "
+                           f"(a buffer; the packed mode runs)", ph[written[0]])
     tree = tree_placeholders(packed)
     tok_nodes = tree.tokens
     n_sym = symbolic_run(packed, example_args, token_positions(packed))

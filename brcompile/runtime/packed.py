@@ -158,6 +158,9 @@ class PackedRuntime:
         self.token_outputs: tuple = tuple(getattr(gm, "br_token_outputs", ()))
         self.sequences: Optional[int] = getattr(gm, "br_sequences", None)  # padding-free: position ids' arg
         self.rows: bool = getattr(gm, "br_rows", False)  # [T, ...] tree inputs: keys [T, 1, ...] (one token a row)
+        # inputs the graph writes into (a buffer: passes/axes.py input_write_destination): restored from a
+        # snapshot when a run is not the call's only write (verify's two runs, a failed packed run)
+        self.written: tuple = tuple(getattr(gm, "br_written_inputs", ()))
         self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
 
     def _log_call(self, rec: CallRecord) -> None:
@@ -194,9 +197,11 @@ class PackedRuntime:
         if why_packed is not None:
             log.debug("branch_replay call runs packed, not streamed: %s", why_packed)
         streamed = self.streaming is not None and why_packed is None
+        snapshot = self._snapshot(args)
         try:
             out = self.streaming.outer(*args, *tree_args) if streamed else self._run_packed(args, tree_args)
         except Exception as e:
+            self._restore(args, snapshot)  # the original graph makes the call's one write
             return self._failed(e, "streaming" if streamed else "packed", st, args)
         if streamed:
             schedule = self.streaming.trunk.last_schedule
@@ -210,6 +215,16 @@ class PackedRuntime:
         log.debug("branch_replay %s call: %s (tree %s)", "streaming" if streamed else "packed", st, source)
         self._tag_outputs(out, tree, mask)
         return out
+
+    def _snapshot(self, args: Sequence[Any]) -> list:
+        """Copies of the inputs the graph writes into (none for most graphs)."""
+        return [args[i].detach().clone() for i in self.written]
+
+    def _restore(self, args: Sequence[Any], snapshot: list) -> None:
+        """The written inputs back to ``snapshot`` (:meth:`_snapshot`)."""
+        with torch.no_grad():
+            for i, v in zip(self.written, snapshot):
+                args[i].copy_(v)
 
     def _original(self, args: Sequence[Any], reason: str, st=None):
         """This call runs the original graph; the reason is counted and logged."""
@@ -247,17 +262,23 @@ class PackedRuntime:
 
     def _verify(self, args: Sequence[Any], tree_args: Sequence[Any]) -> Optional[str]:
         """``verify=True``: run the original and the packed graph forward on this call (no grad, the same RNG
-        state) and compare every output: floating ones within :data:`VERIFY_TOLERANCE` of their dtype
+        state) and compare every output and every input the graph writes into (each run starts from the same
+        snapshot of those, restored afterwards): floating ones within :data:`VERIFY_TOLERANCE` of their dtype
         (``rel_err``), others equal. None when they agree, else the reason (with both values of the first
         scalar output that differs: the loss, for a loss function)."""
         run = self.eager_packed or self.packed
         devices = [a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
+        before = self._snapshot(args)  # a written input is compared like an output, then restored
         with torch.no_grad():
             with torch.random.fork_rng(devices=devices):
                 want = self.original(*args)
+            want_written = self._snapshot(args)
+            self._restore(args, before)
             with torch.random.fork_rng(devices=devices):
                 got = run(*args, *tree_args)
-        want_l, got_l = tree_leaves(want), tree_leaves(got)
+            got_written = self._snapshot(args)
+            self._restore(args, before)
+        want_l, got_l = tree_leaves(want) + want_written, tree_leaves(got) + got_written
         if len(want_l) != len(got_l):
             return f"verify=True: the packed graph returned {len(got_l)} outputs, the original {len(want_l)}"
         for i, (w, g) in enumerate(zip(want_l, got_l)):

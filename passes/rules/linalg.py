@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.axes import AxesContext, dense_fallback, get_axes, register_rule, shape_of, token
-from brcompile.passes.spellings import spellings
+from brcompile.passes.spellings import family_of, op_name, spellings
 
 
 @register_rule(spellings("linear"), local="carry")
@@ -50,7 +50,55 @@ def _matmul_dims(sa, sb) -> Optional[tuple[int, dict, dict]]:
     return R, da, db
 
 
-@register_rule([*spellings("matmul", "bmm", "mm")], local="carry")
+_COPIES = ("contiguous", "clone", "detach")
+_BROADCASTS = ("expand", "expand_as", "broadcast_to")
+
+
+def invariant_along(node, dim: int) -> bool:
+    """Whether the value of ``node`` is the same at every index of its ``dim``: it is made by ``expand`` /
+    ``expand_as`` / ``broadcast_to`` from extent 1 there (or from a new leading dim), through casts and copies
+    (``inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)``, HF's rotary with per-row
+    ``position_ids``: a constant broadcast over the rows)."""
+    n = node
+    while isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and n.args:
+        if family_of(n) == "cast" or op_name(n) in _COPIES:
+            n = n.args[0]
+            continue
+        if op_name(n) not in _BROADCASTS:
+            return False
+        ins, outs = shape_of(n.args[0]), shape_of(n)
+        if ins is None or outs is None:
+            return False
+        off = len(outs) - len(ins)
+        if dim < off or ins[dim - off] == 1:
+            return True
+        n, dim = n.args[0], dim - off
+    return False
+
+
+def _narrowed_args(pk, node):
+    """``node``'s arguments on packed operands, a constant that is broadcast along an output token dim
+    (:func:`_product`'s note) narrowed to its first index there: the same values, extent 1 as packed."""
+    note = pk.notes.get(node)
+    const, dims = note["narrow"] if isinstance(note, dict) and "narrow" in note else (None, ())
+
+    def arg(a):
+        v = pk.packed(a)
+        if a is const:
+            for d in dims:
+                v = pk.graph.call_method("narrow", (v, d, 0, 1))
+        return v
+
+    return fx.node.map_aggregate((node.args, node.kwargs), lambda a: arg(a) if isinstance(a, fx.Node) else a)
+
+
+def emit_product(pk, node):
+    """The same product on packed operands, a constant broadcast along a token dim narrowed there."""
+    args, kwargs = _narrowed_args(pk, node)
+    return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
+
+
+@register_rule([*spellings("matmul", "bmm", "mm")], emit=emit_product, local="carry")
 def matmul(ctx: AxesContext, node):
     """matmul/bmm/mm of one TOKEN operand and one constant, in either order: ``out[..., i, j] = sum_k a[..., i,
     k] b[..., k, j]``. Each output element reads one row of ``a`` and one column of ``b`` at the same
@@ -58,8 +106,9 @@ def matmul(ctx: AxesContext, node):
     dim (``h @ W``) or ``b``'s column dim (``inv_freq[None, :, None] @ position_ids[:, None, :]``, HF's
     rotary: the column is the position) — never the contracted dim. The constant must have extent 1 at
     the output's token dims (a constant batch indexed by row or position would depend on dense
-    coordinates). Two TOKEN operands (``q @ k^T``) mix positions: that is attention, handled by the eager
-    canonicalisation; here they are materialised."""
+    coordinates) or be the same at every index there (:func:`invariant_along`: a broadcast, narrowed to extent
+    1 in the packed graph). Two TOKEN operands (``q @ k^T``) mix positions: that is attention, handled by the
+    eager canonicalisation; here they are materialised."""
     return _product(ctx, node, node.args[0], node.args[1])
 
 
@@ -77,13 +126,18 @@ def _product(ctx: AxesContext, node, a, b):
     if dims is None:
         return dense_fallback(ctx, node, "matmul of a 0-D value")
     R, da, db = dims
-    tok, tdims, cshape, cdims = (fa, da, sb, db) if fa.is_token else (fb, db, sa, da)
+    tok, tdims, const, cshape, cdims = (fa, da, b, sb, db) if fa.is_token else (fb, db, a, sa, da)
     if any(tdims[d] is None for d in tok.token_dims()):
         return dense_fallback(ctx, node, "matmul contracts a token dim")
     out_tok = {tdims[d] for d in tok.token_dims()}
+    narrow = []
     for d, o in cdims.items():
         if o in out_tok and cshape[d] != 1:
-            return dense_fallback(ctx, node, "matmul with a constant that is not broadcast along a token dim")
+            if not invariant_along(const, d):
+                return dense_fallback(ctx, node, "matmul with a constant that is not broadcast along a token dim")
+            narrow.append(d)
+    if narrow:
+        ctx.notes[node] = {"narrow": (const, tuple(narrow))}
     return token(R, None if tok.row is None else tdims[tok.row], tdims[tok.pos], tok.window)
 
 
@@ -104,8 +158,7 @@ def emit_addmm(pk, node):
     """``addmm`` as is; ``baddbmm(c, a, b, beta=β, alpha=α)`` as ``β·c + α·bmm(a, b)`` on the packed
     operands: the same sum (a reassociation at most), but torch's ``baddbmm`` kernel needs concrete sizes under
     fake tensors, which would tie the packed graph to the example batch's N (passes/check.py)."""
-    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
-                                         lambda a: pk.packed(a) if isinstance(a, fx.Node) else a)
+    args, kwargs = _narrowed_args(pk, node)
     if node.target not in spellings("baddbmm"):
         return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
     c, a, b, beta, alpha = _addmm_operands(args, kwargs)
@@ -176,14 +229,16 @@ def _einsum_operands(node):
     return eq, ops
 
 
-@register_rule(spellings("einsum"))
+@register_rule(spellings("einsum"), local="carry")
 def einsum(ctx: AxesContext, node):
     """einsum with an explicit output (``"i , j -> i j"``, ``"bld,od->blo"``): an output element is a sum
     over the contracted letters of products of operand elements at the output's coordinates. When every
     TOKEN operand carries its row and position on the same letters, those letters are kept in the output
     and are absent from the constants, each output element reads only its own (row, position) of the
     TOKEN operands — causal and row-independent, like a pointwise op. Contracting a token letter (``q``
-    against ``k`` in attention scores) mixes positions: materialised."""
+    against ``k`` in attention scores) mixes positions: materialised. Flattened tokens (one letter on the
+    flat dim of every TOKEN operand, all in one layout: gpt-fast's ``einsum("ti,taoi->tao", x, w1[idx])``
+    over per-token expert weights) keep their layout, entry by entry, like a pointwise op."""
     eq, ops = _einsum_operands(node)
     if not isinstance(eq, str) or "->" not in eq or "." in eq:
         return dense_fallback(ctx, node, "einsum without an explicit output or with an ellipsis")

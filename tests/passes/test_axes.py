@@ -54,6 +54,9 @@ def _buffer(t):  # a constant the way Dynamo sees a module buffer (a static inpu
 
 COS = _buffer(torch.randn(2 * L, D, dtype=torch.float64))  # a [T_max, hs] rotary cache
 INV_FREQ = _buffer(torch.rand(D // 2, dtype=torch.float64))
+ROW_FREQ = _buffer(torch.rand(B, D // 2, 1, dtype=torch.float64))  # a per-row constant, not a broadcast
+EXPERT_W = torch.nn.Parameter(torch.randn(4, 3, D, dtype=torch.float64))  # 4 experts' [3, D] weights
+ROUTER = torch.nn.Parameter(torch.randn(4, D, dtype=torch.float64))
 FREQS_CIS = _buffer(torch.polar(torch.ones(L, D // 2, dtype=torch.float64),
                                 torch.randn(L, D // 2, dtype=torch.float64)))
 
@@ -107,6 +110,19 @@ TABLE = [
     ("inv_freq_matmul_positions",
      lambda ids: EMB(ids) * (INV_FREQ[None, :, None] @ torch.arange(L)[None, None, :].double()).transpose(1, 2)
      .repeat(1, 1, 2), "token(row=0, pos=1)"),
+    # HF rotary with per-row position_ids: inv_freq broadcast over the rows (expand) is the same in every row
+    ("inv_freq_matmul_positions_over_rows",
+     lambda ids: EMB(ids) * (INV_FREQ[None, :, None].double().expand(B, -1, 1)
+                             @ torch.arange(L)[None].expand(B, -1)[:, None, :].double()).transpose(1, 2)
+     .repeat(1, 1, 2), "token(row=0, pos=1)"),
+    ("matmul_per_row_constant_positions",
+     lambda ids: EMB(ids) * (ROW_FREQ @ torch.arange(L)[None].expand(B, -1)[:, None, :].double()).transpose(1, 2)
+     .repeat(1, 1, 2), "dense"),
+    # gpt-fast's MoE: each token's expert weights looked up (W[idx]) and contracted with einsum, flattened tokens
+    ("einsum_flat_expert_weights",
+     lambda ids: torch.einsum("ti,taoi->tao", EMB(ids).view(-1, D),
+                              EXPERT_W[F.linear(EMB(ids).view(-1, D), ROUTER).topk(2, -1)[1]]),
+     "token(row=None, pos=0, flat=1)"),
     ("einsum_outer_positions",
      lambda ids: EMB(ids) * torch.einsum("i,j->ij", torch.arange(L).double(), INV_FREQ).repeat(1, 2),
      "token(row=0, pos=1)"),

@@ -1328,6 +1328,141 @@ class QueryKeyBias(KeyBias):
     layer = QueryKeyBiasLayer
 
 
+# --------------------------------------------------------------------------------------------------
+# positions expanded over the rows (HF ModernBERT-decoder and others: ``arange(L)[None].expand(B, -1)``)
+
+
+class ExpandedPositions(HFLlama):
+    """HF Llama whose ``position_ids`` are ``cache_position.unsqueeze(0).expand(bsz, -1)``: a position-only
+    value broadcast over the rows, never a row dim of a packed value."""
+
+    def context(self, input_ids, attention_mask):
+        bsz, seq_len = input_ids.shape
+        position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
+        dtype = self.wte.weight.dtype
+        min_dtype = torch.finfo(dtype).min
+        causal_mask = torch.triu(torch.full((seq_len, seq_len), fill_value=min_dtype, dtype=dtype), diagonal=1)
+        causal_mask = causal_mask[None, None, :, :].expand(bsz, 1, -1, -1)
+        if attention_mask is not None:
+            padding_mask = causal_mask + attention_mask[:, None, None, :].to(dtype)
+            causal_mask = causal_mask.masked_fill(padding_mask == 0, min_dtype)
+        cos, sin = self.rotary_emb(self.wte.weight, position_ids)
+        return cos, sin, causal_mask
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixture of experts, written as public codebases write them, in an HF Llama layer (E experts, top-K)
+
+MOE_EXPERTS, MOE_TOP_K, MOE_FF = 4, 2, 48
+
+
+class HF4MixtralSparseMoe(nn.Module):
+    """HF transformers 4.x ``MixtralSparseMoeBlock``: softmax router, top-k, a one-hot expert mask, per expert
+    ``torch.where`` (a graph break: its output size depends on the data), ``hidden_states[None, top_x]`` and
+    ``index_add_`` into the output. HF's ``dtype=torch.float`` softmax is spelled with the model's dtype so
+    the float64 test stays float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden_dim, self.num_experts, self.top_k = DIM, MOE_EXPERTS, MOE_TOP_K
+        self.gate = nn.Linear(DIM, MOE_EXPERTS, bias=False)
+        self.experts = nn.ModuleList([SwiGLU() for _ in range(MOE_EXPERTS)])
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=hidden_states.dtype)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype,
+                                          device=hidden_states.device)
+        expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+
+
+class GptFastMoEFeedForward(nn.Module):
+    """gpt-fast ``mixtral-moe/model.py``: ``MOEFeedForward`` + ``ConditionalFeedForward``, each token's expert
+    weights gathered as ``w1[expert_indices]`` ([T, A, FF, D]) and contracted with einsum."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(DIM, MOE_EXPERTS, bias=False)
+        self.w1 = nn.Parameter(torch.randn(MOE_EXPERTS, MOE_FF, DIM) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(MOE_EXPERTS, DIM, MOE_FF) * 0.2)
+        self.w3 = nn.Parameter(torch.randn(MOE_EXPERTS, MOE_FF, DIM) * 0.2)
+        self.dim, self.num_activated_experts = DIM, MOE_TOP_K
+
+    def cond_ffn(self, x, expert_indices):
+        w1_weights = self.w1[expert_indices]  # [T, A, D, D]
+        w3_weights = self.w3[expert_indices]  # [T, A, D, D]
+        w2_weights = self.w2[expert_indices]  # [T, A, D, D]
+        x1 = F.silu(torch.einsum('ti,taoi -> tao', x, w1_weights))
+        x3 = torch.einsum('ti, taoi -> tao', x, w3_weights)
+        return torch.einsum('tao, taio -> tai', (x1 * x3), w2_weights)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        x = x.view(-1, self.dim)
+        scores = self.gate(x)  # [T, E]
+        expert_weights = F.softmax(scores, dim=-1)
+        expert_weights, expert_indices = torch.topk(expert_weights, self.num_activated_experts, dim=-1)
+        expert_weights /= expert_weights.sum(dim=-1, keepdim=True)  # [T, A]
+        expert_outs = self.cond_ffn(x, expert_indices)
+        return torch.einsum('tai,ta -> ti', expert_outs, expert_weights).view(B, L, -1)
+
+
+class CountedGptFastMoEFeedForward(GptFastMoEFeedForward):
+    """gpt-fast's MoE with torchtitan's load counter: ``tokens_per_expert.add_(histc(expert ids))`` under
+    ``no_grad`` in the forward (a buffer the graph writes into; torchtitan balances its experts with it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("tokens_per_expert", torch.zeros(MOE_EXPERTS), persistent=False)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        x = x.view(-1, self.dim)
+        expert_weights = F.softmax(self.gate(x), dim=-1)
+        expert_weights, expert_indices = torch.topk(expert_weights, self.num_activated_experts, dim=-1)
+        num_tokens_per_expert = torch.histc(expert_indices.view(-1).to(x.dtype), bins=MOE_EXPERTS, min=0,
+                                            max=MOE_EXPERTS)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+        expert_weights = expert_weights / expert_weights.sum(dim=-1, keepdim=True)
+        expert_outs = self.cond_ffn(x, expert_indices)
+        return torch.einsum('tai,ta -> ti', expert_outs, expert_weights).view(B, L, -1)
+
+
+def moe_llama(moe):
+    """An HF Llama (zoo ``HFLlama``) whose MLPs are ``moe()`` blocks."""
+
+    class Layer(HFLayer):
+        def __init__(self):
+            super().__init__()
+            self.mlp = moe()
+
+    class MoELlama(HFLlama):
+        def __init__(self):
+            Decoder.__init__(self, Layer, norm=HFRMSNorm)
+            self.rotary_emb = HFRotaryEmbedding()
+
+    MoELlama.__name__ = MoELlama.__qualname__ = f"{moe.__name__}Llama"
+    return MoELlama
+
+
+HF4MixtralLoop = moe_llama(HF4MixtralSparseMoe)
+GptFastMoE = moe_llama(GptFastMoEFeedForward)
+CountedGptFastMoE = moe_llama(CountedGptFastMoEFeedForward)
+
+
 #: style name -> model class (replays: exact and shared)
 REPLAY = {
     "nanogpt_flash": NanoGPT,
@@ -1351,6 +1486,14 @@ REPLAY = {
     "hf_bart": Bart,
     "openai_gpt": OpenAIGPT,
     "key_bias": KeyBias,
+    "positions_expanded_over_rows": ExpandedPositions,
+    "gpt_fast_moe": GptFastMoE,
+}
+
+#: styles whose graph breaks (an experts loop on data-dependent sizes): exact and shared, their attention
+#: not in the last graph (tested apart from REPLAY)
+GRAPH_BREAKS = {
+    "hf4_mixtral_loop": HF4MixtralLoop,
 }
 
 #: style name -> (model class, a phrase the fallback reason must contain)

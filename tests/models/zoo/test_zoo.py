@@ -92,6 +92,59 @@ def test_zoo_streams_exactly(style):
         assert_exact(a, b, torch.float64, f"grad of {name}")
 
 
+@pytest.mark.parametrize("style", sorted(models.GRAPH_BREAKS))
+@pytest.mark.parametrize("mode", ["packed", "replay"])
+def test_zoo_with_graph_breaks_replays_exactly(style, mode):
+    """A style whose experts loop breaks the graph (HF 4.x Mixtral: ``torch.where`` per expert): every piece
+    replays (the attention graph packed or streamed, the experts' pieces on their flattened token rows) or has
+    nothing to share; none falls back, and the loss and every gradient are eager's."""
+    backend = brcompile.backend(compiler="eager", mode=mode, chunk_tokens=3)
+    model = models.make(models.GRAPH_BREAKS[style])
+    ref, gref, out, gout = run(model, backend)
+    s = brcompile.stats()
+    assert len(backend.records) > 2 and s.fallback_calls == 0, f"{style}: {s}"
+    assert s.replayed_calls >= 3 and s.executed_tokens < s.logical_tokens, str(s)
+    if mode == "replay":
+        assert s.streamed_calls >= 1, str(s)
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, a, b in zip(names, gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
+
+
+def _counters(model):
+    return torch.stack([b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")])
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_zoo_load_counter_written_in_the_forward(verify):
+    """torchtitan's MoE load counter (``tokens_per_expert.add_(histc(expert ids))``, a buffer written in the
+    forward): the packed graph writes the counts of all B·L tokens (the expert ids materialised for the
+    histogram), once per call — also with ``verify=True``, whose two runs start from a snapshot of the buffer
+    and compare it too — and the loss and every gradient are eager's. Streaming refuses such a graph with
+    the reason (the packed mode runs)."""
+    model = models.make(models.CountedGptFastMoE)
+    start = _counters(model)
+    backend = brcompile.backend(compiler="eager", verify=verify)
+    ref, gref, out, gout = run(model, backend)
+    both = _counters(model) - start  # eager's counts and the compiled call's
+    B, L = backend.records[0].runtime.last_tree.batch_shape
+    assert both.sum() == 2 * models.MOE_TOP_K * B * L * models.LAYERS, both  # every token's experts, every layer
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
+    mid = _counters(model)
+    grpo_loss(model, *grpo_args(model, make_grpo_batch(**BATCH)))
+    one = _counters(model) - mid  # eager's counts alone
+    assert torch.equal(both, 2 * one), (both, one)
+    assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
+    for a, b in zip(gout, gref):
+        assert_exact(a, b, torch.float64, "grad")
+    torch._dynamo.reset()
+    streaming = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=3)
+    run(models.make(models.CountedGptFastMoE), streaming)
+    assert "writes into its input" in streaming.records[0].replay_reason, streaming.records[0].replay_reason
+
+
 @pytest.mark.parametrize("style", sorted(models.FALLBACK))
 def test_zoo_falls_back_with_reason(style):
     cls, phrase = models.FALLBACK[style]
