@@ -15,6 +15,16 @@ import torch
 import brcompile
 
 
+def shared_prefix_ids(vocab: int, length: int, prefixes=(8, 5, 10), seed: int = 1) -> torch.Tensor:
+    """``[1 + len(prefixes), length]`` random token ids whose row i+1 repeats row 0's first ``prefixes[i]`` ids:
+    a batch with prefixes to share."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1 + len(prefixes), length), generator=g)
+    for i, p in enumerate(prefixes):
+        ids[i + 1, :p] = ids[0, :p]
+    return ids
+
+
 def grpo_args(batch, *extra):
     """(input_ids, attention_mask, completion_mask, advantages, old_logprobs, *extra) of a GRPO batch
     (``examples.grpo.make_grpo_batch``); ``extra`` e.g. ``0.2, use_mask`` for ``grpo_loss``'s clip and mask flag."""

@@ -15,17 +15,14 @@ import torch
 
 import brcompile
 from brcompile.testing import TOLERANCE
+from tests.helpers import shared_prefix_ids
 
 transformers = pytest.importorskip("transformers")
 TOL = TOLERANCE[torch.float32]
 
 
 def _ids():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (4, 12), generator=g)
-    ids[1, :8] = ids[0, :8]
-    ids[2, :5] = ids[0, :5]
-    ids[3, :10] = ids[0, :10]
+    ids = shared_prefix_ids(64, 12)
     am = torch.ones_like(ids)
     am[2, -2:] = 0
     return ids, am

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import brcompile
-from tests.helpers import KeepFloat64
+from tests.helpers import KeepFloat64, shared_prefix_ids
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
@@ -81,12 +81,7 @@ def _model(family, impl="grouped_mm", **extra):
 
 
 def _ids():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (4, 12), generator=g)
-    ids[1, :8] = ids[0, :8]
-    ids[2, :5] = ids[0, :5]
-    ids[3, :10] = ids[0, :10]
-    return ids
+    return shared_prefix_ids(64, 12)
 
 
 def _loss(m, ids):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import brcompile
 from brcompile.testing import assert_exact
+from tests.helpers import shared_prefix_ids
 
 F64 = torch.float64
 D, H, E, K = 16, 12, 4, 2
@@ -77,12 +78,7 @@ class TinyMoE(nn.Module):
 
 
 def _ids():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 32, (4, 10), generator=g)
-    ids[1, :7] = ids[0, :7]
-    ids[2, :5] = ids[0, :5]
-    ids[3, :8] = ids[0, :8]
-    return ids
+    return shared_prefix_ids(32, 10, (7, 5, 8))
 
 
 @pytest.mark.parametrize("slots", [False, True])
