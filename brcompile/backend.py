@@ -247,10 +247,11 @@ class BranchReplayBackend:
         from brcompile.passes.routed import analyse_routed, find_routed_gather
         from brcompile.runtime.routed import RoutedRuntime
 
-        if find_routed_gather(gm) is None:
+        gather = find_routed_gather(gm)
+        if gather is None:
             return None
         try:
-            plan = analyse_routed(gm, example_inputs)
+            plan = analyse_routed(gm, example_inputs, gather)
         except CannotReplay as e:
             refusals.insert(0, ("dynamo", str(e), e.node_name))
             return None

@@ -446,19 +446,19 @@ def input_write_destination(ctx: AxesContext, node: fx.Node, tainted: set) -> Op
     load counter, torchtitan's ``tokens_per_expert.add_(counts)``), written by a ``Tensor.op_`` method or an
     in-place operator as its only use, the result unused. The packed graph then makes the same write with
     its token operands materialised (their dense values, ``dense_fallback``), at the same point; the runtime
-    snapshots the input around a verification or a failed run (runtime/packed.py). None for anything else
-    (refused by the caller)."""
-    if node.op == "call_method" or node.target in INPLACE_OPERATORS:
-        dest = node.args[0] if node.args else None
-    else:
-        return None
-    if not isinstance(dest, fx.Node) or dest.op != "placeholder" or dest in tainted or dest in ctx.tree_inputs:
+    snapshots the input around a verification or a failed run (runtime/packed.py). None when ``node`` writes
+    into no such input (the caller refuses the in-place op); a write into another graph input is refused here,
+    naming it."""
+    dest = node.args[0] if node.args else None
+    if not isinstance(dest, fx.Node) or dest.op != "placeholder" or dest in tainted:
         return None
     v = example_value(dest)
-    if not isinstance(v, torch.Tensor) or v.requires_grad or not get_axes(dest).is_const:
-        return None
-    if len(dest.users) != 1 or node.users or "out" in node.kwargs:
-        return None
+    if (node.op != "call_method" and node.target not in INPLACE_OPERATORS) or dest in ctx.tree_inputs \
+            or not isinstance(v, torch.Tensor) or v.requires_grad or not get_axes(dest).is_const \
+            or len(dest.users) != 1 or node.users or "out" in node.kwargs:
+        ctx.fail(node, f"in-place write of values computed from the tokens into the graph input {dest.name}: "
+                       f"only a buffer without gradient that the graph writes once and never reads (a load "
+                       f"counter) is supported")
     return dest
 
 
@@ -484,12 +484,6 @@ def propagate(ctx: AxesContext) -> None:
                                f"its own numbers (training-mode sampling, e.g. the Gumbel noise of a router)")
             if is_inplace(node):
                 dest = input_write_destination(ctx, node, tainted)
-                target = node.args[0] if node.args else None
-                if dest is None and isinstance(target, fx.Node) and target.op == "placeholder" \
-                        and target not in tainted:
-                    ctx.fail(node, f"in-place write of values computed from the tokens into the graph input "
-                                   f"{target.name}: only a buffer without gradient that the graph writes once "
-                                   f"and never reads (a load counter) is supported")
                 if dest is None:
                     ctx.fail(node, "in-place op on a value derived from the token inputs")
                 set_axes(node, dense_fallback(ctx, node, f"written in place into the graph input {dest.name}"))

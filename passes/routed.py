@@ -38,7 +38,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes.axes import CannotReplay, example_value, hint
+from brcompile.passes.axes import CannotReplay, example_value, hint, node_args
+from brcompile.passes.rules.pointwise import BINARY, UNARY
 from brcompile.passes.spellings import copy_graph_module, family_of, op_name
 
 log = logging.getLogger(__name__)
@@ -144,13 +145,8 @@ def _token_source(x: fx.Node) -> fx.Node:
 # --------------------------------------------------------------------------------------------------
 # pair-local rules
 
-#: ops that act elementwise (with broadcasting) on their tensor operands
-_POINTWISE = {
-    "add", "sub", "rsub", "mul", "div", "rdiv", "neg", "pow", "rpow", "exp", "tanh", "sigmoid", "silu", "gelu",
-    "cast", "relu", "relu6", "leaky_relu", "abs", "sqrt", "rsqrt", "log", "log1p", "clamp", "clamp_min",
-    "clamp_max", "square", "erf", "sin", "cos", "reciprocal", "softplus", "mish", "hardtanh", "contiguous",
-    "clone", "sign", "maximum", "minimum", "truediv", "where", "masked_fill", "tanh_", "float", "to",
-}
+#: ops that act elementwise (with broadcasting) on their tensor operands: the token-axis pointwise rule's targets
+_POINTWISE = frozenset(BINARY + UNARY)
 #: ops that reduce or normalise along the dims they are given (never dim 0 here)
 _ALONG_DIMS = {"softmax", "log_softmax", "sum", "mean", "amax", "amin", "norm", "var", "std"}
 
@@ -205,7 +201,7 @@ class _Propagation:
                     if a in self.facts:
                         self.fail(a, "a value per pair is an output of the graph (its rows are this batch's pairs)")
                 continue
-            operands = [a for a in _flat_nodes((n.args, n.kwargs))]
+            operands = node_args(n)
             if self.idx in operands and not self._scatter_index_use(n, self.idx):
                 self.fail(n, "the routing order is used otherwise than to gather and scatter the pairs")
             if not any(a in self.facts for a in operands):
@@ -224,14 +220,14 @@ class _Propagation:
 
     def _scatter_index_use(self, n: fx.Node, idx: fx.Node) -> bool:
         return n is self.gather or (op_name(n) == "index_add" and len(n.args) > 2 and n.args[2] is idx
-                                    and sum(a is idx for a in _flat_nodes((n.args, n.kwargs))) == 1)
+                                    and sum(a is idx for a in node_args(n)) == 1)
 
     def _rule(self, n: fx.Node) -> Any:
         name = _name(n)
         out = example_value(n)
         if name == "index_add":
             return self._index_add(n)
-        if any(a in self.index_uses for a in _flat_nodes((n.args, n.kwargs))):
+        if any(a in self.index_uses for a in node_args(n)):
             self.fail(n, "a scatter index is used otherwise than by its index_add")
         if op_name(n) == "getitem" and isinstance(self.facts.get(n.args[0]), PairTuple):
             items = self.facts[n.args[0]].items
@@ -239,7 +235,7 @@ class _Propagation:
         if name == "cat":
             return self._cat(n)
         fact = self._same_fact(n)
-        if name in _POINTWISE:
+        if n.target in _POINTWISE:
             self._check_broadcast(n, out)
             return fact
         if name == "linear":
@@ -267,7 +263,7 @@ class _Propagation:
         self.fail(n, f"{name} on values per pair has no pair-local rule")
 
     def _same_fact(self, n: fx.Node) -> Any:
-        facts = {self.facts[a] for a in _flat_nodes((n.args, n.kwargs)) if a in self.facts}
+        facts = {self.facts[a] for a in node_args(n) if a in self.facts}
         if len(facts) != 1 or not isinstance(next(iter(facts)), Pair):
             self.fail(n, "an op mixes different groups of pairs")
         return next(iter(facts))
@@ -276,7 +272,7 @@ class _Propagation:
         """Every operand that is no pair value must be the same for every pair: no dim of its own at dim 0."""
         if not isinstance(out, torch.Tensor):
             self.fail(n, "an op on pairs that returns no tensor")
-        for a in _flat_nodes((n.args, n.kwargs)):
+        for a in node_args(n):
             v = example_value(a)
             if a in self.facts or not isinstance(v, torch.Tensor):
                 continue
@@ -396,9 +392,11 @@ def _flat_nodes(x: Any) -> list:
 # the rewrite
 
 
-def analyse_routed(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> RoutedPlan:
-    """The routed plan of ``gm`` (module docstring), or ``CannotReplay`` naming the construct."""
-    gather = find_routed_gather(gm)
+def analyse_routed(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                   gather: Optional[fx.Node] = None) -> RoutedPlan:
+    """The routed plan of ``gm`` (module docstring), or ``CannotReplay`` naming the construct; ``gather``:
+    :func:`find_routed_gather`'s node when the caller has it."""
+    gather = gather or find_routed_gather(gm)
     if gather is None:
         raise CannotReplay("routed pairs: no gather of flattened tokens by a routing index with an index_add back")
     prop = _Propagation(gm, gather)

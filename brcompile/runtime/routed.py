@@ -18,22 +18,17 @@ import torch
 
 from brcompile.runtime.packed import CallRecord
 from brcompile.runtime.stats import _record
-from brcompile.runtime.tree import build_tree, row_keys
+from brcompile.runtime.tree import _position_words, build_tree, row_keys
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RoutedRuntime"]
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _bits(v: torch.Tensor) -> torch.Tensor:
-    """``v`` as integers of its own width (bitwise equality; NaN equals NaN of the same bits), one row per
-    pair."""
-    v = v.contiguous()
-    if v.is_floating_point():
-        v = v.view(_BITS[v.element_size()])
-    return v.reshape(v.shape[0], -1)
+    """One row of integer words per pair, equal iff the pair's entries of ``v`` are bitwise equal (the tree's own
+    per-position words, ``[S, 1, W]`` of a ``[S, …]`` input)."""
+    v = torch.view_as_real(v) if v.is_complex() else v
+    return _position_words(v.reshape(v.shape[0], 1, -1))[:, 0]
 
 
 class RoutedRuntime:
