@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.axes import is_inplace
+from brcompile.testing import assert_exact
 
 CASES = [
     ("relu inplace=True", F.relu, (True,), {"inplace": True}, True),
@@ -79,17 +80,22 @@ def test_buffer_written_with_token_values_replays_and_counts_every_token():
 
     m = Counter().double()
     ids = _counter_ids()
+    params = list(m.parameters())
     want = m(ids)
+    gwant = torch.autograd.grad(want, params)
     eager_counts = m.counts.clone()
     m.counts.zero_()
     torch._dynamo.reset()
     brcompile.reset_stats()
     backend = brcompile.backend(compiler="eager", strict=True)
     got = torch.compile(m, backend=backend)(ids)
+    ggot = torch.autograd.grad(got, params)
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.executed_tokens < s.logical_tokens, str(s)
     assert torch.equal(m.counts, eager_counts) and eager_counts.sum() == ids.numel()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for (name, _), a, b in zip(m.named_parameters(), ggot, gwant):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
     (rec,) = backend.records
     assert rec.rewritten and "materialize" in rec.packed_code and "add_" in rec.packed_code
 
