@@ -17,6 +17,7 @@ import torch.fx as fx
 from brcompile import runtime
 from brcompile.passes.axes import CannotReplay, NothingToShare
 from brcompile.passes.check import check_packed_graph
+from brcompile.passes.liveness import analyse_liveness
 from brcompile.passes.pack import PackOptions, analyse, build_packed_graph
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,14 @@ class Options:
         (replay for a batch whose packed activations are estimated above ``memory_budget``).
     memory_budget: bytes of activations "auto" allows the packed mode (required for "auto").
     chunk_tokens: most tail tokens per replay chunk (a single longer leaf chain is a chunk of its own).
-    drop_padding: leave positions whose attention-mask bit is 0 out of the tree (docs/ARCHITECTURE.md
-        §4): outputs there are zeros, and a gradient reaching one raises (the loss read padding it should mask).
+    liveness: leave the positions no output of the graph needs out of the tree (docs/ARCHITECTURE.md §3.9):
+        a position whose loss weight is 0 (a per-call mask multiplies it, a ``where`` replaces it, a slice
+        drops it) and that no live query attends is computed by nobody. The loss and every gradient equal
+        the dense run's whenever the dense values at those positions are finite.
+    drop_padding: for a graph that returns per-token values (a model compiled without its loss), the
+        positions whose attention-mask bit is 0 are not needed (docs/ARCHITECTURE.md §4): outputs there are
+        zeros, and a gradient reaching one raises DroppedPositionGradError (the loss read padding it should
+        mask); ``drop_padding=False`` computes them as the dense run does.
     strict: re-raise an internal error (any exception other than CannotReplay) of the analysis, the
         rewrite or the streaming split instead of running the original graph (or the packed mode) with
         the reason "internal error: ...". CannotReplay, a typed refusal, still falls back. Default False,
@@ -89,7 +96,8 @@ class Options:
     compiler: str = "inductor"
     fuse_logprob: bool = True
     dump_dir: Optional[str] = None
-    drop_padding: bool = False
+    liveness: bool = True
+    drop_padding: bool = True
     mode: str = "packed"
     memory_budget: Optional[int] = None
     chunk_tokens: int = 2048
@@ -147,6 +155,7 @@ class GraphRecord:
     level: Optional[str] = None  # the level whose graph was rewritten ("dynamo" or "aten"; Options.level)
     refusals: tuple[tuple[str, str], ...] = ()  # (level, reason) of each level tried and refused
     unshared: bool = False  # not rewritten because it has nothing to share (passes/axes.py: NothingToShare)
+    liveness: Optional[str] = None  # what decides the live positions (passes/liveness.py); None: all kept
     routed: Optional[dict] = None  # routed pairs (passes/routed.py): experts after a routing graph break
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -211,8 +220,10 @@ class BranchReplayBackend:
         rt = runtime.PackedRuntime(original, run_packed, an.tree_input_positions,
                                    an.key_padding if an.keypad is not None else None, opts.min_dedup,
                                    eager_packed=packed.forward,
-                                   guards=[g for g in an.guards if not (opts.drop_padding and g.padding_only)],
-                                   drop_padding=opts.drop_padding, streaming=streaming, strict=opts.strict,
+                                   guards=[g for g in an.guards if not (an.liveness is not None
+                                                                        and an.liveness.drops_padding
+                                                                        and g.padding_only)],
+                                   liveness=an.liveness, streaming=streaming, strict=opts.strict,
                                    verify=opts.verify)
         fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]
         covered = {name for n in fused_nodes for name in n.meta.get("br_fused_covers", ())}
@@ -228,6 +239,7 @@ class BranchReplayBackend:
             not_repacked=tuple((n.name, why) for n, why in an.ctx.repack_refused.items()),
             replay=replay_info,
             replay_reason=replay_reason,
+            liveness=None if an.liveness is None else an.liveness.describe(),
             level=level,
             refusals=tuple((lv, r) for lv, r, _ in refusals),
             runtime=rt,
@@ -285,8 +297,20 @@ class BranchReplayBackend:
             read[level] = gm
         an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
         an.guards.extend(extra_guards)
-        packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
-                                                    drop_padding=opts.drop_padding, scan=opts.scan))
+        an.liveness = analyse_liveness(an, drop_padding=opts.drop_padding) if opts.liveness else None
+        try:
+            packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
+                                                        drop_padding=an.liveness is not None, scan=opts.scan))
+        except CannotReplay as e:
+            if an.liveness is None:
+                raise
+            # an op that reads the left-out positions (a scan along them, a dense region packed again): the
+            # graph keeps every position instead
+            log.info("branch_replay: every position kept (liveness off for this graph): %s", e)
+            an.liveness = None
+            an.canonical.append(f"liveness off: {e}")
+            packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
+                                                        drop_padding=False, scan=opts.scan))
         _check_attention_support(packed, example_inputs, opts.attention)
         _check_scan_support(packed, example_inputs, opts.scan)
         example_args = _packed_example_args(an, example_inputs)

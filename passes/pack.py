@@ -31,6 +31,7 @@ from brcompile.passes.axes import (
 )
 from brcompile.passes.functionalize import functionalize
 from brcompile.passes.guards import BatchGuard, scalar_equals
+from brcompile.passes.liveness import safe_operand
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.rules import scan as scan_rules
@@ -79,6 +80,8 @@ class Analysis:
     #: the attention mask when it comes from outside the graph (``keypad`` is then its graph input): its
     #: per-call check is among the guards, and the tree's key padding is its diagonal
     input_mask: Optional[input_masks.InputMask] = None
+    #: the live-position plan (passes/liveness.py), set by the backend when some positions may be left out
+    liveness: Optional[Any] = None
 
     @property
     def tree_input_positions(self) -> list[int]:
@@ -891,9 +894,22 @@ class Packer:
         new.meta["from_node"] = node.name
         return new
 
+    def _emit_killer(self, node: fx.Node, operand: fx.Node, mask: fx.Node) -> fx.Node:
+        """A multiplication by a per-call mask that kills positions (passes/liveness.py): its operand read as
+        ``where(mask != 0, x, 0)`` (liveness.safe_operand), so a left-out position's zero-filled value cannot
+        make the product ``0 * inf``."""
+        safe = self.graph.call_function(safe_operand, (self.dense(operand), self.dense(mask)))
+        args = tuple(safe if a is operand else self.dense(a) if isinstance(a, fx.Node) else a for a in node.args)
+        kwargs = {k: self.dense(v) if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+        new = self.graph.create_node(node.op, node.target, args, kwargs)
+        new.meta["from_node"] = node.name
+        return new
+
     # --- driver -------------------------------------------------------------------------------
     def build(self) -> fx.GraphModule:
         gm = self.an.gm
+        plan = self.an.liveness if self.options.drop_padding else None
+        self._killers = {u: (a, m) for u, a, m in (plan.killers if plan is not None else ())}
         self._placeholders: dict[fx.Node, fx.Node] = {}
         for p in self.an.placeholders:
             new = self.graph.placeholder(p.name)
@@ -914,7 +930,9 @@ class Packer:
                 last = next(iter(reversed(self.graph.nodes)))
             ax = get_axes(node)
             rule = rule_for(node)
-            if ax.is_dense:
+            if node in self._killers and node not in self.notes:
+                self.env[node] = self._emit_killer(node, *self._killers[node])
+            elif ax.is_dense:
                 if rule is not None and rule.emit is not None and node in self.notes:
                     self.env[node] = rule.emit(self, node)
                 else:

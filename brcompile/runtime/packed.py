@@ -136,7 +136,7 @@ class PackedRuntime:
                  key_padding: Optional[Callable[[Sequence], torch.Tensor]], min_dedup: float,
                  max_calls_logged: int = 64,
                  eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = (),
-                 drop_padding: bool = False, streaming: Optional[StreamingRuntime] = None,
+                 liveness=None, streaming: Optional[StreamingRuntime] = None,
                  strict: bool = False, verify: bool = False):
         self.original = original
         self.verify = verify  # compare the first replayed call's outputs with the original graph's
@@ -151,7 +151,8 @@ class PackedRuntime:
         self.calls: list[CallRecord] = []
         self.max_calls_logged = max_calls_logged
         self.last_tree: Optional[PackedTree] = None
-        self.drop_padding = drop_padding
+        # passes.liveness.LivePlan: positions no output needs leave the tree (None: every position is kept)
+        self.liveness = liveness
         self.streaming = streaming
         # outputs that are dense reads of packed [1, N, ...] values at every (b, t): they carry the tree
         gm = getattr(eager_packed, "__self__", None)
@@ -178,10 +179,12 @@ class PackedRuntime:
         if self.rows:
             per_token = row_keys(per_token)
         mask = None if self.key_padding is None else self.key_padding(args)
-        tree, source = self._tree(args, per_token, mask)
+        needed, live = self._needed(args, per_token, mask)
+        tree, source = self._tree(args, per_token, mask, needed, live)
         st = tree.stats
         if st.executed_tokens == 0:
-            return self._original(args, "every position of the batch is padding (drop_padding left no token)", st)
+            return self._original(args, "no position of the batch is needed (every one is padding or has loss "
+                                        "weight 0)", st)
         if st.dedup_ratio < self.min_dedup:
             return self._original(
                 args, f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}", st)
@@ -206,15 +209,27 @@ class PackedRuntime:
         if streamed:
             schedule = self.streaming.trunk.last_schedule
             _record(replayed_calls=1, streamed_calls=1, logical_tokens=st.logical_tokens,
-                    executed_tokens=st.executed_tokens)
+                    executed_tokens=st.executed_tokens, live_tokens=max(st.live_tokens, 0),
+                    dead_tokens=st.dead_tokens)
             self._log_call(CallRecord(True, self._tree_record(st, per_token, source), mode="replay",
                                       schedule=None if schedule is None else schedule.summary()))
         else:
-            _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens)
+            _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens,
+                    live_tokens=max(st.live_tokens, 0), dead_tokens=st.dead_tokens)
             self._log_call(CallRecord(True, self._tree_record(st, per_token, source)))
         log.debug("branch_replay %s call: %s (tree %s)", "streaming" if streamed else "packed", st, source)
-        self._tag_outputs(out, tree, mask)
+        self._tag_outputs(out, tree)
         return out
+
+    def _needed(self, args: Sequence[Any], per_token: list, mask: Optional[torch.Tensor]):
+        """(needed, live) ``[B, L]`` bool masks of this call (passes/liveness.py), or (None, None) without a
+        liveness plan. Read once per call from the per-call values the plan names (masks, labels)."""
+        if self.liveness is None:
+            return None, None
+        key = per_token[0]
+        B, L = key.shape[0], key.shape[1]
+        live = self.liveness.live(args, B, L, mask, key.device)
+        return self.liveness.needed(live, mask), live
 
     def _snapshot(self, args: Sequence[Any]) -> list:
         """Copies of the inputs the graph writes into (none for most graphs)."""
@@ -233,19 +248,21 @@ class PackedRuntime:
         log.debug("branch_replay call falls back: %s", reason)
         return self.original(*args)
 
-    def _tree(self, args: Sequence[Any], per_token: list, mask: Optional[torch.Tensor]) -> tuple[PackedTree, str]:
+    def _tree(self, args: Sequence[Any], per_token: list, mask: Optional[torch.Tensor],
+              needed: Optional[torch.Tensor] = None, live: Optional[torch.Tensor] = None) -> tuple[PackedTree, str]:
         """The call's tree and where it came from: reused by provenance (``"provenance"``), or built from the
         keys (``"built"``: over the packed sequences of a padding-free graph, whose guard checked the
-        position ids, else over the rows), padding dropped when asked."""
-        reuse = self.sequences is None and not (self.drop_padding and mask is not None)
+        position ids, else over the rows), the positions nobody needs left out (``needed``)."""
+        narrowed = needed is not None and not bool(needed.all())
+        reuse = self.sequences is None and not narrowed
         tree = _reused_tree(per_token, mask) if reuse else None
         source = "built" if tree is None else "provenance"
         if tree is None and self.sequences is not None:
             tree = build_sequence_tree(per_token, args[self.sequences])
         elif tree is None:
             tree = build_tree(per_token, attention_mask=mask)
-        if self.drop_padding and mask is not None:
-            tree = tree_mod.drop_padding(tree)
+        if needed is not None:
+            tree = tree_mod.drop_positions(tree, needed, live)
         self.last_tree, self.last_tree_source = tree, source
         return tree, source
 
@@ -308,12 +325,12 @@ class PackedRuntime:
         log.warning("branch_replay: %s; running the original graph", reason, exc_info=True)
         return self._original(args, reason, st)
 
-    def _tag_outputs(self, out, tree: PackedTree, mask) -> None:
-        """Outputs read densely from packed values carry the tree (provenance), unless padding was dropped or
-        the tree is over packed sequences (a graph over rows must not reuse it)."""
+    def _tag_outputs(self, out, tree: PackedTree) -> None:
+        """Outputs read densely from packed values carry the tree (provenance), unless positions were left out
+        of it or the tree is over packed sequences (a graph over rows must not reuse it)."""
         if tree.packed_sequences:
             return
-        if self.token_outputs and isinstance(out, (tuple, list)) and not (self.drop_padding and mask is not None):
+        if self.token_outputs and isinstance(out, (tuple, list)) and not tree.stats.dead_tokens:
             for i in self.token_outputs:
                 if i < len(out):
                     tag_provenance(out[i], tree)

@@ -19,7 +19,9 @@ class Stats:
     streamed_calls: int = 0  # replayed calls that ran in streaming mode (prefix + tail chunks)
     fallback_calls: int = 0
     logical_tokens: int = 0
-    executed_tokens: int = 0
+    executed_tokens: int = 0  # the needed tokens of replayed calls (passes/liveness.py): what ran
+    live_tokens: int = 0  # of those, the tokens an output reads (the rest are keys a live query attends)
+    dead_tokens: int = 0  # tree tokens no output needs: left out of the tree, computed by nobody
     compiled_graphs: int = 0
     rewritten_graphs: int = 0
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -42,6 +44,9 @@ class Stats:
         lines = [f"replayed calls {self.replayed_calls}, fallback calls {self.fallback_calls}",
                  f"tokens: logical {self.logical_tokens}, executed {self.executed_tokens} "
                  f"(dedup {self.dedup_ratio:.2f}x)"]
+        if self.dead_tokens or self.live_tokens:
+            lines.append(f"  needed {self.executed_tokens} (live {self.live_tokens}), dead {self.dead_tokens} "
+                         f"(left out of the tree)")
         for reason, n in self.fallback_reasons.most_common():
             lines.append(f"  fallback x{n}: {reason}")
         if self.unshared_calls:

@@ -74,6 +74,7 @@ __all__ = [
     "row_keys",
     "default_token_hash",
     "drop_padding",
+    "drop_positions",
     "rows_agree",
     "sequence_layout_problem",
     "tree_placeholders",
@@ -115,12 +116,16 @@ class TreeStats:
     depth: int  # longest root path in tokens (= L from build_tree; the most valid tokens of a row after drop_padding)
     segments: int  # S
     sequences: int = 0  # packed sequences the rows hold (build_sequence_tree); 0 for a tree over rows
+    dead_tokens: int = 0  # tree nodes left out: no needed position holds them (drop_positions)
+    live_tokens: int = -1  # kept nodes some live position holds (passes/liveness.py); -1: not analysed
 
     def to_dict(self) -> dict:
         """The fields as a plain dict (for logs and explain()); ``sequences`` only for a sequence tree."""
         d = dataclasses.asdict(self)
         if not self.sequences:
             del d["sequences"]
+        if self.live_tokens < 0:  # no live-position plan: every node kept
+            del d["live_tokens"], d["dead_tokens"]
         return d
 
 
@@ -801,49 +806,76 @@ def _padded(t: Tensor, n: int) -> Tensor:
 
 
 def drop_padding(tree: PackedTree) -> PackedTree:
-    """The tree without its invalid (attention-mask bit 0) tokens; dropped dense positions get index -1.
+    """The tree without its invalid (attention-mask bit 0) tokens: :func:`drop_positions` keeping the valid
+    ones."""
+    return drop_positions(tree)
+
+
+def drop_positions(tree: PackedTree, needed: Optional[Tensor] = None, live: Optional[Tensor] = None) -> PackedTree:
+    """The tree without the tokens no needed position holds; dropped dense positions get index -1.
+
+    ``needed`` ([B, L] bool, ``passes.liveness.LivePlan.needed``): a packed token is kept when some (b, t) it
+    holds is needed; without it, the valid (attention-mask bit 1) tokens are kept (``drop_padding``).
+    ``live`` ([B, L] bool, optional): counted into ``stats.live_tokens`` (the kept tokens some live
+    position holds).
 
     Deleting nodes from a depth-first preorder leaves a preorder of the forest in which every kept node
-    hangs under its nearest kept ancestor. With keep = valid and before[k] = #kept tokens < k (the new id
-    of a kept k)::
+    hangs under its nearest kept ancestor. With before[k] = #kept tokens < k (the new id of a kept k)::
 
-        index'[b, t] = before[index[b, t]] if valid there, else -1
+        index'[b, t] = before[index[b, t]] if index[b, t] is kept, else -1
         end'[k']     = before[end[k]]          (the kept part of k's subtree range [k, end[k]))
         parent'[k']  = the new id of the last kept column < position[k] in row rep_row[k], or -1
-        position', rep_row' = position, rep_row at the kept tokens;  valid' = True
+        position', rep_row', valid' = position, rep_row, valid at the kept tokens
 
-    so "k' is an ancestor-or-self of q'  <=>  k' <= q' < end'[k']" still holds. A dropped token is a key
-    nobody sees (its mask bit is 0), so every kept query attends exactly the keys it did before. Segments
-    are recomputed as the maximal single-child chains of the new forest (:func:`_chain_segments`). Stats:
-    executed_tokens = N' (dedup_ratio = B*L / N', inf when every position is padding), depth = the most
-    valid tokens of a row; rows, logical_tokens, valid_tokens unchanged. A tree without invalid tokens is
-    returned as is. Vectorised: O(B*L + N) work, two host synchronisations.
+    so "k' is an ancestor-or-self of q'  <=>  k' <= q' < end'[k']" still holds. A dropped token is a key no
+    kept query reads (its mask bit is 0, or it lies after every needed position of every row through it), so
+    every kept query attends exactly the keys it did before. Segments are recomputed as the maximal
+    single-child chains of the new forest (:func:`_chain_segments`). Stats: executed_tokens = N' (dedup_ratio =
+    B*L / N', inf when nothing is kept), dead_tokens = N - N', depth = the most kept positions of a row; rows,
+    logical_tokens, valid_tokens unchanged. A tree that keeps every token is returned as is (with its
+    live_tokens counted). Vectorised: O(B*L + N) work, two host synchronisations.
     """
-    keep = tree.valid
+    if needed is None:
+        keep = tree.valid
+        live = None
+    else:
+        keep = torch.zeros(tree.num_tokens, dtype=torch.bool, device=tree.index.device)
+        keep[tree.index[needed]] = True
+    n_live = None
+    if live is not None:
+        held = torch.zeros(tree.num_tokens, dtype=torch.bool, device=tree.index.device)
+        held[tree.index[live]] = True
+        n_live = held
     if bool(keep.all()):
-        return tree
+        if n_live is None:
+            return tree
+        return dataclasses.replace(tree, stats=dataclasses.replace(tree.stats, live_tokens=int(n_live.sum())))
     B, L = tree.batch_shape
     before = torch.zeros(tree.num_tokens + 1, dtype=torch.int64, device=keep.device)
     torch.cumsum(keep, dim=0, out=before[1:])
     kept = keep.nonzero().squeeze(1)  # old ids of the kept tokens, ascending (= new order)
     index = torch.where(keep, before[:-1], -1)[tree.index]  # [B, L]
-    dense_keep = index >= 0  # the mask bit of every position
+    dense_keep = index >= 0
     position = tree.position[kept]
     rep_row = tree.rep_row[kept]
     end = before[tree.end[kept]]
     parent = _kept_parent(index, dense_keep, rep_row, position)
     segments = _chain_segments(parent, end)
-    n_kept, depth = torch.stack([before[-1], dense_keep.sum(dim=1).max()]).tolist()
+    counts = [before[-1], dense_keep.sum(dim=1).max()] + ([] if n_live is None else [(n_live & keep).sum()])
+    counts = torch.stack(counts).tolist()
+    n_kept, depth = counts[0], counts[1]
     stats = dataclasses.replace(
         tree.stats,
         executed_tokens=n_kept,
         dedup_ratio=B * L / n_kept if n_kept else float("inf"),
         depth=depth,
         segments=segments.shape[0],
+        dead_tokens=tree.num_tokens - n_kept,
+        live_tokens=counts[2] if n_live is not None else tree.stats.live_tokens,
     )
-    valid = torch.ones(n_kept, dtype=torch.bool, device=keep.device)
+    valid = tree.valid[kept]
     out = PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
-    log.debug("drop_padding: %d of %d packed tokens kept; %s", n_kept, tree.num_tokens, stats)
+    log.debug("drop_positions: %d of %d packed tokens kept; %s", n_kept, tree.num_tokens, stats)
     return out
 
 

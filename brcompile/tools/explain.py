@@ -306,6 +306,7 @@ class ExplainReport:
             "level": getattr(g, "level", None), "unshared": getattr(g, "unshared", False),
             "refusals": [dict(level=lv, reason=r) for lv, r in getattr(g, "refusals", ())],
             "routed": getattr(g, "routed", None),
+            "liveness": getattr(g, "liveness", None),
         }
 
     def to_dict(self) -> dict:
@@ -419,7 +420,7 @@ class ExplainReport:
                 if c["replayed"] else "original"
             tree_rows.append([str(i), str(c["graph_id"]), ran,
                               *(fmt_int(t.get(k)) for k in ("rows", "logical_tokens", "valid_tokens",
-                                                            "executed_tokens")),
+                                                            "live_tokens", "executed_tokens", "dead_tokens")),
                               fmt_ratio(t.get("logical_tokens"), t.get("executed_tokens")),
                               fmt_int(t.get("depth")), fmt_int(t.get("segments")),
                               _TREE_SOURCE.get(t.get("source"), "-"), "\n".join(t.get("keys", ())) or "-"])
@@ -438,8 +439,12 @@ class ExplainReport:
                               fmt_bytes(ds), fmt_bytes(ps), fmt_bytes(None if ps is None else ds - ps)])
         if len(self.calls) > max_calls:
             notes.append(f"... {len(self.calls) - max_calls} more call(s) (all of them in to_dict())")
+        notes += [f"graph {g.graph_id}: {g.liveness}; live = tree tokens an output reads, executed = the needed "
+                  f"ones (live, or a key a live query attends), dead = left out of the tree"
+                  for g in self.rewritten if getattr(g, "liveness", None)]
         tables = [Table("calls: the prefix tree of each batch",
-                        ["call", "graph", "ran", "rows", "logical B*L", "valid", "executed N", "dedup", "depth",
+                        ["call", "graph", "ran", "rows", "logical B*L", "valid", "live", "executed N (needed)",
+                         "dead", "dedup", "depth",
                          "segments", "tree from", "tree keys"], tree_rows, notes)]
         if cost_rows or cost_notes:
             cost_notes = ["FLOPs of one run of the eager graphs on the call's inputs (matmuls and attention, "
