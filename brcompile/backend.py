@@ -239,7 +239,8 @@ class BranchReplayBackend:
             not_repacked=tuple((n.name, why) for n, why in an.ctx.repack_refused.items()),
             replay=replay_info,
             replay_reason=replay_reason,
-            liveness=None if an.liveness is None else an.liveness.describe(),
+            liveness="; ".join(x for x in (None if an.liveness is None else an.liveness.describe(),
+                                           an.liveness_note) if x) or None,
             level=level,
             refusals=tuple((lv, r) for lv, r, _ in refusals),
             runtime=rt,
@@ -298,19 +299,7 @@ class BranchReplayBackend:
         an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
         an.guards.extend(extra_guards)
         an.liveness = analyse_liveness(an, drop_padding=opts.drop_padding) if opts.liveness else None
-        try:
-            packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
-                                                        drop_padding=an.liveness is not None, scan=opts.scan))
-        except CannotReplay as e:
-            if an.liveness is None:
-                raise
-            # an op that reads the left-out positions (a scan along them, a dense region packed again): the
-            # graph keeps every position instead
-            log.info("branch_replay: every position kept (liveness off for this graph): %s", e)
-            an.liveness = None
-            an.canonical.append(f"liveness off: {e}")
-            packed = build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
-                                                        drop_padding=False, scan=opts.scan))
+        packed = _build_with_liveness(an, opts)
         _check_attention_support(packed, example_inputs, opts.attention)
         _check_scan_support(packed, example_inputs, opts.scan)
         example_args = _packed_example_args(an, example_inputs)
@@ -381,6 +370,37 @@ def _packed_example_args(an, example_inputs) -> list:
     mask = an.key_padding(args)
     tree = build_tree(an.tree_keys(args), attention_mask=mask)
     return [*args, *tree.graph_args()]
+
+
+def _build_with_liveness(an, opts: Options) -> fx.GraphModule:
+    """The packed graph, leaving out of the tree what ``an.liveness`` allows: with key-padded positions left out
+    inside rows; if an op reads those (a scan along the positions, a dense region packed again), only the
+    positions after each row's last needed one; if that is refused too, every position (``an.liveness`` None,
+    the reason in ``an.liveness_note``, shown by explain())."""
+    def build(drop: bool, within: bool = True) -> fx.GraphModule:
+        return build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
+                                                  drop_padding=drop, drops_within_rows=within, scan=opts.scan))
+
+    plan = an.liveness
+    if plan is None:
+        return build(False)
+    try:
+        return build(True, plan.keys_hidden)
+    except CannotReplay as e:
+        why = e
+    if plan.keys_hidden:
+        an.liveness = dataclasses.replace(plan, keys_hidden=False)
+        try:
+            packed = build(True, False)
+            log.info("branch_replay: key-padded positions kept in the tree: %s", why)
+            an.liveness_note = f"key-padded positions kept in the tree: {why}"
+            return packed
+        except CannotReplay as e:
+            why = e
+    log.info("branch_replay: every position kept (no live-position plan for this graph): %s", why)
+    an.liveness = None
+    an.liveness_note = f"every position kept in the tree: {why}"
+    return build(False)
 
 
 def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.axes import example_value, get_axes, node_args, normalize_dim
+from brcompile.passes.repack import packed_again
 from brcompile.passes.rules.pointwise import BINARY, UNARY
 from brcompile.passes.rules.reduce import REDUCTIONS, _reduced_dims
 from brcompile.passes.spellings import FAMILIES, family_of, spellings
@@ -379,7 +380,10 @@ class _Liveness:
             elif a in self.frames:
                 self._add(self.terms, a, [ALL])
         for n in self.an.gm.graph.nodes:  # a value read by an op this walk does not follow: all of it is live
-            if n in self.frames and any(u.op != "output" and u not in self.frames for u in n.users):
+            # (a dense region packed again, passes/repack.py, is part of the model: what a kept token reads
+            # of it lies on the token's own path, kept with it — the closure of LivePlan.needed)
+            if n in self.frames and any(u.op != "output" and u not in self.frames and u.target is not packed_again
+                                        for u in n.users):
                 self._add(self.terms, n, [ALL])
             elif self.token_operand(n) and any(u.op != "output" and get_axes(u).is_dense and u not in self.frames
                                                for u in n.users):

@@ -56,7 +56,10 @@ _CHEAP = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "ex
 class PackOptions:
     attention: str = "auto"
     fuse_logprob: bool = True  # LM head -> log_softmax -> gather/cross_entropy as brcompile::packed_logprob
-    drop_padding: bool = False  # the index may hold -1 (padding left out of the tree): reads check it
+    drop_padding: bool = False  # the index may hold -1 (positions left out of the tree): reads check it
+    #: with drop_padding: positions may be left out before a kept one of the same row (key-padded ones); False
+    #: when only positions after a row's last needed one are (every kept token's row prefix is kept)
+    drops_within_rows: bool = True
     scan: str = "auto"  # the impl of brcompile::tree_linear_scan (backends/scan.py: SCAN_IMPLS)
 
 
@@ -82,6 +85,7 @@ class Analysis:
     input_mask: Optional[input_masks.InputMask] = None
     #: the live-position plan (passes/liveness.py), set by the backend when some positions may be left out
     liveness: Optional[Any] = None
+    liveness_note: Optional[str] = None  # why the backend narrowed or dropped the plan (explain)
 
     @property
     def tree_input_positions(self) -> list[int]:

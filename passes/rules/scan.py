@@ -82,11 +82,13 @@ def _path_problem(ctx: AxesContext, what: str) -> Optional[str]:
 
 
 def _refuse_dropped_padding(pk, node: fx.Node, what: str) -> None:
-    """``drop_padding``: a kept token's tree path skips the dropped padding before it, which the dense scan
-    reads (a left-padded row's first real token): CannotReplay (the original graph runs)."""
-    if pk.options.drop_padding:
-        raise CannotReplay(f"{what} along the tokens with drop_padding=True: the dense scan reads the padded "
-                           f"positions that the tree left out (use drop_padding=False)", node)
+    """Positions left out of the tree *inside* a row (key-padded ones, ``PackOptions.drops_within_rows``): a kept
+    token's tree path skips them, but the dense scan reads them (a left-padded row's first real token):
+    CannotReplay (the backend then keeps them: passes/liveness.py). Positions left out only after a row's last
+    needed one are read by no kept token's scan."""
+    if pk.options.drop_padding and pk.options.drops_within_rows:
+        raise CannotReplay(f"{what} along the tokens with key-padded positions left out of the tree: the dense "
+                           f"scan reads the padded positions", node)
 
 
 def _emit_parent(pk) -> fx.Node:
