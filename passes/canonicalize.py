@@ -114,7 +114,9 @@ value, and the SDPA rule refuses one that is not a value of the query token).
 
 A fully masked query row differs: the original's additive mask makes it uniform over all keys (or NaN
 when the lowest value overflows), tree attention makes it 0. Where the mask has key padding, the rewrite
-therefore adds a per-call guard (:func:`mask_guards`): no row may start with padding.
+therefore adds a per-call guard (:func:`mask_guards`): no row may start with padding. The same holds for a native
+SDPA call whose float ``attn_mask`` blocks with a finite value (``-1e9``, ``finfo.min``: ``MaskInfo.finite_blocking``,
+:mod:`..masks`); one that blocks with ``-inf`` (or a bool mask) makes such a row 0 as tree attention does.
 
 **Scalars.** Under ``dynamic=True`` Dynamo passes float module attributes (``attention_dropout``,
 ``scaling``) as 0-dim tensor inputs read with ``.item()``, without a guard on their value. An
@@ -139,7 +141,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, is_static_input, normalize_dim
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
-from brcompile.passes.masks import ancestors
+from brcompile.passes.masks import BLOCKING, ancestors
 from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
 from brcompile.passes.spellings import copy_graph_module, is_op, op_name as _op_name, spellings
 
@@ -159,12 +161,6 @@ EINSUM = spellings("einsum")
 RESHAPE = spellings("reshape")
 BMM = spellings("bmm")
 BADDBMM = spellings("baddbmm")
-
-#: A mask value at or below this blocks a key: ``exp(v - m)`` underflows to exactly 0 for any row maximum
-#: ``m`` of the visible scores above ``v + 745`` (float64; ``v + 104`` in float32). Large negative
-#: constants (``-1e4``, ``-1e9``, ``torch.finfo(dtype).min``) and ``-inf`` are masks; anything above
-#: is a bias and refused.
-BLOCKING = -1e4
 
 #: How far back from a softmax an unmatched chain is searched for a q @ k^T matmul, to tell an
 #: attention that cannot be canonicalised (refuse, with the op named) from an unrelated softmax.
@@ -253,14 +249,17 @@ def _guarded_scalar(n: fx.Node, placeholders: list, values: dict, canon: Canonic
 
 
 def mask_guards(canon: Canonical, classified: dict, placeholders: Sequence[fx.Node]) -> list[BatchGuard]:
-    """Guards for the canonicalised eager attentions whose mask has key padding (module docstring)."""
-    keypads = []  # (key-padding input, window)
-    for a in canon.additive:
-        info = classified.get(a)
-        if info is not None and info.keypad is not None and (info.keypad, info.window) not in keypads:
-            keypads.append((info.keypad, info.window))
-    return [no_query_without_keys(placeholders.index(k), f"eager attention with an additive mask on {k.name}", w)
-            for k, w in keypads]
+    """Guards for the attentions whose additive mask has key padding and makes a query row without a visible key
+    other than 0 (module docstring): the canonicalised eager attentions, and the SDPA calls whose float
+    ``attn_mask`` blocks with a finite value (``MaskInfo.finite_blocking``: ``-1e9``, ``finfo.min``)."""
+    keypads = {}  # (key-padding input, window) -> what
+    for a, info in classified.items():
+        what = "eager attention with an additive mask" if a in canon.additive else \
+            "attention whose float mask blocks with a finite value" if info.finite_blocking else None
+        if what is not None and info.keypad is not None:
+            keypads.setdefault((info.keypad, info.window), what)
+    return [no_query_without_keys(placeholders.index(k), f"{what} on {k.name}", w)
+            for (k, w), what in keypads.items()]
 
 
 def _remove_dead_code(graph: fx.Graph) -> int:
