@@ -39,7 +39,10 @@ dtypes (an autocast region around one of them) is refused with the dtypes named.
 
 **Attention by meaning, not by one spelling.** Ops are matched through :mod:`..spellings` (every spelling
 of a family). The scores may be ``einsum("bhqd,bhkd->bhqk", q, k)`` and the output
-``einsum("bhqk,bhkd->bhqd", p, v)``; k^T may be any permute of a 4-D value (:func:`_key_of`); a scale applied to q (or k) before the scores is part of q (the SDPA
+``einsum("bhqk,bhkd->bhqd", p, v)``, any letters, or the same over [B, L, H, D] operands (heads in dim 2:
+``einsum("bqhd,bkhd->bhqk", q, k)``, ``einsum("bhqk,bkhd->bqhd", p, v)``, any operand and output layout that names
+two batch dims, the positions and the contracted feature: :func:`_einsum_4d`), whose q, k, v are permuted into
+[B, H, L, D] for the SDPA node and its output back into the einsum's layout; k^T may be any permute of a 4-D value (:func:`_key_of`); a scale applied to q (or k) before the scores is part of q (the SDPA
 scale is then 1). Between the scores and the softmax, mask and scale steps may come in any order
 (:func:`_mask_or_scale_step`): ``s + M``; ``s.masked_fill(C, v)`` / ``where(C, v, s)`` (nanoGPT's
 ``att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))``); ``where(C, s, v)`` (GPT-J); ``s * c``,
@@ -114,7 +117,9 @@ value, and the SDPA rule refuses one that is not a value of the query token).
 
 A fully masked query row differs: the original's additive mask makes it uniform over all keys (or NaN
 when the lowest value overflows), tree attention makes it 0. Where the mask has key padding, the rewrite
-therefore adds a per-call guard (:func:`mask_guards`): no row may start with padding.
+therefore adds a per-call guard (:func:`mask_guards`): no row may start with padding. The same holds for a native
+SDPA call whose float ``attn_mask`` blocks with a finite value (``-1e9``, ``finfo.min``: ``MaskInfo.finite_blocking``,
+:mod:`..masks`); one that blocks with ``-inf`` (or a bool mask) makes such a row 0 as tree attention does.
 
 **Scalars.** Under ``dynamic=True`` Dynamo passes float module attributes (``attention_dropout``,
 ``scaling``) as 0-dim tensor inputs read with ``.item()``, without a guard on their value. An
@@ -139,7 +144,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, is_static_input, normalize_dim
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
-from brcompile.passes.masks import ancestors
+from brcompile.passes.masks import BLOCKING, ancestors
 from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
 from brcompile.passes.spellings import copy_graph_module, is_op, op_name as _op_name, spellings
 
@@ -159,12 +164,6 @@ EINSUM = spellings("einsum")
 RESHAPE = spellings("reshape")
 BMM = spellings("bmm")
 BADDBMM = spellings("baddbmm")
-
-#: A mask value at or below this blocks a key: ``exp(v - m)`` underflows to exactly 0 for any row maximum
-#: ``m`` of the visible scores above ``v + 745`` (float64; ``v + 104`` in float32). Large negative
-#: constants (``-1e4``, ``-1e9``, ``torch.finfo(dtype).min``) and ``-inf`` are masks; anything above
-#: is a bias and refused.
-BLOCKING = -1e4
 
 #: How far back from a softmax an unmatched chain is searched for a q @ k^T matmul, to tell an
 #: attention that cannot be canonicalised (refuse, with the op named) from an unrelated softmax.
@@ -206,6 +205,9 @@ class EagerChain:
     heads: Optional[int] = None  # H of a 3-D attention (bmm / baddbmm on [B*H, ...] views)
     merged_out: bool = False  # ``out`` is the [B*H, Lq, D] product: the SDPA output is flattened for its users
     k_dims: Optional[tuple] = None  # the SDPA key is ``k.permute(k_dims)`` (:func:`_key_of`)
+    q_dims: Optional[tuple] = None  # the SDPA query is ``q.permute(q_dims)`` (:func:`_einsum_4d`)
+    v_dims: Optional[tuple] = None  # the SDPA value is ``v.permute(v_dims)`` (:func:`_einsum_4d`)
+    out_dims: Optional[tuple] = None  # ``out`` is the SDPA output ``.permute(out_dims)`` (:func:`_einsum_4d`)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,14 +255,17 @@ def _guarded_scalar(n: fx.Node, placeholders: list, values: dict, canon: Canonic
 
 
 def mask_guards(canon: Canonical, classified: dict, placeholders: Sequence[fx.Node]) -> list[BatchGuard]:
-    """Guards for the canonicalised eager attentions whose mask has key padding (module docstring)."""
-    keypads = []  # (key-padding input, window)
-    for a in canon.additive:
-        info = classified.get(a)
-        if info is not None and info.keypad is not None and (info.keypad, info.window) not in keypads:
-            keypads.append((info.keypad, info.window))
-    return [no_query_without_keys(placeholders.index(k), f"eager attention with an additive mask on {k.name}", w)
-            for k, w in keypads]
+    """Guards for the attentions whose additive mask has key padding and makes a query row without a visible key
+    other than 0 (module docstring): the canonicalised eager attentions, and the SDPA calls whose float
+    ``attn_mask`` blocks with a finite value (``MaskInfo.finite_blocking``: ``-1e9``, ``finfo.min``)."""
+    keypads = {}  # (key-padding input, window) -> what
+    for a, info in classified.items():
+        what = "eager attention with an additive mask" if a in canon.additive else \
+            "attention whose float mask blocks with a finite value" if info.finite_blocking else None
+        if what is not None and info.keypad is not None:
+            keypads.setdefault((info.keypad, info.window), what)
+    return [no_query_without_keys(placeholders.index(k), f"{what} on {k.name}", w)
+            for (k, w), what in keypads.items()]
 
 
 def _remove_dead_code(graph: fx.Graph) -> int:
@@ -340,9 +345,23 @@ def _transposed_last_two(n: Any, ndim: int = 4) -> Optional[fx.Node]:
     return k
 
 
-def _einsum_4d(n: Any, kind: str) -> Optional[tuple[fx.Node, fx.Node]]:
-    """The two operands of ``einsum("bhqd,bhkd->bhqk", q, k)`` (``kind="scores"``) or
-    ``einsum("bhqk,bhkd->bhqd", p, v)`` (``kind="output"``), any letters, else None."""
+def _einsum_4d(n: Any, kind: str) -> Optional[tuple[fx.Node, fx.Node, Optional[tuple], Optional[tuple]]]:
+    """An einsum of two 4-D operands that is an attention product, any letters and operand layouts, else None.
+
+    ``kind="scores"``: ``s = einsum(A,B->bhij, q, k)`` with ``s[b, h, i, j] = sum_d q[..] k[..]`` — the output
+    names the two batch dims (b, h, in both operands), the query position i (first operand only) and the key
+    position j (second operand only); the one other letter d, in both operands, is contracted. Then
+    ``s = q' k'^T`` for ``q' = q.permute(q_dims)``, ``k' = k.permute(k_dims)`` in the [b, h, i | j, d] layout:
+    ``einsum("bhqd,bhkd->bhqk")`` (identity dims) and ``einsum("bqhd,bkhd->bhqk")`` over [B, L, H, D] operands
+    (dims (0, 2, 1, 3)). Returns (q, k, q_dims, k_dims).
+
+    ``kind="output"``: ``o = einsum(bhij,C->O, p, v)`` of the probabilities p [b, h, i, j] (their own layout)
+    and the values, contracting j: the value holds b, h, j and the head feature d, the output b, h, i, d in any
+    order. Then ``o = (p v').permute(out_dims)`` for ``v' = v.permute(v_dims)`` in the [b, h, j, d] layout and
+    ``p v'`` in [b, h, i, d]: ``einsum("bhqk,bhkd->bhqd")`` (identity) and ``einsum("bhqk,bkhd->bqhd")`` (the
+    output [B, L, H, D]: out_dims (0, 2, 1, 3)). Returns (p, v, v_dims, out_dims).
+
+    Identity dims are None (no permute)."""
     if not _call_in(n, EINSUM) or n.kwargs:
         return None
     eq, ops = n.args[0], list(n.args[1:])
@@ -352,16 +371,35 @@ def _einsum_4d(n: Any, kind: str) -> Optional[tuple[fx.Node, fx.Node]]:
         return None
     lhs, out = eq.replace(" ", "").split("->")
     terms = lhs.split(",")
-    if len(terms) != 2 or any(len(t) != 4 for t in (*terms, out)) or len(set(terms[0] + terms[1] + out)) != 5:
+    if len(terms) != 2 or any(len(t) != 4 or len(set(t)) != 4 for t in (*terms, out)) \
+            or len(set(terms[0] + terms[1] + out)) != 5:
         return None
     a, b = terms
-    if not (a[:2] == b[:2] == out[:2]):
-        return None
-    if kind == "scores" and (a[3] == b[3] and a[2] == out[2] and b[2] == out[3]):
-        return ops[0], ops[1]
-    if kind == "output" and (a[3] == b[2] and a[2] == out[2] and b[3] == out[3]):
-        return ops[0], ops[1]
+    if kind == "scores":
+        bh, i, j = out[:2], out[2], out[3]
+        d = _only((set(a) & set(b)) - set(out))
+        if d is None or set(a) != {*bh, i, d} or set(b) != {*bh, j, d}:
+            return None
+        return ops[0], ops[1], _layout(a, (*bh, i, d)), _layout(b, (*bh, j, d))
+    if kind == "output":
+        bh, i, j = a[:2], a[2], a[3]
+        d = _only((set(b) & set(out)) - set(a))
+        if d is None or set(b) != {*bh, j, d} or set(out) != {*bh, i, d}:
+            return None
+        return ops[0], ops[1], _layout(b, (*bh, j, d)), _layout((*bh, i, d), out)
     return None
+
+
+def _only(letters: set) -> Optional[str]:
+    """The one element of ``letters``, else None."""
+    return next(iter(letters)) if len(letters) == 1 else None
+
+
+def _layout(term: Sequence[str], canonical: Sequence[str]) -> Optional[tuple]:
+    """The dims ``p`` with ``x.permute(p)`` in the ``canonical`` letter order for an ``x`` laid out as ``term``
+    (``p[k] = term.index(canonical[k])``); None for the identity."""
+    dims = tuple(list(term).index(c) for c in canonical)
+    return None if dims == (0, 1, 2, 3) else dims
 
 
 @dataclasses.dataclass
@@ -382,6 +420,7 @@ class Scores:
     heads: Optional[int] = None
     folded: bool = False  # the scores are the [B*H, Lq, Lk] product itself, not its [B, H, Lq, Lk] view
     k_dims: Optional[tuple] = None  # the key is ``k.permute(k_dims)`` (k^T was another permute of k: :func:`_key_of`)
+    q_dims: Optional[tuple] = None  # the query is ``q.permute(q_dims)`` (an einsum over [B, L, H, D]: :func:`_einsum_4d`)
 
 
 def _scores_op(n: Any) -> Optional[Scores]:
@@ -389,8 +428,10 @@ def _scores_op(n: Any) -> Optional[Scores]:
     two 4-D values, or a 3-D product of merged heads viewed back as [B, H, Lq, Lk] (:func:`_scores_3d`)."""
     qk = _einsum_4d(n, "scores")
     if qk is not None:
-        tq, tk = _tensor(qk[0]), _tensor(qk[1])
-        return Scores(*qk, [n]) if tq is not None and tk is not None and tq.dim() == tk.dim() == 4 else None
+        q, k, q_dims, k_dims = qk
+        tq, tk = _tensor(q), _tensor(k)
+        ok = tq is not None and tk is not None and tq.dim() == tk.dim() == 4
+        return Scores(q, k, [n], k_dims=k_dims, q_dims=q_dims) if ok else None
     if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
         return None
     if n.target in RESHAPE:
@@ -448,8 +489,18 @@ def _permutation(n: Any) -> Optional[list[int]]:
 
 def _key_value(sc: "Scores") -> Optional[torch.Tensor]:
     """The example value of the [B, H, Lk, D] key of ``sc`` (``k.permute(k_dims)`` where the dims are given)."""
-    t = _tensor(sc.k)
-    return t.permute(sc.k_dims) if t is not None and sc.k_dims is not None else t
+    return _permuted_value(sc.k, sc.k_dims)
+
+
+def _query_value(sc: "Scores") -> Optional[torch.Tensor]:
+    """The example value of the [B, H, Lq, D] query of ``sc`` (``q.permute(q_dims)`` where the dims are given)."""
+    return _permuted_value(sc.q, sc.q_dims)
+
+
+def _permuted_value(n: Any, dims: Optional[tuple]) -> Optional[torch.Tensor]:
+    """The example value of ``n.permute(dims)`` (of ``n`` for None)."""
+    t = _tensor(n)
+    return t.permute(dims) if t is not None and dims is not None else t
 
 
 def _scores_folded(n: fx.Node, q: fx.Node, k: fx.Node, bias: Any, beta: Any, alpha: Any) -> Optional[Scores]:
@@ -594,8 +645,8 @@ def unrecognised_attention(gm: fx.GraphModule) -> Optional[tuple[fx.Node, str]]:
         chain = " <- ".join([_op_name(sm), *path])
         return c, (f"a softmax over a contraction of two batch values (`{chain}`, operands {shapes}) is not "
                    "recognised as an attention: its scores are not q @ k^T of 4-D [B, H, Lq, D] and [B, H, Lk, D] "
-                   "values (k^T a transpose or permute of a 4-D value; einsum 'bhqd,bhkd->bhqk'; bmm / baddbmm of "
-                   "merged-head [B*H, L, D] views)")
+                   "values (k^T a transpose or permute of a 4-D value; einsum 'bhqd,bhkd->bhqk' or over [B, L, H, D] "
+                   "operands 'bqhd,bkhd->bhqk'; bmm / baddbmm of merged-head [B*H, L, D] views)")
     return None
 
 
@@ -658,12 +709,13 @@ def match_eager_attention(sm: fx.Node, scalar: Optional[Callable[[fx.Node], Opti
     _check_mask_precision(sm, x, cur, masks)
     probs, p, training, folded = _match_probabilities(sm, sinks, sc, dead, folded, masks)
     gate = _match_lse_sink(sm, x, sinks, dead)
-    out, v, merged_out = _match_output(sm, probs, sc, dead, folded, gate[2] if gate is not None else None)
+    out, v, merged_out, (v_dims, out_dims) = _match_output(sm, probs, sc, dead, folded,
+                                                            gate[2] if gate is not None else None)
     _check_compute_dtype(sm, sc, probs, out)
     if gate is not None:
         sinks, out = _lse_sink_output(sm, gate, out, merged_out, dead)
     return EagerChain(sc.q, sc.k, v, scale, masks, p, training, out, dead, softcap, sinks,
-                      _heads(sc) if merged_out else sc.heads, merged_out, sc.k_dims)
+                      _heads(sc) if merged_out else sc.heads, merged_out, sc.k_dims, sc.q_dims, v_dims, out_dims)
 
 
 def _softmax_input_cast(x: fx.Node, dtype: Any) -> tuple[fx.Node, Any, list]:
@@ -703,7 +755,7 @@ def _softmax_frame(sm: fx.Node, x: fx.Node, dim: Any, dead: list) -> tuple[fx.No
 
 def _heads(sc: Scores) -> int:
     """H of the attention (static: a folded output is unflattened by it)."""
-    return sc.heads if sc.heads is not None else int(_tensor(sc.q).shape[1])
+    return sc.heads if sc.heads is not None else int(_query_value(sc).shape[1])
 
 
 def _match_mask_steps(sm: fx.Node, x: fx.Node, dead: list) -> tuple[list, float, Any]:
@@ -816,7 +868,7 @@ def _refuse_scores(sm: fx.Node, cur: Any):
 def _check_scores(sm: fx.Node, x: fx.Node, cur: fx.Node, sc: Scores, masks: list, dtype: Any) -> None:
     """Shapes and dtypes: the masks do not enlarge the scores and are float of the scores' dtype, q and k
     have the same heads, and the softmax runs in the scores' precision or higher."""
-    tq, tk, ts = _tensor(sc.q), _key_value(sc), _tensor(cur)
+    tq, tk, ts = _query_value(sc), _key_value(sc), _tensor(cur)
     if tuple(_tensor(x).shape) != tuple(ts.shape):
         _refuse(sm, x, "the attention mask enlarges the scores")
     if sc.folded and any(m[0] not in ("bias", "floor") for m in masks):
@@ -869,7 +921,7 @@ def _check_compute_dtype(sm: fx.Node, sc: Scores, probs: fx.Node, out: fx.Node) 
     if td.dtype != to.dtype:
         _refuse(sm, out, f"the scores q k^T are computed in {td.dtype}, the product with the values in {to.dtype}: "
                 "tree attention computes both in one dtype")
-    tq = _tensor(sc.q)
+    tq = _query_value(sc)
     if tp.dtype not in (tq.dtype, to.dtype):
         _refuse(sm, probs, f"the probabilities are {tp.dtype}, the query is {tq.dtype} and the attention "
                 f"computes in {to.dtype}")
@@ -889,7 +941,7 @@ def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead
     on entry and of ``probs`` on return; ``probs`` is the last node of the walk (the product's operand).
     Also once: ``p.masked_fill(C, 0)`` with the condition ``C`` of a blocking ``masked_fill`` step of the scores
     (CPM-Ant; :func:`_zeroes_blocked`)."""
-    tq = _tensor(sc.q)
+    tq = _query_value(sc)
     cur = sm
     nxt = _only_user(cur)
     if sinks is not None:
@@ -960,14 +1012,17 @@ def _same_value(a: Any, b: Any, depth: int = 6) -> bool:
 
 
 def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: bool, gated: Optional[fx.Node] = None
-                  ) -> tuple[fx.Node, fx.Node, bool]:
-    """(out, v, merged) for the product of the probabilities with the values: ``matmul(p, v)`` /
-    ``einsum("bhqk,bhkd->bhqd", p, v)`` of a 4-D ``v``; for ``folded`` [B*H, Lq, Lk] probabilities ``bmm(p3, v3)``
+                  ) -> tuple[fx.Node, fx.Node, bool, tuple]:
+    """(out, v, merged, (v_dims, out_dims)) for the product of the probabilities with the values: ``matmul(p, v)``
+    of a 4-D ``v``, or an einsum over ``p`` and ``v.permute(v_dims)`` whose result is the [B, H, Lq, D] output
+    ``.permute(out_dims)`` (``einsum("bhqk,bhkd->bhqd", p, v)``, ``einsum("bhqk,bkhd->bqhd", p, v)`` of a
+    [B, L, H, D] ``v``: :func:`_einsum_4d`); for ``folded`` [B*H, Lq, Lk] probabilities ``bmm(p3, v3)``
     with ``v3`` the merged-heads view of a 4-D ``v`` of q's (B, H), and ``out`` the view of its result back to [B, H, Lq, D]
     when that is its only user (``merged`` False), else the [B*H, Lq, D] product itself (``merged`` True: the
     SDPA output is flattened for its users). Checks that no chain node has a user outside the chain (``gated``
     included)."""
-    tq, tk = _tensor(sc.q), _key_value(sc)
+    tq, tk = _query_value(sc), _key_value(sc)
+    layout = (None, None)
     nxt = _only_user(probs)
     if nxt is None:
         _refuse(sm, probs, "the attention probabilities have other users (output_attentions=True?)")
@@ -983,11 +1038,14 @@ def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: b
         pv = _einsum_4d(nxt, "output")
         if pv is None and (nxt.target not in MATMUL or len(nxt.args) != 2 or nxt.kwargs):
             _refuse(sm, nxt, f"the probabilities go to `{_op_name(nxt)}`, not to a matmul with the values")
-        pv = pv if pv is not None else nxt.args
+        if pv is not None:
+            pv, layout = pv[:2], pv[2:]
+        else:
+            pv = nxt.args
     p_, v = pv
     if p_ is not probs:
         _refuse(sm, nxt, "the probabilities are not the first operand of the matmul with the values")
-    tv = _tensor(v)
+    tv = _permuted_value(v, layout[0])
     if tv is None or tv.dim() != 4 or tv.shape[:2] != tq.shape[:2] or tv.shape[2] != tk.shape[2]:
         _refuse(sm, nxt, "the values are not [B, H, Lk, D] like the keys")
     inside = {*dead, nxt, gated}  # gated: the product of the output with a sink gate (_match_lse_sink)
@@ -996,12 +1054,12 @@ def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: b
             _refuse(sm, n, f"the intermediate `{n.name}` has other users (attention weights returned?)")
     dead.insert(0, nxt)
     if not folded:
-        return nxt, v, False
+        return nxt, v, False, layout
     user = _only_user(nxt)
     if user is not None and _split_heads(user) is nxt and tuple(_tensor(user).shape[:2]) == tuple(tq.shape[:2]):
         dead.insert(0, user)
-        return user, v, False
-    return nxt, v, True
+        return user, v, False, layout
+    return nxt, v, True, layout
 
 
 MAX = (torch.max, "max", torch.amax, "amax")
@@ -1426,9 +1484,11 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
         else:
             scale = 1.0 / c
     p = ch.dropout_p if ch.dropout_training is not False else 0.0
-    q, v, width = ch.q, ch.v, None
+    width = None
     with graph.inserting_before(ch.out):
-        k = ch.k if ch.k_dims is None else _call(graph, "permute", (ch.k, *ch.k_dims))
+        q, k, v = (x if dims is None else _call(graph, "permute", (x, *dims))
+                   for x, dims in ((ch.q, ch.q_dims), (ch.k, ch.k_dims), (ch.v, ch.v_dims)))
+        ch = dataclasses.replace(ch, q=q, v=v, q_dims=None, v_dims=None)
         keyed = _key_bias(graph, ch, k, scale, values or {})
         if keyed is not None:
             (q, k, v), masks, width, _ = keyed
@@ -1446,6 +1506,8 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
     with graph.inserting_after(ch.out):
         node = graph.call_function(F.scaled_dot_product_attention, (q, k, v), kwargs)
     node.meta.update(ch.out.meta)
+    out = _attention_output_value(ch)
+    node.meta["example_value"] = out
     node.meta["br_canonical"] = "eager attention"
     if relative is not None:
         _mark_relative(node, relative, canon)
@@ -1454,12 +1516,14 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
     chain = " -> ".join(n.name for n in reversed(ch.dead))
     result = node
     if width is not None:  # the values carry one zero feature for the key bias: drop it from the output
-        out = example_value(ch.out)
         node.meta["example_value"] = torch.cat([out, out[..., :1]], -1) if out is not None else None
         with graph.inserting_after(node):
             result = graph.call_function(operator.getitem, (node, (Ellipsis, slice(None, width))))
         result.meta["example_value"] = out
         canon.notes.append(f"{node.name}: per-key bias {keyed[3].name} as one more q/k feature")
+    if ch.out_dims is not None:  # the einsum's output layout ([B, L, H, D]) of the [B, H, Lq, D] attention output
+        with graph.inserting_after(result):
+            result = _call(graph, "permute", (result, *ch.out_dims))
     if ch.merged_out:  # the users read the [B*H, Lq, D] product: the [B, H, Lq, D] output with (B, H) merged
         node.meta["example_value"] = example_value(ch.out).unflatten(0, (-1, ch.heads))
         with graph.inserting_after(node):
@@ -1472,6 +1536,15 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
     canon.notes.append(f"{node.name}: eager attention {chain} -> scaled_dot_product_attention")
     log.debug("canonical attention %s from eager chain %s", node.name, chain)
     return [node] if mask is not None else []
+
+
+def _attention_output_value(ch: EagerChain) -> Optional[torch.Tensor]:
+    """The example value of the chain's [B, H, Lq, D] attention output: ``out``'s, with its einsum layout
+    ``out = o.permute(out_dims)`` undone (``o = out.permute(argsort(out_dims))``)."""
+    out = example_value(ch.out)
+    if out is None or ch.out_dims is None:
+        return out
+    return out.permute(tuple(sorted(range(4), key=ch.out_dims.__getitem__)))
 
 
 def canonical_attention(node: fx.Node, args: tuple, kwargs: dict) -> torch.Tensor:

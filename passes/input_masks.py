@@ -7,7 +7,8 @@ there is none, so the meaning is read off the tensor itself, at compile time fro
 time from every call's mask, before the packed graph runs:
 
     vis[b, q, k]  = M[b, h, q, k]            (bool)   or   M[b, h, q, k] == 0   (additive float mask whose
-                                                           other entries are -inf or finfo(dtype).min)
+                                                           other entries block: <= masks.BLOCKING, -1e4 —
+                                                           -1e9, finfo(dtype).min, -inf)
     valid[b, k]   = vis[b, k, k]             (under any causal mask a query sees itself iff it is a real token)
     expected      = (k <= q) & (W == 0 or q - k < W) & valid[b, k]
 
@@ -43,13 +44,13 @@ CHUNK_ELEMENTS = 1 << 24
 
 def visible(mask: torch.Tensor) -> Optional[torch.Tensor]:
     """Which (q, k) pairs a mask lets through: a bool mask itself; an additive float mask's zeros, when
-    every other entry is -inf or finfo(dtype).min (None otherwise: a bias, not a mask)."""
+    every other entry blocks (:func:`..masks.blocked`: at most ``masks.BLOCKING``; None otherwise: a bias, not a
+    mask)."""
     if mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():
         return None
-    masked = (mask == float("-inf")) | (mask == torch.finfo(mask.dtype).min)
-    if not bool((masked | (mask == 0)).all()):
+    if not bool((masks_mod.blocked(mask) | (mask == 0)).all()):
         return None
     return mask == 0
 
@@ -89,7 +90,8 @@ def check_mask(mask: torch.Tensor, window: int) -> Optional[str]:
     for q0 in range(0, L, chunk):
         part = visible(m[..., q0:q0 + chunk, :])
         if part is None:
-            return "the mask holds values other than 0, -inf and finfo(dtype).min (a bias, not a mask)"
+            return (f"the mask holds values other than 0 and blocking values (<= {masks_mod.BLOCKING:g}: -1e9, "
+                    "finfo(dtype).min, -inf): a bias, not a mask")
         q = torch.arange(q0, min(L, q0 + chunk), device=m.device)[:, None]
         allowed = k <= q
         if window:
@@ -201,8 +203,8 @@ def classify_input_mask(attn: fx.Node, mask: fx.Node, placeholders: Sequence[fx.
     m = x if x.dim() == 4 else x[:, None]
     vis = visible(m)
     if vis is None:
-        raise CannotReplay(f"{where}: it holds values other than 0, -inf and finfo(dtype).min (an additive bias, "
-                           f"not a mask)", attn)
+        raise CannotReplay(f"{where}: it holds values other than 0 and blocking values (<= {masks_mod.BLOCKING:g}: "
+                           "-1e9, finfo(dtype).min, -inf): an additive bias, not a mask", attn)
     window = _window_of(vis)
     reason = check_mask(x, window)
     if reason is not None and window:

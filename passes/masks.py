@@ -15,8 +15,20 @@ compare with each candidate meaning:
   trials whose P is well formed (every sequence counts 0, 1, 2, ...): the runtime replays only batches whose
   P is (a per-call guard, :func:`sequences_guard`), and builds the tree over the sequences.
 
-Float masks must be exactly 0 where visible and ``-inf`` (or the dtype's lowest value) elsewhere — any
-other value is a bias, not a mask. Anything else (bidirectional prefixes, biases, other windows) stops the
+**Float masks.** An additive float mask (``attn_mask`` of a ``scaled_dot_product_attention`` call, or the canonical
+mask of an eager chain) is read as visibility and bias (:func:`split_bias`): a key is blocked where the value is at
+most :data:`BLOCKING` (``-1e4``; ``-1e9``, ``finfo(dtype).min`` and ``-inf`` are masks), visible elsewhere, and a
+visible value other than 0 is a bias. So ``(1 - causal.float()) * -1e9``, ``zeros(L, L).masked_fill(~causal,
+finfo.min)``, ``where(visible, 0, -inf)``, ``triu(full(-inf), 1) + (1 - am) * finfo.min`` and sums of such parts
+in either order classify like the boolean masks they spell (causal, causal & key padding, window). A blocked
+key's probability is then exactly 0 in the original as in tree attention, provided the visible scores of its query
+row lie within the exp underflow range above the blocked ones (the assumption the eager chains make,
+:data:`BLOCKING`). A query row whose keys are all blocked differs: ``-inf`` makes it 0 in the original too, but a
+finite blocking value makes it a softmax over all its keys; such a mask is ``MaskInfo.finite_blocking`` and, with
+key padding, gets the per-call guard that no row starts with padding (``canonicalize.mask_guards``, as for an eager
+chain's additive mask). A mask whose blocked values (or the lack of them) leave a query seeing a later key through
+a finite nonzero value (``masked_fill(~causal, -5)``) is refused as a float bias, not a mask, by that name; a bias
+at visible pairs is ALiBi or refused (below). Anything else (bidirectional prefixes, biases, other windows) stops the
 rewrite with the reason, named where a probe shows it: a query that sees a later key (bidirectional attention),
 a visibility that changes when only the token ids are reordered (a content-dependent mask: a top-k selection of
 keys by a learned index with fewer picks than keys).
@@ -99,6 +111,12 @@ PROBE_ROWS = (2, 3)
 MAX_PROBE_ELEMENTS = 1 << 25
 #: Probes with more elements than this use one row and two key-padding patterns (ones, random).
 SHORT_PROBE_ELEMENTS = 1 << 16
+#: A float mask value at or below this blocks a key (:func:`split_bias`): ``exp(v + s - m)`` underflows to exactly 0
+#: for a masked score ``s`` whenever the row maximum ``m`` of the visible scores is above ``s + v + 745`` (float64;
+#: ``s + v + 104`` in float32), i.e. for scores within about ``|v| / 2 - 372`` of 0 — 4,600 at ``-1e4``, any score
+#: the softmax could take at ``-1e9`` or ``finfo.min``. Large negative constants (``-1e4``, ``-1e9``,
+#: ``torch.finfo(dtype).min``) and ``-inf`` are masks; anything above is a bias.
+BLOCKING = -1e4
 #: Literals within this distance of L are taken for L (``arange(L - 1)``, ``L + 1``).
 LENGTH_SLACK = 2
 #: A size at most this small is never rewritten (it cannot be told from a dim index).
@@ -121,6 +139,9 @@ class MaskInfo:
     #: Trainable ALiBi: the node whose value is the slopes (``alibi`` then holds the example's values); see
     #: :func:`_trainable_alibi`.
     alibi_node: Optional[fx.Node] = None
+    #: The float mask blocks some key with a finite value (``-1e9``, ``finfo.min``), not ``-inf``: a query row whose
+    #: keys are all blocked is a softmax over all of them in the original, 0 in tree attention (module docstring).
+    finite_blocking: bool = False
 
     def __str__(self) -> str:
         arg = self.keypad if self.keypad is not None else self.sequences
@@ -245,32 +266,49 @@ def is_canonical_attention(n: fx.Node) -> bool:
     return n.meta.get("br_canonical") is not None or any(k.startswith("br_") for k in n.kwargs)
 
 
+def blocked(mask: torch.Tensor) -> torch.Tensor:
+    """Where an additive float mask blocks a key: its value is at most :data:`BLOCKING` (``-inf`` included)."""
+    return mask <= BLOCKING
+
+
+def finite_blocking(mask: torch.Tensor) -> bool:
+    """Whether an additive float mask blocks some key with a finite value (a fully blocked query row is then a
+    softmax over all its keys in the original, not 0)."""
+    return mask.dtype != torch.bool and bool((blocked(mask) & torch.isfinite(mask)).any())
+
+
 def visible(mask: torch.Tensor, node: fx.Node) -> torch.Tensor:
-    """Boolean visibility of a bool or additive float mask; refuses float masks that carry a bias."""
-    if mask.dtype == torch.bool:
-        return mask
-    lowest = torch.finfo(mask.dtype).min
-    vis = mask == 0
-    blocked = (mask == float("-inf")) | (mask <= lowest)
-    if not bool((vis | blocked).all()):
-        raise CannotReplay("float attention mask holds values other than 0 and -inf (a bias)", node)
+    """Boolean visibility of a bool or additive float mask (blocked at most :data:`BLOCKING`); refuses float
+    masks that carry a bias."""
+    vis, bias = split_bias(mask, node)
+    if bias is not None:
+        raise CannotReplay(float_bias_reason(mask, vis), node)
     return vis
 
 
+def float_bias_reason(mask: torch.Tensor, vis: torch.Tensor, where: str = "at pairs it does not block") -> str:
+    """Why a float mask with finite nonzero values at pairs it does not block is not a mask: the values named
+    (at most three), and ``where`` they are."""
+    found = mask.masked_fill(~vis, 0.0).detach()
+    found = found[found != 0].unique()
+    shown = ", ".join(f"{v:.4g}" for v in found[:3].tolist()) + (", ..." if found.numel() > 3 else "")
+    return (f"attn_mask is a float bias with finite nonzero values (not a 0 / -inf mask): it holds {shown} {where} "
+            f"(a key is blocked by a value <= {BLOCKING:g}, such as -1e9, finfo(dtype).min or -inf; a value above "
+            "that is added to the scores)")
+
+
 def split_bias(mask: torch.Tensor, node: fx.Node) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(visibility, bias) of a bool or additive float mask: visible where the value is above the dtype's
-    lowest and not ``-inf``; the bias is the mask's value there (0 elsewhere), None when it is 0 everywhere.
+    """(visibility, bias) of a bool or additive float mask: visible where the value is above :data:`BLOCKING`
+    (:func:`blocked`); the bias is the mask's value there (0 elsewhere), None when it is 0 everywhere.
     NaN or ``+inf`` values are refused."""
     if mask.dtype == torch.bool:
         return mask, None
-    lowest = torch.finfo(mask.dtype).min
-    blocked = (mask == float("-inf")) | (mask <= lowest)
-    vis = ~blocked
-    if not bool(torch.isfinite(mask.masked_fill(blocked, 0.0)).all()):
+    vis = ~blocked(mask)
+    if not bool(torch.isfinite(mask.masked_fill(~vis, 0.0)).all()):
         raise CannotReplay("float attention mask holds NaN or +inf (NaN also marks a blend s * B + A of the scores "
                            "where B is not 0 or 1, or where B is 0 and A does not block: the scores are scaled "
                            "or replaced by a finite value, not masked)", node)
-    bias = mask.masked_fill(blocked, 0.0)
+    bias = mask.masked_fill(~vis, 0.0)
     return vis, (bias if bool((bias != 0).any()) else None)
 
 
@@ -415,12 +453,20 @@ class _Trial:
     unpadded: bool  # every 0/1 tree input is all ones: the trial a sliding window is read from
     _visible: Optional[torch.Tensor] = None
     _bias: Optional[torch.Tensor] = None
+    _finite_blocking: bool = False
 
     def visible(self, mask: fx.Node, attn: fx.Node) -> torch.Tensor:
         """The mask's boolean visibility on this trial (:func:`split_bias`), evaluated once."""
         if self._visible is None:
-            self._visible, self._bias = split_bias(evaluate(mask, self.values, self.literal), attn)
+            m = evaluate(mask, self.values, self.literal)
+            self._visible, self._bias = split_bias(m, attn)
+            self._finite_blocking = finite_blocking(m)
         return self._visible
+
+    def finite_blocking(self, mask: fx.Node, attn: fx.Node) -> bool:
+        """Whether the mask blocks a key with a finite value on this trial (:func:`finite_blocking`)."""
+        self.visible(mask, attn)
+        return self._finite_blocking
 
     def bias(self, mask: fx.Node, attn: fx.Node) -> Optional[torch.Tensor]:
         """The mask's bias on this trial (None: none), :func:`split_bias`."""
@@ -580,6 +626,8 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
         info = alibi_meaning(attn, mask, info, inputs, trials, values)
     if dynamic and limit is not None:
         info = dataclasses.replace(info, max_length=limit[0])
+    if any(t.finite_blocking(mask, attn) for t in trials):
+        info = dataclasses.replace(info, finite_blocking=True)
     log.debug("mask of %s: %s (%d trials up to L'=%d)", attn.name, info, len(trials),
               max(t.size[1] for t in trials))
     return info
@@ -633,6 +681,11 @@ def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Se
         info = _sequence_meaning(attn, mask, inputs, trials)
         if info is not None:
             return info
+        biased = next((t for t in trials if _biases_later_keys(t.visible(mask, attn), t.bias(mask, attn))), None)
+        if biased is not None:
+            raise CannotReplay(float_bias_reason(evaluate(mask, biased.values, biased.literal),
+                                                 biased.visible(mask, attn), "where a causal mask blocks (through "
+                                                 "them a query sees the keys after it)"), attn) from refusal
         if any(_sees_later_keys(t.visible(mask, attn)) for t in trials):
             raise CannotReplay("attention mask lets a query see keys after it (bidirectional attention: an encoder, "
                                "a masked LM such as XLM with causal=False, or a prefix-LM's prompt); a token's value "
@@ -645,6 +698,20 @@ def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Se
                                "keys); tree attention's keys are the causal ones, by position and padding only",
                                attn) from refusal
         raise refusal
+
+
+def _biases_later_keys(vis: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether a float mask's finite nonzero values (``bias``, :func:`split_bias`) are what shows some query a key
+    after it: a value above :data:`BLOCKING` where a causal mask blocks (``masked_fill(~causal, -5)``)."""
+    if bias is None or vis.dim() < 2:
+        return False
+    L = vis.shape[-1]
+    later = torch.ones(L, L, dtype=torch.bool, device=vis.device).triu(1)
+    try:
+        v, b = torch.broadcast_tensors(vis, bias.to(vis.device))
+    except RuntimeError:
+        return False
+    return v.shape[-2] == L and bool((v & (b != 0) & later).any())
 
 
 def _sees_later_keys(vis: torch.Tensor) -> bool:
@@ -700,6 +767,8 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
                                "not supported)", attn)
         return found
     slopes = _alibi_slopes(attn, mask, trials, hq)
+    what = (f"attention bias (the float mask holds finite nonzero values above {BLOCKING:g} at visible pairs: a bias "
+            "added to the scores, not a 0 / -inf mask)")
     if slopes is None:
         raise CannotReplay(f"{what} that is not ALiBi: no per-head slope can be read off a probe without padding",
                            attn)
@@ -925,7 +994,7 @@ def _sequence_meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node],
                 pos = sequence_positions(Bp, Lp, p_start, gen)
                 values[P] = pos.to(device=t.values[P].device, dtype=dtype)
                 try:
-                    vis = visible(evaluate(mask, values, t.literal), attn)
+                    vis = split_bias(evaluate(mask, values, t.literal), attn)[0]
                 except CannotReplay:
                     raise
                 except Exception:  # evaluable on the trial's values, not on these: not this meaning

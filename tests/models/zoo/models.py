@@ -812,6 +812,77 @@ class EinsumMinus1e9(Decoder):
 
 
 # --------------------------------------------------------------------------------------------------
+# einsum attention over [B, L, H, D] operands (heads in dim 2, no transpose), finfo.min additive mask
+
+
+class EinsumBLHDAttention(EinsumAttention):
+    def forward(self, x, mask):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, HS).unbind(2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(HS)
+        scores = scores + mask
+        probs = F.softmax(scores, dim=-1)
+        o = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+        return self.out(o.reshape(B, T, DIM))
+
+
+class EinsumBLHDBlock(EinsumBlock):
+    def __init__(self):
+        super().__init__()
+        self.attn = EinsumBLHDAttention()
+
+
+class EinsumBLHD(EinsumMinus1e9):
+    """Einsum scores ``bqhd,bkhd->bhqk`` and output ``bhqk,bkhd->bqhd`` on [B, L, H, D] q, k, v; the additive
+    causal + padding mask filled with ``finfo.min``."""
+
+    def __init__(self):
+        Decoder.__init__(self, EinsumBLHDBlock)
+
+    def context(self, input_ids, attention_mask):
+        T = input_ids.shape[1]
+        allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None]
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, None, None, :].bool()
+        dtype = self.wte.weight.dtype
+        return (torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min),)
+
+
+# --------------------------------------------------------------------------------------------------
+# F.scaled_dot_product_attention with an additive -1e9 float mask as attn_mask
+
+
+class SdpaAdditiveAttention(EinsumAttention):
+    def forward(self, x, mask):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, HS).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(B, T, DIM))
+
+
+class SdpaAdditiveBlock(EinsumBlock):
+    def __init__(self):
+        super().__init__()
+        self.attn = SdpaAdditiveAttention()
+
+
+class SdpaAdditiveMinus1e9(EinsumMinus1e9):
+    """SDPA whose ``attn_mask`` is the float mask ``(1 - causal & padding) * -1e9`` (causal part and padding part
+    added)."""
+
+    def __init__(self):
+        Decoder.__init__(self, SdpaAdditiveBlock)
+
+    def context(self, input_ids, attention_mask):
+        T = input_ids.shape[1]
+        dtype = self.wte.weight.dtype
+        mask = ((1.0 - torch.tril(torch.ones(T, T, dtype=dtype))) * -1e9)[None, None]
+        if attention_mask is not None:
+            mask = mask + (1.0 - attention_mask[:, None, None, :].to(dtype)) * -1e9
+        return (mask,)
+
+
+# --------------------------------------------------------------------------------------------------
 # LoRA adapters on q and v (peft style: base(x) + lora_B(lora_A(dropout(x))) * scaling)
 
 
@@ -1476,6 +1547,8 @@ REPLAY = {
     "hf_llama": HFLlama,
     "gptj": GPTJ,
     "einsum_minus_1e9": EinsumMinus1e9,
+    "einsum_blhd": EinsumBLHD,
+    "sdpa_additive_minus_1e9": SdpaAdditiveMinus1e9,
     "lora_llama": LoraLlama,
     "torch_rms_norm": TorchRMSNorm,
     "alibi": Alibi,
