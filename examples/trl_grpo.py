@@ -4,32 +4,38 @@ A tiny random Qwen2 (``transformers.Qwen2Config``), a character-level tokenizer 
 ``tokenizers`` BPE model without merges, wrapped in ``PreTrainedTokenizerFast``), an in-memory prompt
 dataset and a rule-based reward; a few GRPO steps on CPU. No TRL code is patched.
 
-How to switch it on. ``GRPOConfig(torch_compile=True, torch_compile_backend="branch_replay")`` does not
-work: transformers hands the name to accelerate's ``TorchDynamoPlugin``, which accepts only the members
-of its ``DynamoBackend`` enum (``ValueError: 'BRANCH_REPLAY' is not a valid DynamoBackend``). The
-closest switch is to compile the model before handing it to the trainer::
+How to switch it on: one line, the trainer's code unchanged::
 
-    model.model.compile(backend="branch_replay")     # the decoder, in place; the trainer sees the same model
-    trainer = GRPOTrainer(model=model, args=GRPOConfig(..., gradient_checkpointing=False), ...)
+    trainer = GRPOTrainer(model=model, args=GRPOConfig(...), ..., callbacks=[brcompile.BranchReplayCallback()])
 
-(``model.compile(...)`` works as well: TRL's fused LM head then runs as a second graph that falls back.)
-Every call of the decoder goes through the backend: the training forward (the group's rollouts share
-their prompt; prompts are left-padded, completions right-padded) and the prefill of ``generate`` (each
-prompt repeated ``num_generations`` times) replay; the decode-step graphs, whose mask depends on the KV
-cache, are not rewritten (recorded fallbacks; one new token per row has nothing to share anyway). Two
-settings matter:
+The callback compiles the policy's decoder in place when training begins (``brcompile.compile_decoder(model)``,
+which can also be called by hand before building the trainer: ``model.model.compile(backend="branch_replay")``
+plus the hook fix below). ``GRPOConfig(torch_compile=True, torch_compile_backend="branch_replay")`` does not
+work: transformers hands the name to accelerate's ``TorchDynamoPlugin``, which accepts only the members of its
+``DynamoBackend`` enum (``ValueError: 'BRANCH_REPLAY' is not a valid DynamoBackend``).
 
-- ``gradient_checkpointing=False``. TRL defaults it to True. With it, the decoder layers run inside
-  ``torch.utils.checkpoint`` (the backend then sees no attention to rewrite and falls back), and every
-  generation toggles checkpointing, adding a forward hook to the embedding: Dynamo recompiles each step
-  and, past ``torch._dynamo.config.recompile_limit``, silently runs the model eagerly.
+Every call of the decoder goes through the backend: the training forward (the group's rollouts share their
+prompt; prompts are left-padded, completions right-padded) and the prefill of ``generate`` (each prompt
+repeated ``num_generations`` times) replay; the decode steps of ``generate`` (one new token per row against
+the KV cache) have nothing to share and run as they are, counted in ``stats().unshared_calls``, not as
+fallbacks (passes/decode.py). ``stats().fallback_calls`` stays 0.
+
+- Gradient checkpointing: TRL's default (``gradient_checkpointing=True``) works, and so does ``False``. The
+  decoder layers run inside ``torch.utils.checkpoint``; the backend inlines and rewrites their bodies. TRL
+  turns checkpointing off around every generation and on again after it, and transformers registers one more
+  forward hook on the input embedding at every ``gradient_checkpointing_enable``: Dynamo guards on the hook
+  count, so the decoder would recompile every step and, past ``torch._dynamo.config.recompile_limit``, run
+  eagerly without notice. ``compile_decoder`` makes ``enable_input_require_grads`` replace its hook instead
+  (``brcompile.integrations.keep_one_input_grad_hook``; the hook only sets ``requires_grad``), so the graphs
+  settle after the first step.
 - Precision. HF's ``Qwen2RMSNorm`` computes in float32 even in a float64 model, so a float64 run is
   exact to float32 rounding (~1e-7 relative here; 1e-16 with a float64 norm), and the comparison uses the
   float32 tolerance 1e-5.
 
-Run: ``python examples/trl_grpo.py [--steps 3] [--num-iterations 1]``: trains twice from the same seeds
-(eager, then branch_replay), prints per-step losses and gradient errors, the parameters' error after
-training and ``brcompile.stats()``; exit 1 on FAIL. Needs ``pip install trl`` (1.16 tested).
+Run: ``python examples/trl_grpo.py [--steps 3] [--num-iterations 1] [--no-gradient-checkpointing]``: trains
+twice from the same seeds (eager, then branch_replay), prints per-step losses and gradient errors, the
+parameters' error after training and ``brcompile.stats()``; exit 1 on FAIL (or on any fallback). Needs
+``pip install trl`` (1.16 tested).
 """
 from __future__ import annotations
 
@@ -119,14 +125,15 @@ class RunResult:
 
 def train(backend=None, *, steps: int = 3, seed: int = 0, num_generations: int = 4, prompts_per_step: int = 2,
           max_completion_length: int = 6, num_iterations: int = 1, learning_rate: float = 0.05,
-          dtype: torch.dtype = torch.float64) -> RunResult:
+          dtype: torch.dtype = torch.float64, gradient_checkpointing: bool = True) -> RunResult:
     """Runs ``GRPOTrainer`` for ``steps`` optimizer steps (plain SGD, so parameter changes are gradient
     differences, not Adam's normalised ones) and records losses, gradients (a ``TrainerCallback`` at
     ``on_pre_optimizer_step``), parameters and, per backend call, whether it replayed and whether it ran
     with gradients (the training forward) or without (generation).
 
     ``backend``: None (eager) or a ``brcompile.BranchReplayBackend`` (``brcompile.backend(...)``), applied
-    with ``model.model.compile(backend=...)``."""
+    by ``brcompile.BranchReplayCallback(backend)`` among the trainer's callbacks (the decoder compiled in place
+    when training begins). ``gradient_checkpointing``: GRPOConfig's (TRL's default, True, or False)."""
     import brcompile
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -141,8 +148,7 @@ def train(backend=None, *, steps: int = 3, seed: int = 0, num_generations: int =
         grad_modes.append(torch.is_grad_enabled())
         return backend(gm, example_inputs)
 
-    if backend is not None:
-        model.model.compile(backend=recording_backend)
+    callbacks = [] if backend is None else [brcompile.BranchReplayCallback(recording_backend)]
     grads: list[dict[str, torch.Tensor]] = []
 
     class GradSnapshot(TrainerCallback):
@@ -154,10 +160,10 @@ def train(backend=None, *, steps: int = 3, seed: int = 0, num_generations: int =
             output_dir=out, per_device_train_batch_size=prompts_per_step * num_generations,
             num_generations=num_generations, max_completion_length=max_completion_length, max_steps=steps,
             num_iterations=num_iterations, learning_rate=learning_rate, optim="sgd", lr_scheduler_type="constant",
-            gradient_checkpointing=False, bf16=False, use_cpu=True, seed=seed, logging_steps=1, report_to=[],
+            gradient_checkpointing=gradient_checkpointing, bf16=False, use_cpu=True, seed=seed, logging_steps=1, report_to=[],
             save_strategy="no", disable_tqdm=True)
         trainer = GRPOTrainer(model=model, reward_funcs=letter_a_reward, args=args, train_dataset=prompt_dataset(),
-                              processing_class=tokenizer, callbacks=[GradSnapshot()])
+                              processing_class=tokenizer, callbacks=[*callbacks, GradSnapshot()])
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     calls = []
@@ -192,21 +198,26 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--num-iterations", type=int, default=1)
     p.add_argument("--compiler", choices=["inductor", "aot_eager", "eager"], default="aot_eager")
+    p.add_argument("--no-gradient-checkpointing", action="store_true", help="GRPOConfig(gradient_checkpointing="
+                   "False); TRL's default is True")
     a = p.parse_args(argv)
     import brcompile
 
-    want = train(None, steps=a.steps, num_iterations=a.num_iterations)
+    gc = not a.no_gradient_checkpointing
+    want = train(None, steps=a.steps, num_iterations=a.num_iterations, gradient_checkpointing=gc)
     backend = brcompile.backend(compiler=a.compiler)
-    got = train(backend, steps=a.steps, num_iterations=a.num_iterations)
+    got = train(backend, steps=a.steps, num_iterations=a.num_iterations, gradient_checkpointing=gc)
     err = compare_runs(got, want)
     training = got.training_replays()
-    ok = max(err["loss"] + err["grads"] + [err["params"]]) <= TOL and training == a.steps
+    ok = (max(err["loss"] + err["grads"] + [err["params"]]) <= TOL and training == a.steps
+          and got.stats.fallback_calls == 0)
     for i, (l0, l1) in enumerate(zip(want.losses, got.losses)):
         print(f"step {i + 1}: loss eager {l0:.12g}  branch_replay {l1:.12g}  max rel grad err {err['grads'][i]:.2e}")
     verdict = "PASS" if ok else "FAIL"
     print(f"parameters after {a.steps} steps: max rel err {err['params']:.2e}  {verdict} (tol {TOL:.0e})")
     print(f"replayed training forwards: {training}; replayed no-grad calls (generation prefill, old log-probs): "
-          f"{sum(1 for c in got.calls if c.replayed and not c.grad)}")
+          f"{sum(1 for c in got.calls if c.replayed and not c.grad)}; decode steps (nothing to share): "
+          f"{got.stats.unshared_calls}")
     print(got.stats)
     return 0 if ok else 1
 

@@ -201,6 +201,10 @@ def classify_input_mask(attn: fx.Node, mask: fx.Node, placeholders: Sequence[fx.
         raise CannotReplay(f"{where} (a mask built outside the compiled graph) and its example value cannot be "
                            "read", attn)
     m = x if x.dim() == 4 else x[:, None]
+    if m.shape[-1] != m.shape[-2]:
+        raise CannotReplay(f"{where} (a mask built outside the compiled graph): it spans {m.shape[-1]} key positions "
+                           f"for {m.shape[-2]} query positions, keys that are not the batch's tokens (a static "
+                           f"cache's); tree attention's keys are the batch's own positions", attn)
     vis = visible(m)
     if vis is None:
         raise CannotReplay(f"{where}: it holds values other than 0 and blocking values (<= {masks_mod.BLOCKING:g}: "

@@ -34,6 +34,7 @@ from brcompile.passes.guards import BatchGuard, scalar_equals
 from brcompile.passes.liveness import safe_operand
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import delta_rule, linear_scans, ssd_scans
+from brcompile.passes.decode import decode_against_cache
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import PER_TOKEN, SDPA
 from brcompile.passes.spellings import copy_graph_module, is_op, op_name
@@ -185,6 +186,9 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         B, L = hint(tuple(example_value(token_ids).shape))
     else:
         B, L = _attention_batch_dims(next((a for a in attentions if not _unmasked(a)), attentions[0]))
+    decode = decode_against_cache(attentions, _captured_length(token_ids, attentions), B)
+    if decode is not None:  # one token per row against a KV cache (passes/decode.py)
+        raise NothingToShare(decode[1], decode[0])
     needed, needed_qkv = _attention_inputs(attentions, mask_args)
     outside = {a: m for a, m in zip(attentions, mask_args) if input_masks.input_mask_source(m) is not None}
     outside_sources = {input_masks.input_mask_source(m) for m in outside.values()}
@@ -641,6 +645,16 @@ def _unmasked(attn: fx.Node) -> bool:
     op when its token dims are batch dims, else refuses it as bidirectional)."""
     mask = attn.kwargs.get("attn_mask", attn.args[3] if len(attn.args) > 3 else None)
     return mask is None and not attn.kwargs.get("is_causal", attn.args[5] if len(attn.args) > 5 else False)
+
+
+def _captured_length(token_ids: Optional[fx.Node], attentions: list[fx.Node]) -> Any:
+    """The batch's position extent L as captured (an int, or a SymInt under dynamic shapes, unlike the hinted
+    ints the analysis uses): the token ids' dim 1, or without them the query length of the attention
+    :func:`_attention_batch_dims` reads."""
+    if token_ids is not None:
+        return example_value(token_ids).shape[1]
+    attn = next((a for a in attentions if not _unmasked(a)), attentions[0])
+    return example_value(attn.args[0] if attn.args else attn.kwargs.get("query")).shape[-2]
 
 
 def _attention_batch_dims(attn: fx.Node) -> tuple[int, int]:

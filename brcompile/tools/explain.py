@@ -461,7 +461,8 @@ class ExplainReport:
         if self.fallbacks or any(getattr(g, "refusals", ()) for g in self.rewritten):
             out.append(self.fallback_table())
         if self.unshared:
-            out.append(Table("graphs with NOTHING TO SHARE (no per-token work: they run as they are, no fallback)",
+            out.append(Table("graphs with NOTHING TO SHARE (no per-token work, or a decode step against a cache: "
+                             "they run as they are, no fallback)",
                              ["graph", "why"], [[str(g.graph_id), _wrap(g.reason, 80)] for g in self.unshared]))
         if any(g.materialisations for g in self.rewritten):
             out.append(self.materialisation_table())

@@ -168,20 +168,47 @@ def test_examples_run_as_scripts(capsys):
 # ------------------------------------------------------------------------------------------------ TRL
 
 
+@pytest.mark.parametrize("gradient_checkpointing", [True, False], ids=["checkpointing", "no_checkpointing"])
+def test_trl_grpo_trainer_one_line(gradient_checkpointing):
+    """TRL's GRPOTrainer, unpatched, switched on by one line: ``callbacks=[brcompile.BranchReplayCallback(...)]``
+    (the decoder compiled when training begins), with TRL's default gradient checkpointing on, and off. Three
+    steps, each generating (prefill and decode steps) and training: every training forward and generation
+    prefill replays, the decode steps are unshared calls (one token per row against the KV cache), and nothing
+    falls back. With checkpointing, TRL toggles it around every generation; the training forward of every step
+    still replays (no recompile per step runs into Dynamo's recompile limit, which would run the decoder
+    eagerly)."""
+    from examples import trl_grpo  # needs trl (the `trainers` extra): a missing install fails, never skips
+
+    steps = 3
+    got = trl_grpo.train(brcompile.backend(**BACKEND_OPTIONS), steps=steps,
+                         gradient_checkpointing=gradient_checkpointing)
+    s = got.stats
+    assert s.fallback_calls == 0 and s.replayed_calls > 0 and s.unshared_calls > 0, str(s)
+    assert all(r.startswith("a decode step against a cache") for r in s.unshared_reasons), str(s)
+    training = [c for c in got.calls if c.grad]
+    assert len(training) == steps and all(c.replayed for c in training), got.calls
+    prefills = [c for c in got.calls if c.replayed and not c.grad]
+    assert len(prefills) == steps, got.calls  # one generation per step (num_iterations=1)
+    assert s.replayed_calls == 2 * steps and s.executed_tokens < s.logical_tokens, str(s)
+
+
 @pytest.mark.slow
-def test_trl_grpo_trainer_matches_eager():
+@pytest.mark.parametrize("gradient_checkpointing", [True, False], ids=["checkpointing", "no_checkpointing"])
+def test_trl_grpo_trainer_matches_eager(gradient_checkpointing):
     """TRL's GRPOTrainer, unpatched, on a tiny random Qwen2 with a character tokenizer: the decoder compiled by
-    branch_replay. Three SGD steps with two policy iterations per generation (the second iteration's ratio
-    differs from 1, so clipping is live): every step's loss and gradients, and the final parameters, equal the
-    eager run's; every training forward replayed.
+    branch_replay (``BranchReplayCallback``), gradient checkpointing on (TRL's default) and off. Three SGD steps
+    with two policy iterations per generation (the second iteration's ratio differs from 1, so clipping is
+    live): every step's loss and gradients, and the final parameters, equal the eager run's; every training
+    forward replayed; nothing fell back.
 
     Tolerance: HF's Qwen2RMSNorm computes in float32 even in a float64 model, so the float64 run is exact to
     float32 rounding only (measured ~3e-7); the contract's float32 bound 1e-5 applies."""
     from examples import trl_grpo  # needs trl (the `trainers` extra): a missing install fails, never skips
 
     steps = 3
-    want = trl_grpo.train(None, steps=steps, num_iterations=2)
-    got = trl_grpo.train(brcompile.backend(**BACKEND_OPTIONS), steps=steps, num_iterations=2)
+    want = trl_grpo.train(None, steps=steps, num_iterations=2, gradient_checkpointing=gradient_checkpointing)
+    got = trl_grpo.train(brcompile.backend(**BACKEND_OPTIONS), steps=steps, num_iterations=2,
+                         gradient_checkpointing=gradient_checkpointing)
     err = trl_grpo.compare_runs(got, want)
     assert len(got.grads) == steps
     assert max(err["loss"]) <= trl_grpo.TOL, err
@@ -197,4 +224,5 @@ def test_trl_grpo_trainer_matches_eager():
     assert len(no_grad_replays) >= 2, got.calls  # generation prefills (and old log-probs) replay too
     s = got.stats
     assert s.replayed_calls == len(training) + len(no_grad_replays), str(s)
+    assert s.fallback_calls == 0 and s.unshared_calls > 0, str(s)
     assert s.executed_tokens < s.logical_tokens, str(s)
