@@ -18,8 +18,10 @@ in that order (the reference's, ``backends/reference.py``). The BlockMask is bui
 
 Where it runs (:data:`FLEX_BACKWARD_DEVICES`):
 
-- CUDA: ``torch.compile(flex_attention)`` (fused Triton kernels; the first call per shape compiles, later
-  shapes reuse a dynamic-shape compile) and ``torch.compile(create_block_mask)``; forward and backward.
+- CUDA (:data:`COMPILED_DEVICES`): ``torch.compile(flex_attention)`` (fused Triton kernels; the first call per
+  variant compiles, the first change of N compiles once more with dynamic shapes) and
+  ``torch.compile(create_block_mask)``, within a raised Dynamo recompile limit (:data:`FLEX_RECOMPILE_LIMIT`);
+  forward and backward.
 - CPU: forward only. Inductor's CPU FlexAttention cannot return the logsumexp, so the forward runs
   FlexAttention's unfused path (it materialises the [Hq, N, N] scores: a check of the masks on small inputs,
   not a fast path), and FlexAttention has no CPU backward: the impl declares no CPU backward, so the op refuses a
@@ -58,8 +60,8 @@ from brcompile.backends.ops import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FLEX_BACKWARD_DEVICES", "FLEX_DEVICES", "flex_backward", "flex_forward", "tree_block_mask",
-           "tree_mask_mod", "tree_score_mod"]
+__all__ = ["COMPILED_DEVICES", "COMPILE_BACKEND", "FLEX_BACKWARD_DEVICES", "FLEX_DEVICES", "FLEX_RECOMPILE_LIMIT",
+           "flex_backward", "flex_forward", "tree_block_mask", "tree_mask_mod", "tree_score_mod"]
 
 #: Device types the forward runs on, and those with a backward (FlexAttention has no CPU backward).
 FLEX_DEVICES = frozenset({"cpu", "cuda"})
@@ -77,14 +79,35 @@ def _flex_api():
     return fa.flex_attention, fa.create_block_mask, getattr(fa, "AuxRequest", None)
 
 
-_COMPILED: dict[str, Callable] = {}
+#: Dynamo cache entries allowed per compiled FlexAttention function during its calls (Dynamo's default is 8): one
+#: per (mask_mod, score_mod, grad mode, dtype) variant, and one more per variant when the first shape change makes
+#: it dynamic; a model with sliding and full layers trained and evaluated in two dtypes needs more than 8, and past
+#: the limit Dynamo would run FlexAttention unfused (the [Hq, N, N] scores materialised).
+FLEX_RECOMPILE_LIMIT = 64
+
+#: Device types whose calls run the compiled FlexAttention (and block-mask builder), and the torch.compile backend
+#: used: Inductor's fused kernels on CUDA; elsewhere FlexAttention's unfused path (CPU Inductor cannot return lse).
+COMPILED_DEVICES = frozenset({"cuda"})
+COMPILE_BACKEND = "inductor"
+
+_COMPILED: dict[tuple[str, str], Callable] = {}
+
+
+def _recompile_limit():
+    """A context raising Dynamo's recompile limit to at least FLEX_RECOMPILE_LIMIT (``recompile_limit``, called
+    ``cache_size_limit`` in older torch) for the calls made inside it."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{name: max(getattr(cfg, name), FLEX_RECOMPILE_LIMIT)})
 
 
 def _compiled(name: str, fn: Callable) -> Callable:
-    """``torch.compile(fn)``, made once per name (CUDA: the fused FlexAttention kernels)."""
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn)
-    return _COMPILED[name]
+    """``torch.compile(fn, backend=COMPILE_BACKEND)``, made once per (name, backend): on CUDA the fused FlexAttention
+    kernels (automatic dynamic shapes after the first change of N: one more compile, then none)."""
+    key = (name, COMPILE_BACKEND)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND)
+    return _COMPILED[key]
 
 
 def tree_mask_mod(end: Tensor, valid: Tensor, window: int = 0, position: Optional[Tensor] = None) -> Callable:
@@ -138,8 +161,10 @@ def tree_block_mask(a: TreeAttentionArgs):
     _, create_block_mask, _ = _flex_api()
     n = a.q.shape[1]
     mask_mod = tree_mask_mod(a.end, a.valid, a.window, a.position)
-    build = _compiled("create_block_mask", create_block_mask) if a.q.device.type == "cuda" else create_block_mask
-    return build(mask_mod, 1, 1, n, n, device=a.q.device)
+    compiled = a.q.device.type in COMPILED_DEVICES
+    build = _compiled("create_block_mask", create_block_mask) if compiled else create_block_mask
+    with _recompile_limit():
+        return build(mask_mod, 1, 1, n, n, device=a.q.device)
 
 
 def _score_tensors(a: TreeAttentionArgs, requires_grad: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -158,7 +183,8 @@ def _score_tensors(a: TreeAttentionArgs, requires_grad: bool) -> tuple[Optional[
 def _flex_call(q: Tensor, k: Tensor, v: Tensor, a: TreeAttentionArgs, slopes: Optional[Tensor],
                relbias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(out [Hq, N, D], lse [Hq, N]) of FlexAttention over ``a``'s tree for q [Hq, N, D], k/v [Hkv, N, D]
-    (differentiable when the inputs require grad): compiled on CUDA, FlexAttention's unfused path on CPU."""
+    (differentiable when the inputs require grad): compiled on CUDA (COMPILED_DEVICES), FlexAttention's unfused path
+    elsewhere."""
     flex_attention, _, aux_request = _flex_api()
     score_mod = tree_score_mod(a.softcap, slopes, relbias, a.position, q.device)
     kwargs = dict(score_mod=score_mod, block_mask=tree_block_mask(a), scale=a.scale, enable_gqa=a.group > 1)
@@ -166,12 +192,13 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, a: TreeAttentionArgs, slopes: Op
         kwargs["return_aux"] = aux_request(lse=True)
     else:  # torch without AuxRequest
         kwargs["return_lse"] = True
-    if q.device.type == "cuda":
-        out, aux = _compiled("flex_attention", flex_attention)(q[None], k[None], v[None], **kwargs)
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_UNFUSED_WARNING)
-            out, aux = flex_attention(q[None], k[None], v[None], **kwargs)
+    with _recompile_limit():
+        if q.device.type in COMPILED_DEVICES:
+            out, aux = _compiled("flex_attention", flex_attention)(q[None], k[None], v[None], **kwargs)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_UNFUSED_WARNING)
+                out, aux = flex_attention(q[None], k[None], v[None], **kwargs)
     lse = aux.lse if aux_request is not None else aux
     return out[0], lse[0]
 
