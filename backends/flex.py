@@ -42,7 +42,7 @@ out_f)) and d lse_f / d s = p_f gives g p_f; their sum is
 
 the score gradient of the merged softmax (the reference's formula), so dq, dk, dv and the gradients of the
 tensors score_mod reads (R, trainable m) are exact. Without sinks or a cache, c = 1 and g = 0. The recompute
-costs one more forward inside the backward.
+costs one more forward (and BlockMask) inside the backward.
 """
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ def _compiled(name: str, fn: Callable) -> Callable:
     kernels (automatic dynamic shapes after the first change of N: one more compile, then none)."""
     key = (name, COMPILE_BACKEND)
     if key not in _COMPILED:
+        log.debug("flex tree attention: torch.compile(%s, backend=%r)", name, COMPILE_BACKEND)
         _COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND)
     return _COMPILED[key]
 

@@ -234,14 +234,18 @@ def compiled_on_cpu(cpu_flex_backward, monkeypatch):
     monkeypatch.setattr(flex, "COMPILE_BACKEND", "aot_eager")
 
 
-def test_compiled_path_traces_every_feature(compiled_on_cpu, monkeypatch):
+def test_compiled_path_traces_every_feature(compiled_on_cpu):
     """Dynamo and AOTAutograd trace the tree's mask_mod and score_mod (captured tree arrays, window and soft-cap
     tensors, trainable R and slopes) in forward and in the backward's recompute, across two tree sizes (the
     dynamic recompile) and several variants without reaching the recompile limit; the results are the
     reference's. Dynamo's own limit is set to 2 here and a hit raises (instead of running FlexAttention unfused):
     the six or more entries pass only under the impl's FLEX_RECOMPILE_LIMIT."""
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        _compiled_runs_match_reference()
+
+
+def _compiled_runs_match_reference():
+    """Forward and backward of four (feature, tree) variants against the reference."""
     for i, (name, seed) in enumerate([("plain", 0), ("window+softcap+alibi", 1), ("relbias+slopes+sinks", 0),
                                       ("plain", 1)]):
         tree = _tree(seed, True)
