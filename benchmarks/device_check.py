@@ -259,13 +259,26 @@ def tree_step(impl: str, tree_arrays, q, k, v, dout) -> Callable[[], None]:
 
 
 def sdpa_step(q, k, v, dout) -> Callable[[], None]:
-    """Forward + backward of causal SDPA on the dense batch q [G, Hq, L, D], k/v [G, Hkv, L, D] (GQA by
-    ``enable_gqa``)."""
+    """Forward + backward of causal SDPA on the dense batch q [G, Hq, L, D], k/v [G, Hkv, L, D]: GQA by
+    ``enable_gqa``, or, where this torch's kernels refuse it, K/V heads repeated inside the step (the repeat's
+    backward is a sum, small next to attention)."""
     import torch.nn.functional as F
 
+    native = {"gqa": True}
+
+    def attend():
+        if native["gqa"]:
+            try:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            except RuntimeError as e:
+                log.info("SDPA without enable_gqa (%s); repeating K/V heads", str(e).splitlines()[0])
+                native["gqa"] = False
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              is_causal=True)
+
     def step():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        torch.autograd.grad(out, (q, k, v), dout)
+        torch.autograd.grad(attend(), (q, k, v), dout)
     return step
 
 
@@ -298,6 +311,7 @@ def part_timing(report: Report, device: torch.device, quick: bool, budget: Budge
     hq, hkv, d = (QUICK["hq"], QUICK["hkv"], QUICK["d"]) if quick else (HQ, HKV, D)
     tokens, g = (QUICK["tokens"], QUICK["group"]) if quick else (TIMING_TOKENS, GROUP)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    warm: set = set()  # methods timed once already (their kernels compiled)
     for n in tokens:
         p, t = n // 2, n // (2 * g)
         for method in ("triton", "flex", "sdpa"):
@@ -306,13 +320,14 @@ def part_timing(report: Report, device: torch.device, quick: bool, budget: Budge
                 report.timing.append(dict(base, note="n/a: FlexAttention has no CPU backward"))
                 continue
             # a first flex call compiles its kernels (about a minute); later sizes recompile once, dynamically
-            need = 90 if method == "flex" else 20
+            need = 90 if method == "flex" and method not in warm else 20
             if not budget.fits(need):
                 report.timing.append(dict(base, note=f"skipped: under {need} s of budget left"))
                 continue
             try:
                 row = time_row(method, n, p, g, t, device, dtype, hq, hkv, d, reps=2 if quick else 5,
                                cap_s=min(10.0, budget.left() / 6))
+                warm.add(method)
             except torch.cuda.OutOfMemoryError:
                 row = dict(base, note="out of memory")
             except Exception as e:  # noqa: BLE001 - one failing method must not end the run
@@ -398,8 +413,7 @@ def part_grpo(report: Report, device: torch.device, quick: bool, budget: Budget,
         if not budget.fits(120 if not quick else 10):
             report.grpo.append(dict(method=name, note="skipped: budget"))
             continue
-        torch._dynamo.reset()
-        brcompile.reset_stats()
+        brcompile.reset_stats()  # no Dynamo reset: the flex kernels compiled in (a) and (b) stay warm
         try:
             compiled = torch.compile(model, backend=brcompile.backend(attention=attention, compiler=compiler))
             step = grpo_step(compiled, batch)
