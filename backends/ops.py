@@ -522,9 +522,9 @@ def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0
     attention, or one with trainable ALiBi slopes, or (``backward_device`` given) has no backward on that
     device."""
     if backward_device is not None and not impl.backward_runs_on(backward_device):
-        where = sorted(impl.backward_device_types or ())
+        where = ", ".join(sorted(impl.backward_device_types)) if impl.backward_device_types else impl.placement()
         raise AttentionImplError(f"tree_attention impl {impl.name!r} has no backward on "
-                                 f"{torch.device(backward_device).type} (its backward runs on {', '.join(where)})")
+                                 f"{torch.device(backward_device).type} (its backward runs on {where})")
     if window and not impl.supports_window:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
     if softcap and not impl.supports_softcap:
