@@ -269,7 +269,7 @@ def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
                       cache_position, softcap, alibi, sinks, relbias, slopes)
     a = a.without_sinks()
-    dq, dk, dv, *extra = impl_for(impl, a).backward(a, grad_out, out, lse)
+    dq, dk, dv, *extra = impl_for(impl, a, backward=True).backward(a, grad_out, out, lse)
     acc = a.lse_dtype
     dq = dq.to(acc).contiguous()
     dkc = torch.zeros(k_cache.shape, dtype=acc, device=q.device)

@@ -69,8 +69,9 @@ summed over the queries q for a per-head [Hq] sink (:func:`sink_merge`, :func:`s
 
 The op bodies gather their arguments (all but ``impl``) into one :class:`TreeAttentionArgs`, check it once
 (:meth:`TreeAttentionArgs.check`) and hand it to the implementation named ``impl``, looked up in a registry
-(``register_attention_impl``, :class:`brcompile.backends.registry.Registry`); ``"reference"``, ``"cpu"`` and
-``"triton"`` are imported lazily on first use and register themselves.
+(``register_attention_impl``, :class:`brcompile.backends.registry.Registry`); ``"reference"``, ``"cpu"``,
+``"triton"`` and ``"flex"`` (FlexAttention, backends/flex.py) are imported lazily on first use and register
+themselves.
 """
 from __future__ import annotations
 
@@ -460,6 +461,8 @@ class AttentionImpl(Impl):
     Sinks need no flag: the op applies them around every impl (module docstring).
     ``out``/``lse`` passed to backward are the ones forward returned (merged over the whole tree).
     ``device_types`` (keyword): the ``torch.device.type`` values the impl runs on; ``None`` means any.
+    ``backward_device_types``: those its backward runs on (``None``: wherever it runs; FlexAttention's impl has
+    no CPU backward), checked by :func:`check_impl_supports` with ``backward_device`` and by the backward op.
     Decorating forward/backward with :func:`attention_forward` / :func:`attention_backward` lets them be
     called with the op's positional arguments too.
     """
@@ -474,11 +477,18 @@ class AttentionImpl(Impl):
     supports_alibi: bool = False
     supports_relbias: bool = False
     supports_alibi_grad: bool = False
+    backward_device_types: Optional[frozenset] = None
 
     def __post_init__(self):
         super().__post_init__()
         if not callable(self.forward) or not callable(self.backward):
             raise AttentionImplError(f"attention impl {self.name!r}: forward and backward must be callable")
+
+    def backward_runs_on(self, device) -> bool:
+        """Whether the impl's backward takes inputs on ``device`` (its forward must run there too)."""
+        device = torch.device(device)
+        return self.runs_on(device) and (self.backward_device_types is None
+                                         or device.type in self.backward_device_types)
 
 
 #: The tree-attention impls; the built-ins are imported on first use and register themselves.
@@ -486,6 +496,7 @@ ATTENTION_IMPLS = Registry("tree_attention", AttentionImpl, builtins={
     "reference": "brcompile.backends.reference",
     "cpu": "brcompile.backends.cpu",
     "triton": "brcompile.backends.triton",
+    "flex": "brcompile.backends.flex",
 })
 
 
@@ -506,9 +517,14 @@ def get_attention_impl(name: str, device) -> AttentionImpl:
 
 
 def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0.0, alibi=None,
-                        relbias: bool = False, slopes=None) -> None:
+                        relbias: bool = False, slopes=None, backward_device=None) -> None:
     """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped / ALiBi / relative-bias
-    attention, or one with trainable ALiBi slopes."""
+    attention, or one with trainable ALiBi slopes, or (``backward_device`` given) has no backward on that
+    device."""
+    if backward_device is not None and not impl.backward_runs_on(backward_device):
+        where = ", ".join(sorted(impl.backward_device_types)) if impl.backward_device_types else impl.placement()
+        raise AttentionImplError(f"tree_attention impl {impl.name!r} has no backward on "
+                                 f"{torch.device(backward_device).type} (its backward runs on {where})")
     if window and not impl.supports_window:
         raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
     if softcap and not impl.supports_softcap:
@@ -523,10 +539,12 @@ def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0
                                  "gradient of the slopes)")
 
 
-def impl_for(name: str, args: TreeAttentionArgs) -> AttentionImpl:
-    """The impl ``name`` for ``args`` (its device; its window, soft-cap, ALiBi and relative bias supported)."""
+def impl_for(name: str, args: TreeAttentionArgs, backward: bool = False) -> AttentionImpl:
+    """The impl ``name`` for ``args`` (its device; its window, soft-cap, ALiBi and relative bias supported; with
+    ``backward``, a backward on that device)."""
     impl = get_attention_impl(name, args.q.device)
-    check_impl_supports(impl, args.window, args.softcap, args.alibi, args.relbias is not None, args.slopes)
+    check_impl_supports(impl, args.window, args.softcap, args.alibi, args.relbias is not None, args.slopes,
+                        backward_device=args.q.device if backward else None)
     return impl
 
 
@@ -585,7 +603,7 @@ def _tree_attention_backward_op(
     tensors without them)."""
     a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks,
                           relbias, slopes).check()
-    chosen = impl_for(impl, a)
+    chosen = impl_for(impl, a, backward=True)
     grads = chosen.backward(a.without_sinks(), grad_out, out, lse)
     dq, dk, dv = grads[:3]
     _check_result(chosen.name, "dq", dq, q.shape, q.dtype)
@@ -803,7 +821,7 @@ def tree_attention(
     """Tree attention over packed tokens: out [Hq, N, D] for q [Hq, N, D], k/v [Hkv, N, D].
 
     ``tree``: a PackedTree or an (end, valid, segments) tuple. ``scale`` defaults to D**-0.5.
-    ``impl``: "auto" (triton on CUDA when available, else cpu), "cpu", "reference", "triton" or any
+    ``impl``: "auto" (triton on CUDA when available, else cpu), "cpu", "reference", "triton", "flex" or any
     registered name. ``window`` > 0: a sliding window over ``position`` (default: the tree's positions when
     ``tree`` is a PackedTree). ``softcap`` > 0: scores ``softcap * tanh(s / softcap)``. ``alibi``: Hq slopes m,
     scores ``+ m[h] * (position[k] - position[q])`` (positions as for a window); ``slopes``: the same m as a

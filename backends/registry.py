@@ -1,6 +1,6 @@
 """One registry of implementations for the brcompile ops that have several (docs/ARCHITECTURE.md §6, §10.2).
 
-An op with several implementations (``tree_attention``: reference / cpu / triton; ``packed_logprob``: cpu /
+An op with several implementations (``tree_attention``: reference / cpu / triton / flex; ``packed_logprob``: cpu /
 triton) keeps one :class:`Registry` of :class:`Impl` records. Its ``impl`` string argument names one:
 
 - ``register(impl)`` adds (or replaces) an implementation under ``impl.name``;

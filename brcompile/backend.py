@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 
 COMPILERS = ("inductor", "aot_eager", "eager")
+ATTENTIONS = ("auto", "cpu", "reference", "triton", "flex")
 MODES = ("packed", "replay", "auto")
 LEVELS = ("auto", "dynamo", "aten")
 STRICT_ENV = "BRCOMPILE_STRICT"
@@ -48,7 +49,8 @@ class Options:
 
     min_dedup: run the original graph for a batch whose logical/executed token ratio is below this.
     attention: tree-attention implementation: "auto" (triton on CUDA, cpu otherwise), "cpu",
-        "reference", "triton".
+        "reference", "triton", "flex" (torch's FlexAttention, backends/flex.py: CUDA forward and backward; on
+        CPU forward only, so a CPU graph captured with grad enabled is refused and runs as captured).
     scan: implementation of the scans along the tree paths (``brcompile::tree_linear_scan``, Mamba's
         selective scan, ``tree_causal_conv1d``, its short conv, and ``tree_matrix_scan``, the gated delta
         rule): "auto" (triton on CUDA, torch
@@ -108,8 +110,8 @@ class Options:
     def __post_init__(self):
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler={self.compiler!r}; choose one of {COMPILERS}")
-        if self.attention not in ("auto", "cpu", "reference", "triton"):
-            raise ValueError(f"attention={self.attention!r}; choose auto, cpu, reference or triton")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention={self.attention!r}; choose {', '.join(ATTENTIONS[:-1])} or {ATTENTIONS[-1]}")
         if self.scan not in ("auto", "torch", "triton"):
             raise ValueError(f"scan={self.scan!r}; choose auto, torch or triton")
         if self.level not in LEVELS:
@@ -300,7 +302,7 @@ class BranchReplayBackend:
         an.guards.extend(extra_guards)
         an.liveness = analyse_liveness(an, drop_padding=opts.drop_padding) if opts.liveness else None
         packed = _build_with_liveness(an, opts)
-        _check_attention_support(packed, example_inputs, opts.attention)
+        _check_attention_support(packed, example_inputs, opts.attention, training=torch.is_grad_enabled())
         _check_scan_support(packed, example_inputs, opts.scan)
         example_args = _packed_example_args(an, example_inputs)
         check_packed_graph(packed, example_args)
@@ -403,9 +405,10 @@ def _build_with_liveness(an, opts: Options) -> fx.GraphModule:
     return build(False)
 
 
-def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str) -> None:
+def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str, training: bool = False) -> None:
     """CannotReplay when the attention impl that will run on the inputs' device lacks a feature a packed
-    attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias): the original graph runs, with
+    attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias), or, for a graph captured with
+    grad enabled (``training``), a backward there (``attention="flex"`` on CPU): the original graph runs, with
     the reason. Attention sinks need no support: the op applies them around every impl."""
     from brcompile.backends.ops import (
         AttentionImplError, attention_extras, attention_relbias, attention_scores_extras, attention_slopes,
@@ -420,10 +423,11 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
         alibi, _ = attention_scores_extras(n.args)
         relbias = attention_relbias(n.args) is not None
         slopes = attention_slopes(n.args)
-        if not (window or softcap or alibi or relbias or slopes is not None):
+        if not (window or softcap or alibi or relbias or slopes is not None or training):
             continue
         try:
-            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias, slopes)
+            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias, slopes,
+                                backward_device=device if training else None)
         except AttentionImplError as e:
             raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
 
