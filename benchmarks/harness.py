@@ -1,41 +1,69 @@
 """The GRPO benchmark: dense eager vs torch.compile vs branch_replay vs PrefixGrouper, side by side.
 
 Run it as ``python benchmarks/bench_grpo.py [flags]`` from a checkout (``--help`` lists the flags). On the
-example Llama-style GPT and its GRPO loss (``examples/``), or an unmodified HF Qwen2 of the same sizes run
-TRL's way (``--model qwen2``), over a grid of group sizes G, prompt (prefix) lengths P and response (tail)
-lengths T, it measures on the same model and batch:
+same model and batch it measures:
 
 * ``eager``: the dense loss forward+backward, eagerly (the reference for speed and exactness);
 * ``torch.compile``: the dense loss compiled by ``--compile-backend`` (Inductor by default);
 * ``branch_replay``: compiled with ``brcompile.backend(compiler=--compiler, min_dedup=--min-dedup)``;
 * ``prefix_grouper``: PrefixGrouper (``pip install prefix-grouper``), the published peer, through its own API
-  (``benchmarks/peer_prefix_grouper.py``; the example GPT only). Building its ``PrefixGrouper`` and regrouping the
-  inputs is data preparation in a PrefixGrouper trainer, so it is not timed (branch_replay's tree building is
-  timed: it runs per call).
+  (``benchmarks/peer_prefix_grouper.py``; the example GPT's GRPO loss only). Building its ``PrefixGrouper`` and
+  regrouping the inputs is data preparation in a PrefixGrouper trainer, so it is not timed (branch_replay's tree
+  building is timed: it runs per call).
 
-``--model gpt`` compiles the whole GRPO loss. ``--model qwen2`` runs ``Qwen2ForCausalLM`` (examples/hf.py)
-the way TRL does: prompts left-padded, only the model compiled, called with ``logits_to_keep = C + 1``, the
-loss eager over those logits (``examples.hf.trl_grpo_loss``); there the LM head runs on the last C + 1
-columns only, and the limit counts it over the tree nodes in those columns (:func:`limit_flops`).
-``--model both`` runs the GPT grid, then the Qwen2 one.
+Cases (``--cases``). By default a suite of named cases (:data:`SUITE_CASES`, sizes :data:`SUITE_SIZES`,
+``--suite-sizes G,GROUPS,P,TMIN,TMAX,SHARED``; ``--quick``: tiny ones): ``equal`` (one group, equal responses,
+no padding), ``ragged`` (GROUPS groups, prompts in [P/2, P], responses drawn from [TMIN, TMAX] and right-padded as
+RL trainers produce them), ``ragged-shared`` (the first SHARED response tokens shared within a group),
+``ragged-nomask`` (the model called without an attention mask), ``qwen2-trl`` (an unmodified HF
+``Qwen2ForCausalLM`` run TRL's way: prompts left-padded, only the model compiled, ``logits_to_keep = C + 1``, the
+loss eager over the returned logits, ``examples.hf.trl_grpo_loss``) and ``dpo`` (``examples/dpo.py``: pairs whose
+chosen and rejected rows share the prompt, the log-probability function compiled, run for the policy and for a
+frozen reference). ``--cases grid`` (or any grid flag: ``--group-sizes``, ``--prefix-lens``, ``--tail-lens``,
+``--model`` ...) runs the G x P x T grid of the earlier bench instead, on ``--model gpt|qwen2|both``.
 
 Per case and method: wall-clock of one forward+backward, exactness (max relative error of the loss and every
 parameter gradient against dense eager), bytes saved for backward (``brcompile.tools.measure.SavedBytes``:
-distinct storages, parameters excluded), executed FLOPs, and ``replayed_calls`` (the branch_replay calls made
-inside the method's own calls). Per case: the batch's prefix tree counted independently of brcompile
-(:func:`count_tree`: N nodes) and the **limit**, the FLOPs of a forward+backward over just the N nodes:
+distinct storages, parameters excluded), executed FLOPs and the tokens a model call runs its layers on (dense:
+B L; branch_replay: its packed tokens; PrefixGrouper: its grouped rows, one per prompt, padding included), and
+``replayed_calls`` (the branch_replay calls made inside the method's own calls). Per case: the padding fraction
+(positions with attention-mask bit 0), the prefix tree counted independently of brcompile (:func:`count_tree`:
+N nodes, padding included), the positions the loss needs (:func:`needed_mask`) and their tree
+(:func:`count_needed`), and two limits.
 
-    limit = (F_dense - A_dense) * N / (B * L)  +  n_layers * H * P_tree * (4 + 10) * D
+**The limit** (the true one, :func:`needed_limit_flops`): a position is *live* if the loss reads the model's
+output there with nonzero weight (next-token losses: the output at t is live iff target t + 1 is weighted --
+``completion_mask[:, t + 1]``, ``labels[:, t + 1] != -100``; with ``logits_to_keep`` only the kept columns), and
+*needed* if it is live or a key a live query attends: ``needed[b, t] = live[b, t] or (key_visible[b, t] and t <=
+last_live[b])``, ``key_visible`` the attention-mask bit the model gets (all ones without a mask). Over the
+distinct tree nodes holding a needed position (N_needed) and a live one (N_live):
 
-* F_dense/A_dense: all/attention FLOPs of the dense run. Everything but attention (projections, MLP, LM head)
-  is per position, so over N tokens it costs N / (B L) as much.
-* P_tree: the (query, key) pairs attention must compute in the tree: for every node, its ancestors, itself
-  included, whose attention-mask bit is 1; per pair, head and layer 4 D forward (q k^T, p v) and 10 D backward
-  (torch's ``sdpa_flop_count`` / ``sdpa_backward_flop_count`` per score), H query heads of width D.
+    limit = (F_other - F_head) * N_needed / (B L)  +  F_head * N_live / (B W)
+            + n_layers * H * P_needed * c * D
 
-Running the model on one row of N packed tokens would NOT give the limit: causal attention over that row
-would let every token see all earlier tokens, siblings included. N counts every distinct (row prefix) node,
-padding included (brcompile's default keeps pad tokens as tree nodes).
+* F_other = F_dense - A_dense: the dense run's non-attention FLOPs (projections, MLP, LM head), all per position;
+  F_head: the LM head's part (:func:`lm_head_flops` over the B W positions it ran on: W = L, or C + 1 with
+  ``logits_to_keep``); the head is needed on live nodes only.
+* P_needed: for every needed node, its key-visible ancestors, itself included (all needed too); per pair, head
+  and layer c D FLOPs: 4 forward (q k^T, p v) + 10 backward (torch's ``sdpa_flop_count`` /
+  ``sdpa_backward_flop_count`` per score) per trained pass, 4 per frozen forward (DPO's reference:
+  :class:`Passes`), H query heads of width D.
+
+**The tree limit** (:func:`limit_flops`, the earlier bench's limit, kept as a column): the same with every tree
+node (N, padding included) in place of the needed and live ones. Every method's executed FLOPs are reported
+over the limit, the tree limit for branch_replay too: branch_replay before a liveness stage executes the whole
+tree (padding positions and the rows' last tokens included), which the tree limit hides and the limit shows.
+
+Running the model on one row of N packed tokens would NOT give either limit: causal attention over that row
+would let every token see all earlier tokens, siblings included.
+
+**branch_replay's run-time overhead** per step (:func:`measure_overhead`), after the timed rounds, on the case's
+own inputs: the method's ``PackedRuntime`` instances (``BranchReplayBackend.records[i].runtime``) run a few more
+steps with their pieces wrapped by timers as instance attributes (removed afterwards; nothing global changes, the
+timed rounds run unwrapped): the tree stage ``PackedRuntime._tree`` (``build_tree``: codes, hashing, row order and
+its exact verification, assembly), the guards (``PackedRuntime.guards``) and a liveness stage (a ``liveness`` or
+``_liveness`` method of the runtime, when ``brcompile.runtime`` has a ``liveness`` stage; "n/a" otherwise), each
+in ms and as % of the branch_replay step, against a target of 3 % (:data:`OVERHEAD_TARGET`).
 
 FLOP conventions (``brcompile/tools/measure.py``): torch's registry counts matmuls and attention, not pointwise
 ops; the CPU attention kernels are counted with torch's SDPA formulas over the full s_q x s_k score matrix
@@ -51,9 +79,10 @@ reached branch_replay is an error (exit status 1). Output: tables (rich when ins
 ``bench_speedup.png`` (matplotlib: speedup vs P/T, one colour per G, the FLOP-ratio limit dense/limit dashed)
 under ``--out``, and ``--json PATH`` when given.
 
-    python benchmarks/bench_grpo.py                           # G in {4, 8}, P in {64, 256, 1024}, T=64
-    python benchmarks/bench_grpo.py --group-sizes 8 --prefix-lens 1024 --tail-lens 128 --repeats 4
-    python benchmarks/bench_grpo.py --quick                   # a tiny grid, seconds
+    python benchmarks/bench_grpo.py                           # the suite (SUITE_CASES) at its default sizes
+    python benchmarks/bench_grpo.py --quick                   # the suite on a tiny model, in a minute or two
+    python benchmarks/bench_grpo.py --cases ragged,dpo --methods eager,branch_replay
+    python benchmarks/bench_grpo.py --group-sizes 8 --prefix-lens 1024 --tail-lens 128 --repeats 4   # a grid
     python benchmarks/bench_grpo.py --backend aot_eager --quick   # eager vs torch.compile(aot_eager) only
     python benchmarks/bench_grpo.py --model qwen2 --prefix-lens 512 --methods eager,branch_replay
     # eager vs branch_replay on a larger model, one full group and one mixed batch per P:
