@@ -1358,8 +1358,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", type=_cases, default=None,
-                   help="suite cases, comma-separated, or 'all', or 'grid' (the G x P x T grid of the flags below); "
-                        f"suite cases: {', '.join(SUITE_CASES)}. Default: all, or grid when a grid flag is given")
+                   help="suite cases, comma-separated, or 'all', or 'grid' (the G x P x T grid); suite cases: "
+                        f"{', '.join(SUITE_CASES)}. Default: all, or grid when a grid flag (--model, --group-sizes, "
+                        "--prefix-lens, --tail-lens, --num-prompts, --ragged, --shared-response, --mixed-groups) is "
+                        "given")
     p.add_argument("--suite-sizes", type=_suite_sizes, default=SUITE_SIZES["default"],
                    help="sizes of the suite cases: G,GROUPS,P,TMIN,TMAX,SHARED (default "
                         f"{_suite_text(SUITE_SIZES['default'])}; --quick: {_suite_text(SUITE_SIZES['quick'])})")
