@@ -1,15 +1,20 @@
-"""GRPO loss forward+backward: dense eager vs torch.compile vs branch_replay vs PrefixGrouper.
+"""GRPO (and DPO) loss forward+backward: dense eager vs torch.compile vs branch_replay vs PrefixGrouper.
 
 The command line of :mod:`benchmarks.harness` (its docstring says what is measured and how; ``--help`` lists
 the flags). Run it from a checkout:
 
-    python benchmarks/bench_grpo.py                           # G in {4, 8}, P in {64, 256, 1024}, T=64
-    python benchmarks/bench_grpo.py --quick                   # a tiny grid, seconds
-    python benchmarks/bench_grpo.py --group-sizes 8 --prefix-lens 2048 --tail-lens 256 --repeats 3 --out OUT
+    python benchmarks/bench_grpo.py                           # the case suite: equal, ragged (right-padded),
+                                                              # ragged-shared, ragged-nomask, qwen2-trl, dpo
+    python benchmarks/bench_grpo.py --quick                   # the suite on a tiny model
+    python benchmarks/bench_grpo.py --group-sizes 8 --prefix-lens 2048 --tail-lens 256 --repeats 3 --out OUT  # grid
     python benchmarks/bench_grpo.py --model qwen2 --prefix-lens 512 --methods eager,branch_replay
 
-The flags of this script's earlier, two-method version still work: ``--group-size``, ``--prompt-lens`` and
-``--response-len`` are other names of ``--group-sizes``, ``--prefix-lens`` and ``--tail-lens``;
+Executed FLOPs are reported against the FLOPs of the positions the loss needs (the limit: harness docstring),
+and against the earlier tree limit (every tree node, padding included).
+
+The flags of this script's earlier, two-method version still work (a grid flag selects the grid):
+``--group-size``, ``--prompt-lens`` and ``--response-len`` are other names of ``--group-sizes``, ``--prefix-lens``
+and ``--tail-lens``;
 ``--backend B`` runs dense eager against one compiled method (``branch_replay``, or ``torch.compile`` with
 backend B); ``--json PATH`` writes the JSON document there too. Its defaults (dim 256, 4 layers, G = 8,
 P in {512, 2048}, T = 128, a full group and a mixed batch per P) are now spelt out:

@@ -34,25 +34,31 @@ def test_tiny_grid_is_exact_and_replays(tmp_path, capsys):
         assert title in out
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert json.loads((tmp_path / "copy.json").read_text()) == doc
-    assert doc["schema"] == "brcompile.bench/2" and doc["environment"]["torch"] == torch.__version__
+    assert doc["schema"] == "brcompile.bench/3" and doc["environment"]["torch"] == torch.__version__
     assert [(r["case"]["group_size"], r["case"]["prefix_len"], r["case"]["tail_len"]) for r in doc["results"]] \
         == [(2, 11, 4), (3, 11, 4)]
     for r in doc["results"]:
         G = r["case"]["group_size"]
-        assert r["subject"] == "gpt" and (r["B"], r["L"]) == (G, 15) and r["executed_tokens"] == 11 + 4 * G
+        assert r["subject"] == "gpt" and (r["B"], r["L"]) == (G, 15) and r["tree_nodes"] == 11 + 4 * G
+        # the last token of a row predicts nothing: not needed; the logits of the prompt's last token are read
+        assert (r["needed_tokens"], r["live_tokens"], r["padding_fraction"]) == (11 + 3 * G, 1 + 3 * G, 0.0)
         assert r["flop_ratio_limit"] == pytest.approx(r["dense_flops"] / r["limit_flops"])
+        assert r["limit_flops"] < r["tree_limit_flops"]
         assert list(r["methods"]) == methods
         for name, m in r["methods"].items():
             assert m["error"] is None, (name, m["error"])
             assert m["exact"] and m["max_rel_grad_err"] <= 1e-10 and m["loss_rel_err"] <= 1e-10, (name, m)
             assert m["seconds"] > 0 and m["speedup"] > 0 and m["saved_bytes"] > 0
         br = r["methods"]["branch_replay"]
-        assert br["replayed_calls"] >= 1 and not br["fallback_reasons"]
+        assert br["replayed_calls"] >= 1 and not br["fallback_reasons"] and br["executed_tokens"] == r["tree_nodes"]
+        assert br["over_limit"] == pytest.approx(br["flops"] / r["limit_flops"])
+        assert r["overhead"]["calls"] >= 1 and r["overhead"]["tree"] > 0
         assert r["methods"]["torch.compile"]["replayed_calls"] == 0  # the dense method ran the dense graph
         assert r["methods"]["torch.compile"]["flops"] == r["methods"]["eager"]["flops"] == r["dense_flops"]
         assert r["limit_flops"] <= br["flops"] < r["methods"]["eager"]["flops"]
         if HAS_PG:
             assert r["limit_flops"] <= r["methods"]["prefix_grouper"]["flops"] < r["methods"]["eager"]["flops"]
+            assert r["methods"]["prefix_grouper"]["executed_tokens"] == 11 + 4 * G   # one grouped row
     if HAS_MPL:
         assert (tmp_path / "bench_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert doc["plot"] == str(tmp_path / "bench_speedup.png")
@@ -121,6 +127,7 @@ def test_flags_of_both_earlier_command_lines():
                                "--backend", "aot_eager", "--mixed-groups"])
     assert (args.group_sizes, args.prefix_lens, args.tail_lens) == ([8], [512, 2048], [128])
     assert args.methods == ["eager", "torch.compile"] and args.compile_backend == "aot_eager"
+    assert args.cases == ["grid"]   # a grid flag without --cases means the grid
     assert [c.name for c in harness.make_cases(args)] == [
         "G=8 P=512 T=128", "2 groups G=8 P=256..512 T=32..128 shared 16",
         "G=8 P=2048 T=128", "2 groups G=8 P=1024..2048 T=32..128 shared 16"]
@@ -148,3 +155,75 @@ def test_bench_grpo_runs_as_a_script_from_the_repo_root(tmp_path):
     (r,) = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert all(m["exact"] and m["error"] is None for m in r["methods"].values()), r["methods"]
     assert "--group-sizes" in harness.build_parser().format_help()
+
+
+HAS_HF = importlib.util.find_spec("transformers") is not None
+
+
+def test_case_flags():
+    """No flag: the whole suite at the default sizes; --quick: at the quick sizes; --cases picks cases;
+    --suite-sizes sets G,GROUPS,P,TMIN,TMAX,SHARED."""
+    args = harness.parse_args([])
+    assert args.cases == list(harness.SUITE_CASES) and args.suite_sizes == harness.SUITE_SIZES["default"]
+    assert harness.parse_args(["--quick"]).suite_sizes == harness.SUITE_SIZES["quick"]
+    args = harness.parse_args(["--cases", "ragged,dpo", "--suite-sizes", "4,3,20,2,10,3"])
+    ragged, dpo = harness.make_cases(args)
+    assert ragged.name == "ragged: 3 groups G=4 P=10..20 T=2..10"
+    assert dpo.name == "dpo: 4 pairs P=10..20 T=2..10" and dpo.subject == ("gpt", "dpo")
+    assert harness.parse_args(["--cases", "grid"]).cases == ["grid"]
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--cases", "nope"])
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--suite-sizes", "1,2,3"])
+
+
+def test_default_suite_padding():
+    """At the default sizes (the bench's default vocabulary) the ragged cases carry 25-60 % padding (right
+    padding; TRL's layout left-pads the prompts too), the equal case none; in every case the loss needs fewer
+    nodes than the tree has."""
+    config = GPTConfig(vocab_size=256, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)
+    cases = [harness.suite_case(name, harness.SUITE_SIZES["default"]) for name in harness.SUITE_CASES
+             if HAS_HF or name != "qwen2-trl"]
+    for case in cases:
+        subject = harness.make_subject(case.subject, config, 0, torch.float32, torch.device("cpu"), cases)
+        batch = subject.make_batch(case, 0, torch.device("cpu"), torch.float32)
+        pad = harness.padding_fraction(batch)
+        if case.label == "equal":
+            assert pad == 0.0
+        else:
+            assert 0.25 <= pad <= 0.60, (case.name, pad)
+        needed = harness.count_needed(batch["input_ids"], subject.liveness(case, batch), subject.head_window(batch))
+        assert needed.nodes < needed.tree_nodes, case.name
+
+
+def test_quick_suite_is_exact_and_counts_every_method(tmp_path, capsys):
+    """Every suite case on a tiny model: each method exact, branch_replay replays every call, every method's
+    FLOPs at or above the needed limit, the peer on the GPT's GRPO cases only, the overhead measured (liveness
+    reported as n/a while brcompile.runtime has no liveness stage)."""
+    cases = [c for c in harness.SUITE_CASES if HAS_HF or c != "qwen2-trl"]
+    methods = ["eager", "branch_replay"] + (["prefix_grouper"] if HAS_PG else [])
+    rc = harness.main(["--cases", ",".join(cases), "--suite-sizes", "2,2,6,2,8,2", "--methods", ",".join(methods),
+                       "--out", str(tmp_path), "--no-plot", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "run-time overhead" in out and "tokens: per model call" in out
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["case"]["label"] for r in doc["results"]] == cases
+    for r in doc["results"]:
+        name = r["name"]
+        assert r["needed_tokens"] < r["tree_nodes"] and r["live_tokens"] <= r["needed_tokens"], name
+        assert r["limit_flops"] < r["tree_limit_flops"] < r["dense_flops"], name
+        for k, m in r["methods"].items():
+            if m["skipped"]:
+                assert k == "prefix_grouper" and r["subject"] != "gpt", name
+                continue
+            assert m["error"] is None and m["exact"], (name, k, m)
+            assert m["flops"] >= r["limit_flops"] and m["over_limit"] >= 1.0, (name, k)
+        br = r["methods"]["branch_replay"]
+        assert br["replayed_calls"] >= 1 and not br["fallback_reasons"], name
+        o = r["overhead"]
+        assert o["calls"] >= 1 and o["tree"] > 0 and o["guards"] >= 0, name
+        if harness.liveness_stage() is None:
+            assert o["liveness"] is None and o["liveness_note"].startswith("n/a"), name
+    padded = {r["case"]["label"]: r["padding_fraction"] for r in doc["results"]}
+    assert padded["equal"] == 0.0 and padded["ragged"] > 0.0
