@@ -51,8 +51,9 @@ distinct tree nodes holding a needed position (N_needed) and a live one (N_live)
 
 **The tree limit** (:func:`limit_flops`, the earlier bench's limit, kept as a column): the same with every tree
 node (N, padding included) in place of the needed and live ones. Every method's executed FLOPs are reported
-over the limit, the tree limit for branch_replay too: branch_replay before a liveness stage executes the whole
-tree (padding positions and the rows' last tokens included), which the tree limit hides and the limit shows.
+over the limit, the tree limit for branch_replay too: branch_replay without its live positions
+(``liveness=False``) executes the whole tree (padding positions and the rows' last tokens included), which the
+tree limit hides and the limit shows.
 
 Running the model on one row of N packed tokens would NOT give either limit: causal attention over that row
 would let every token see all earlier tokens, siblings included.
@@ -61,8 +62,8 @@ would let every token see all earlier tokens, siblings included.
 own inputs: the method's ``PackedRuntime`` instances (``BranchReplayBackend.records[i].runtime``) run a few more
 steps with their pieces wrapped by timers as instance attributes (removed afterwards; nothing global changes, the
 timed rounds run unwrapped): the tree stage ``PackedRuntime._tree`` (``build_tree``: codes, hashing, row order and
-its exact verification, assembly), the guards (``PackedRuntime.guards``) and a liveness stage (a ``liveness`` or
-``_liveness`` method of the runtime, when ``brcompile.runtime`` has a ``liveness`` stage; "n/a" otherwise), each
+its exact verification, assembly), the guards (``PackedRuntime.guards``) and the liveness stage (``PackedRuntime._liveness``: the
+call's live and needed positions; the tree's narrowing to them is part of the tree stage), each
 in ms and as % of the branch_replay step, against a target of 3 % (:data:`OVERHEAD_TARGET`).
 
 FLOP conventions (``brcompile/tools/measure.py``): torch's registry counts matmuls and attention, not pointwise
@@ -730,23 +731,12 @@ def make_subject(key: tuple[str, str], config: GPTConfig, seed: int, dtype: torc
 # branch_replay's run-time overhead per call
 
 
-#: Names a liveness stage of ``PackedRuntime`` may have (timed when the instance has one).
-LIVENESS_METHODS = ("liveness", "_liveness")
-
-
-def liveness_stage() -> Optional[Any]:
-    """``brcompile.runtime.liveness`` when the runtime has a liveness stage, else None."""
-    from brcompile import runtime
-
-    return getattr(runtime, "liveness", None)
-
-
 @dataclasses.dataclass
 class Overhead:
     """branch_replay's run-time overhead in one step (seconds, medians over the measured steps): the tree stage
     (``PackedRuntime._tree``: ``build_tree``'s codes, hashing, row order and its exact verification, assembly;
     or a tree reused by provenance), the per-call guards (``PackedRuntime.guards``) and the liveness stage
-    (None when it is absent or could not be timed: ``liveness_note`` says which)."""
+    (``PackedRuntime._liveness``: the call's live and needed positions, passes/liveness.py)."""
 
     tree: float
     guards: float
@@ -802,7 +792,6 @@ class _TimedPieces:
     def __init__(self, runtimes: Sequence[Any], clock: _ComponentClock):
         self.runtimes, self.clock = list(runtimes), clock
         self.saved: list[tuple[Any, str, Any]] = []   # (runtime, attribute, its instance value or _MISSING)
-        self.liveness_hooks = 0
 
     def _shadow(self, rt, attr: str, value) -> None:
         self.saved.append((rt, attr, rt.__dict__.get(attr, _MISSING)))
@@ -812,11 +801,7 @@ class _TimedPieces:
         for rt in self.runtimes:
             self._shadow(rt, "_tree", self.clock.wrap("tree", rt._tree))
             self._shadow(rt, "guards", tuple(self.clock.wrap("guards", g) for g in rt.guards))
-            for name in LIVENESS_METHODS:
-                fn = getattr(rt, name, None)
-                if callable(fn):
-                    self._shadow(rt, name, self.clock.wrap("liveness", fn))
-                    self.liveness_hooks += 1
+            self._shadow(rt, "_liveness", self.clock.wrap("liveness", rt._liveness))
         return self
 
     def __exit__(self, *exc):
@@ -834,16 +819,11 @@ def measure_overhead(runtimes: Sequence[Any], step: Callable[[], None], steps: i
     """Runs ``step()`` ``steps`` times with the pieces of ``runtimes`` (the method's ``PackedRuntime``
     instances, ``BranchReplayBackend.records[i].runtime``) timed (:class:`_TimedPieces`); the medians per step."""
     clock = _ComponentClock(device, ("tree", "guards", "liveness"))
-    with _TimedPieces(runtimes, clock) as pieces:
+    with _TimedPieces(runtimes, clock):
         for _ in range(max(1, steps)):
             clock.new_step()
             step()
-    if liveness_stage() is None:
-        liveness, note = None, "n/a: brcompile.runtime has no liveness stage"
-    elif not pieces.liveness_hooks:
-        liveness, note = None, f"untimed: PackedRuntime has none of {', '.join(LIVENESS_METHODS)} to wrap"
-    else:
-        liveness, note = clock.median("liveness"), "PackedRuntime liveness method"
+    liveness, note = clock.median("liveness"), "PackedRuntime._liveness: the call's live and needed positions"
     calls = int(statistics.median(clock.calls["tree"])) if clock.calls["tree"] else 0
     return Overhead(tree=clock.median("tree"), guards=clock.median("guards"), liveness=liveness,
                     liveness_note=note, calls=calls)

@@ -179,7 +179,7 @@ class PackedRuntime:
         if self.rows:
             per_token = row_keys(per_token)
         mask = None if self.key_padding is None else self.key_padding(args)
-        needed, live = self._needed(args, per_token, mask)
+        needed, live = self._liveness(args, per_token, mask)
         tree, source = self._tree(args, per_token, mask, needed, live)
         st = tree.stats
         if st.executed_tokens == 0:
@@ -221,7 +221,7 @@ class PackedRuntime:
         self._tag_outputs(out, tree)
         return out
 
-    def _needed(self, args: Sequence[Any], per_token: list, mask: Optional[torch.Tensor]):
+    def _liveness(self, args: Sequence[Any], per_token: list, mask: Optional[torch.Tensor]):
         """(needed, live) ``[B, L]`` bool masks of this call (passes/liveness.py), or (None, None) without a
         liveness plan. Read once per call from the per-call values the plan names (masks, labels)."""
         if self.liveness is None:
