@@ -7,12 +7,15 @@ the read gives 0 there, and a nonzero gradient flowing back there raises ``Dropp
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["DroppedPositionGradError", "check_dropped_grad", "read_packed"]
+__all__ = ["DroppedPositionGradError", "check_dropped_grad", "dropped_grads_unchecked", "read_packed"]
+
+_CHECKING = [True]  # False inside dropped_grads_unchecked()
 
 
 class DroppedPositionGradError(RuntimeError):
@@ -26,12 +29,25 @@ class DroppedPositionGradError(RuntimeError):
 # dense reads of packed values: index -1 reads 0, and no gradient may flow there
 
 
+@contextlib.contextmanager
+def dropped_grads_unchecked():
+    """Within the block a gradient at a left-out position is not checked: for measuring the FLOPs of a packed
+    graph's backward under a gradient of ones (brcompile/tools/explain.py), never for training."""
+    _CHECKING.append(False)
+    try:
+        yield
+    finally:
+        _CHECKING.pop()
+
+
 def check_dropped_grad(grad: Tensor, dropped: Tensor, where: str) -> None:
     """Raise DroppedPositionGradError unless ``grad`` is exactly 0 at every dropped position.
 
     ``dropped``: bool, the leading dims of ``grad`` (one entry per dense position); ``grad`` may have
     trailing dims (a position counts once however many of its entries are nonzero; NaN counts). One host
     synchronisation, plus one more when some position is dropped."""
+    if not _CHECKING[-1]:
+        return
     n_dropped = int(dropped.sum())
     if n_dropped == 0:
         return

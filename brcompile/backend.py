@@ -222,9 +222,7 @@ class BranchReplayBackend:
         rt = runtime.PackedRuntime(original, run_packed, an.tree_input_positions,
                                    an.key_padding if an.keypad is not None else None, opts.min_dedup,
                                    eager_packed=packed.forward,
-                                   guards=[g for g in an.guards if not (an.liveness is not None
-                                                                        and an.liveness.drops_padding
-                                                                        and g.padding_only)],
+                                   guards=an.guards,
                                    liveness=an.liveness, streaming=streaming, strict=opts.strict,
                                    verify=opts.verify)
         fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]

@@ -10,8 +10,8 @@ records the guard's reason — a fallback, never a wrong number. Examples:
 * an additive float mask (HF eager attention) was replaced by tree attention, which agrees with it only
   where every query sees at least one key (a fully masked row is uniform or NaN in the original). Such a
   query is a padded position (a real token sees itself), and padded positions are keys nobody sees, so
-  only the outputs at padded positions differ: with ``drop_padding=True`` (outputs there are 0 by
-  contract) this guard is dropped (``padding_only``).
+  only the outputs at padded positions differ: on a call that leaves every padded position out of the tree
+  (passes/liveness.py: none of them is needed) this guard is skipped (``padding_only``).
 
 A guard reads only the graph's inputs (by placeholder position) and costs O(B * L) at most, or, for a constant
 table the graph reads (a buffer), O(table) once per new version of the table.
@@ -36,8 +36,8 @@ class BatchGuard:
 
     what: str
     check: Callable[[Sequence[object]], Optional[str]]
-    #: True for an assumption about padded positions only (their outputs): moot with drop_padding=True,
-    #: where padded positions are not computed and read as 0 by contract.
+    #: True for an assumption about padded positions only (their outputs): moot on a call whose needed positions
+    #: hold no padded one (brcompile.runtime.packed: checked after the call's live positions).
     padding_only: bool = False
 
     def __call__(self, args: Sequence[object]) -> Optional[str]:

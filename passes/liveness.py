@@ -152,12 +152,6 @@ class LivePlan:
     killers: list = dataclasses.field(default_factory=list)  # mul nodes that kill: (node, operand, mask)
     value_names: tuple = ()  # the analysed graph's names of the per-call values (for explain)
 
-    @property
-    def drops_padding(self) -> bool:
-        """Every key-padded position leaves the tree: its value is read by nobody, and only the attention
-        mask decides what is live (a model compiled without its loss, ``drop_padding``)."""
-        return self.keys_hidden and all(isinstance(e, KeyPadding) for _, terms in self.boundaries for e, _ in terms)
-
     def describe(self) -> str:
         """One line for explain(): what decides liveness."""
         leaves = [x for _, terms in self.boundaries for e, _ in terms for x in _leaves_of(e)]
@@ -370,12 +364,23 @@ class _Liveness:
     # backward: the terms of every value, from the outputs
     def backward(self) -> None:
         out = next(n for n in self.an.gm.graph.nodes if n.op == "output")
+        # a write into a graph input (a buffer: axes.input_write_destination) is an output too: all it reads is live
+        written = [a for w in self.an.ctx.input_writes for a in [w, *node_args(w)]]
+        for a in written:
+            if self.token_operand(a):
+                self._add(self.boundaries, a, [ALL])
+            elif a in self.frames:
+                self._add(self.terms, a, [ALL])
         for a in _leaves(out.args[0]):
             if not isinstance(a, fx.Node):
                 continue
             if self.token_operand(a):
                 ax = get_axes(a)
-                kp = self.drop_padding and self.an.keypad is not None and not ax.flat and ax.row is not None
+                # a model compiled without its loss (token ids in, per-token values out): the attention mask
+                # declares the padding. A per-block graph (hidden states in and out) keeps its positions, so
+                # the next block can reuse its tree (runtime provenance).
+                kp = self.drop_padding and self.an.keypad is not None and self.an.token_ids is not None \
+                    and not ax.flat and ax.row is not None
                 self._add(self.boundaries, a, [(KeyPadding(ax.window.steps), ())] if kp else [ALL])
             elif a in self.frames:
                 self._add(self.terms, a, [ALL])

@@ -881,8 +881,10 @@ class Packer:
         token input of ``n`` has the same window and that window holds at most WINDOW_SINK_FRACTION of the
         B·L positions, ``n`` runs instead on the dense inputs — the original graph's own op on the original
         dense values, so exact — and the packed ``n`` becomes dead code unless something else needs it."""
-        if n.op not in ("call_function", "call_method") or n in self.notes or self.options.drop_padding:
-            return False  # drop_padding: dense values are 0 at dropped positions, an op on them need not be
+        # with positions left out (drop_padding) the inputs read 0 there, so n's dense value there is n of zeros
+        # (0 for a bias-free LM head); a gradient reaching them is still checked where the inputs are read
+        if n.op not in ("call_function", "call_method") or n in self.notes:
+            return False
         ax = get_axes(n)
         if ax.window is None or ax.window.is_whole:
             return False

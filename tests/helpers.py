@@ -277,3 +277,20 @@ def assert_compiles_for_sm90(script: str) -> None:
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def grpo_needed_tokens(ids, attention_mask, completion_mask, keys_hidden: bool = True) -> int:
+    """The needed tokens of a GRPO batch, from first principles (passes/liveness.py): position t is live when
+    the loss reads it with a nonzero weight (it predicts token t + 1: ``completion_mask[:, t + 1] != 0``);
+    needed = live, or a key at or before the row's last live position (a visible key, when every attention
+    hides the key-padded ones); the count is the distinct tree nodes holding a needed position."""
+    from brcompile.runtime.tree import build_tree
+
+    live = torch.zeros_like(completion_mask, dtype=torch.bool)
+    live[:, :-1] = completion_mask[:, 1:] != 0
+    cols = torch.arange(ids.shape[1])
+    upto = cols[None] <= torch.where(live, cols, -1).amax(dim=1, keepdim=True)
+    if attention_mask is not None and keys_hidden:
+        upto = upto & attention_mask.bool()
+    tree = build_tree([ids], attention_mask=attention_mask)
+    return int(tree.index[live | upto].unique().numel())

@@ -172,14 +172,22 @@ class PackedRuntime:
         if self.verify_failed is not None:
             return self._original(args, self.verify_failed)
         for guard in self.guards:
-            reason = guard(args)
-            if reason is not None:
-                return self._original(args, reason)
+            if not guard.padding_only:
+                reason = guard(args)
+                if reason is not None:
+                    return self._original(args, reason)
         per_token = [args[i] for i in self.tree_positions]
         if self.rows:
             per_token = row_keys(per_token)
         mask = None if self.key_padding is None else self.key_padding(args)
         needed, live = self._liveness(args, per_token, mask)
+        # an assumption about the outputs at padded positions only is moot on a call that computes none of them
+        pads_out = needed is not None and mask is not None and not bool((needed & ~mask.to(torch.bool)).any())
+        for guard in self.guards:
+            if guard.padding_only and not pads_out:
+                reason = guard(args)
+                if reason is not None:
+                    return self._original(args, reason)
         tree, source = self._tree(args, per_token, mask, needed, live)
         st = tree.stats
         if st.executed_tokens == 0:

@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from brcompile import runtime
 from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
+from brcompile.backends.read_packed import dropped_grads_unchecked
 from brcompile.passes.axes import is_inplace
 from brcompile.passes.functionalize import functionalize
 from brcompile.tools.measure import limit_flops, measure_fwd_bwd
@@ -579,7 +580,8 @@ class _LoggedRuntime:
         try:
             with torch.random.fork_rng(devices=_cuda_devices(args)):
                 dense = measure_fwd_bwd(original, args)
-                packed = None if packed_args is None else measure_fwd_bwd(eager_packed, packed_args)
+                with dropped_grads_unchecked():  # a gradient of ones reaches the left-out positions too
+                    packed = None if packed_args is None else measure_fwd_bwd(eager_packed, packed_args)
         except Exception as e:  # a diagnostic must never break the user's run
             log.warning("explain: measuring graph %d failed", self.graph_id, exc_info=True)
             return {"skipped": f"measuring failed: {type(e).__name__}: {e}"}

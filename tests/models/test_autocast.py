@@ -153,8 +153,9 @@ def test_hf_model_call(precision, mode):
 
     def fn(m, ids, am, cm):
         if m not in compiled:  # one compiled closure per model object, as a trainer compiles its model
+            # drop_padding=False: the logits are compared at every position, the pads included
             compiled[m] = torch.compile(lambda i, a: m(input_ids=i, attention_mask=a).logits,
-                                        backend=backend(mode))
+                                        backend=backend(mode, drop_padding=False))
         logits = compiled[m](ids, am)
         return head_loss(logits, ids, cm), logits
 

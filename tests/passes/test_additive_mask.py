@@ -148,19 +148,20 @@ def test_left_padded_minus_inf_mask_replays_exactly(spelling):
 def test_left_padded_finite_mask_is_guarded(spelling, fill):
     """Left padding with a finite blocking value (``triu``'s padding part is ``finfo.min``): the original makes a
     padded query's row a softmax over all its keys, tree attention 0. The per-call guard sends the call to the
-    original graph, saying why; a right-padded call of the same graph replays."""
+    original graph, saying why; a right-padded call of the same graph replays. (``liveness=False``: every
+    position is computed, the padded queries included.)"""
     model = make(spelling, FILLS[fill])
-    run_exact(model, [grouped_rows(3, pad=True), grouped_rows(3, pad=False)])
+    run_exact(model, [grouped_rows(3, pad=True), grouped_rows(3, pad=False)], liveness=False)
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 1, str(s)
     assert any("blocks with a finite value" in r and "a row starts with padding" in r for r in s.fallback_reasons), \
         str(s)
 
 
-def test_left_padded_finite_mask_replays_with_drop_padding():
-    """With ``drop_padding=True`` the outputs at padded positions are 0 by contract, so the guard (about those
-    outputs only) is dropped: the left-padded call replays, its loss (over real positions) and gradients exact."""
-    run_exact(make("scaled", -1e9), [grouped_rows(4, pad=True)], drop_padding=True)
+def test_left_padded_finite_mask_replays_when_pads_are_left_out():
+    """By default the padded positions the loss does not read leave the tree (passes/liveness.py), so the guard
+    (about their outputs only) is moot: the left-padded call replays, its loss and gradients exact."""
+    run_exact(make("scaled", -1e9), [grouped_rows(4, pad=True)])
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 0 and s.executed_tokens < s.logical_tokens, str(s)
 

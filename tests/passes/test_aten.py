@@ -333,12 +333,15 @@ def _padded_grpo():
                            prompt_len=(4, 9), response_len=(2, 6), left_pad_prompts=True, shared_response_prefix=1)
 
 
-def _dropped_all_padding(rec, batch):
+def _left_out_what_the_loss_does_not_need(rec, batch):
+    """Executed = the needed tokens (tests.helpers.grpo_needed_tokens), fewer than the valid ones."""
     from brcompile.runtime.tree import build_tree
+    from tests.helpers import grpo_needed_tokens
 
-    full = build_tree(batch["input_ids"], batch["attention_mask"])
+    ids, am, cm = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
     s = brcompile.stats()
-    return s.executed_tokens == int(full.valid.sum()) < full.num_tokens
+    return rec.liveness is not None and s.executed_tokens == grpo_needed_tokens(ids, am, cm) \
+        < int(build_tree(ids, am).valid.sum())
 
 
 def _streamed(rec, batch):
@@ -350,14 +353,14 @@ def _streamed(rec, batch):
 PARITY = {
     "fused_logprob": (dict(), lambda rec, batch: bool(rec.fused) and "packed_logprob" in rec.packed_code
                       and "log_softmax" not in rec.packed_code),
-    "drop_padding": (dict(drop_padding=True), _dropped_all_padding),
+    "liveness": (dict(), _left_out_what_the_loss_does_not_need),
     "streaming": (dict(mode="replay", chunk_tokens=4), _streamed),
 }
 
 
 @pytest.mark.parametrize("feature", sorted(PARITY))
 def test_parity_features_fire_at_the_aten_level(feature):
-    """The example GPT under grpo_loss at ``level="aten"``: fused log-probs, dropped padding and streaming
+    """The example GPT under grpo_loss at ``level="aten"``: fused log-probs, live positions and streaming
     replay each fire on the ATen graph (the record and the counters say so), with the eager loss and every
     gradient in float64."""
     options, fired = PARITY[feature]

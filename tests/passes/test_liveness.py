@@ -17,18 +17,15 @@ from tests.helpers import assert_grads_exact
 V = 64
 
 
-def _needed_count(ids, attention_mask, live, keys_hidden=True):
-    """Distinct tree nodes holding a needed position (the oracle; see the module docstring)."""
+def _needed_count(ids, attention_mask, live):
+    """(distinct tree nodes holding a needed position, all tree nodes): the oracle of the module docstring."""
     B, L = ids.shape
     cols = torch.arange(L)
-    last = torch.where(live, cols, -1).amax(dim=1, keepdim=True)
-    upto = cols[None] <= last
-    if attention_mask is not None and keys_hidden:
-        needed = live | (upto & attention_mask.bool())
-    else:
-        needed = live | upto
+    upto = cols[None] <= torch.where(live, cols, -1).amax(dim=1, keepdim=True)
+    if attention_mask is not None:
+        upto = upto & attention_mask.bool()
     tree = build_tree([ids], attention_mask=attention_mask)
-    return int(tree.index[needed].unique().numel()), int(tree.num_tokens)
+    return int(tree.index[live | upto].unique().numel()), int(tree.num_tokens)
 
 
 def _grpo_live(completion_mask):
@@ -258,3 +255,40 @@ def test_nonzero_frames():
     assert torch.equal(_nonzero(torch.tensor([[0], [2]]), Frame(2, 0, None), zero=False),
                        torch.tensor([[False], [True]]))
     assert torch.equal(_nonzero(torch.tensor([0, 2]), Frame(2, 0, None), zero=False), torch.tensor([[True]]))
+
+
+def test_hf_qwen2_trl_way_logits_to_keep(float64_norms):
+    """HF Qwen2 compiled alone and called TRL's way (left-padded prompts, right-padded completions,
+    ``logits_to_keep`` = completion length + 1, the loss eager on the returned logits): the pads leave the tree,
+    the kept window's LM head runs densely, and the loss and every gradient are the eager run's."""
+    from tests.helpers import hf_tiny_model
+
+    model = hf_tiny_model("qwen2")
+    b = _batch(response_len=(2, 12), left_pad_prompts=True, seed=11, vocab_size=model.config.vocab_size)
+    ids, am, cm, adv, old = b.values()
+    L = ids.shape[1]
+    C = int((cm.cumsum(1) > 0).float().argmax(1).min())  # first completion column of any row
+    K = L - C
+
+    def loss_with(m):
+        logits = m(input_ids=ids, attention_mask=am, logits_to_keep=K + 1, use_cache=False).logits[:, :-1]
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, C:, None]).squeeze(-1)
+        w = cm[:, C:].to(logp.dtype)
+        return -((logp * w).sum(-1) / w.sum(-1).clamp(min=1) * adv).mean()
+
+    model.zero_grad()
+    want = loss_with(model)
+    want.backward()
+    want_g = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    brcompile.reset_stats()
+    model.model.compile(backend=brcompile.backend(compiler="eager"))
+    got = loss_with(model)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert_grads_exact([p.grad for p in model.parameters()], want_g, [n for n, _ in model.named_parameters()],
+                       torch.float64)
+    s = brcompile.stats()
+    assert s.replayed_calls >= 1 and s.fallback_calls == 0, s
+    tree = build_tree([ids], attention_mask=am)
+    assert s.executed_tokens == int(tree.valid.sum()) < tree.num_tokens

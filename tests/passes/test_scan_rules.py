@@ -181,12 +181,21 @@ def test_non_causal_conv_is_refused_with_the_reason(spelling, reason):
     assert any(reason in (r.reason or "") for r in backend.records), [r.reason for r in backend.records]
 
 
-def test_drop_padding_refuses_scans():
-    """With drop_padding the tree paths skip the left padding the dense scans read: the original runs."""
-    model = scan_model("padded", layers=1)  # one block: the refusal is the first scan's
-    backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch(), drop_padding=True)
-    assert brcompile.stats().replayed_calls == 0
-    assert any("drop_padding" in (r.reason or "") for r in backend.records), [r.reason for r in backend.records]
+def test_scans_keep_the_padding_they_read():
+    """A tree path that skips the left padding would skip values the dense scans read, so a graph with scans
+    keeps every position before a row's last needed one (left pads included) and leaves out only what follows
+    it (the right pads, each row's last token): exact, and exactly that many tokens run."""
+    from tests.helpers import grpo_needed_tokens
+
+    model = scan_model("padded", layers=1)
+    ids, am, cm = grpo_like_batch()
+    backend = run_exact(model, functools.partial(token_loss, model), (ids, am, cm))
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
+    assert s.executed_tokens == grpo_needed_tokens(ids, am, cm, keys_hidden=False) \
+        > grpo_needed_tokens(ids, am, cm), str(s)
+    rec = next(r for r in backend.records if r.rewritten)
+    assert "positions before a row's last live one kept" in rec.liveness, rec.liveness
 
 
 def test_streaming_split_runs_path_scans_against_the_cached_prefix():

@@ -1,4 +1,4 @@
-"""``drop_padding=True``: padded positions left out of the prefix tree (docs/ARCHITECTURE.md §4, "Padding").
+"""Positions left out of the prefix tree (docs/ARCHITECTURE.md §4, "Left-out positions"; §3.9).
 
 Three layers:
 
@@ -9,9 +9,10 @@ Three layers:
   index -1: 0 there, exact scatter-add elsewhere, DroppedPositionGradError for a nonzero gradient there.
 * End to end: the example GPT under grpo_loss (which multiplies by the completion mask) with left-padded
   prompts and right-padded responses, on the three compilers, fused and unfused log-probs: loss and
-  every parameter gradient equal the eager dense run (float64, 1e-10) while fewer tokens execute; the
-  model alone: logits equal at every valid position, 0 at padding; a loss that reads padding raises in
-  backward (the forward cannot know what the loss will read); streaming replay on the dropped tree. One
+  every parameter gradient equal the eager dense run (float64, 1e-10) while only the needed tokens execute;
+  the model alone (drop_padding, the default): logits equal at every valid position, 0 at padding; an eager
+  loss that reads padding raises in backward (the forward cannot know what the loss will read), the same loss
+  compiled with the model keeps the pads; streaming replay on the dropped tree. One
   tiny HF Qwen2 through the model path.
 """
 import pytest
@@ -28,6 +29,7 @@ from brcompile.runtime.tree import build_tree, drop_padding
 from brcompile.backends.read_packed import DroppedPositionGradError, read_packed
 from brcompile.runtime import tree as tree_mod
 from examples.gpt import GPT, GPTConfig
+from tests.helpers import grpo_needed_tokens
 from examples.grpo import grpo_loss, make_grpo_batch
 from tests.helpers import grpo_args
 
@@ -264,12 +266,16 @@ def padded_grpo_batch(seed=1, hole=False):
     return b
 
 
-def assert_replayed_dropping(batch):
-    """One replayed call, which executed exactly the valid distinct prefixes (fewer than with pads)."""
+def assert_replayed_dropping(batch, model_only=False):
+    """One replayed call, which executed exactly the needed tokens: the valid distinct prefixes of a model
+    compiled alone (drop_padding), the tokens grpo_loss needs (tests.helpers.grpo_needed_tokens) — fewer than
+    the tree with its pads."""
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 0, str(s)
     full = build_tree(batch["input_ids"], batch["attention_mask"])
-    assert s.executed_tokens == int(full.valid.sum()) < full.num_tokens, str(s)
+    want = int(full.valid.sum()) if model_only else \
+        grpo_needed_tokens(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    assert s.executed_tokens == want < full.num_tokens, str(s)
 
 
 @pytest.mark.parametrize("compiler,fuse", [("inductor", True), ("aot_eager", True), ("aot_eager", False),
@@ -282,7 +288,7 @@ def test_grpo_loss_exact_with_dropped_padding(compiler, fuse):
     params = list(model.parameters())
     ref = grpo_loss(model, *grpo_args(batch))
     gref = torch.autograd.grad(ref, params)
-    fn = torch.compile(grpo_loss, backend=brcompile.backend(compiler=compiler, fuse_logprob=fuse, drop_padding=True))
+    fn = torch.compile(grpo_loss, backend=brcompile.backend(compiler=compiler, fuse_logprob=fuse))
     out = fn(model, *grpo_args(batch))
     gout = torch.autograd.grad(out, params)
     assert_exact(out, ref, torch.float64, "loss")
@@ -298,7 +304,7 @@ def test_streaming_replay_with_dropped_padding():
     params = list(model.parameters())
     ref = grpo_loss(model, *grpo_args(batch))
     gref = torch.autograd.grad(ref, params)
-    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=5, drop_padding=True)
+    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=5)
     out = torch.compile(grpo_loss, backend=backend)(model, *grpo_args(batch))
     gout = torch.autograd.grad(out, params)
     assert_exact(out, ref, torch.float64, "loss")
@@ -318,22 +324,38 @@ def logits_sum(model, ids, am):
     return model(ids, am).sum()
 
 
-@pytest.mark.parametrize("compiler,loss_fn,fuse,where", [
-    ("aot_eager", logits_sum, True, "read_packed"),
-    ("inductor", unmasked_logprob_loss, True, "packed_logprob"),  # the Inductor case of this feature
-    ("aot_eager", unmasked_logprob_loss, False, "read_packed"),
-    ("eager", logits_sum, True, "read_packed"),
-])
-def test_loss_reading_padding_raises_in_backward(compiler, loss_fn, fuse, where):
-    """The forward runs (padded positions read 0); the backward raises the typed error with the hint."""
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor", "eager"])
+@pytest.mark.parametrize("loss_fn", [logits_sum, unmasked_logprob_loss])
+def test_loss_reading_padding_raises_in_backward(compiler, loss_fn):
+    """The model compiled alone (its pads left out, drop_padding): the forward runs (padded positions read 0);
+    an eager loss that reads them raises the typed error with the hint in backward."""
     model = make_model()
     batch = padded_grpo_batch()
-    fn = torch.compile(loss_fn, backend=brcompile.backend(compiler=compiler, fuse_logprob=fuse, drop_padding=True))
-    out = fn(model, batch["input_ids"], batch["attention_mask"])
+    compiled = torch.compile(model, backend=brcompile.backend(compiler=compiler))
+    out = loss_fn(compiled, batch["input_ids"], batch["attention_mask"])
     assert torch.isfinite(out)
-    with pytest.raises(DroppedPositionGradError, match=f"{where}.*padded position.*{HINT}.*drop_padding=False"):
+    with pytest.raises(DroppedPositionGradError, match=f"read_packed.*padded position.*{HINT}.*drop_padding=False"):
         out.backward()
     assert brcompile.stats().replayed_calls == 1
+
+
+@pytest.mark.parametrize("loss_fn", [logits_sum, unmasked_logprob_loss])
+def test_loss_in_the_graph_reading_padding_keeps_it(loss_fn):
+    """The same losses compiled with the model: the graph sees that they read the pads, so every position is
+    live and kept (nothing left out), and the loss and gradients are the eager ones."""
+    model = make_model()
+    batch = padded_grpo_batch()
+    args = (batch["input_ids"], batch["attention_mask"])
+    params = list(model.parameters())
+    ref = loss_fn(model, *args)
+    gref = torch.autograd.grad(ref, params)
+    out = torch.compile(loss_fn, backend=brcompile.backend(compiler="eager"))(model, *args)
+    gout = torch.autograd.grad(out, params)
+    assert_exact(out, ref, torch.float64, "loss")
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        assert_exact(a, b, torch.float64, f"grad of {name}")
+    s = brcompile.stats()
+    assert s.replayed_calls == 1 and s.dead_tokens == 0, str(s)
 
 
 def test_model_only_logits_zero_at_padding():
@@ -341,11 +363,11 @@ def test_model_only_logits_zero_at_padding():
     batch = padded_grpo_batch(seed=3, hole=True)
     ids, am = batch["input_ids"], batch["attention_mask"]
     ref = model(ids, am)
-    out = torch.compile(model, backend=brcompile.backend(compiler="aot_eager", drop_padding=True))(ids, am)
+    out = torch.compile(model, backend=brcompile.backend(compiler="aot_eager"))(ids, am)
     valid = am.bool()
     assert_exact(out[valid], ref[valid], torch.float64, "logits at valid positions")
     assert bool((out[~valid] == 0).all())
-    assert_replayed_dropping(batch)
+    assert_replayed_dropping(batch, model_only=True)
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * am[..., None]
     params = list(model.parameters())
     gref = torch.autograd.grad((ref * w).sum(), params, retain_graph=True)
@@ -377,7 +399,7 @@ def test_hf_qwen2_model_path_with_dropped_padding():
     valid = am.bool()
     assert_exact(out[valid], ref[valid], torch.float64, "logits at valid positions")
     assert bool((out[~valid] == 0).all())
-    assert_replayed_dropping(batch)
+    assert_replayed_dropping(batch, model_only=True)
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64) * am[..., None]
     params = [p for p in model.parameters() if p.requires_grad]
     gref = torch.autograd.grad((ref * w).sum(), params)
@@ -416,7 +438,7 @@ def test_hf_eager_attention_left_padding_replays_with_dropped_padding(family):
     valid = am.bool()
     assert_exact(out[valid], ref[valid], torch.float32, "logits at valid positions")
     assert bool((out[~valid] == 0).all())
-    assert_replayed_dropping(batch)
+    assert_replayed_dropping(batch, model_only=True)
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6)) * am[..., None]
     params = [p for p in model.parameters() if p.requires_grad]
     gref = torch.autograd.grad((ref * w).sum(), params)

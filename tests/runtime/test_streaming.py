@@ -114,7 +114,9 @@ def test_model_only_logits_and_backward_accumulates():
     (ref * w).sum().backward()
     gref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    compiled = torch.compile(model, backend=brcompile.backend(compiler="eager", mode="replay", chunk_tokens=5))
+    # drop_padding=False: the logits are compared, and weighted, at every position, the pads included
+    compiled = torch.compile(model, backend=brcompile.backend(compiler="eager", mode="replay", chunk_tokens=5,
+                                                              drop_padding=False))
     out = compiled(ids, am)
     (out * w).sum().backward()
     assert rel_err(out.detach(), ref.detach()) <= TOL
@@ -202,7 +204,8 @@ def test_hf_qwen2_streamed(norms, request):
     def logits(ids, am):
         return model(input_ids=ids, attention_mask=am).logits
 
-    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=7)
+    # drop_padding=False: check() weights the logits at every position, the pads included
+    backend = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=7, drop_padding=False)
     rec = check(logits, (batch["input_ids"], batch["attention_mask"]), list(model.parameters()), backend,
                 grad_tol=TOLERANCE[torch.float64 if norms == "float64" else torch.float32])
     assert_streamed(rec)
