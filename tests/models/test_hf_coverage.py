@@ -231,8 +231,8 @@ def test_bidirectional_masked_lm_is_refused_by_name():
     bidirectional attention."""
     _compiled_vs_eager(_tiny("xlm"), keep_float64=True)
     s = brcompile.stats()
-    assert s.replayed_calls == 0, str(s)
-    assert any("bidirectional attention" in r for r in s.fallback_reasons), str(s)
+    assert any("bidirectional attention" in r for r in s.fallback_reasons), str(s)  # (the LM head's graph after
+    # the break replays: it needs only the positions the loss reads, fewer than the batch's)
 
 
 def test_prompt_ids_joined_in_the_graph_are_refused_by_name():

@@ -12,7 +12,7 @@ import brcompile
 from brcompile.testing import TOLERANCE, assert_exact
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss
-from tests.helpers import assert_replayed
+from tests.helpers import assert_replayed, grpo_needed_tokens
 
 TOL = TOLERANCE  # the contract's bound per dtype (brcompile.testing)
 # AOTAutograd over the packed graph (no Inductor codegen) keeps the suite fast on 2 cores; the default
@@ -112,15 +112,18 @@ def test_nested_identical_and_unshared_rows():
 
 
 def test_model_only_logits_exact():
-    """Compile the model alone: logits come out dense and equal at every position."""
+    """Compile the model alone: logits come out dense, equal at every real position and 0 at the padding that
+    left the tree (drop_padding, the default); gradients of a loss over the real positions are exact."""
     model = make_model()
     batch = make_grpo_batch(vocab_size=61, seed=4, **BATCHES["left_padded"])
     ids, mask = batch["input_ids"], batch["attention_mask"]
     ref = model(ids, mask)
     out = torch.compile(model, backend=BACKEND)(ids, mask)
-    assert_exact(out, ref, torch.float64, "logits")
+    real = mask.bool()
+    assert_exact(out[real], ref[real], torch.float64, "logits")
+    assert bool((out[~real] == 0).all())
     assert_replayed()
-    w = torch.randn_like(ref)
+    w = torch.randn_like(ref) * real[..., None]
     gref = torch.autograd.grad((ref * w).sum(), list(model.parameters()))
     gout = torch.autograd.grad((out * w).sum(), list(model.parameters()))
     for (name, _), a, b in zip(model.named_parameters(), gout, gref):
@@ -155,13 +158,25 @@ def test_default_backend_two_batch_shapes(dynamic):
                                   dict(num_prompts=1, group_size=1, prompt_len=9, response_len=4)],
                          ids=["no_sharing", "G1"])
 def test_no_sharing_falls_back_exactly(spec):
+    """Rows that share nothing: with every position computed (liveness=False) the batch shares too little and
+    the original graph runs, exactly; by default the positions the loss does not read still leave the tree, so
+    the call replays, exactly, running only the needed tokens."""
     model = make_model()
     batch = make_grpo_batch(vocab_size=61, seed=8, dtype=torch.float64, **spec)
-    check_exact(model, grpo_loss, grpo_args(batch))
+    # one response per prompt normalises every advantage to 0, and the loss then needs no position at all
+    # (tests/passes/test_liveness.py): nonzero advantages keep the positions this test is about
+    batch["advantages"] = torch.linspace(0.5, 1.5, batch["advantages"].numel(), dtype=torch.float64)
+    check_exact(model, grpo_loss, grpo_args(batch), backend=brcompile.backend(compiler="aot_eager", liveness=False))
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     (reason,) = s.fallback_reasons
     assert "shares too little" in reason
+    torch._dynamo.reset()
+    brcompile.reset_stats()
+    check_exact(model, grpo_loss, grpo_args(batch))
+    s = brcompile.stats()
+    ids, am, cm = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    assert s.replayed_calls == 1 and s.executed_tokens == grpo_needed_tokens(ids, am, cm) < ids.numel(), str(s)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,10 +20,9 @@ import brcompile
 from brcompile.runtime.tree import build_sequence_tree, build_tree, drop_padding, sequence_layout_problem
 from brcompile.testing import assert_exact, assert_subtree_ranges
 
-from tests.helpers import assert_replayed, hf_tiny_model
+from tests.helpers import assert_replayed, grpo_needed_tokens, hf_tiny_model
 
 EAGER_ONLY = brcompile.backend(compiler="eager")
-DROP_PADDING = brcompile.backend(compiler="eager", drop_padding=True)
 VOCAB = 61
 
 
@@ -122,11 +121,12 @@ def run_layout(model, args, backend=EAGER_ONLY, tol=torch.float64, dynamic=False
 
 
 def padded_executed_tokens(model, seqs):
-    """Executed tokens of the padded layout of the same rollouts, its padding dropped (drop_padding=True):
-    exactly the distinct prefixes of the rollouts."""
+    """Executed tokens of the padded layout of the same rollouts: the needed ones (tests.helpers.grpo_needed_tokens,
+    asserted), the distinct prefixes the loss reads."""
     ids, am, cm = padded_layout(seqs)
     torch._dynamo.reset()
-    s = run_layout(model, (ids, None, am, cm), backend=DROP_PADDING)
+    s = run_layout(model, (ids, None, am, cm), backend=EAGER_ONLY)
+    assert s.executed_tokens == grpo_needed_tokens(ids, am, cm), str(s)
     assert_replayed(s=s)
     torch._dynamo.reset()
     return s.executed_tokens
@@ -160,8 +160,9 @@ def test_padding_free_replays_exactly(float64_norms, family, layout, mode):
     assert s.logical_tokens == ids.numel()
     # the distinct prefixes: 2 prompts (11 tokens) + 17 response tokens - 1 shared first response token
     assert s.executed_tokens == 27, str(s)
-    if layout == "one_row":  # the padded layout of the same rollouts, its padding dropped: the same N
-        assert padded_executed_tokens(model, seqs) == 27
+    if layout == "one_row":  # the padded layout of the same rollouts: its needed tokens (passes/liveness.py),
+        # fewer by the 6 sequences' last tokens, which predict nothing (padding-free batches keep every token)
+        assert padded_executed_tokens(model, seqs) == 27 - 6
 
 
 @pytest.mark.slow
