@@ -235,17 +235,11 @@ def part_check(report: Report, device: torch.device, quick: bool, budget: Budget
 
 
 def grpo_tree(p: int, g: int, t: int, device: torch.device):
-    """(end, valid, segments) of one prompt of p tokens followed by g distinct responses of t tokens (DFS
-    order: the prompt, then each response), all valid."""
-    n = p + g * t
-    end = torch.empty(n, dtype=torch.int64)
-    end[:p] = n
-    segments = [(0, p, n)]
-    for i in range(g):
-        a, b = p + i * t, p + (i + 1) * t
-        end[a:b] = b
-        segments.append((a, b, b))
-    return end.to(device), torch.ones(n, dtype=torch.bool, device=device), torch.tensor(segments, device=device)
+    """(end, valid, segments) of one prompt of p tokens followed by g distinct responses of t tokens
+    (benchmarks/bench_attention.py's prompt_tails_tree) on ``device``."""
+    from benchmarks.bench_attention import prompt_tails_tree
+
+    return tuple(x.to(device) for x in prompt_tails_tree(p, g, t))
 
 
 def tree_step(impl: str, tree_arrays, q, k, v, dout) -> Callable[[], None]:

@@ -294,3 +294,13 @@ def grpo_needed_tokens(ids, attention_mask, completion_mask, keys_hidden: bool =
         upto = upto & attention_mask.bool()
     tree = build_tree([ids], attention_mask=attention_mask)
     return int(tree.index[live | upto].unique().numel())
+
+
+def real_next_token_loss(model):
+    """``f(ids, am)``: minus the mean log-likelihood of the next token at the real (unpadded) positions."""
+    def f(ids, am):
+        logp = model(ids, am)[:, :-1].log_softmax(-1)
+        picked = logp.gather(-1, ids[:, 1:, None])[..., 0]
+        keep = (am[:, 1:] * am[:, :-1]).to(picked.dtype)
+        return -(picked * keep).sum() / keep.sum()
+    return f

@@ -328,10 +328,11 @@ def test_eager_float64_softmax_is_refused():
 def test_eager_left_padding_falls_back_per_call():
     """Left padding under HF's additive eager mask: a pad query sees no key and the original averages over
     the whole row (non-causal); the per-call guard runs the original. A batch without left padding through
-    the same compiled function replays."""
+    the same compiled function replays. (``liveness=False``: the pads are computed; by default the loss needs
+    none of them and the guard is moot: tests/passes/test_additive_mask.py.)"""
     model = make_model("llama", "eager")
     fn = functools.partial(next_token_loss, model)
-    compiled = torch.compile(fn, backend=EAGER_ONLY)
+    compiled = torch.compile(fn, backend=brcompile.backend(compiler="eager", liveness=False))
     for left in (True, False):
         b = padded_batch(seed=6, left=left)
         args = (b["input_ids"], b["attention_mask"], b["completion_mask"])
@@ -430,8 +431,13 @@ def test_eager_window_of_padding_falls_back():
     model = make_model("mistral", "eager", sliding_window=2, num_hidden_layers=1)  # one layer: the guard is per mask
     b = padded_batch(seed=10, left=False)
     assert bool(((b["attention_mask"][:, -2:] == 0).all(1)).any()), "the batch needs a 2-column pad run"
-    run_cell(model, "loss", b, dynamic=False)
+    run_cell(model, "loss", b, dynamic=False, backend=brcompile.backend(compiler="eager", liveness=False))
     assert_fell_back("a window of 2 columns holds only padding")
+    # by default those pad queries are needed by nobody: they leave the tree, the guard is moot, the call replays
+    brcompile.reset_stats()
+    torch._dynamo.reset()
+    run_cell(model, "loss", b, dynamic=False)
+    assert_replayed()
 
 
 def test_sliding_window_longer_than_the_batch_under_dynamic_shapes():

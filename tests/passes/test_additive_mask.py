@@ -18,7 +18,7 @@ import brcompile
 from brcompile.passes import masks
 from brcompile.passes.axes import CannotReplay
 from brcompile.testing import assert_exact
-from tests.helpers import grouped_rows
+from tests.helpers import grouped_rows, real_next_token_loss
 
 VOCAB = 41
 FILLS = {"minus_1e9": -1e9, "finfo_min": "min", "minus_inf": float("-inf")}
@@ -77,14 +77,7 @@ class AdditiveMaskLM(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, L, -1))
 
 
-def loss_fn(model):
-    """The mean log-likelihood of the next token at the real (unpadded) positions."""
-    def f(ids, am):
-        logp = model(ids, am)[:, :-1].log_softmax(-1)
-        picked = logp.gather(-1, ids[:, 1:, None])[..., 0]
-        keep = (am[:, 1:] * am[:, :-1]).to(picked.dtype)
-        return -(picked * keep).sum() / keep.sum()
-    return f
+loss_fn = real_next_token_loss  # the mean log-likelihood of the next token at the real positions
 
 
 def run_exact(model, batches, *, dynamic=False, **options):

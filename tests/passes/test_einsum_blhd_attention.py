@@ -13,7 +13,7 @@ import torch.nn as nn
 import brcompile
 from brcompile.passes import canonicalize
 from brcompile.testing import assert_exact
-from tests.helpers import grouped_rows
+from tests.helpers import grouped_rows, real_next_token_loss
 
 VOCAB = 41
 
@@ -54,14 +54,7 @@ class EinsumLM(nn.Module):
         return self.out(o.reshape(B, L, -1))
 
 
-def loss_fn(model):
-    """The mean log-likelihood of the next token at the real (unpadded) positions."""
-    def f(ids, am):
-        logp = model(ids, am)[:, :-1].log_softmax(-1)
-        picked = logp.gather(-1, ids[:, 1:, None])[..., 0]
-        keep = (am[:, 1:] * am[:, :-1]).to(picked.dtype)
-        return -(picked * keep).sum() / keep.sum()
-    return f
+loss_fn = real_next_token_loss  # the mean log-likelihood of the next token at the real positions
 
 
 def run(model, batch, backend):
