@@ -304,3 +304,21 @@ def real_next_token_loss(model):
         keep = (am[:, 1:] * am[:, :-1]).to(picked.dtype)
         return -(picked * keep).sum() / keep.sum()
     return f
+
+
+def exact_over_batches(model, fn, batches, backend, dynamic=False):
+    """``fn(ids, am)`` compiled with ``backend`` vs eager on each ``(ids, am)`` of ``batches``: the loss and every
+    parameter gradient at the float64 bound; returns the backend."""
+    from brcompile.testing import assert_exact
+
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
+    names, params = zip(*model.named_parameters())
+    for ids, am in batches:
+        ref = fn(ids, am)
+        gref = torch.autograd.grad(ref, params)
+        out = compiled(ids, am)
+        gout = torch.autograd.grad(out, params)
+        assert_exact(out, ref, torch.float64, f"loss at {tuple(ids.shape)}")
+        for name, a, b in zip(names, gout, gref):
+            assert_exact(a, b, torch.float64, f"grad of {name} at {tuple(ids.shape)}")
+    return backend

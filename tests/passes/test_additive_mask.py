@@ -18,7 +18,7 @@ import brcompile
 from brcompile.passes import masks
 from brcompile.passes.axes import CannotReplay
 from brcompile.testing import assert_exact
-from tests.helpers import grouped_rows, real_next_token_loss
+from tests.helpers import exact_over_batches, grouped_rows, real_next_token_loss
 
 VOCAB = 41
 FILLS = {"minus_1e9": -1e9, "finfo_min": "min", "minus_inf": float("-inf")}
@@ -82,19 +82,8 @@ loss_fn = real_next_token_loss  # the mean log-likelihood of the next token at t
 
 def run_exact(model, batches, *, dynamic=False, **options):
     """Compiled vs eager, loss and every parameter gradient, for each batch (float64); returns the backend."""
-    backend = brcompile.backend(compiler="eager", strict=True, **options)
-    fn = loss_fn(model)
-    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
-    names, params = zip(*model.named_parameters())
-    for ids, am in batches:
-        ref = fn(ids, am)
-        gref = torch.autograd.grad(ref, params)
-        out = compiled(ids, am)
-        gout = torch.autograd.grad(out, params)
-        assert_exact(out, ref, torch.float64, f"loss at {tuple(ids.shape)}")
-        for name, a, b in zip(names, gout, gref):
-            assert_exact(a, b, torch.float64, f"grad of {name} at {tuple(ids.shape)}")
-    return backend
+    return exact_over_batches(model, loss_fn(model), batches,
+                              brcompile.backend(compiler="eager", strict=True, **options), dynamic)
 
 
 def make(spelling, fill):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import brcompile
 from brcompile.passes import masks
 from brcompile.testing import assert_exact
+from tests.helpers import exact_over_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,19 +77,7 @@ def loss_fn(model):
 
 def run_exact(model, batches, *, dynamic, backend=None):
     """Compiled vs eager, loss and every parameter gradient, for each batch (float64)."""
-    backend = backend or brcompile.backend(compiler="eager")
-    fn = loss_fn(model)
-    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
-    params = list(model.parameters())
-    for ids, am in batches:
-        ref = fn(ids, am)
-        gref = torch.autograd.grad(ref, params)
-        out = compiled(ids, am)
-        gout = torch.autograd.grad(out, params)
-        assert_exact(out, ref, torch.float64, f"loss at {tuple(ids.shape)}")
-        for (name, _), a, b in zip(model.named_parameters(), gout, gref):
-            assert_exact(a, b, torch.float64, f"grad of {name} at {tuple(ids.shape)}")
-    return backend
+    return exact_over_batches(model, loss_fn(model), batches, backend or brcompile.backend(compiler="eager"), dynamic)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
