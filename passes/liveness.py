@@ -39,7 +39,7 @@ from brcompile.passes.axes import example_value, get_axes, node_args, normalize_
 from brcompile.passes.repack import packed_again
 from brcompile.passes.rules.pointwise import BINARY, UNARY
 from brcompile.passes.rules.reduce import REDUCTIONS, _reduced_dims
-from brcompile.passes.spellings import FAMILIES, family_of, spellings
+from brcompile.passes.spellings import CHEAP_VIEWS, FAMILIES, spellings
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,6 @@ _LAYOUT = set(spellings("transpose", "permute")) | {torch.unsqueeze, "unsqueeze"
 _MUL = set(FAMILIES["mul"])
 _WHERE = set(FAMILIES["where"])
 _MASKED_FILL = set(FAMILIES["masked_fill"])
-#: the dense reads a per-call value may go through and stay exactly computable from the inputs (Packer's
-#: ``_input_derived``: views and casts of the inputs)
-_CHEAP_TOKEN = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
-                operator.getitem, "bool", "float", "long", "to", "int", "type_as", "double", "__getitem__"}
 
 Steps = tuple  # ((which, (start, stop, step)), ...): which in {"row", "pos"}; bounds ints or value refs
 
@@ -303,7 +299,7 @@ class _Liveness:
         v = example_value(n)
         if isinstance(v, torch.Tensor) and v.requires_grad:
             return False
-        if get_axes(n).is_token and n.target not in _CHEAP_TOKEN:  # a TOKEN value read densely is materialised
+        if get_axes(n).is_token and n.target not in CHEAP_VIEWS:  # a TOKEN value read densely is materialised
             return False
         return all(self.per_call(a) for a in node_args(n))
 
@@ -418,7 +414,7 @@ class _Liveness:
     def _contribution(self, u: fx.Node, a: fx.Node, terms: list) -> list:
         """The terms of operand ``a`` that ``u``'s terms imply (ALL where the op is not understood)."""
         fu, fa = self.frames[u], self.frame_of(a)
-        if fu is None or fa is None or terms == [ALL] and fu is None:
+        if fu is None or fa is None:
             return [ALL]
         t = u.target
         if t is operator.getitem or t == "__getitem__":

@@ -37,7 +37,7 @@ from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.decode import decode_against_cache
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import PER_TOKEN, SDPA
-from brcompile.passes.spellings import copy_graph_module, is_op, op_name
+from brcompile.passes.spellings import CHEAP_VIEWS, copy_graph_module, is_op, op_name
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
 
@@ -49,8 +49,7 @@ _EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
 #: A TOKEN value read through a window covering at most this fraction of the B·L positions is computed
 #: densely from its inputs' dense values when they share the window (Packer._sinks_window).
 WINDOW_SINK_FRACTION = 0.5
-_CHEAP = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
-          operator.getitem, "bool", "float", "long", "to", "int", "type_as", "double", "__getitem__"}
+_CHEAP = CHEAP_VIEWS
 
 
 @dataclasses.dataclass

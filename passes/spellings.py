@@ -97,6 +97,11 @@ FAMILIES: dict[str, tuple] = {
     "sdpa": (F.scaled_dot_product_attention, _nn.scaled_dot_product_attention),
 }
 
+#: views and casts of a value: a TOKEN value read densely through only these is recomputed from the dense inputs
+#: (passes/pack.py ``_input_derived``), so it is exact whatever the tree leaves out (passes/liveness.py)
+CHEAP_VIEWS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
+                         operator.getitem, "bool", "float", "long", "to", "int", "type_as", "double", "__getitem__"})
+
 _FAMILY_OF: dict[Any, str] = {}
 for _family, _targets in FAMILIES.items():
     for _t in _targets:
