@@ -9,16 +9,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from brcompile import runtime
 from brcompile.passes.axes import CannotReplay, NothingToShare
-from brcompile.passes.check import check_packed_graph
-from brcompile.passes.liveness import analyse_liveness
-from brcompile.passes.pack import PackOptions, analyse, build_packed_graph
+from brcompile.passes.pipeline import PipelineConfig, run_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +157,8 @@ class GraphRecord:
     unshared: bool = False  # not rewritten because it has nothing to share (passes/axes.py: NothingToShare)
     liveness: Optional[str] = None  # what decides the live positions (passes/liveness.py); None: all kept
     routed: Optional[dict] = None  # routed pairs (passes/routed.py): experts after a routing graph break
+    #: (level, stage, seconds) of every pipeline stage run on this graph (passes/pipeline.py: STAGES), in order
+    stage_times: tuple[tuple[str, str, float], ...] = ()
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -179,14 +179,15 @@ class BranchReplayBackend:
         original = gm.forward
         refusals: list[tuple[str, str, Optional[str]]] = []  # (level, reason, node)
         read: dict[str, fx.GraphModule] = {}  # level -> the graph the analysis read there (a refusal's node is in it)
+        times: list[tuple[str, str, float]] = []  # (level, stage, seconds)
         for level in _LEVEL_ORDER[opts.level]:
             try:
-                an, packed, example_args = self._rewrite(gm, example_inputs, opts, level, read)
+                an, packed, example_args = self._rewrite(gm, example_inputs, opts, level, read, times)
                 break
             except NothingToShare as e:  # no per-token work at any level: the graph runs as it is, not a fallback
                 tried = tuple((lv, r) for lv, r, _ in refusals) + ((level, str(e)),)
                 return self._fallback(gid, gm, str(e), e.node_name, opts, tried, unshared=True,
-                                      dumped=read.get(level, gm))
+                                      dumped=read.get(level, gm), times=times)
             except CannotReplay as e:
                 refusals.append((level, str(e), e.node_name))
             except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
@@ -204,7 +205,7 @@ class BranchReplayBackend:
                 return routed
             level, reason, node = refusals[0]
             return self._fallback(gid, gm, reason, node, opts, tuple((lv, r) for lv, r, _ in refusals),
-                                  dumped=read.get(level, gm))
+                                  dumped=read.get(level, gm), times=times)
         run_packed = self._compile(packed, opts)
         streaming, replay_info, replay_reason = None, None, None
         if opts.mode != "packed":
@@ -243,6 +244,7 @@ class BranchReplayBackend:
                                            an.liveness_note) if x) or None,
             level=level,
             refusals=tuple((lv, r) for lv, r, _ in refusals),
+            stage_times=tuple(times),
             runtime=rt,
         )
         self.records.append(rec)
@@ -285,26 +287,30 @@ class BranchReplayBackend:
         return rt
 
     @staticmethod
-    def _rewrite(gm: fx.GraphModule, example_inputs, opts: Options, level: str, read: Optional[dict] = None):
-        """(analysis, packed graph, its example inputs) of ``gm`` read at ``level`` ("dynamo": gm itself;
-        "aten": its functional ATen graph, passes/aten.py, which takes the same inputs); CannotReplay when the
-        analysis, the rewrite or the checks after it refuse. ``read[level]``: the graph read, once it exists."""
-        extra_guards: list = []
-        if level == "aten":
-            from brcompile.passes.aten import lower_and_respell
+    def _rewrite(gm: fx.GraphModule, example_inputs, opts: Options, level: str, read: Optional[dict] = None,
+                 times: Optional[list] = None):
+        """(analysis, packed graph, its example inputs) of ``gm`` read at ``level`` through the pipeline
+        (passes/pipeline.py: STAGES); CannotReplay when a stage refuses. ``read[level]``: the graph the
+        analysis read there, once the lowering made it; ``times``: (level, stage, seconds) appended per stage."""
+        config = PipelineConfig(level=level, training=torch.is_grad_enabled(), liveness=opts.liveness,
+                                drop_padding=opts.drop_padding, attention=opts.attention, scan=opts.scan,
+                                fuse_logprob=opts.fuse_logprob)
 
-            gm, extra_guards = lower_and_respell(gm, example_inputs)
-        if read is not None:
-            read[level] = gm
-        an = analyse(gm, example_inputs, training=torch.is_grad_enabled())
-        an.guards.extend(extra_guards)
-        an.liveness = analyse_liveness(an, drop_padding=opts.drop_padding) if opts.liveness else None
-        packed = _build_with_liveness(an, opts)
-        _check_attention_support(packed, example_inputs, opts.attention, training=torch.is_grad_enabled())
-        _check_scan_support(packed, example_inputs, opts.scan)
-        example_args = _packed_example_args(an, example_inputs)
-        check_packed_graph(packed, example_args)
-        return an, packed, example_args
+        def on_stage(stage, state):
+            if stage.name == "lower" and read is not None:
+                read[level] = state.gm
+            if opts.dump_dir and stage.name in _DUMPED_STAGES:
+                _dump_stage(opts.dump_dir, level, stage, state.gm)
+
+        try:
+            state = run_pipeline(gm, example_inputs, config, on_stage=on_stage)
+        except CannotReplay as e:
+            if times is not None:
+                times.extend((level, s, t) for s, t in getattr(e, "stage_times", ()))
+            raise
+        if times is not None:
+            times.extend((level, s, t) for s, t in state.times)
+        return state.analysis, state.packed, state.example_args
 
     @staticmethod
     def _compile(gm: fx.GraphModule, opts: Options):
@@ -336,12 +342,12 @@ class BranchReplayBackend:
 
     def _fallback(self, gid: int, gm: fx.GraphModule, reason: str, node: Optional[str],
                   opts: Optional[Options] = None, refusals: tuple = (), unshared: bool = False,
-                  dumped: Optional[fx.GraphModule] = None):
+                  dumped: Optional[fx.GraphModule] = None, times: Sequence = ()):
         """Runs ``gm`` as captured, with the reason; the dump draws ``dumped`` (the graph the refusing level
         read, where ``node`` is: the ATen graph for an ATen-level refusal), gm by default."""
         rt = runtime.FallbackRuntime(gm.forward, reason, unshared=unshared)
         self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, refusals=refusals,
-                                        unshared=unshared, runtime=rt))
+                                        unshared=unshared, stage_times=tuple(times), runtime=rt))
         runtime.record_graph(False, reason)
         self._dump(opts or self.options, gm if dumped is None else dumped, None, reason, node)
         return rt
@@ -360,91 +366,19 @@ class BranchReplayBackend:
             log.warning("branch_replay: writing graph dumps to %s failed", opts.dump_dir, exc_info=True)
 
 
-def _packed_example_args(an, example_inputs) -> list:
-    """The packed graph's inputs for the example batch: its inputs (SymInts as their hints), then the tree
-    arrays of its tree (O(B·L), ``PackedTree.graph_args``)."""
-    from brcompile.passes.axes import hint
-    from brcompile.runtime.tree import build_tree
-
-    args = [hint(a) for a in example_inputs]
-    mask = an.key_padding(args)
-    tree = build_tree(an.tree_keys(args), attention_mask=mask)
-    return [*args, *tree.graph_args()]
+#: the stages after which ``Options.dump_dir`` gets the graph as the stage left it (those that rewrite it)
+_DUMPED_STAGES = ("functionalise", "canonicalise attention", "canonicalise scans")
 
 
-def _build_with_liveness(an, opts: Options) -> fx.GraphModule:
-    """The packed graph, leaving out of the tree what ``an.liveness`` allows: with key-padded positions left out
-    inside rows; if an op reads those (a scan along the positions, a dense region packed again), only the
-    positions after each row's last needed one; if that is refused too, every position (``an.liveness`` None,
-    the reason in ``an.liveness_note``, shown by explain())."""
-    def build(drop: bool, within: bool = True) -> fx.GraphModule:
-        return build_packed_graph(an, PackOptions(attention=opts.attention, fuse_logprob=opts.fuse_logprob,
-                                                  drop_padding=drop, drops_within_rows=within, scan=opts.scan))
+def _dump_stage(dump_dir: str, level: str, stage, gm: fx.GraphModule) -> None:
+    """Writes the graph as ``stage`` left it (brcompile/tools/dump.py: dump_stage); a failed dump is logged."""
+    from brcompile.passes.pipeline import STAGES
+    from brcompile.tools.dump import dump_stage
 
-    plan = an.liveness
-    if plan is None:
-        return build(False)
     try:
-        return build(True, plan.keys_hidden)
-    except CannotReplay as e:
-        why = e
-    if plan.keys_hidden:
-        an.liveness = dataclasses.replace(plan, keys_hidden=False)
-        try:
-            packed = build(True, False)
-            log.info("branch_replay: key-padded positions kept in the tree: %s", why)
-            an.liveness_note = f"key-padded positions kept in the tree: {why}"
-            return packed
-        except CannotReplay as e:
-            why = e
-    log.info("branch_replay: every position kept (no live-position plan for this graph): %s", why)
-    an.liveness = None
-    an.liveness_note = f"every position kept in the tree: {why}"
-    return build(False)
-
-
-def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: str, training: bool = False) -> None:
-    """CannotReplay when the attention impl that will run on the inputs' device lacks a feature a packed
-    attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias), or, for a graph captured with
-    grad enabled (``training``), a backward there (``attention="flex"`` on CPU): the original graph runs, with
-    the reason. Attention sinks need no support: the op applies them around every impl."""
-    from brcompile.backends.ops import (
-        AttentionImplError, attention_extras, attention_relbias, attention_scores_extras, attention_slopes,
-        check_impl_supports, get_attention_impl,
-    )
-
-    device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    for n in packed.graph.nodes:
-        if n.target is not torch.ops.brcompile.tree_attention_forward.default:
-            continue
-        window, _, softcap = attention_extras(n.args)
-        alibi, _ = attention_scores_extras(n.args)
-        relbias = attention_relbias(n.args) is not None
-        slopes = attention_slopes(n.args)
-        if not (window or softcap or alibi or relbias or slopes is not None or training):
-            continue
-        try:
-            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias, slopes,
-                                backward_device=device if training else None)
-        except AttentionImplError as e:
-            raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
-
-
-def _check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> None:
-    """CannotReplay when the packed graph has a linear or matrix scan or a causal conv along the tree paths and
-    the scan impl ``scan`` does not run on the inputs' device (``scan="triton"`` without triton or a GPU): the
-    original graph runs, with the reason."""
-    from brcompile.backends.scan import ScanError, get_scan_impl
-
-    ops = (torch.ops.brcompile.tree_linear_scan.default, torch.ops.brcompile.tree_causal_conv1d.default,
-           torch.ops.brcompile.tree_matrix_scan.default)
-    if not any(n.target in ops for n in packed.graph.nodes):
-        return
-    device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    try:
-        get_scan_impl(scan, device)
-    except ScanError as e:
-        raise CannotReplay(f"{e} (scan={scan!r} on {device.type})") from e
+        dump_stage(dump_dir, level, STAGES.index(stage), stage.name, gm)
+    except Exception:  # a diagnostic must never break compilation
+        log.warning("branch_replay: writing the %s stage's graph to %s failed", stage.name, dump_dir, exc_info=True)
 
 
 #: the levels Options.level tries, in order (the first that is not refused is rewritten)

@@ -6,31 +6,11 @@ relative error of a tensor is ``max |got - want| / max |want|``.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from brcompile.contract import TOLERANCE, rel_err
+
 __all__ = ["TOLERANCE", "assert_exact", "assert_subtree_ranges", "rel_err"]
-
-#: The contract's bound per dtype.
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``max |got - want| / max |want|`` (the absolute error when ``want`` is all zeros). NaN-aware: NaNs
-    at the same places compare equal, a NaN anywhere else is an infinite error."""
-    got, want = got.detach(), want.detach()
-    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
-    if nan_got.any() or nan_want.any():
-        if not torch.equal(nan_got, nan_want):
-            return math.inf
-        got, want = torch.nan_to_num(got), torch.nan_to_num(want)
-    if got.numel() == 0:
-        return 0.0
-    scale = want.abs().max().item()
-    diff = (got - want).abs().max().item()
-    return diff / scale if scale > 0 else diff
-
 
 def assert_exact(got: torch.Tensor, want: torch.Tensor, dtype, what: str) -> None:
     """Raise AssertionError unless ``got`` has ``want``'s shape and ``rel_err(got, want)`` is within the

@@ -1,18 +1,21 @@
 """The packed rewrite: dense [B, L, …] graph -> packed [1, N, …] graph (docs/ARCHITECTURE.md §3).
 
-Two steps, transactional (the user's graph is never modified):
+The analysis stages of the pipeline (passes/pipeline.py) read this module's helpers and leave an
+:class:`Analysis`:
 
-1. :func:`analyse` — find (B, L) (from the token ids, the integer [B, L] input of an ``embedding``, or
-   else from an attention's query), the tree inputs (the [B, L, ...] inputs the attentions depend on:
-   token ids, attention mask, position ids, and float embeddings or hidden states in graphs without ids:
-   per-block graphs, ``inputs_embeds``; in a graph without attention, the inputs its causal scans along the
-   positions read: a pure state-space model), the per-position inputs shared by all rows ([L, ...] or
-   [1, L, ...]: rotary tables made outside), classify every attention's mask (:mod:`.masks`), and
-   propagate token-axis facts (:mod:`.axes`, :mod:`.rules`).
-2. :func:`build_packed_graph` — emit a new graph that takes the original inputs plus the tree arrays
-   (``runtime.tree.TreeArgs``, placeholders ``tree_<name>``) and computes TOKEN values once per tree node, DENSE values as before; a TOKEN
-   value needed dense is materialised as ``packed[index]`` (:func:`materialize`) or, for values derived
-   from the inputs by cheap ops only, recomputed from the dense inputs.
+- (B, L) from the token ids (the integer [B, L] input of an ``embedding``) or else from an attention's
+  query; the tree inputs (the [B, L, ...] inputs the attentions depend on: token ids, attention mask, position
+  ids, and float embeddings or hidden states in graphs without ids: per-block graphs, ``inputs_embeds``; in a
+  graph without attention, the inputs its causal scans along the positions read, or every per-token input of
+  a token-local graph: :func:`analyse_scans`, :func:`analyse_token_local`); the per-position inputs shared by
+  all rows ([L, ...] or [1, L, ...]: rotary tables made outside); the masks' classes (:mod:`.masks`) and their
+  guards.
+
+The emit stage calls :func:`build_packed_graph`: a new graph that takes the original inputs plus the tree
+arrays (``runtime.tree.TreeArgs``, placeholders ``tree_<name>``) and computes TOKEN values once per tree node,
+DENSE values as before; a TOKEN value needed dense is materialised as ``packed[index]`` (:func:`materialize`)
+or, for values derived from the inputs by cheap ops only, recomputed from the dense inputs. Transactional: the
+user's graph is never modified.
 """
 from __future__ import annotations
 
@@ -29,15 +32,11 @@ from brcompile.passes.axes import (
     AxesContext, CannotReplay, Materialisation, NothingToShare, Window, example_value, get_axes, hint,
     is_static_input, node_args, normalize_dim, propagate, rule_for, shape_of,
 )
-from brcompile.passes.functionalize import functionalize
 from brcompile.passes.guards import BatchGuard, scalar_equals
 from brcompile.passes.liveness import safe_operand
 from brcompile.passes import canonicalize as eager_attention
-from brcompile.passes import delta_rule, linear_scans, ssd_scans
-from brcompile.passes.decode import decode_against_cache
 from brcompile.passes.rules import scan as scan_rules
-from brcompile.passes.rules.attention import PER_TOKEN, SDPA
-from brcompile.passes.spellings import CHEAP_VIEWS, copy_graph_module, is_op, op_name
+from brcompile.passes.spellings import CHEAP_VIEWS, is_op, op_name
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
 
@@ -143,104 +142,21 @@ def find_token_ids(gm: fx.GraphModule) -> fx.Node:
                        "graphs without the embedding are not supported)")
 
 
-def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool = True) -> Analysis:
-    """Check the graph and give every node its token-axis fact; raise CannotReplay with a reason.
-
-    Works on a canonical copy of ``gm`` (eager attention as SDPA, attention scalars as guarded
-    constants: :mod:`.rules.eager_attention`); ``gm`` itself is not modified."""
-    if len([n for n in gm.graph.nodes if n.op == "placeholder"]) != len(example_inputs):
-        raise CannotReplay("example inputs do not match the graph's placeholders")
-    gm = copy_graph_module(gm)  # the analysis may insert nodes (passes/repack.py); the user's graph stays as is
-    gm = checkpoints.inline_checkpoints(gm)  # checkpoint bodies inlined, tagged; the rewrite re-outlines them
-    gm = functionalize(gm)
-    canon = eager_attention.canonicalize(gm, example_inputs)
-    gm = canon.gm
-    scan_notes = linear_scans.canonicalize_linear_scans(gm)  # affine associative scans -> linear_scan
-    token_ids = _find_token_ids_or_none(gm)  # a placeholder: the scan rewrites below keep it
-    scan_notes += ssd_scans.canonicalize_ssd_scans(  # chunked state-space scans -> linear_scan
-        gm, hint(tuple(example_value(token_ids).shape)) if token_ids is not None else None)
-    scan_notes += delta_rule.canonicalize_delta_rules(gm)  # chunked gated delta rules -> matrix_scan
-    canon.notes.extend(scan_notes)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    # SymInt inputs (dynamic capture) become their example ints: evaluating the mask subgraph on them
-    # must not add guards to the user's graph.
-    values = {p: hint(v) for p, v in zip(placeholders, example_inputs)}
-    attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
-    if not attentions:  # e.g. the loss after a graph break: each row's values are its own, nothing to share
-        hop = checkpoints.body_with_attention(gm, SDPA)
-        if hop is not None:
-            raise CannotReplay(f"attention inside a {getattr(hop.target, '__name__', hop.target)} body (only "
-                               f"activation-checkpoint bodies are analysed)", hop)
-        scans = scan_rules.scan_candidates(gm)
-        left = "".join(f"; {n}" for n in scan_notes if linear_scans.LEFT in n)  # scans not rewritten, named
-        if not scans:
-            unrecognised = eager_attention.unrecognised_attention(gm)
-            if unrecognised is not None:
-                raise CannotReplay(unrecognised[1], unrecognised[0])
-            return _analyse_token_local(gm, token_ids, placeholders, values, canon, training, left)
-        return _analyse_scans(gm, scans, token_ids, placeholders, values, canon, training, left)
-    mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
-    attentions_all = list(attentions)
-    if token_ids is not None:
-        B, L = hint(tuple(example_value(token_ids).shape))
-    else:
-        B, L = _attention_batch_dims(next((a for a in attentions if not _unmasked(a)), attentions[0]))
-    decode = decode_against_cache(attentions, _captured_length(token_ids, attentions), B)
-    if decode is not None:  # one token per row against a KV cache (passes/decode.py)
-        raise NothingToShare(decode[1], decode[0])
-    needed, needed_qkv = _attention_inputs(attentions, mask_args)
-    outside = {a: m for a, m in zip(attentions, mask_args) if input_masks.input_mask_source(m) is not None}
-    outside_sources = {input_masks.input_mask_source(m) for m in outside.values()}
-    tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L) and p not in outside_sources]
-    if token_ids is not None and token_ids not in tree_inputs:
-        raise CannotReplay("the attentions do not depend on the token ids")
-    if not tree_inputs:
-        built = ids_joined_to_constants(gm)
-        if built is not None:
-            emb, ids, extra = built
-            raise CannotReplay(f"the embedding reads token ids joined in the graph: {extra} constant token(s) (a "
-                               f"prompt every row shares, CPM-Ant's) concatenated with the [B, L] input {ids.name} "
-                               "along the length; the prefix tree is built over the rows of the graph's inputs, and "
-                               "the attentions run over positions that are not theirs", emb)
-        raise CannotReplay(f"no [B, L] integer token input feeding an embedding, and the attentions read no "
-                           f"per-token [B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
-    position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree_inputs
-                       for d in [_position_dim(p, B, L)] if d is not None}
-    _check_masks_are_computed([a for a in attentions if a not in outside],
-                              [m for a, m in zip(attentions, mask_args) if a not in outside], tree_inputs, B, L)
-    input_mask = _input_mask(outside, placeholders, example_inputs)
-    # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with
-    mask_keys = [p for p in tree_inputs if example_value(p).dim() == 2]
-    mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in mask_args if isinstance(m, fx.Node)])
-    classified = _classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_mask,
-                                 set(outside))
-    for info in classified.values():  # trainable ALiBi slopes: computed by the packed graph for tree attention
-        if info.alibi_node is not None:
-            mask_nodes -= set(masks_mod.ancestors(info.alibi_node))
-    keypads = {info.keypad for info in classified.values() if info.keypad is not None}
-    if len(keypads) > 1:
-        raise CannotReplay("attentions use different key-padding inputs")
-    keypad = next(iter(keypads), None)
-    sequences = _sequences_input([a for a in attentions if not _unmasked(a)], classified)
-    ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs,
-                      values=values, sequences=sequences is not None)
-    ctx.notes.update(classified)
-    propagate(ctx)
-    # an SDPA whose token dims are its batch dims is a per-token op (rules/attention.py), no tree attention
-    attentions = [a for a in attentions if ctx.notes.get(a) != PER_TOKEN]
-    classified = {a: info for a, info in classified.items() if a in attentions}
-    mask_args = [m for a, m in zip(attentions_all, mask_args) if a in attentions]
-    if sequences is not None:
-        _check_column_free(gm, mask_nodes, sequences)
-    guards = canon.guards + _mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences,
-                                         mask_keys, placeholders, example_inputs)
-    guards += _mask_scalar_guards([m for a, m in zip(attentions, mask_args) if a not in outside], placeholders, values)
-    guards += ctx.guards
-    return Analysis(gm, ctx, token_ids, tree_inputs, keypad, attentions, classified, placeholders,
-                    guards, canon.notes, sequences, input_mask)
+def refuse_without_tree_inputs(gm: fx.GraphModule, B: int, L: int) -> None:
+    """CannotReplay for a graph with attention but no tree input: its ids are joined in the graph to constant
+    tokens (:func:`ids_joined_to_constants`, named), or it has no per-token input at all."""
+    built = ids_joined_to_constants(gm)
+    if built is not None:
+        emb, ids, extra = built
+        raise CannotReplay(f"the embedding reads token ids joined in the graph: {extra} constant token(s) (a "
+                           f"prompt every row shares, CPM-Ant's) concatenated with the [B, L] input {ids.name} "
+                           "along the length; the prefix tree is built over the rows of the graph's inputs, and "
+                           "the attentions run over positions that are not theirs", emb)
+    raise CannotReplay(f"no [B, L] integer token input feeding an embedding, and the attentions read no "
+                       f"per-token [B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
 
 
-def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional[fx.Node], placeholders: list,
+def analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional[fx.Node], placeholders: list,
                    values: dict, canon, training: bool, left: str = "") -> Analysis:
     """A graph without attention whose rows share work through causal scans along the positions (a pure
     state-space model: Mamba's causal conv and selective scan; a gated delta rule's matrix scan). The tree
@@ -248,13 +164,13 @@ def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional
     ids'. Each row's tokens before column t are its path in the tree, so a scan along the positions is a tree
     scan. When propagation makes none of them one (each went dense, for its reason), nothing is shared:
     CannotReplay with that reason. Without token ids (a layer's graph on hidden states) the tree inputs are
-    every per-token input, as for a token-local graph (:func:`_analyse_token_local`, whose propagation makes
+    every per-token input, as for a token-local graph (:func:`analyse_token_local`, whose propagation makes
     the scans tree scans the same way: a row's hidden states before column t are its path's)."""
     if token_ids is None:
-        return _analyse_token_local(gm, token_ids, placeholders, values, canon, training, left)
+        return analyse_token_local(gm, token_ids, placeholders, values, canon, training, left)
     B, L = hint(tuple(example_value(token_ids).shape))
     needed = set().union(*(masks_mod.ancestors(s) for s in scans))
-    tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L)]
+    tree_inputs = [p for p in placeholders if p in needed and is_token_shaped(p, B, L)]
     if token_ids not in tree_inputs:
         unrecognised = eager_attention.unrecognised_attention(gm)  # the tokens' mixing is an attention we missed
         if unrecognised is not None:
@@ -262,7 +178,7 @@ def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional
         raise CannotReplay("no scaled_dot_product_attention in the graph, and its scans do not depend on the "
                            "token ids (nothing packed; it runs unchanged)")
     position_inputs = {p: d for p in placeholders if p in needed and p not in tree_inputs
-                       for d in [_position_dim(p, B, L)] if d is not None}
+                       for d in [position_dim(p, B, L)] if d is not None}
     ctx = AxesContext(gm, B, L, tree_inputs, set(), training=training, position_inputs=position_inputs,
                       values=values, sequences=False)
     propagate(ctx)
@@ -274,7 +190,7 @@ def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional
                     canon.notes)
 
 
-def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeholders: list, values: dict, canon,
+def analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeholders: list, values: dict, canon,
                          training: bool, left: str = "") -> Analysis:
     """A graph without attention and without scans (a piece of a model between graph breaks: norms, MLPs, MoE
     routing, the LM head, the loss; a bag-of-tokens model). (B, L) are the token ids' or else those of the first
@@ -332,9 +248,9 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     if _one_row(first):  # an expert that received one token, Dynamo's graph for that size
         raise NothingToShare(f"{nothing}: its batch is one row at every call ({first.name}: a size specialised "
                              f"to 1): a row shares nothing with itself")
-    tree_inputs = _row_inputs(placeholders, B) if rows else [p for p in placeholders if _is_token_shaped(p, B, L)]
+    tree_inputs = _row_inputs(placeholders, B) if rows else [p for p in placeholders if is_token_shaped(p, B, L)]
     position_inputs = {} if rows else {p: d for p in placeholders if p not in tree_inputs
-                                       for d in [_position_dim(p, B, L)] if d is not None}
+                                       for d in [position_dim(p, B, L)] if d is not None}
     call_constants = _call_constants(placeholders, set(tree_inputs) | set(position_inputs),
                                      (B,) if rows else (B, L))
     ctx = AxesContext(gm, B, L, tree_inputs, set(), training=training, position_inputs=position_inputs,
@@ -468,7 +384,7 @@ def _computes_packed(n: fx.Node) -> bool:
     return n.op in ("call_function", "call_method") and n.target not in _CHEAP and get_axes(n).is_token
 
 
-def _attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:
+def attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:
     """(everything the attentions read, masks included; everything their queries, keys and values read)."""
     needed: set[fx.Node] = set()
     needed_qkv: set[fx.Node] = set()
@@ -481,7 +397,7 @@ def _attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:
     return needed, needed_qkv
 
 
-def _classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_mask, outside: set) -> dict:
+def classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_mask, outside: set) -> dict:
     """Every causal attention's :class:`.masks.MaskInfo`: ``is_causal`` alone is causal; a mask from outside the
     graph means what :mod:`.input_masks` read off it; any other mask is probed (:func:`.masks.classify`).
     Attentions without a mask and without ``is_causal`` are left out (the sdpa rule names them)."""
@@ -506,7 +422,7 @@ def _classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_
     return classified
 
 
-def _mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences, mask_keys,
+def mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences, mask_keys,
                  placeholders, example_inputs) -> list[BatchGuard]:
     """The per-call guards of what the mask classification assumed: no query without keys (eager additive
     masks), the mask from outside the graph still causal & key padding, well-formed packed sequences, the
@@ -527,7 +443,7 @@ def _mask_guards(canon, attentions, mask_args, classified, outside, input_mask, 
     return guards
 
 
-def _input_mask(outside: dict, placeholders: list, example_inputs: Sequence[Any]) -> Optional[input_masks.InputMask]:
+def outside_input_mask(outside: dict, placeholders: list, example_inputs: Sequence[Any]) -> Optional[input_masks.InputMask]:
     """The one mask from outside the graph that the attentions in ``outside`` use, classified
     (:mod:`.input_masks`); None when there is none. Attentions with different such masks: CannotReplay (the
     tree has one key padding)."""
@@ -541,7 +457,7 @@ def _input_mask(outside: dict, placeholders: list, example_inputs: Sequence[Any]
     return input_masks.classify_input_mask(a, masks[0], placeholders, example_inputs)
 
 
-def _sequences_input(attentions: list[fx.Node], classified: dict) -> Optional[fx.Node]:
+def sequences_input(attentions: list[fx.Node], classified: dict) -> Optional[fx.Node]:
     """The position-id input of a padding-free graph (every attention ``causal+sequences`` of the same
     input), None when no attention is; CannotReplay when only some are (the tree is over sequences or over
     rows, not both)."""
@@ -555,7 +471,7 @@ def _sequences_input(attentions: list[fx.Node], classified: dict) -> Optional[fx
     return next(iter(seqs))
 
 
-def _check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) -> None:
+def check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) -> None:
     """In a padding-free graph a token's value may depend on its sequence only, not on its column in the
     row: a packed token stands for tokens at different columns. A TOKEN value without a row dim is a
     function of the column alone (``arange(L)`` outside the masks, a per-position table made outside the
@@ -572,7 +488,7 @@ def _check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) 
                 f"sequence; pass position ids instead", n)
 
 
-def _is_token_shaped(p: fx.Node, B: int, L: int) -> bool:
+def is_token_shaped(p: fx.Node, B: int, L: int) -> bool:
     """A per-token input: [B, L] (ids, position ids, masks) or [B, L, ...] (embeddings, hidden states,
     rotary tables per row), not a parameter or buffer. Its leading dims are the row and the position."""
     v = example_value(p)
@@ -580,7 +496,7 @@ def _is_token_shaped(p: fx.Node, B: int, L: int) -> bool:
         and not isinstance(v, torch.nn.Parameter) and not is_static_input(p)
 
 
-def _position_dim(p: fx.Node, B: int, L: int) -> Optional[int]:
+def position_dim(p: fx.Node, B: int, L: int) -> Optional[int]:
     """The position dim of a per-position input shared by every row: [L, ...] (dim 0) or [1, L, ...] (dim 1),
     e.g. rotary cos/sin tables computed outside the graph; None for anything else. Such an input is the
     same in every row, so it is no tree key: the packed graph reads it at each packed token's column."""
@@ -595,7 +511,7 @@ def _position_dim(p: fx.Node, B: int, L: int) -> Optional[int]:
     return None
 
 
-def _find_token_ids_or_none(gm: fx.GraphModule) -> Optional[fx.Node]:
+def find_token_ids_or_none(gm: fx.GraphModule) -> Optional[fx.Node]:
     try:
         return find_token_ids(gm)
     except CannotReplay:
@@ -639,24 +555,24 @@ def _reads_no_input_values(n: Any) -> bool:
     return not any(a.op == "placeholder" and isinstance(example_value(a), torch.Tensor) for a in outside)
 
 
-def _unmasked(attn: fx.Node) -> bool:
+def unmasked(attn: fx.Node) -> bool:
     """An SDPA without a mask and without ``is_causal``: never a tree attention (the sdpa rule makes it a per-token
     op when its token dims are batch dims, else refuses it as bidirectional)."""
     mask = attn.kwargs.get("attn_mask", attn.args[3] if len(attn.args) > 3 else None)
     return mask is None and not attn.kwargs.get("is_causal", attn.args[5] if len(attn.args) > 5 else False)
 
 
-def _captured_length(token_ids: Optional[fx.Node], attentions: list[fx.Node]) -> Any:
+def captured_length(token_ids: Optional[fx.Node], attentions: list[fx.Node]) -> Any:
     """The batch's position extent L as captured (an int, or a SymInt under dynamic shapes, unlike the hinted
     ints the analysis uses): the token ids' dim 1, or without them the query length of the attention
-    :func:`_attention_batch_dims` reads."""
+    :func:`attention_batch_dims` reads."""
     if token_ids is not None:
         return example_value(token_ids).shape[1]
-    attn = next((a for a in attentions if not _unmasked(a)), attentions[0])
+    attn = next((a for a in attentions if not unmasked(a)), attentions[0])
     return example_value(attn.args[0] if attn.args else attn.kwargs.get("query")).shape[-2]
 
 
-def _attention_batch_dims(attn: fx.Node) -> tuple[int, int]:
+def attention_batch_dims(attn: fx.Node) -> tuple[int, int]:
     """(B, L) of a graph without token ids: the batch and query-length dims of an attention's query
     [B, H, L, head_dim]."""
     q = example_value(attn.args[0] if attn.args else attn.kwargs.get("query"))
@@ -665,7 +581,7 @@ def _attention_batch_dims(attn: fx.Node) -> tuple[int, int]:
     return hint(q.shape[0]), hint(q.shape[-2])
 
 
-def _mask_scalar_guards(mask_args, placeholders: list, values: dict) -> list:
+def mask_scalar_guards(mask_args, placeholders: list, values: dict) -> list:
     """A per-call ``scalar_equals`` guard for every 0-dim tensor input a mask is computed from (a float module
     attribute Dynamo lifts under ``dynamic=True``, e.g. an embedding's ``norm_type`` on the way to a per-key
     bias projected from the hidden states): the mask's meaning is proven at its example value only."""
@@ -682,7 +598,7 @@ def _mask_scalar_guards(mask_args, placeholders: list, values: dict) -> list:
     return guards
 
 
-def _check_masks_are_computed(attentions, mask_args, tree_inputs, B: int, L: int) -> None:
+def check_masks_are_computed(attentions, mask_args, tree_inputs, B: int, L: int) -> None:
     """An attention mask must be computed inside the graph from [B, L] tree inputs (or be absent, with
     ``is_causal``): a mask that is itself a graph input, or is built from one (a [B, 1, L, L] mask made
     before a per-block graph), cannot be classified from inside the graph; nor can one computed from a
@@ -694,7 +610,7 @@ def _check_masks_are_computed(attentions, mask_args, tree_inputs, B: int, L: int
             if n.op != "placeholder" or is_static_input(n):
                 continue
             v = example_value(n)
-            if not isinstance(v, torch.Tensor) or v.dim() == 0:  # a lifted scalar: guarded (_mask_scalar_guards)
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:  # a lifted scalar: guarded (mask_scalar_guards)
                 continue
             if n not in tree_inputs:
                 shape = list(hint(tuple(v.shape)))
@@ -1037,4 +953,4 @@ def build_packed_graph(an: Analysis, options: Optional[PackOptions] = None) -> f
     return Packer(an, options or PackOptions()).build()
 
 
-__all__ = ["Analysis", "PackOptions", "analyse", "build_packed_graph", "materialize", "find_token_ids"]
+__all__ = ["Analysis", "PackOptions", "build_packed_graph", "materialize", "find_token_ids"]

@@ -322,3 +322,16 @@ def exact_over_batches(model, fn, batches, backend, dynamic=False):
         for name, a, b in zip(names, gout, gref):
             assert_exact(a, b, torch.float64, f"grad of {name} at {tuple(ids.shape)}")
     return backend
+
+
+def capture(fn, *args, dynamic=False):
+    """The Dynamo graph of ``fn`` and its example inputs."""
+    out = {}
+
+    def grab(gm, example_inputs):
+        out["gm"], out["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab, dynamic=dynamic, fullgraph=True)(*args)
+    return out["gm"], out["inputs"]

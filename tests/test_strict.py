@@ -11,6 +11,7 @@ from brcompile.backend import Options
 from examples.gpt import GPT, GPTConfig
 
 backend_mod = importlib.import_module("brcompile.backend")  # the attribute brcompile.backend is the function
+pipeline_mod = importlib.import_module("brcompile.passes.pipeline")
 
 
 def _model():
@@ -43,7 +44,7 @@ def test_suite_runs_strict():
 
 
 def test_internal_error_falls_back_when_not_strict(monkeypatch):
-    monkeypatch.setattr(backend_mod, "build_packed_graph", _broken_rewrite)
+    monkeypatch.setattr(pipeline_mod, "build_packed_graph", _broken_rewrite)
     model, ids = _model(), _ids()
     be = brcompile.backend(compiler="eager", strict=False)
     out = torch.compile(model, backend=be)(ids)
@@ -54,7 +55,7 @@ def test_internal_error_falls_back_when_not_strict(monkeypatch):
 
 
 def test_internal_error_raises_when_strict(monkeypatch):
-    monkeypatch.setattr(backend_mod, "build_packed_graph", _broken_rewrite)
+    monkeypatch.setattr(pipeline_mod, "build_packed_graph", _broken_rewrite)
     be = brcompile.backend(compiler="eager", strict=True)
     with pytest.raises(Exception, match="a bug in a pass"):
         torch.compile(_model(), backend=be)(_ids())
@@ -64,7 +65,7 @@ def test_cannot_replay_falls_back_when_strict(monkeypatch):
     def refuse(*args, **kwargs):
         raise brcompile.CannotReplay("not this graph")
 
-    monkeypatch.setattr(backend_mod, "build_packed_graph", refuse)
+    monkeypatch.setattr(pipeline_mod, "build_packed_graph", refuse)
     model, ids = _model(), _ids()
     be = brcompile.backend(compiler="eager", strict=True)
     out = torch.compile(model, backend=be)(ids)

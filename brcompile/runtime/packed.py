@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from brcompile.runtime import tree as tree_mod
-from brcompile.testing import TOLERANCE, rel_err
+from brcompile.contract import TOLERANCE, rel_err
 from brcompile.runtime.stats import _record
 from brcompile.runtime.streaming import StreamingRuntime
 from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, row_keys, rows_agree

@@ -12,6 +12,9 @@ entry-point backend) writes, per captured graph ``k`` (numbered per process and 
   per row and position) orange, CONST values (parameters, sizes) grey, tree inputs of the packed graph
   blue, brcompile ops (tree attention, packed gathers, fused read-outs) purple, materialisations
   (``packed[index]``) yellow with a red border, the node a fallback stopped at red; a legend cluster says so;
+* ``graph_k_<level>_<i>_<stage>.py`` — the graph as each pipeline stage that rewrites it left it
+  (passes/pipeline.py: functionalise, canonicalise attention, canonicalise scans), with its token facts
+  where they are known: what the analysis read, step by step;
 * ``.svg`` renderings of both when the ``dot`` binary is installed (Graphviz, e.g. ``apt-get install
   graphviz``); without it only the ``.dot`` files are written.
 
@@ -56,6 +59,23 @@ def _next_graph_index(directory: Path) -> int:
         k = _next_index[key]
         _next_index[key] = k + 1
     return k
+
+
+def _peek_graph_index(directory: Path) -> int:
+    """The index the next :func:`dump_graphs` in ``directory`` will take (stage dumps come before it)."""
+    with _counter_lock:
+        return _next_index[str(directory.resolve())]
+
+
+def dump_stage(dump_dir: str | Path, level: str, index: int, stage: str, gm: fx.GraphModule) -> Path:
+    """Writes ``graph_k_<level>_<index>_<stage>.py``: the graph as pipeline stage ``stage`` (number ``index``
+    in passes/pipeline.py: STAGES) left it at ``level``, k being the graph's number in ``dump_dir``."""
+    directory = Path(dump_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    k = _peek_graph_index(directory)
+    path = directory / f"graph_{k}_{level}_{index}_{stage.replace(' ', '_')}.py"
+    path.write_text(before_source(gm, f'"""brcompile graph {k}: after stage {stage!r} ({level} level)"""\n'))
+    return path
 
 
 def _fact(node: fx.Node) -> Any:

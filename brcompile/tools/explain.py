@@ -308,6 +308,7 @@ class ExplainReport:
             "refusals": [dict(level=lv, reason=r) for lv, r in getattr(g, "refusals", ())],
             "routed": getattr(g, "routed", None),
             "liveness": getattr(g, "liveness", None),
+            "stage_times": [dict(level=lv, stage=st, seconds=t) for lv, st, t in getattr(g, "stage_times", ())],
         }
 
     def to_dict(self) -> dict:
@@ -360,6 +361,29 @@ class ExplainReport:
                   for g in self.rewritten for lv, r in getattr(g, "refusals", ())]
         return Table("graphs that FELL BACK (the original graph runs unchanged)", ["graph", "failed at node", "reason"],
                      rows, notes)
+
+    def stage_table(self) -> Table:
+        """Compile time per pipeline stage (passes/pipeline.py: STAGES), over every graph and level it ran on:
+        where a slow compile spends its time, and at which stage each refusal came."""
+        from brcompile.passes.pipeline import STAGES
+
+        runs: dict[str, list[tuple[float, int]]] = {s.name: [] for s in STAGES}
+        last: dict[tuple[int, str], str] = {}
+        for g in self.graphs:
+            for lv, st, t in getattr(g, "stage_times", ()):
+                runs.setdefault(st, []).append((t, g.graph_id))
+                last[(g.graph_id, lv)] = st
+        refused = {}
+        for g in self.graphs:
+            for lv, _ in getattr(g, "refusals", ()):
+                st = last.get((g.graph_id, lv))
+                if st is not None:
+                    refused[st] = refused.get(st, 0) + 1
+        rows = [[name, str(len(ts)), f"{1e3 * sum(t for t, _ in ts):.1f}",
+                 f"{1e3 * max(ts)[0]:.1f} (graph {max(ts)[1]})", str(refused.get(name, 0))]
+                for name, ts in runs.items() if ts]
+        return Table("compile time per pipeline stage", ["stage", "runs", "total ms", "slowest ms", "refused here"],
+                     rows)
 
     def materialisation_table(self) -> Table:
         rows = [[str(g.graph_id), node, user, f"{int(numel):,}", _wrap(reason, 60)]
@@ -465,6 +489,8 @@ class ExplainReport:
             out.append(Table("graphs with NOTHING TO SHARE (no per-token work, or a decode step against a cache: "
                              "they run as they are, no fallback)",
                              ["graph", "why"], [[str(g.graph_id), _wrap(g.reason, 80)] for g in self.unshared]))
+        if any(getattr(g, "stage_times", ()) for g in self.graphs):
+            out.append(self.stage_table())
         if any(g.materialisations for g in self.rewritten):
             out.append(self.materialisation_table())
         if any(getattr(g, "repacked", ()) or getattr(g, "not_repacked", ()) for g in self.graphs):

@@ -11,23 +11,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.axes import AxesContext, CannotReplay, get_axes, propagate
-from brcompile.passes.pack import analyse, find_token_ids
+from brcompile.passes.pack import find_token_ids
+from brcompile.passes.pipeline import analyse
 from examples.gpt import GPT, GPTConfig
+from tests.helpers import capture
 
 B, L, V, D = 3, 7, 23, 8
-
-
-def capture(fn, *args, dynamic=False):
-    """The Dynamo graph of ``fn`` and its example inputs."""
-    out = {}
-
-    def grab(gm, example_inputs):
-        out["gm"], out["inputs"] = gm, list(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab, dynamic=dynamic, fullgraph=True)(*args)
-    return out["gm"], out["inputs"]
 
 
 def facts(fn, *args):

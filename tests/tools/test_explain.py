@@ -295,14 +295,19 @@ def test_dump_dir_writes_python_and_coloured_dot(tmp_path):
     torch.testing.assert_close(out, grpo_loss(model, **batch), rtol=1e-12, atol=0)
     assert brcompile.stats().replayed_calls == 1
     names = {p.name for p in (tmp_path / "ok").iterdir()}
-    expected = {"graph_0_before.py", "graph_0_after.py", "graph_0_before.dot", "graph_0_after.dot"}
+    expected = {"graph_0_before.py", "graph_0_after.py", "graph_0_before.dot", "graph_0_after.dot",
+                # the graph as each rewriting stage of the pipeline left it (passes/pipeline.py)
+                "graph_0_dynamo_1_functionalise.py", "graph_0_dynamo_2_canonicalise_attention.py",
+                "graph_0_dynamo_3_canonicalise_scans.py"}
     if shutil.which("dot"):
         expected |= {"graph_0_before.svg", "graph_0_after.svg"}
     assert names == expected
     before = (tmp_path / "ok" / "graph_0_before.py").read_text()
     after = (tmp_path / "ok" / "graph_0_after.py").read_text()
-    for src in (before, after):
+    stages = [(tmp_path / "ok" / n).read_text() for n in sorted(names) if "_dynamo_" in n]
+    for src in (before, after, *stages):
         compile(src, "dump", "exec")  # readable Python, and valid
+    assert "after stage 'canonicalise attention'" in stages[1]
     assert "REWRITTEN" in before and "token(row=0, pos=1)" in before and "tree_attention" in after
     dot_after = (tmp_path / "ok" / "graph_0_after.dot").read_text()
     for kind in ("token", "dense", "const", "tree", "brcompile"):
