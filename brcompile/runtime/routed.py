@@ -18,7 +18,8 @@ import torch
 
 from brcompile.runtime.packed import CallRecord
 from brcompile.runtime.stats import _record
-from brcompile.runtime.tree import _position_words, build_tree, row_keys
+from brcompile.runtime.tree import build_tree, row_keys
+from brcompile.runtime.tree.build import position_words
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def _bits(v: torch.Tensor) -> torch.Tensor:
     """One row of integer words per pair, equal iff the pair's entries of ``v`` are bitwise equal (the tree's own
     per-position words, ``[S, 1, W]`` of a ``[S, …]`` input)."""
     v = torch.view_as_real(v) if v.is_complex() else v
-    return _position_words(v.reshape(v.shape[0], 1, -1))[:, 0]
+    return position_words(v.reshape(v.shape[0], 1, -1))[:, 0]
 
 
 class RoutedRuntime:

@@ -27,7 +27,7 @@ from brcompile.backends.cpu import _check_segments
 from brcompile.backends.logprob import packed_logprob, reference_packed_logprob
 from brcompile.runtime.tree import build_tree, drop_padding
 from brcompile.backends.read_packed import DroppedPositionGradError, read_packed
-from brcompile.runtime import tree as tree_mod
+from brcompile.runtime.tree import padding as tree_mod
 from examples.gpt import GPT, GPTConfig
 from tests.helpers import grpo_needed_tokens
 from examples.grpo import grpo_loss, make_grpo_batch

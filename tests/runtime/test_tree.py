@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from brcompile.testing import assert_subtree_ranges
-from brcompile.runtime import tree as tree_mod
+from brcompile.runtime.tree import build as tree_mod  # the builder: its counters, hashes and limits
 from brcompile.runtime.tree import PackedTree, TreeInputError, TreeStats, build_tree
 
 FIELDS = ("index", "parent", "end", "position", "valid", "rep_row", "segments")
