@@ -299,7 +299,8 @@ ROUNDING = Tolerance(ulps=64, nonfinite="equal")
 
 
 def identical(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise bitwise equality of two tensors of one shape (NaN equals NaN)."""
+    """Elementwise equality of two tensors of one shape, NaN equal to NaN (and ``0.0`` to ``-0.0``): where a probe
+    left a value unchanged."""
     eq = a == b
     if a.is_floating_point() or a.is_complex():
         eq = eq | (torch.isnan(a) & torch.isnan(b))
