@@ -39,7 +39,7 @@ devices the CPU, is evaluated on two random float64 probes at the graph's own sh
 constant of the captured graph: another length is another graph, proved anew) — k and q unit vectors as the
 layer's l2-normalisation makes them, β in (0, 1), g in (-1, 0) (every entry, per head or per channel) — and
 must equal the emitted replacement of that gate form (the very nodes inserted, run on the same probes) within
-``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`; casts to a floating dtype, ``.float()``
+1e-9 relative (:data:`.probe.RECURRENCE`; casts to a floating dtype, ``.float()``
 included, are float64 in the copy). An assignment that passes is the
 rewrite. A region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the
 region's output again), with a note naming why.
@@ -58,7 +58,7 @@ import torch.fx as fx
 from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes.axes import example_value
 from brcompile.passes import probe
-from brcompile.passes.linear_scans import LEFT, probes_agree
+from brcompile.passes.linear_scans import LEFT
 from brcompile.passes.probe import ancestors
 from brcompile.passes.spellings import is_op
 
@@ -386,7 +386,7 @@ def _agrees(fn: fx.GraphModule, region: _Region, role: dict, probes: list, want:
                 got = probe.run(fn, *args)
         except Exception:  # noqa: BLE001  (a region that does not run on the probe is not proved)
             return False
-        if not probes_agree(got, w):
+        if not probe.close(got, w, probe.RECURRENCE):
             return False
     return True
 

@@ -45,7 +45,7 @@ from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HOP", "LEFT", "PROBE_TOL", "VMAP_DATA", "canonicalize_linear_scans", "is_affine_combine", "probes_agree"]
+__all__ = ["HOP", "LEFT", "VMAP_DATA", "canonicalize_linear_scans", "is_affine_combine"]
 
 #: the words of a note on a scan that is not rewritten (the no-attention refusal quotes those notes)
 LEFT = "left as is"
@@ -65,9 +65,6 @@ _FLATTEN = {torch.flatten, "flatten"}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _PAD = {torch.nn.functional.pad, torch._C._nn.pad}
 _MOVEDIM = {torch.movedim, "movedim"}
-#: relative agreement the probes require (float64 reassociation of a short recurrence is ~1e-15):
-#: :data:`.probe.RECURRENCE`
-PROBE_TOL = probe.RECURRENCE.relative
 
 
 def _is_pointwise(n: fx.Node) -> bool:
@@ -99,15 +96,13 @@ def is_affine_combine(body: fx.GraphModule) -> Optional[str]:
             return f"a combine_fn that does not run on probes ({type(e).__name__})"
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             return "a combine_fn without two outputs"
-        if not (probes_agree(out[0], a1 * a2) and probes_agree(out[1], a2 * b1 + b2)):
+        if not (_agree(out[0], a1 * a2) and _agree(out[1], a2 * b1 + b2)):
             return "a combine_fn that is not the affine composition (a1 * a2, a2 * b1 + b2)"
     return None
 
 
-def probes_agree(x: Any, y: torch.Tensor) -> bool:
-    """``x`` is a tensor of ``y``'s shape and dtype within ``PROBE_TOL`` of it, relative to ``y``'s largest entry
-    (at least 1): the agreement every probe proof of a recurrence asks for (here, passes/ssd_scans.py,
-    passes/delta_rule.py), :data:`.probe.RECURRENCE`."""
+def _agree(x: Any, y: torch.Tensor) -> bool:
+    """``x`` agrees with the formula's value ``y`` on a float64 probe (:data:`.probe.RECURRENCE`)."""
     return probe.close(x, y, probe.RECURRENCE)
 
 
@@ -325,7 +320,7 @@ def _probe_region(graph: fx.Graph, region: _Region) -> tuple[Optional[dict[fx.No
     want = (torch.cumprod(a, 0), linear_scan(a, b, 0))
     which = {}
     for x, got in zip(region.exits, outs):
-        k = next((k for k in (1, 0) if probes_agree(got, want[k])), None)
+        k = next((k for k in (1, 0) if _agree(got, want[k])), None)
         if k is None:
             return None, f"{x.name} is neither the running product nor the affine recurrence of the leaves"
         which[x] = k

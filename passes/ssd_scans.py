@@ -40,7 +40,7 @@ input broadcasting against ``x`` is ``d`` (with ``x`` only). Every assignment th
 
 **The proof obligation** (:func:`_proves`): the region, evaluated on random float64 inputs (a log-decay in
 [-1.05, -0.05], normals elsewhere) of the example's shapes, equals the reference recurrence to a relative
-1e-9 (float64 reassociation of a chunked sum is ~1e-15). The region's shapes are the example's (the pad size
+1e-9 (:data:`.probe.RECURRENCE`: float64 reassociation of a chunked sum is ~1e-15). The region's shapes are the example's (the pad size
 and the chunk count are constants of the graph, specialised on L): a region with symbolic sizes is not
 rewritten. An assignment that fails is not the region's meaning; when none proves, the region stays as it is
 (dense, packed again: today's behaviour) with a note. Exactness of the rewrite then follows: it computes the
@@ -60,7 +60,7 @@ import torch.fx as fx
 from brcompile.backends.scan import linear_scan
 from brcompile.passes.axes import example_value, hint
 from brcompile.passes import probe
-from brcompile.passes.linear_scans import LEFT, probes_agree
+from brcompile.passes.linear_scans import LEFT
 from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def _proves(fn: fx.GraphModule, region: _Region, roles: dict[str, fx.Node]) -> b
         except Exception as e:  # noqa: BLE001  (a region that does not run on the probe is not proved)
             log.debug("%s: probe failed (%s: %s)", region.output.name, type(e).__name__, e)
             return False
-        if not probes_agree(got, reference_ssd(**vals)):
+        if not probe.close(got, reference_ssd(**vals), probe.RECURRENCE):
             return False
     return True
 
