@@ -110,10 +110,11 @@ def evaluate(outputs: Any, values: dict, *, nodes: Optional[Sequence[fx.Node]] =
     of ``values`` takes that value and its own inputs are not evaluated (a placeholder, or a free value that
     replaces what the graph computes). ``get_attr`` reads the owning module; ``call_function`` and ``call_method``
     run their target on the bound arguments. ``literal`` rewrites every int literal of the ops' arguments first
-    (a static size, for an evaluation at a probe size). ``call(node, args, kwargs)`` may compute a node itself
-    (return anything but ``NotImplemented``: an op evaluated by its meaning rather than as spelled). An op that
-    raises goes to ``fail(node, error)`` when given (it raises the caller's reason), else propagates unchanged.
-    A placeholder without a value raises ``KeyError``; any other op :class:`UnsupportedNode`. No grad mode is
+    (a static size, for an evaluation at a probe size). ``call(node, args, kwargs)`` may compute any other node
+    itself (return anything but ``NotImplemented``: an op evaluated by its meaning rather than as spelled). An op
+    that raises goes to ``fail(node, error)`` when given (it raises the caller's reason), else propagates
+    unchanged. A placeholder without a value raises ``KeyError``; a node ``call`` leaves that is no
+    ``call_function`` or ``call_method`` (a ``call_module``, an ``output``) :class:`UnsupportedNode`. No grad mode is
     set: the caller's holds."""
     env: dict = {n: v for n, v in values.items() if isinstance(n, fx.Node)}
     if nodes is None:
@@ -130,8 +131,6 @@ def evaluate(outputs: Any, values: dict, *, nodes: Optional[Sequence[fx.Node]] =
         if n.op == "get_attr":
             env[n] = _attribute(n)
             continue
-        if n.op not in ("call_function", "call_method"):
-            raise UnsupportedNode(n)
         args, kwargs = n.args, n.kwargs
         if literal is not None:
             args, kwargs = map_ints((args, kwargs), literal)
@@ -139,8 +138,12 @@ def evaluate(outputs: Any, values: dict, *, nodes: Optional[Sequence[fx.Node]] =
         try:
             out = NotImplemented if call is None else call(n, args, kwargs)
             if out is NotImplemented:
+                if n.op not in ("call_function", "call_method"):
+                    raise UnsupportedNode(n)
                 out = n.target(*args, **kwargs) if n.op == "call_function" else \
                     getattr(args[0], n.target)(*args[1:], **kwargs)
+        except UnsupportedNode:
+            raise
         except Exception as e:
             if fail is None:
                 raise

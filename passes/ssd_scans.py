@@ -40,10 +40,10 @@ input broadcasting against ``x`` is ``d`` (with ``x`` only). Every assignment th
 
 **The proof obligation** (:func:`_proves`): the region, evaluated on random float64 inputs (a log-decay in
 [-1.05, -0.05], normals elsewhere) of the example's shapes, equals the reference recurrence to a relative
-1e-9 (:data:`.probe.RECURRENCE`: float64 reassociation of a chunked sum is ~1e-15). The region's shapes are the example's (the pad size
-and the chunk count are constants of the graph, specialised on L): a region with symbolic sizes is not
-rewritten. An assignment that fails is not the region's meaning; when none proves, the region stays as it is
-(dense, packed again: today's behaviour) with a note. Exactness of the rewrite then follows: it computes the
+1e-9 (:data:`.probe.RECURRENCE`; float64 reassociation of a chunked sum is ~1e-15). The region's shapes are the
+example's (the pad size and the chunk count are constants of the graph, specialised on L): a region with symbolic
+sizes is not rewritten. An assignment that fails is not the region's meaning; when none proves, the region stays as
+it is (dense, packed again: today's behaviour) with a note. Exactness of the rewrite then follows: it computes the
 reference on the region's own inputs.
 """
 from __future__ import annotations
