@@ -39,7 +39,7 @@ devices the CPU, is evaluated on two random float64 probes at the graph's own sh
 constant of the captured graph: another length is another graph, proved anew) — k and q unit vectors as the
 layer's l2-normalisation makes them, β in (0, 1), g in (-1, 0) (every entry, per head or per channel) — and
 must equal the emitted replacement of that gate form (the very nodes inserted, run on the same probes) within
-``linear_scans.PROBE_TOL`` relative (:func:`.linear_scans.probes_agree`; casts to a floating dtype, ``.float()``
+1e-9 relative (:data:`.probe.RECURRENCE`; casts to a floating dtype, ``.float()``
 included, are float64 in the copy). An assignment that passes is the
 rewrite. A region that fails any check stays as it is (its ops then go dense, and passes/repack.py may pack the
 region's output again), with a note naming why.
@@ -50,15 +50,16 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
 from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes.axes import example_value
-from brcompile.passes.masks import ancestors
-from brcompile.passes.linear_scans import LEFT, probes_agree
+from brcompile.passes import probe
+from brcompile.passes.linear_scans import LEFT
+from brcompile.passes.probe import ancestors
 from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
@@ -268,8 +269,8 @@ def emit_delta_rule(graph: fx.Graph, q: Any, k: Any, v: Any, beta: Any, g: Any, 
     return f(torch.sum, f(torch.mul, S, f(torch.unsqueeze, q, -1)), -2)              # Sᵀ q  [B, H, L, dv]
 
 
-def _replacement(shapes: dict, dtype: torch.dtype, device: Any, gate: str, scales: dict) -> Callable:
-    """The emitted replacement as a callable of (q, k, v, beta, g): the same nodes, in their own graph."""
+def _replacement(shapes: dict, dtype: torch.dtype, device: Any, gate: str, scales: dict) -> fx.GraphModule:
+    """The emitted replacement as a graph module of (q, k, v, beta, g): the same nodes, in their own graph."""
     sub = fx.Graph()
     ph = [sub.placeholder(r) for r in _ROLES]
     sub.output(emit_delta_rule(sub, *ph, dk=shapes["q"][-1], dtype=dtype, device=device, gate=gate,
@@ -291,18 +292,19 @@ def _f64(x: Any) -> Any:
 _FLOAT_CASTS = ("float", "half", "bfloat16", "double")
 
 
-def _region_callable(region: _Region) -> Callable:
-    sub = fx.Graph()
-    env: dict = {x: sub.placeholder(f"in{i}") for i, x in enumerate(region.inputs)}
-    for n in region.nodes:
-        c = sub.node_copy(n, lambda a: env[a])
-        c.args = fx.node.map_aggregate(c.args, _f64)
-        c.kwargs = fx.node.map_aggregate(c.kwargs, _f64)
-        if c.op == "call_method" and c.target in _FLOAT_CASTS:  # ``.float()``: a cast to a floating dtype
-            c.target = "double"
-        env[n] = c
-    sub.output(env[region.output])
-    return fx.GraphModule(torch.nn.Module(), sub)
+def _region_callable(region: _Region) -> fx.GraphModule:
+    """The region as a graph module of its inputs (in ``region.inputs`` order), computing in float64 on the CPU
+    (:func:`_as_f64`)."""
+    return probe.region_module(region.inputs, region.nodes, region.output, transform=_as_f64)
+
+
+def _as_f64(c: fx.Node) -> None:
+    """A region node's copy made to compute in float64 on the CPU: its floating dtypes and devices (:func:`_f64`),
+    and its ``.float()``-style casts (``.double()``)."""
+    c.args = fx.node.map_aggregate(c.args, _f64)
+    c.kwargs = fx.node.map_aggregate(c.kwargs, _f64)
+    if c.op == "call_method" and c.target in _FLOAT_CASTS:  # ``.float()``: a cast to a floating dtype
+        c.target = "double"
 
 
 def _assignments(region: _Region) -> list[tuple[str, dict]]:
@@ -331,12 +333,10 @@ def _assignments(region: _Region) -> list[tuple[str, dict]]:
 def _probe_inputs(shapes: dict, seed: int) -> dict:
     """Random float64 probes: q, k unit vectors, β in (0, 1), g in (-1, 0) (each entry, per head or per
     channel), v normal."""
-    gen = torch.Generator().manual_seed(seed)
-    unit = [torch.nn.functional.normalize(torch.randn(shapes[r], generator=gen, dtype=torch.float64), dim=-1)
-            for r in ("q", "k")]
-    return dict(q=unit[0], k=unit[1], v=torch.randn(shapes["v"], generator=gen, dtype=torch.float64),
-                beta=torch.rand(shapes["beta"], generator=gen, dtype=torch.float64),
-                g=-torch.rand(shapes["g"], generator=gen, dtype=torch.float64))
+    gen = probe.generator(seed)
+    unit = [probe.unit_vectors(shapes[r], gen) for r in ("q", "k")]
+    return dict(q=unit[0], k=unit[1], v=probe.normal(shapes["v"], gen), beta=probe.uniform(shapes["beta"], gen),
+                g=-probe.uniform(shapes["g"], gen))
 
 
 def _prove(region: _Region) -> tuple[Optional[tuple[str, dict]], str]:
@@ -359,7 +359,7 @@ def _prove(region: _Region) -> tuple[Optional[tuple[str, dict]], str]:
             probes = [_probe_inputs(shapes, seed) for seed in (0, 1)]
             try:
                 with torch.no_grad():
-                    wanted[key] = (probes, [replacement(*(p[r] for r in _ROLES)) for p in probes])
+                    wanted[key] = (probes, [probe.run(replacement, *(p[r] for r in _ROLES)) for p in probes])
             except Exception as e:  # noqa: BLE001  (a replacement that cannot run at these shapes proves nothing)
                 wanted[key] = (probes, None)
                 log.debug("the %s-gate recurrence does not run at %s: %s: %s", gate, shapes, type(e).__name__, e)
@@ -375,7 +375,7 @@ def _role_scales(region: _Region, role: dict) -> dict:
     return {r: region.scales[i] for r, i in role.items() if region.scales[i] is not None}
 
 
-def _agrees(fn: Callable, region: _Region, role: dict, probes: list, want: list) -> bool:
+def _agrees(fn: fx.GraphModule, region: _Region, role: dict, probes: list, want: list) -> bool:
     """Whether the region, its inputs given by ``role``, equals ``want`` on every probe."""
     for p, w in zip(probes, want):
         args = [None] * len(region.inputs)
@@ -383,10 +383,10 @@ def _agrees(fn: Callable, region: _Region, role: dict, probes: list, want: list)
             args[i] = p[r]
         try:
             with torch.no_grad():
-                got = fn(*args)
+                got = probe.run(fn, *args)
         except Exception:  # noqa: BLE001  (a region that does not run on the probe is not proved)
             return False
-        if not probes_agree(got, w):
+        if not probe.close(got, w, probe.RECURRENCE):
             return False
     return True
 

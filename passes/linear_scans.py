@@ -39,12 +39,13 @@ import torch.fx as fx
 from torch._functorch import predispatch
 
 from brcompile.backends.scan import linear_scan
+from brcompile.passes import probe
 from brcompile.passes.axes import example_value
 from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HOP", "LEFT", "PROBE_TOL", "VMAP_DATA", "canonicalize_linear_scans", "is_affine_combine", "probes_agree"]
+__all__ = ["HOP", "LEFT", "VMAP_DATA", "canonicalize_linear_scans", "is_affine_combine"]
 
 #: the words of a note on a scan that is not rewritten (the no-attention refusal quotes those notes)
 LEFT = "left as is"
@@ -64,8 +65,6 @@ _FLATTEN = {torch.flatten, "flatten"}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _PAD = {torch.nn.functional.pad, torch._C._nn.pad}
 _MOVEDIM = {torch.movedim, "movedim"}
-#: relative agreement the probes require (float64 reassociation of a short recurrence is ~1e-15)
-PROBE_TOL = 1e-9
 
 
 def _is_pointwise(n: fx.Node) -> bool:
@@ -87,28 +86,24 @@ def is_affine_combine(body: fx.GraphModule) -> Optional[str]:
             return f"a combine_fn that calls {n.target} (not pointwise arithmetic)"
         if n.op in ("call_module", "get_attr"):
             return f"a combine_fn that reads {n.target}"
-    g = torch.Generator().manual_seed(0)
+    g = probe.generator(0)
     for _ in range(2):
-        a1, b1, a2, b2 = (torch.randn(5, generator=g, dtype=torch.float64) for _ in range(4))
+        a1, b1, a2, b2 = (probe.normal(5, g) for _ in range(4))
         try:
             with torch.no_grad():
-                out = body(a1, b1, a2, b2)
+                out = probe.run(body, a1, b1, a2, b2)
         except Exception as e:  # noqa: BLE001  (a body that cannot run on these inputs is not the formula)
             return f"a combine_fn that does not run on probes ({type(e).__name__})"
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             return "a combine_fn without two outputs"
-        if not (probes_agree(out[0], a1 * a2) and probes_agree(out[1], a2 * b1 + b2)):
+        if not (_agree(out[0], a1 * a2) and _agree(out[1], a2 * b1 + b2)):
             return "a combine_fn that is not the affine composition (a1 * a2, a2 * b1 + b2)"
     return None
 
 
-def probes_agree(x: Any, y: torch.Tensor) -> bool:
-    """``x`` is a tensor of ``y``'s shape and dtype within ``PROBE_TOL`` of it, relative to ``y``'s largest entry
-    (at least 1): the agreement every probe proof of a recurrence asks for (here, passes/ssd_scans.py,
-    passes/delta_rule.py)."""
-    if not isinstance(x, torch.Tensor) or x.shape != y.shape or x.dtype != y.dtype:
-        return False
-    return bool(((x - y).abs().max() <= PROBE_TOL * max(1.0, y.abs().max().item())).item())
+def _agree(x: Any, y: torch.Tensor) -> bool:
+    """``x`` agrees with the formula's value ``y`` on a float64 probe (:data:`.probe.RECURRENCE`)."""
+    return probe.close(x, y, probe.RECURRENCE)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,35 +302,25 @@ def _closed(region: _Region) -> Optional[str]:
 def _probe_region(graph: fx.Graph, region: _Region) -> tuple[Optional[dict[fx.Node, int]], str]:
     """Evaluate the region on random float64 leaves: ``({exit: 0 | 1}, "")`` when leaf 0 is a and leaf 1 is b
     and every exit is ``cumprod(a)`` (0) or ``linear_scan(a, b)`` (1) moved back; (None, why) otherwise."""
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for k, e in enumerate(region.entries):
-        env[e] = sub.placeholder(f"leaf{k}")
-    for n in region.inner:
-        env[n] = sub.node_copy(n, lambda a: env[a])
-    sub.output(tuple(env[x.args[0]] for x in region.exits))
-    fn = fx.GraphModule(torch.nn.Module(), sub)
+    fn = probe.region_module(region.entries, region.inner, tuple(x.args[0] for x in region.exits), prefix="leaf")
     shapes = []
     for e in region.entries:
         v = example_value(e)
         if not isinstance(v, torch.Tensor) or not all(isinstance(s, int) for s in v.shape):
             return None, f"the leaf {e.name} has no static shape"
         shapes.append((v.shape[0],) + tuple(min(s, 2) for s in v.shape[1:]))
-    g = torch.Generator().manual_seed(0)
-    a = 0.5 + torch.rand(shapes[0], generator=g, dtype=torch.float64)
-    b = torch.randn(shapes[1], generator=g, dtype=torch.float64)
-    level = torch._C._functorch.maybe_current_level()
+    g = probe.generator(0)
+    a = 0.5 + probe.uniform(shapes[0], g)
+    b = probe.normal(shapes[1], g)
     try:
         with torch.no_grad():
-            outs = fn(a, b)
+            outs = probe.run(fn, a, b)  # closes a vmap level the failed probe left open
     except Exception as e:  # noqa: BLE001  (a region that does not run on the probe is not proved)
-        while torch._C._functorch.maybe_current_level() != level:  # a vmap level the failed probe left open
-            predispatch._vmap_decrement_nesting()
         return None, f"the scan does not run on probes ({type(e).__name__}: {e})"
     want = (torch.cumprod(a, 0), linear_scan(a, b, 0))
     which = {}
     for x, got in zip(region.exits, outs):
-        k = next((k for k in (1, 0) if probes_agree(got, want[k])), None)
+        k = next((k for k in (1, 0) if _agree(got, want[k])), None)
         if k is None:
             return None, f"{x.name} is neither the running product nor the affine recurrence of the leaves"
         which[x] = k

@@ -99,7 +99,9 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from brcompile.passes import probe
 from brcompile.passes.axes import CannotReplay, example_value, is_static_input
+from brcompile.passes.probe import ancestors, map_ints, sequence_positions
 
 log = logging.getLogger(__name__)
 
@@ -154,20 +156,6 @@ class MaskInfo:
         return s + (f" for L <= {self.max_length}" if self.max_length is not None else "")
 
 
-def ancestors(node: fx.Node, inside: Callable[[fx.Node], bool] = lambda n: True) -> list[fx.Node]:
-    """All nodes ``node`` depends on (itself included), in graph order; the walk enters only the inputs
-    for which ``inside`` holds (a region's boundary stays out)."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(a for a in n.all_input_nodes if inside(a))
-    return [n for n in node.graph.nodes if n in seen]
-
-
 def descendants(roots: Sequence[fx.Node]) -> set[fx.Node]:
     """All nodes that depend on one of ``roots`` (the roots themselves only when another root reaches them)."""
     seen: set[fx.Node] = set()
@@ -199,21 +187,6 @@ def _uses_only_as_mask(user: fx.Node, n: fx.Node) -> bool:
     return user.kwargs.get("attn_mask") is n or (len(user.args) > 3 and user.args[3] is n)
 
 
-def _map_ints(a, f: Callable[[int], int]):
-    """``a`` with every int literal (not bool) inside tuples, lists, dicts and slices mapped by ``f``."""
-    if isinstance(a, bool) or isinstance(a, fx.Node):
-        return a
-    if isinstance(a, int):
-        return f(a)
-    if isinstance(a, (tuple, list)):
-        return type(a)(_map_ints(x, f) for x in a)
-    if isinstance(a, slice):
-        return slice(_map_ints(a.start, f), _map_ints(a.stop, f), _map_ints(a.step, f))
-    if isinstance(a, dict):
-        return {k: _map_ints(v, f) for k, v in a.items()}
-    return a
-
-
 def _int_literals(nodes: Iterable[fx.Node]) -> set[int]:
     """Every int literal in the args of ``nodes``."""
     found: set[int] = set()
@@ -224,40 +197,30 @@ def _int_literals(nodes: Iterable[fx.Node]) -> set[int]:
 
     for n in nodes:
         if n.op in ("call_function", "call_method"):
-            _map_ints((n.args, n.kwargs), see)
+            map_ints((n.args, n.kwargs), see)
     return found
 
 
 def evaluate(mask: fx.Node, values: dict[fx.Node, object],
              literal: Optional[Callable[[int], int]] = None) -> torch.Tensor:
-    """Run the subgraph that computes ``mask`` with the given placeholder values; ``literal`` rewrites
-    the int literals of its ops (a static size, for an evaluation at a probe size). A node of ``values`` that is
-    no placeholder (a relative bias's table, :func:`free_values`) takes that value: its own inputs are not
-    evaluated."""
-    env: dict[fx.Node, object] = {n: v for n, v in values.items() if isinstance(n, fx.Node) and n.op != "placeholder"}
-    for n in ancestors(mask, lambda a: a not in env):
-        if n in env:
-            continue
-        if n.op == "placeholder":
-            env[n] = values[n]
-            continue
-        if n.op == "get_attr":
-            env[n] = getattr(n.graph.owning_module, n.target)
-            continue
-        args, kwargs = n.args, n.kwargs
-        if literal is not None:
-            args, kwargs = _map_ints((args, kwargs), literal)
-        args, kwargs = fx.node.map_arg((args, kwargs), lambda a: env[a])
-        if is_canonical_attention(n):  # not runnable as spelled (sinks, soft-cap): by its meaning
-            from brcompile.passes.canonicalize import canonical_attention
-            env[n] = canonical_attention(n, args, kwargs)
-        elif n.op == "call_function":
-            env[n] = n.target(*args, **kwargs)
-        elif n.op == "call_method":
-            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
-        else:
-            raise CannotReplay(f"mask subgraph contains a {n.op}", n)
-    return env[mask]
+    """Run the subgraph that computes ``mask`` with the given placeholder values (:func:`.probe.evaluate`);
+    ``literal`` rewrites the int literals of its ops (a static size, for an evaluation at a probe size). A node of
+    ``values`` that is no placeholder (a relative bias's table, :func:`free_values`) takes that value: its own
+    inputs are not evaluated. An attention the canonicalisation made is run by its meaning
+    (:func:`is_canonical_attention`); a node that is no op (a ``call_module``) is refused."""
+    try:
+        return probe.evaluate(mask, values, literal=literal, call=_by_meaning)
+    except probe.UnsupportedNode as e:
+        raise CannotReplay(f"mask subgraph contains a {e.node.op}", e.node) from e
+
+
+def _by_meaning(n: fx.Node, args: tuple, kwargs: dict):
+    """An attention of the canonicalisation evaluated by its meaning (sinks, soft-cap: not runnable as spelled);
+    ``NotImplemented`` for every other node (run as spelled)."""
+    if not is_canonical_attention(n):
+        return NotImplemented
+    from brcompile.passes.canonicalize import canonical_attention
+    return canonical_attention(n, args, kwargs)
 
 
 def is_canonical_attention(n: fx.Node) -> bool:
@@ -486,7 +449,7 @@ def free_values(free: Sequence[fx.Node], Bp: int, Lp: int, gen: torch.Generator)
     for n in free:
         t = example_value(n)
         shape = (Bp, int(t.shape[1]), Lp, *(int(s) for s in t.shape[3:]))
-        out[n] = torch.randn(shape, generator=gen, dtype=torch.float64).to(device=t.device, dtype=t.dtype)
+        out[n] = probe.normal(shape, gen, like=t)
     return out
 
 
@@ -495,23 +458,12 @@ def _binary(x: torch.Tensor) -> bool:
 
 
 def _probe_value(x: torch.Tensor, binary: bool, B: int, L: int, gen: torch.Generator, pattern: int) -> torch.Tensor:
-    """A [B, L] value typed like tree input ``x``: for 0/1 inputs pattern 0 is all ones, 1 left padding
-    of random lengths, 2 right padding, 3 random 0/1; other inputs get random values in ``x``'s range
-    ``[min, max]`` (never past it: token ids past the largest one seen may be past an embedding's vocabulary;
-    a constant input gets a second value next to it, below it when it can)."""
+    """A [B, L] value typed like tree input ``x``: for 0/1 inputs the key-padding ``pattern`` of
+    :func:`.probe.padding` (0 all ones, 1 left padding of random lengths, 2 right padding, 3 random 0/1); other
+    inputs get random values in ``x``'s range (:func:`.probe.in_range`: never past it)."""
     if binary:
-        if pattern == 0:
-            p = torch.ones(B, L, dtype=torch.bool)
-        elif pattern in (1, 2):
-            lens = torch.randint(0, L + 1, (B, 1), generator=gen)
-            p = torch.arange(L)[None, :] >= (L - lens) if pattern == 1 else torch.arange(L)[None, :] < lens
-        else:
-            p = torch.rand(B, L, generator=gen) < 0.6
-        return p.to(device=x.device, dtype=x.dtype)
-    lo, hi = (int(x.min()), int(x.max())) if x.numel() else (0, 1)
-    if lo == hi:
-        lo, hi = (lo - 1, lo) if lo > 0 else (lo, lo + 1)
-    return torch.randint(lo, hi + 1, (B, L), generator=gen).to(device=x.device, dtype=x.dtype)
+        return probe.padding(B, L, pattern, gen).to(device=x.device, dtype=x.dtype)
+    return probe.in_range(x, (B, L), gen)
 
 
 class _Probes:
@@ -523,7 +475,7 @@ class _Probes:
         self.perturbed = perturbed or {}  # trainable tensors at generic values, for the probes (not the example)
         self.free = list(free)  # nodes given random values (:func:`free_values`)
         self.binary = {t: _binary(values[t]) for t in self.inputs}
-        self.gen = torch.Generator().manual_seed(0)
+        self.gen = probe.generator(0)
 
     def trials(self, Bp: int, Lp: int, patterns: Iterable[int]) -> list[_Trial]:
         """Trials at (Bp, Lp), one per key-padding ``pattern`` (:func:`_probe_value`)."""
@@ -825,8 +777,7 @@ def _trainable_alibi(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Seque
         return None
     t0 = max(unpadded, key=lambda t: t.size[1])
     like = evaluate(node, t0.values, t0.literal)
-    gen = torch.Generator().manual_seed(1)
-    fresh = torch.randn(like.shape, generator=gen, dtype=torch.float64).to(like)
+    fresh = probe.normal(like.shape, probe.generator(1), like=like)
     substituted = _Trial({**t0.values, node: fresh}, t0.literal, t0.size, t0.unpadded)
     checks = [(t, _per_head(evaluate(node, t.values, t.literal), hq)) for t in trials]
     checks.append((substituted, _per_head(fresh, hq)))
@@ -872,11 +823,11 @@ def _followed_input(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], tri
 def _perturbed_parameters(mask: fx.Node, values: dict, free: Sequence[fx.Node] = ()) -> dict:
     """Every trainable floating placeholder of the mask's subgraph (not behind a ``free`` node), plus a fixed
     pseudo-random offset (seeded, 0.25 * N(0, 1)): generic values for the probes of :func:`_followed_input`."""
-    gen, out = torch.Generator().manual_seed(0), {}
+    gen, out = probe.generator(0), {}
     for n in ancestors(mask, lambda a: a not in free):
         v = values.get(n) if n.op == "placeholder" else None
         if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
-            noise = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(device=v.device, dtype=v.dtype)
+            noise = probe.normal(v.shape, gen, like=v)
             out[n] = v.detach() + 0.25 * noise
     return out
 
@@ -937,14 +888,14 @@ def _alibi_slopes(attn: fx.Node, mask: fx.Node, trials: Sequence[_Trial], hq: Op
 def _fits_alibi(vis: torch.Tensor, bias: Optional[torch.Tensor], slopes: Sequence[float],
                 pos: torch.Tensor) -> bool:
     """Whether ``bias - m[h] * pos[b, k]`` is constant along every query row over its visible keys, up to
-    the rounding of the bias's dtype."""
+    the rounding of the bias's dtype (:data:`.probe.ROUNDING` of ``max |bias| + max |m[h] * pos| + 1``)."""
     vis = _as_4d(vis).cpu()
     hq = len(slopes)
     if bias is None:
         if not any(slopes):
             return True
         bias = torch.zeros(vis.shape, dtype=torch.float64)
-    eps = torch.finfo(bias.dtype).eps
+    dtype = bias.dtype
     b = _as_4d(bias).detach().to(torch.float64).cpu()  # detached: a trainable bias's probe carries a graph
     if b.shape[1] not in (1, hq) or vis.shape[1] not in (1, hq):
         return False
@@ -957,7 +908,7 @@ def _fits_alibi(vis: torch.Tensor, bias: Optional[torch.Tensor], slopes: Sequenc
     hi = r.masked_fill(~v, float("-inf")).amax(-1)
     lo = r.masked_fill(~v, float("inf")).amin(-1)
     seen = v.any(-1)
-    tol = 64 * eps * (float(b.abs().max()) + float(expected.abs().max()) + 1.0)
+    tol = probe.ROUNDING.bound(dtype, float(b.abs().max()) + float(expected.abs().max()) + 1.0)
     return bool(((hi - lo)[seen] <= tol).all())
 
 
@@ -966,22 +917,13 @@ def _fits_alibi(vis: torch.Tensor, bias: Optional[torch.Tensor], slopes: Sequenc
 SEQUENCE_PATTERNS = (0.0, 0.15, 0.4, 1.0)
 
 
-def sequence_positions(B: int, L: int, p_start: float, gen: torch.Generator) -> torch.Tensor:
-    """[B, L] well-formed position ids: each row a concatenation of sequences 0, 1, 2, ... whose starts
-    (after column 0) are drawn with probability ``p_start``."""
-    starts = torch.rand(B, L, generator=gen) < p_start
-    starts[:, 0] = True
-    t = torch.arange(L).expand(B, L)
-    return t - torch.where(starts, t, 0).cummax(dim=1).values
-
-
 def _sequence_meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node],
                       trials: Sequence[_Trial]) -> Optional[MaskInfo]:
     """``causal+sequences(P)`` for the first integer tree input P for which the mask is causal within the
     sequences that P's 0s start, on every trial size with P replaced by well-formed position ids
     (:data:`SEQUENCE_PATTERNS`, the other inputs as in the trial: key padding there must not change it);
     None when there is none. Well-formed P is all the runtime replays (:func:`sequences_guard`)."""
-    gen = torch.Generator().manual_seed(1)
+    gen = probe.generator(1)
     for P in inputs:
         dtype = getattr(trials[0].values[P], "dtype", None) if trials else None
         if dtype is None or dtype.is_floating_point or dtype == torch.bool:

@@ -51,7 +51,8 @@ import torch.fx as fx
 from brcompile.passes.axes import (
     AxesContext, CannotReplay, example_value, get_axes, hint, node_args, register_rule, set_axes, token,
 )
-from brcompile.passes.masks import ancestors
+from brcompile.passes import probe
+from brcompile.passes.probe import ancestors
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class _Probe:
 
     def __init__(self, ctx: AxesContext, nodes: list[fx.Node], inputs: list[fx.Node], v: fx.Node):
         self.ctx, self.nodes, self.v = ctx, nodes, v
-        self.gen = torch.Generator().manual_seed(0)
+        self.gen = probe.generator(0)
         self.values: dict[fx.Node, Any] = {}
         self.token_inputs: dict[fx.Node, Any] = {}  # input -> its TokenAxes
         for a in inputs:
@@ -252,20 +253,13 @@ class _Probe:
         if not isinstance(ev, torch.Tensor):
             return hint(ev)
         if ax.is_token and (ev.is_floating_point() or ev.is_complex()):
-            return torch.randn(hint(tuple(ev.shape)), generator=self.gen, dtype=ev.dtype).to(ev.device)
+            return probe.normal(hint(tuple(ev.shape)), self.gen, draw=ev.dtype, like=ev)
         return _evaluate(a, self.ctx)  # ints, bools and constants: their domains matter (ids, masks)
 
     def run(self, values: dict[fx.Node, Any]) -> torch.Tensor:
-        env = dict(values)
+        """``v`` on ``values`` (the region's inputs): every region node run in order (:func:`.probe.evaluate`)."""
         with torch.no_grad():
-            for n in self.nodes:
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
-                try:
-                    env[n] = n.target(*args, **kwargs) if n.op == "call_function" else \
-                        getattr(args[0], n.target)(*args[1:], **kwargs)
-                except Exception as e:  # a probe value outside the op's domain: not proved
-                    raise _NotCausal(f"its region failed on probe values at {n.name}: {type(e).__name__}: {str(e)[:200]}") from e
-        out = env[self.v]
+            out = probe.evaluate(self.v, values, nodes=self.nodes, fail=_failed)
         if not isinstance(out, torch.Tensor):
             raise _NotCausal("it is not a tensor")
         return out
@@ -278,7 +272,7 @@ class _Probe:
             x = self.values[a]
             if rows is not None and ax.row is None and not ax.flat:
                 continue  # a position-only value belongs to no row
-            out[a] = torch.where(self._where(x, ax, rows, from_pos), _other_values(x, self.gen), x)
+            out[a] = torch.where(self._where(x, ax, rows, from_pos), probe.differing(x, self.gen), x)
         return out
 
     def _where(self, x: torch.Tensor, ax, rows: Optional[int], from_pos: int) -> torch.Tensor:
@@ -361,53 +355,24 @@ def _evaluate(a: fx.Node, ctx: AxesContext) -> Any:
         raise _NotCausal(f"its input {a.name} could not be evaluated ({type(e).__name__}: {str(e)[:150]})") from e
 
 
-def _other_values(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A tensor like ``x`` whose every entry differs from ``x``'s, staying in ``x``'s domain where it can:
-    bools flipped, 0/1 integers flipped, other integers drawn from the values ``x`` holds (the next one
-    where the draw repeats), floats fresh normals."""
-    if x.dtype == torch.bool:
-        return ~x
-    if x.is_floating_point() or x.is_complex():
-        return torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device) + 0.5
-    vals = torch.unique(x)
-    if len(vals) <= 2 and bool(((vals == 0) | (vals == 1)).all()):
-        return 1 - x
-    if len(vals) == 1:
-        return x + 1
-    pick = torch.randint(0, len(vals), x.shape, generator=gen).to(x.device)
-    nxt = (torch.searchsorted(vals, x) + 1) % len(vals)
-    other = vals[pick]
-    return torch.where(other == x, vals[nxt], other)
+def _failed(n: fx.Node, e: Exception) -> None:
+    """A region op that raised on probe values (a value outside its domain): not proved."""
+    raise _NotCausal(f"its region failed on probe values at {n.name}: {type(e).__name__}: {str(e)[:200]}") from e
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise bitwise-equal (NaN equals NaN)."""
+    """Elementwise bitwise-equal (:func:`.probe.identical`); a shape that differs is refused."""
     if a.shape != b.shape:
         raise _NotCausal("its shape depends on the values")
-    eq = a == b
-    if a.is_floating_point() or a.is_complex():
-        eq = eq | (torch.isnan(a) & torch.isnan(b))
-    return eq
-
-
-#: the roll probe's bound, in units of the dtype's eps times the value's largest entry
-_ROLL_ULPS = 64
+    return probe.identical(a, b)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` equals ``b`` up to ``_ROLL_ULPS`` rounding steps of ``b``'s largest entry (floats; others
-    exactly, NaN equal to NaN): a row moved to another place in the batch may be rounded differently by a
-    kernel (a matmul's edge tiles), by a few ulps; a per-row constant changes it by far more."""
-    same = _same(a, b)
-    if not (a.is_floating_point() or a.is_complex()):
-        return bool(same.all())
-    finite = torch.isfinite(a) & torch.isfinite(b)
-    if not bool((same | finite).all()):
-        return False
-    diff = torch.where(same, torch.zeros_like(a), a - b).abs()
-    scale = b.abs().masked_fill(~finite, 0).max().item() if b.numel() else 0.0
-    eps = torch.finfo(a.dtype).eps
-    return b.numel() == 0 or diff.max().item() <= _ROLL_ULPS * eps * max(scale, torch.finfo(a.dtype).tiny)
+    """``a`` equals ``b`` up to a few rounding steps of ``b``'s largest entry (:data:`.probe.ROUNDING`; integers
+    exactly, NaN equal to NaN); a shape that differs is refused."""
+    if a.shape != b.shape:
+        raise _NotCausal("its shape depends on the values")
+    return probe.close(a, b, probe.ROUNDING)
 
 
 def _only_at(changed: torch.Tensor, dim: int, allowed) -> bool:

@@ -40,10 +40,10 @@ input broadcasting against ``x`` is ``d`` (with ``x`` only). Every assignment th
 
 **The proof obligation** (:func:`_proves`): the region, evaluated on random float64 inputs (a log-decay in
 [-1.05, -0.05], normals elsewhere) of the example's shapes, equals the reference recurrence to a relative
-1e-9 (float64 reassociation of a chunked sum is ~1e-15). The region's shapes are the example's (the pad size
-and the chunk count are constants of the graph, specialised on L): a region with symbolic sizes is not
-rewritten. An assignment that fails is not the region's meaning; when none proves, the region stays as it is
-(dense, packed again: today's behaviour) with a note. Exactness of the rewrite then follows: it computes the
+1e-9 (:data:`.probe.RECURRENCE`; float64 reassociation of a chunked sum is ~1e-15). The region's shapes are the
+example's (the pad size and the chunk count are constants of the graph, specialised on L): a region with symbolic
+sizes is not rewritten. An assignment that fails is not the region's meaning; when none proves, the region stays as
+it is (dense, packed again: today's behaviour) with a note. Exactness of the rewrite then follows: it computes the
 reference on the region's own inputs.
 """
 from __future__ import annotations
@@ -59,7 +59,8 @@ import torch.fx as fx
 
 from brcompile.backends.scan import linear_scan
 from brcompile.passes.axes import example_value, hint
-from brcompile.passes.linear_scans import LEFT, probes_agree
+from brcompile.passes import probe
+from brcompile.passes.linear_scans import LEFT
 from brcompile.passes.spellings import is_op
 
 log = logging.getLogger(__name__)
@@ -221,24 +222,21 @@ def _role_assignments(region: _Region, batch: tuple[int, int]) -> list[dict[str,
 
 
 def _probe_values(roles: dict[str, fx.Node], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+    """Random float64 probes of the roles' shapes: the log-decay ``la`` in (-1.05, -0.05], the others normal (a
+    uniform draw precedes each role's value, used by ``la`` only: the draws of the seed stay as they are)."""
+    g = probe.generator(seed)
     vals = {}
     for k in _ROLES:
         if k in roles:
             shape = _shape(roles[k])
-            r = torch.rand(shape, generator=g, dtype=torch.float64)
-            vals[k] = -(0.05 + r) if k == "la" else torch.randn(shape, generator=g, dtype=torch.float64)
+            r = probe.uniform(shape, g)
+            vals[k] = -(0.05 + r) if k == "la" else probe.normal(shape, g)
     return vals
 
 
 def _region_fn(region: _Region) -> fx.GraphModule:
     """The region as a graph module of its inputs (in ``region.inputs`` order)."""
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {a: sub.placeholder(f"in{i}") for i, a in enumerate(region.inputs)}
-    for n in region.nodes:
-        env[n] = sub.node_copy(n, lambda a: env[a])
-    sub.output(env[region.output])
-    return fx.GraphModule(torch.nn.Module(), sub)
+    return probe.region_module(region.inputs, region.nodes, region.output)
 
 
 def _proves(fn: fx.GraphModule, region: _Region, roles: dict[str, fx.Node]) -> bool:
@@ -248,11 +246,11 @@ def _proves(fn: fx.GraphModule, region: _Region, roles: dict[str, fx.Node]) -> b
         vals = _probe_values(roles, seed)
         try:
             with torch.no_grad():
-                got = fn(*[vals[by_node[a]] for a in region.inputs])
+                got = probe.run(fn, *[vals[by_node[a]] for a in region.inputs])
         except Exception as e:  # noqa: BLE001  (a region that does not run on the probe is not proved)
             log.debug("%s: probe failed (%s: %s)", region.output.name, type(e).__name__, e)
             return False
-        if not probes_agree(got, reference_ssd(**vals)):
+        if not probe.close(got, reference_ssd(**vals), probe.RECURRENCE):
             return False
     return True
 
