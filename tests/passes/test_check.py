@@ -58,8 +58,8 @@ def test_positions_expanded_over_rows_replay_for_every_token_count():
 def test_packed_graph_that_fixes_the_token_count_is_refused_at_compile_time(monkeypatch):
     """A rewrite that bakes the example's N into the packed graph (here injected: a view of the position array
     to its example length) is refused before it runs: the original graph runs, the reason names the N."""
-    backend_mod = importlib.import_module("brcompile.backend")
-    real = backend_mod.check_packed_graph
+    pipeline_mod = importlib.import_module("brcompile.passes.pipeline")  # its "check" stage runs the check
+    real = pipeline_mod.check_packed_graph
 
     def baking(packed, example_args):
         from brcompile.passes.check import token_positions
@@ -71,7 +71,7 @@ def test_packed_graph_that_fixes_the_token_count_is_refused_at_compile_time(monk
         packed.recompile()
         return real(packed, example_args)
 
-    monkeypatch.setattr(backend_mod, "check_packed_graph", baking)
+    monkeypatch.setattr(pipeline_mod, "check_packed_graph", baking)
     model = ExpandedPositions().double()
 
     def fn(ids):
