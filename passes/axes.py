@@ -240,23 +240,44 @@ class Rule:
 RULES: dict[Any, Rule] = {}
 
 
-def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: str = ""):
+class RuleCollision(ValueError):
+    """A rule registered for a target that already has one (without ``override=True``)."""
+
+
+def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: str = "",
+                  override: bool = False):
     """Decorator: register ``fn(ctx, node) -> TokenAxes`` for one target or a list of targets.
 
     Targets are callables (``call_function``), method names (``call_method``, e.g. ``"view"``) or the
     qualified names of custom ops (``"transformers::grouped_mm_fallback"``, matched by name so that the
-    library defining them need not be loaded).
+    library defining them need not be loaded). A target has one rule: registering a second one raises
+    :class:`RuleCollision` unless ``override=True`` (then the new rule replaces the old one).
     """
     if not isinstance(targets, (list, tuple)):
         targets = [targets]
 
     def deco(fn):
         rule = Rule(fn.__name__, fn, emit, always, local)
+        taken = [(t, RULES[t].name) for t in targets if t in RULES] if not override else []
+        if taken:
+            raise RuleCollision(f"rule {rule.name!r}: targets already have a rule: "
+                                + ", ".join(f"{_target_label(t)} ({name})" for t, name in taken)
+                                + "; pass override=True to replace them")
         for t in targets:
+            if override and t in RULES:
+                log.info("rule %r replaces %r for %s", rule.name, RULES[t].name, _target_label(t))
             RULES[t] = rule
         return fn
 
     return deco
+
+
+def _target_label(target: Any) -> str:
+    """A readable name of a rule target (a method name, a qualified op name, or a callable)."""
+    if isinstance(target, str):
+        return target
+    mod = getattr(target, "__module__", None) or ""
+    return f"{mod}.{getattr(target, '__name__', repr(target))}".lstrip(".")
 
 
 def rule_for(node: fx.Node) -> Optional[Rule]:
@@ -583,6 +604,6 @@ def summarize(gm: fx.GraphModule) -> list[tuple[str, str]]:
 
 __all__ = [
     "CannotReplay", "NothingToShare", "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
-    "register_rule", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value", "hint",
+    "register_rule", "RuleCollision", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value", "hint",
     "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
 ]
