@@ -24,13 +24,12 @@ import dataclasses
 import enum
 import inspect
 import logging
-import operator
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from brcompile.passes.spellings import target_name
+from brcompile.passes.spellings import INPLACE_OPERATORS, random_draw, target_name
 
 log = logging.getLogger(__name__)
 
@@ -388,30 +387,6 @@ def dense_fallback(ctx: AxesContext, node: fx.Node, reason: str) -> TokenAxes:
         if get_axes(a).is_token:
             ctx.materialise(a, node, reason)
     return DENSE
-
-
-#: Python's in-place operators (``x += y`` ...) and ``x[i] = y``, as Dynamo records them.
-INPLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.setitem})
-
-#: Tensor methods that overwrite their tensor with random draws (``empty_like(x).exponential_()``: Gumbel noise)
-RANDOM_FILLS = frozenset({"exponential_", "uniform_", "normal_", "bernoulli_", "random_", "geometric_", "cauchy_",
-                          "log_normal_"})
-
-
-def random_draw(node: fx.Node) -> Optional[str]:
-    """The name of the random draw ``node`` makes, or None: a Tensor method of :data:`RANDOM_FILLS`, or an ATen
-    op tagged ``nondeterministic_seeded`` (the ATen level, docs/ARCHITECTURE.md §3.0: ``exponential_`` is the
-    functional ``aten.exponential`` there, named by the in-place method the model called when there is one)."""
-    if node.op == "call_method" and node.target in RANDOM_FILLS:
-        return node.target
-    op = node.target if node.op == "call_function" else None
-    if isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
-        name = op._schema.name.split("::")[-1]
-        return f"{name}_ ({op})" if f"{name}_" in RANDOM_FILLS else str(op)
-    return None
 
 
 def _register_state_changes() -> None:

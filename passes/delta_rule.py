@@ -59,7 +59,7 @@ from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes.axes import example_value
 from brcompile.passes.masks import ancestors
 from brcompile.passes.linear_scans import LEFT, probes_agree
-from brcompile.passes.spellings import is_op
+from brcompile.passes.spellings import FLOAT_CASTS, is_op
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +287,6 @@ def _f64(x: Any) -> Any:
     return x
 
 
-#: methods that cast to a floating dtype (KDA's ``decay_mask.exp().float()``): ``double`` in the probe's copy
-_FLOAT_CASTS = ("float", "half", "bfloat16", "double")
 
 
 def _region_callable(region: _Region) -> Callable:
@@ -298,7 +296,7 @@ def _region_callable(region: _Region) -> Callable:
         c = sub.node_copy(n, lambda a: env[a])
         c.args = fx.node.map_aggregate(c.args, _f64)
         c.kwargs = fx.node.map_aggregate(c.kwargs, _f64)
-        if c.op == "call_method" and c.target in _FLOAT_CASTS:  # ``.float()``: a cast to a floating dtype
+        if c.op == "call_method" and c.target in FLOAT_CASTS:  # ``.float()``: a cast to a floating dtype
             c.target = "double"
         env[n] = c
     sub.output(env[region.output])

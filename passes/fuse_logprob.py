@@ -38,13 +38,12 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from brcompile.passes.axes import (
     CONST, DENSE, AxesContext, Window, dense_fallback, example_value, get_axes, node_args, normalize_dim,
     register_rule, set_axes, shape_of,
 )
-from brcompile.passes.spellings import spellings
+from brcompile.passes.spellings import CASTS_AND_COPIES, CROSS_ENTROPY, FLAT_RESHAPES, spellings
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +59,6 @@ SOFTMAX = set(spellings("softmax"))
 EXP = set(spellings("exp"))
 NEG = set(spellings("neg"))
 SUM = set(spellings("sum"))
-CASTS = {*spellings("cast"), "contiguous", "clone", torch.clone}
-RESHAPES = {"reshape", "view", torch.reshape, "flatten", torch.flatten}
-CROSS_ENTROPY = [F.cross_entropy]
 
 
 def _op():
@@ -169,7 +165,7 @@ def _is_window(n: fx.Node) -> bool:
 
 def _is_noop(n: fx.Node) -> bool:
     """A cast or copy that keeps dtype and device (``.float()`` of a float32 value, ``contiguous``)."""
-    return _is(n, CASTS) and isinstance(n.args[0], fx.Node) and _same_dtype(n, n.args[0]) and (
+    return _is(n, CASTS_AND_COPIES) and isinstance(n.args[0], fx.Node) and _same_dtype(n, n.args[0]) and (
         n.target != "to" or all(isinstance(a, (torch.dtype, torch.device, str)) for a in n.args[1:]))
 
 
@@ -431,7 +427,7 @@ def match_cross_entropy(node: fx.Node) -> Optional[LogprobMatch]:
             or a["label_smoothing"] != 0.0 or a["reduction"] not in ("none", "mean", "sum") \
             or not isinstance(a["ignore_index"], int):
         return None
-    if not _is(R, RESHAPES) or not _only_user(R, node) or not isinstance(T, fx.Node) or get_axes(T).is_token:
+    if not _is(R, FLAT_RESHAPES) or not _only_user(R, node) or not isinstance(T, fx.Node) or get_axes(T).is_token:
         return None
     X = R.args[0]
     rs, tv = shape_of(R), example_value(T)

@@ -37,7 +37,9 @@ from brcompile.passes import delta_rule, linear_scans, ssd_scans
 from brcompile.passes.decode import decode_against_cache
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import PER_TOKEN, SDPA
-from brcompile.passes.spellings import CHEAP_VIEWS, copy_graph_module, is_op, op_name
+from brcompile.passes.spellings import (
+    CHEAP_VIEWS, EMBEDDINGS, MATRIX_RIGHT_OPERAND, VALUE_MOVES, WEIGHT_TRANSPOSES, copy_graph_module, is_op, op_name,
+)
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
 
@@ -45,7 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Extra inputs of the packed graph, in this order, after the original ones.
 
-_EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
 #: A TOKEN value read through a window covering at most this fraction of the B·L positions is computed
 #: densely from its inputs' dense values when they share the window (Packer._sinks_window).
 WINDOW_SINK_FRACTION = 0.5
@@ -133,7 +134,7 @@ def _strip_views(n: fx.Node) -> fx.Node:
 def find_token_ids(gm: fx.GraphModule) -> fx.Node:
     """The placeholder of the token ids: the integer [B, L] input of the first ``embedding``."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _EMBEDDINGS:
+        if n.op == "call_function" and n.target in EMBEDDINGS:
             src = _strip_views(n.args[0])
             v = example_value(src)
             if src.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 2 \
@@ -300,7 +301,7 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
                              f"compute")
     if not any(_float_arithmetic(n) for n in ops):  # a mask built from [B, L] metadata; a sort of routing keys
         what = ", ".join(dict.fromkeys(op_name(n) for n in ops
-                                       if n.target not in _CHEAP and n.target not in _MOVES))
+                                       if n.target not in _CHEAP and n.target not in VALUE_MOVES))
         raise NothingToShare(f"{nothing}: the graph computes no floating-point value (integer and boolean "
                              f"bookkeeping only: {what}; floating-point values are only viewed, cast or indexed): "
                              f"nothing to compute per token")
@@ -348,8 +349,6 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
                     canon.notes)
 
 
-_RIGHT_OPERAND = {operator.matmul, torch.matmul, "matmul", "__matmul__", torch.mm, "mm", torch.nn.functional.linear}
-_TRANSPOSES = {"T", "mT", "t", "transpose", "permute", torch.t, torch.transpose, torch.permute}
 
 
 def _read_as_weight(p: fx.Node, depth: int = 0) -> bool:
@@ -359,26 +358,24 @@ def _read_as_weight(p: fx.Node, depth: int = 0) -> bool:
     if not p.users or depth > 2:
         return False
     for u in p.users:
-        if u.target in _RIGHT_OPERAND and len(u.args) > 1 and u.args[1] is p and u.args[0] is not p:
+        if u.target in MATRIX_RIGHT_OPERAND and len(u.args) > 1 and u.args[1] is p and u.args[0] is not p:
             continue
-        if (u.target in _TRANSPOSES or (u.target is getattr and len(u.args) > 1 and u.args[1] in _TRANSPOSES)) \
+        if (u.target in WEIGHT_TRANSPOSES
+                or (u.target is getattr and len(u.args) > 1 and u.args[1] in WEIGHT_TRANSPOSES)) \
                 and u.args[0] is p and _read_as_weight(u, depth + 1):
             continue
         return False
     return True
 
 
-#: ops that move floating-point values without computing on them (with :data:`_CHEAP`)
-_MOVES = {"flatten", "index_select", "gather", "take", "take_along_dim", "clone", torch.flatten, torch.index_select,
-          torch.gather, torch.take, torch.take_along_dim, torch.clone}
 
 
 def _float_arithmetic(n: fx.Node) -> bool:
     """``n`` computes a floating-point value (one of its outputs is floating and it is no view, cast, index
-    or move of values: :data:`_CHEAP`, :data:`_MOVES`)."""
+    or move of values: :data:`_CHEAP`, :data:`VALUE_MOVES`)."""
     if n.op == "call_module":  # a module not inlined: assumed to compute
         return True
-    if n.target in _CHEAP or n.target in _MOVES:
+    if n.target in _CHEAP or n.target in VALUE_MOVES:
         return False
     v = example_value(n)
     vals = v if isinstance(v, (tuple, list)) else (v,)
@@ -411,7 +408,7 @@ def _lookup_by_integer_input(gm: fx.GraphModule, placeholders: list) -> Optional
 
 def _indexes_by(n: fx.Node, index_args: list) -> bool:
     """``n`` reads its data at the places one of ``index_args`` names (an embedding, an index, a gather)."""
-    if n.target in _EMBEDDINGS:
+    if n.target in EMBEDDINGS:
         return True
     name = getattr(n.target, "__name__", n.target)
     if name in ("getitem", "__getitem__", "index_select", "gather", "take", "take_along_dim", "index"):
@@ -608,7 +605,7 @@ def ids_joined_to_constants(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.No
     prefix or suffix: CPM-Ant's ``cat((arange(a, b).repeat(B, 1), input_ids), 1)``); None otherwise. Only a
     diagnosis: such ids are not a tree input (:func:`find_token_ids`)."""
     for n in gm.graph.nodes:
-        if not (n.op == "call_function" and n.target in _EMBEDDINGS):
+        if not (n.op == "call_function" and n.target in EMBEDDINGS):
             continue
         src = _strip_views(n.args[0])
         v = example_value(src)

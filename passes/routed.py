@@ -39,8 +39,9 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.axes import CannotReplay, example_value, hint, node_args
-from brcompile.passes.rules.pointwise import BINARY, UNARY
-from brcompile.passes.spellings import copy_graph_module, family_of, op_name
+from brcompile.passes.spellings import (
+    ALONG_DIM_NAMES, BINARY, GATHER_NAMES, UNARY, copy_graph_module, family_of, op_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,6 @@ class RoutedPlan:
 # --------------------------------------------------------------------------------------------------
 # finding the pattern
 
-_GATHERS = ("getitem", "index_select")
-
-
 def _is_int_placeholder(n: Any) -> bool:
     v = example_value(n)
     return isinstance(n, fx.Node) and n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 1 \
@@ -108,7 +106,7 @@ def _is_int_placeholder(n: Any) -> bool:
 def _gathered(n: fx.Node) -> Optional[tuple]:
     """(x, idx) when ``n`` gathers rows of a float value by a 1-D integer graph input: ``x[idx]`` or
     ``x.index_select(0, idx)``; else None."""
-    if n.op not in ("call_function", "call_method") or op_name(n) not in _GATHERS or len(n.args) < 2:
+    if n.op not in ("call_function", "call_method") or op_name(n) not in GATHER_NAMES or len(n.args) < 2:
         return None
     if op_name(n) == "getitem":
         x, idx = n.args[0], n.args[1]
@@ -147,8 +145,6 @@ def _token_source(x: fx.Node) -> fx.Node:
 
 #: ops that act elementwise (with broadcasting) on their tensor operands: the token-axis pointwise rule's targets
 _POINTWISE = frozenset(BINARY + UNARY)
-#: ops that reduce or normalise along the dims they are given (never dim 0 here)
-_ALONG_DIMS = {"softmax", "log_softmax", "sum", "mean", "amax", "amin", "norm", "var", "std"}
 
 
 def _name(n: fx.Node) -> str:
@@ -254,7 +250,7 @@ class _Propagation:
                     any(a in self.facts for a in _flat_nodes((n.args[1:], n.kwargs))):
                 self.fail(n, f"{name} over the pair dim")
             return fact
-        if name in _ALONG_DIMS:
+        if name in ALONG_DIM_NAMES:
             return self._along_dims(n, fact)
         if name in ("split", "chunk", "split_with_sizes", "unbind"):
             return self._split(n, fact)

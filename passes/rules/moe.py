@@ -50,11 +50,9 @@ from brcompile.passes.axes import (
 )
 from brcompile.passes.guards import integers_in_range
 from brcompile.passes.rules import reduce as _reduce
+from brcompile.passes.spellings import GROUPED_MM, INDEX_CASTS
 
-_CASTS = {"to", "long", "int", "float", "double", "type", "type_as"}
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-GROUPED_MM = [t for t in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if t is not None] + [
-    "transformers::grouped_mm_fallback"]
 
 
 def _dim(node, pos: int, default=None):
@@ -232,7 +230,7 @@ def region_op(ctx: AxesContext, node):
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     v = example_value(node)
     if len(args) == 1 and ax.is_token and (ax.points is not None or ax.groups is not None):
-        if name in _CASTS and isinstance(v, torch.Tensor) and (ax.groups is not None or v.dtype in _INT_DTYPES):
+        if name in INDEX_CASTS and isinstance(v, torch.Tensor) and (ax.groups is not None or v.dtype in _INT_DTYPES):
             return ax
         if _floor_division(node) and ax.points is not None and isinstance(node.args[1], int) and node.args[1] > 0:
             f, o = ax.points
@@ -304,7 +302,7 @@ def _key_range(node: fx.Node, depth: int = 0, tables: Optional[list] = None):
             parts = node.args[0] if node.args else node.kwargs.get("tensors")
             bounds = [_key_range(p, depth + 1, tables) for p in parts] if isinstance(parts, (list, tuple)) else [None]
             return None if not bounds or None in bounds else max(bounds)
-        if tname in ("reshape", "view", "flatten", "contiguous", "clone", "detach") or tname in _CASTS:
+        if tname in ("reshape", "view", "flatten", "contiguous", "clone", "detach") or tname in INDEX_CASTS:
             node = node.args[0]
             continue
         if tname == "masked_fill":

@@ -15,14 +15,7 @@ from brcompile.passes.axes import (
     AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule, token,
 )
 from brcompile.passes.rules import pointwise as _pointwise
-from brcompile.passes.spellings import spellings
-
-REDUCTIONS = [
-    *spellings("sum"), torch.mean, torch.amax, torch.amin, torch.prod, torch.logsumexp, torch.norm, torch.var,
-    torch.std, torch.all, torch.any, torch.linalg.vector_norm,
-    "mean", "amax", "amin", "prod", "logsumexp", "norm", "var", "std", "all", "any",
-]
-
+from brcompile.passes.spellings import REDUCTIONS, spellings
 
 def _reduced_dims(node, ndim: int):
     name = node.target if isinstance(node.target, str) else node.target.__name__
