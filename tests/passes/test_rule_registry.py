@@ -43,3 +43,22 @@ def test_one_registration_may_list_a_target_twice(scratch_rules):
     assert RULES["brcompile_test_twice"].propagate is twice
     with pytest.raises(RuleCollision, match="brcompile_test_twice"):
         register_rule("brcompile_test_twice")(twice)
+
+
+def test_routed_pair_rules_collide_the_same_way():
+    """passes/routed.py's pair-local rules are a registry built the same way: one rule per op name / target."""
+    from brcompile.passes import routed
+
+    def again(prop, n, fact):
+        return fact
+
+    saved = dict(routed._PAIR_RULES_BY_NAME)
+    try:
+        with pytest.raises(RuleCollision, match="linear already have a pair rule"):
+            routed._pair_rule("linear")(again)
+        assert routed._PAIR_RULES_BY_NAME["linear"].name == "_linear"
+        routed._pair_rule("linear", override=True)(again)
+        assert routed._PAIR_RULES_BY_NAME["linear"].fn is again
+    finally:
+        routed._PAIR_RULES_BY_NAME.clear()
+        routed._PAIR_RULES_BY_NAME.update(saved)
