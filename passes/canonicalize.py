@@ -147,7 +147,7 @@ from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_eq
 from brcompile.passes.masks import BLOCKING, ancestors
 from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
 from brcompile.passes.spellings import (
-    CONSTANT_FILLS, COPIES, FLOORS, GATHERS, LOGSUMEXP, MAX, OPERATORS_NOT_INPLACE, RESHAPE_VIEWS, SAME_VALUE,
+    CONSTANT_FILLS, COPIES, FLOORS, GATHERS, LOGSUMEXP, MAX, OPERATORS_NOT_INPLACE, RESHAPE_VIEWS, SAME_VALUE, arg,
     copy_graph_module, is_op, op_name as _op_name, random_draw, spellings,
 )
 
@@ -957,9 +957,9 @@ def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead
                 _refuse(sm, nxt, "the probabilities are not cast to a float dtype")
             seen_cast = True
         elif not seen_dropout and nxt.target in DROPOUT and nxt.args[0] is cur:
-            p = nxt.kwargs.get("p", nxt.args[1] if len(nxt.args) > 1 else 0.5)
-            training = nxt.kwargs.get("training", nxt.args[2] if len(nxt.args) > 2 else True)
-            if nxt.kwargs.get("inplace", nxt.args[3] if len(nxt.args) > 3 else False):
+            p = arg(nxt, 1, "p", 0.5)
+            training = arg(nxt, 2, "training", True)
+            if arg(nxt, 3, "inplace", False):
                 _refuse(sm, nxt, "in-place dropout of the probabilities")
             seen_dropout = True
         elif not seen_zero and not folded and _zeroes_blocked(nxt, cur, masks):
@@ -1079,7 +1079,7 @@ def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], 
     if not (_call_in(c, spellings("cat")) and _tensor(c) is not None and _tensor(c).dim() == 4):
         return None, c, shift
     ops = c.args[0] if c.args else c.kwargs.get("tensors")
-    cdim = c.kwargs.get("dim", c.args[1] if len(c.args) > 1 else 0)
+    cdim = arg(c, 1, "dim", 0)
     if not (isinstance(ops, (list, tuple)) and len(ops) == 2 and all(isinstance(o, fx.Node) for o in ops)):
         return None, c, shift
     scores, sink = ops
@@ -1122,9 +1122,9 @@ def _match_lse_sink(sm: fx.Node, x: fx.Node, sinks: Optional[fx.Node], dead: lis
     if lse is None:
         return None
     tx = _tensor(x)
-    d = lse.kwargs.get("dim", lse.args[1] if len(lse.args) > 1 else None)
+    d = arg(lse, 1, "dim")
     d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
-    keep = lse.kwargs.get("keepdim", lse.args[2] if len(lse.args) > 2 else False)
+    keep = arg(lse, 2, "keepdim", False)
     if sinks is not None or tx.dim() != 4 or not isinstance(d, int) or normalize_dim(d, 4) != 3 or keep:
         _refuse(sm, lse, "the scores also go to a logsumexp that is not a sink gate sigmoid(logsumexp(s, -1) - S) "
                 "on the attention output")
@@ -1189,8 +1189,8 @@ def _is_row_max(m: Any, c: fx.Node) -> bool:
     src = _max_source(m) if isinstance(m, fx.Node) else None
     if src is None or src.args[0] is not c:
         return False
-    d = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else None)
-    keep = src.kwargs.get("keepdim", src.args[2] if len(src.args) > 2 else False)
+    d = arg(src, 1, "dim")
+    keep = arg(src, 2, "keepdim", False)
     if isinstance(d, (list, tuple)) and len(d) == 1:
         d = d[0]
     return isinstance(d, int) and normalize_dim(d, 4) == 3 and keep is True
@@ -1971,7 +1971,7 @@ def _specialise_dropout(node: fx.Node, placeholders: list[fx.Node], values: dict
     (the dropout rule then sees a number: identity at 0, refused otherwise)."""
     in_args = len(node.args) > 1
     p = node.args[1] if in_args else node.kwargs.get("p")
-    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    training = arg(node, 2, "training", True)
     if not isinstance(p, fx.Node) or training is False:
         return  # a number, or an identity whatever p is
     value, src = _scalar_value(p, placeholders, values)

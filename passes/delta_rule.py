@@ -59,7 +59,7 @@ from brcompile.backends.matrix_scan import matrix_scan
 from brcompile.passes.axes import example_value
 from brcompile.passes.masks import ancestors
 from brcompile.passes.linear_scans import LEFT, probes_agree
-from brcompile.passes.spellings import FLOAT_CASTS, is_op
+from brcompile.passes.spellings import FLOAT_CASTS, arg, is_op
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,9 @@ def _sequence_pad(n: fx.Node) -> bool:
     the token dim (dim 2 of ``[B, H, L, ...]``)."""
     if not is_op(n, "pad") or not n.args or not isinstance(n.args[0], fx.Node):
         return False
-    pad = n.kwargs.get("pad", n.args[1] if len(n.args) > 1 else None)
-    mode = n.kwargs.get("mode", n.args[2] if len(n.args) > 2 else "constant")
-    value = n.kwargs.get("value", n.args[3] if len(n.args) > 3 else None)
+    pad = arg(n, 1, "pad")
+    mode = arg(n, 2, "mode", "constant")
+    value = arg(n, 3, "value")
     v = example_value(n.args[0])
     if not isinstance(v, torch.Tensor) or not isinstance(pad, (tuple, list)) or mode != "constant" \
             or value not in (None, 0, 0.0):

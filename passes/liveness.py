@@ -39,7 +39,7 @@ from brcompile.passes.axes import example_value, get_axes, node_args, normalize_
 from brcompile.passes.repack import packed_again
 from brcompile.passes.rules.reduce import _reduced_dims
 from brcompile.passes.spellings import (
-    BINARY, CHEAP_VIEWS, FAMILIES, GATHERS, MATRIX_TRANSPOSES, MAX_MIN, REDUCTIONS, SQUEEZES, UNARY, spellings,
+    BINARY, CHEAP_VIEWS, FAMILIES, GATHERS, MATRIX_TRANSPOSES, MAX_MIN, REDUCTIONS, SQUEEZES, UNARY, arg, spellings,
 )
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ class _Liveness:
         t = n.target
         if t in _POSITIONWISE or t in _ALONG_DIM:
             if t in _ALONG_DIM:
-                dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+                dim = arg(n, 1, "dim")
                 src = frames[0] if ops[0] is n.args[0] else None
                 if not isinstance(dim, int) or src is None or normalize_dim(dim, src.ndim) in (src.row, src.pos):
                     return None

@@ -38,7 +38,8 @@ from brcompile.passes.decode import decode_against_cache
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import PER_TOKEN, SDPA
 from brcompile.passes.spellings import (
-    CHEAP_VIEWS, EMBEDDINGS, MATRIX_RIGHT_OPERAND, VALUE_MOVES, WEIGHT_TRANSPOSES, copy_graph_module, is_op, op_name,
+    CHEAP_VIEWS, EMBEDDINGS, MATRIX_RIGHT_OPERAND, VALUE_MOVES, WEIGHT_TRANSPOSES, arg, copy_graph_module, is_op,
+    op_name,
 )
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
@@ -180,7 +181,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
                 raise CannotReplay(unrecognised[1], unrecognised[0])
             return _analyse_token_local(gm, token_ids, placeholders, values, canon, training, left)
         return _analyse_scans(gm, scans, token_ids, placeholders, values, canon, training, left)
-    mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
+    mask_args = [arg(a, 3, "attn_mask") for a in attentions]
     attentions_all = list(attentions)
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
@@ -470,10 +471,10 @@ def _attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:
     needed: set[fx.Node] = set()
     needed_qkv: set[fx.Node] = set()
     for a, m in zip(attentions, mask_args):
-        for arg in node_args(a):
-            anc = masks_mod.ancestors(arg)
+        for operand in node_args(a):
+            anc = masks_mod.ancestors(operand)
             needed.update(anc)
-            if arg is not m:
+            if operand is not m:
                 needed_qkv.update(anc)
     return needed, needed_qkv
 
@@ -484,7 +485,7 @@ def _classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_
     Attentions without a mask and without ``is_causal`` are left out (the sdpa rule names them)."""
     classified: dict[fx.Node, masks_mod.MaskInfo] = {}
     for a, m in zip(attentions, mask_args):
-        is_causal = a.kwargs.get("is_causal", a.args[5] if len(a.args) > 5 else False)
+        is_causal = arg(a, 5, "is_causal", False)
         if m is None:
             if is_causal:
                 classified[a] = masks_mod.MaskInfo("causal")
@@ -612,7 +613,7 @@ def ids_joined_to_constants(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.No
         if not (is_op(src, "cat") and isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point()):
             continue
         parts = src.args[0] if src.args else src.kwargs.get("tensors")
-        dim = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else 0)
+        dim = arg(src, 1, "dim", 0)
         if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or normalize_dim(dim, 2) != 1:
             continue
         ids = [p for p in parts if isinstance(p, fx.Node) and _is_int_input(_strip_views(p))]
@@ -639,8 +640,8 @@ def _reads_no_input_values(n: Any) -> bool:
 def _unmasked(attn: fx.Node) -> bool:
     """An SDPA without a mask and without ``is_causal``: never a tree attention (the sdpa rule makes it a per-token
     op when its token dims are batch dims, else refuses it as bidirectional)."""
-    mask = attn.kwargs.get("attn_mask", attn.args[3] if len(attn.args) > 3 else None)
-    return mask is None and not attn.kwargs.get("is_causal", attn.args[5] if len(attn.args) > 5 else False)
+    mask = arg(attn, 3, "attn_mask")
+    return mask is None and not arg(attn, 5, "is_causal", False)
 
 
 def _captured_length(token_ids: Optional[fx.Node], attentions: list[fx.Node]) -> Any:

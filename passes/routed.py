@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from brcompile.passes.axes import CannotReplay, RuleCollision, example_value, hint, node_args
 from brcompile.passes.spellings import (
-    ALONG_DIM_NAMES, BINARY, GATHER_NAMES, UNARY, copy_graph_module, family_of, op_name,
+    ALONG_DIM_NAMES, BINARY, GATHER_NAMES, UNARY, arg, copy_graph_module, family_of, op_name,
 )
 
 log = logging.getLogger(__name__)
@@ -377,9 +377,9 @@ class _Propagation:
     def _split(self, n: fx.Node, fact: Any) -> Any:
         x = example_value(n.args[0])
         name = _name(n)
-        dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
+        dim = arg(n, 2, "dim", 0)
         if name == "unbind":
-            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+            dim = arg(n, 1, "dim", 0)
         outs = example_value(n)
         if n.args[0] not in self.facts or not isinstance(outs, (tuple, list)):
             self.fail(n, f"{name} with values per pair as sizes")
@@ -408,7 +408,7 @@ class _Propagation:
     @_pair_rule("cat", shared=False)
     def _cat(self, n: fx.Node) -> Any:
         items = n.args[0] if n.args else n.kwargs.get("tensors")
-        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+        dim = arg(n, 1, "dim", 0)
         facts = [self.facts.get(a) for a in items]
         x = example_value(items[0])
         if _norm_dim(dim, x.dim()) != 0:

@@ -11,7 +11,9 @@ A family groups spellings with the *same math and argument order*: ``sub`` is ``
 
 ``family_of(node)`` names the family of a node, ``is_op(node, family, ...)`` tests membership, and
 ``spellings(family, ...)`` is the tuple of targets a rule registers (``register_rule(spellings("mul"))``).
-It also holds the few graph helpers every pass shares (``copy_graph_module``).
+Op sets that are not one family are *named groups* below the table (``COPIES``, ``INDEX_CASTS``, ...), each
+saying how it differs from its neighbours; ``random_draw`` is the one test for randomness. It also holds the
+few graph helpers every pass shares (``copy_graph_module``, ``arg`` for a call's bound argument).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._functorch import predispatch
 
-__all__ = ["FAMILIES", "copy_graph_module", "family_of", "is_op", "op_name", "spellings", "target_name"]
+__all__ = ["FAMILIES", "arg", "copy_graph_module", "family_of", "is_op", "names", "op_name", "random_draw", "spellings",
+           "target_name"]
 
 _nn = torch._C._nn
 
@@ -354,6 +357,12 @@ def op_name(node: fx.Node) -> str:
     ``__name__``."""
     t = node.target
     return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """The argument ``name`` of a call node: its keyword if given, else its ``index``-th positional argument if
+    there are that many, else ``default`` (``x.sum(dim)`` / ``x.sum(dim=d)``)."""
+    return node.kwargs.get(name, node.args[index] if len(node.args) > index else default)
 
 
 def names(targets) -> frozenset:

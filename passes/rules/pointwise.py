@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from brcompile.passes.axes import (
     DENSE, AxesContext, dense_fallback, get_axes, register_rule, shape_of, token,
 )
-from brcompile.passes.spellings import BINARY, NEW_FILLED, UNARY, spellings
+from brcompile.passes.spellings import BINARY, NEW_FILLED, UNARY, arg, spellings
+
 
 def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None = None) -> object:
     """Fact of a broadcasting op's output, or None if its operands cannot stay packed.
@@ -165,8 +166,8 @@ def _is_dtype_cast(node) -> bool:
 def dropout(ctx: AxesContext, node):
     """Dropout: the identity when ``p == 0`` or not training; otherwise its random mask is drawn per
     dense element, which a packed run cannot reproduce — refuse."""
-    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    p = arg(node, 1, "p", 0.5)
+    training = arg(node, 2, "training", True)
     if p == 0 or training is False:
         return get_axes(node.args[0])
     ctx.fail(node, f"dropout with p={p} in training draws a random mask per dense element")
