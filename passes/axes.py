@@ -579,6 +579,6 @@ def summarize(gm: fx.GraphModule) -> list[tuple[str, str]]:
 
 __all__ = [
     "CannotReplay", "NothingToShare", "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
-    "register_rule", "RuleCollision", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value", "hint",
-    "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
+    "register_rule", "RuleCollision", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value",
+    "hint", "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
 ]

@@ -1367,8 +1367,9 @@ def _number(x: Any) -> Optional[float]:
 
 
 def _constant(n: fx.Node) -> Optional[float]:
-    """``v`` rounded to the node's dtype when ``n`` makes a one-element tensor of the number ``v`` (``CONSTANT_FILLS``),
-    through calls that keep their operand's value (``SAME_VALUE``), else None."""
+    """``v`` rounded to the node's dtype when ``n`` makes a one-element tensor of the number ``v``
+    (``spellings.CONSTANT_FILLS``), through calls that keep their operand's value (``spellings.SAME_VALUE``),
+    else None."""
     while _call_in(n, SAME_VALUE) and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     t = _tensor(n)

@@ -266,7 +266,8 @@ class _Propagation:
                                     and sum(a is idx for a in node_args(n)) == 1)
 
     def _rule(self, n: fx.Node) -> Any:
-        """The pair fact of ``n`` by its pair rule (:data:`_PAIR_RULES_BY_TARGET`, :data:`_PAIR_RULES_BY_NAME`); an op without one is refused."""
+        """The pair fact of ``n`` by its pair rule (:data:`_PAIR_RULES_BY_TARGET`, :data:`_PAIR_RULES_BY_NAME`);
+        an op without one is refused."""
         rule = _pair_rule_for(n)
         if not (rule is not None and rule.scatter) and any(a in self.index_uses for a in node_args(n)):
             self.fail(n, "a scatter index is used otherwise than by its index_add")

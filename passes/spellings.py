@@ -106,6 +106,7 @@ FAMILIES: dict[str, tuple] = {
 CHEAP_VIEWS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
                          operator.getitem, "bool", "float", "long", "to", "int", "type_as", "double", "__getitem__"})
 
+
 def _of(*families: str) -> tuple:
     """Every target of the named families, in table order, each once (:func:`spellings`)."""
     out: list = []
@@ -114,6 +115,7 @@ def _of(*families: str) -> tuple:
             if t not in out:
                 out.append(t)
     return tuple(out)
+
 
 # --------------------------------------------------------------------------------------------------
 # named groups: op sets a pass matches that are not one family (each says what it holds and how it differs
@@ -124,7 +126,8 @@ def _of(*families: str) -> tuple:
 COPIES = ("contiguous", "clone", torch.clone)
 #: detaches: the value itself, cut from autograd (``x.detach()``, ``torch.detach(x)``)
 DETACHES = ("detach", torch.detach)
-#: calls whose value is their operand's: :data:`COPIES` and :data:`DETACHES`
+#: calls whose value is their operand's: :data:`COPIES` and :data:`DETACHES` (the ATen level's
+#: ``torch.tensor(v).detach()``)
 SAME_VALUE = COPIES + DETACHES
 #: the ``cast`` family and :data:`COPIES`: a value's numbers unchanged when the dtype is (the LM-head walk
 #: checks the dtype)
@@ -168,7 +171,7 @@ FLOORS = (torch.maximum, "maximum", torch.max, "max", torch.clamp, "clamp", torc
 #: ``logsumexp`` (function and method)
 LOGSUMEXP = (torch.logsumexp, "logsumexp")
 #: constructors of a tensor filled with one number: ``torch.full(size, v)``, ``torch.tensor(v)``,
-#: ``torch.scalar_tensor(v)``
+#: ``torch.scalar_tensor(v)`` (CPM-Ant's mask value, XGLM's ``torch.full((), finfo.min)``)
 CONSTANT_FILLS = (torch.full, torch.tensor, torch.scalar_tensor)
 #: ``embedding`` lookups (``F.embedding``, ``torch.embedding``)
 EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
@@ -281,8 +284,9 @@ ALLOCATING_FUNCTIONS = frozenset({
     torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.matmul, torch.bmm, torch.mm,
     torch.baddbmm, torch.einsum, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.tanh, torch.sigmoid,
     torch.softmax, torch.log_softmax, torch.sum, torch.mean, torch.cumsum, torch.where, torch.cat, torch.stack,
-    torch.slice_scatter, torch.select_scatter, torch.clone, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
-    torch.empty_like, torch.full_like, torch.arange, torch.cos, torch.sin, torch.tril, torch.triu, torch.masked_fill, torch.pow, torch.abs,
+    torch.slice_scatter, torch.select_scatter, torch.clone, torch.zeros, torch.ones, torch.empty, torch.full,
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.arange, torch.cos, torch.sin, torch.tril,
+    torch.triu, torch.masked_fill, torch.pow, torch.abs,
     F.linear, torch._C._nn.linear, F.softmax, F.log_softmax, F.silu, F.gelu, F.relu, F.embedding,
     F.layer_norm, F.one_hot, torch.gather, torch.index_select, torch.take_along_dim, F.sigmoid, F.softplus,
     # comparisons: a new bool tensor (``x[x == v] = 0`` reads x into the mask before the write)
