@@ -130,9 +130,10 @@ class LogprobImpl(Impl):
 LOGPROB_IMPLS = Registry("packed_logprob", LogprobImpl, builtins={"triton": "brcompile.backends.triton.logprob"})
 
 
-def register_logprob_impl(impl: LogprobImpl) -> None:
-    """Register (or replace) a packed_logprob implementation under ``impl.name``."""
-    LOGPROB_IMPLS.register(impl)
+def register_logprob_impl(impl: LogprobImpl, *, override: bool = False) -> None:
+    """Register a packed_logprob implementation under ``impl.name``; a name already registered raises
+    unless ``override=True`` (which replaces it)."""
+    LOGPROB_IMPLS.register(impl, override=override)
 
 
 def registered_logprob_impls() -> tuple[str, ...]:

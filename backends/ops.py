@@ -500,9 +500,10 @@ ATTENTION_IMPLS = Registry("tree_attention", AttentionImpl, builtins={
 })
 
 
-def register_attention_impl(impl: AttentionImpl) -> None:
-    """Register (or replace) an attention implementation under ``impl.name``."""
-    ATTENTION_IMPLS.register(impl)
+def register_attention_impl(impl: AttentionImpl, *, override: bool = False) -> None:
+    """Register an attention implementation under ``impl.name``; a name already registered raises
+    unless ``override=True`` (which replaces it)."""
+    ATTENTION_IMPLS.register(impl, override=override)
 
 
 def registered_attention_impls() -> tuple[str, ...]:

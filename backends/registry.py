@@ -3,7 +3,8 @@
 An op with several implementations (``tree_attention``: reference / cpu / triton / flex; ``packed_logprob``: cpu /
 triton) keeps one :class:`Registry` of :class:`Impl` records. Its ``impl`` string argument names one:
 
-- ``register(impl)`` adds (or replaces) an implementation under ``impl.name``;
+- ``register(impl)`` adds an implementation under ``impl.name``; a name that already has another one raises
+  the op's error unless ``register(impl, override=True)`` (which replaces it);
 - built-in implementations live in modules imported on first use (``builtins``: name -> module); the
   module registers itself at import, so importing the op's module stays cheap and an optional dependency
   (triton) is only needed when asked for;
@@ -77,11 +78,16 @@ class Registry:
         self._impls: dict[str, Impl] = {}
         self._failed: dict[str, ImportError] = {}  # built-in modules that did not import (not retried)
 
-    def register(self, impl: Impl) -> None:
-        """Register (or replace) an implementation under ``impl.name``."""
+    def register(self, impl: Impl, *, override: bool = False) -> None:
+        """Register an implementation under ``impl.name``. A name that holds another implementation raises
+        the op's error unless ``override=True`` (then ``impl`` replaces it); registering the same object
+        again is a no-op."""
         if not isinstance(impl, self.kind):
             raise self.error(f"{self.op}: register expects {self.kind.__name__}, got {type(impl).__name__}")
         if self._impls.get(impl.name, impl) is not impl:
+            if not override:
+                raise self.error(f"{self.op} impl {impl.name!r} is already registered; "
+                                 f"pass override=True to replace it")
             log.info("%s: replacing impl %r", self.op, impl.name)
         self._impls[impl.name] = impl
 

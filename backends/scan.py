@@ -184,9 +184,10 @@ SCAN_IMPLS = Registry("tree scan", ScanImpl, builtins={"triton": "brcompile.back
                       auto=_triton_on_cuda_else_torch)
 
 
-def register_scan_impl(impl: ScanImpl) -> None:
-    """Register (or replace) a tree scan implementation under ``impl.name``."""
-    SCAN_IMPLS.register(impl)
+def register_scan_impl(impl: ScanImpl, *, override: bool = False) -> None:
+    """Register a tree scan implementation under ``impl.name``; a name already registered raises
+    unless ``override=True`` (which replaces it)."""
+    SCAN_IMPLS.register(impl, override=override)
 
 
 def get_scan_impl(name: str, device, dtype: Optional[torch.dtype] = None) -> ScanImpl:

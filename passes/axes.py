@@ -24,13 +24,12 @@ import dataclasses
 import enum
 import inspect
 import logging
-import operator
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from brcompile.passes.spellings import target_name
+from brcompile.passes.spellings import INPLACE_OPERATORS, random_draw, target_name
 
 log = logging.getLogger(__name__)
 
@@ -240,23 +239,44 @@ class Rule:
 RULES: dict[Any, Rule] = {}
 
 
-def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: str = ""):
+class RuleCollision(ValueError):
+    """A rule registered for a target that already has one (without ``override=True``)."""
+
+
+def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: str = "",
+                  override: bool = False):
     """Decorator: register ``fn(ctx, node) -> TokenAxes`` for one target or a list of targets.
 
     Targets are callables (``call_function``), method names (``call_method``, e.g. ``"view"``) or the
     qualified names of custom ops (``"transformers::grouped_mm_fallback"``, matched by name so that the
-    library defining them need not be loaded).
+    library defining them need not be loaded). A target has one rule: registering a second one raises
+    :class:`RuleCollision` unless ``override=True`` (then the new rule replaces the old one).
     """
     if not isinstance(targets, (list, tuple)):
         targets = [targets]
 
     def deco(fn):
         rule = Rule(fn.__name__, fn, emit, always, local)
+        taken = [(t, RULES[t].name) for t in targets if t in RULES] if not override else []
+        if taken:
+            raise RuleCollision(f"rule {rule.name!r}: targets already have a rule: "
+                                + ", ".join(f"{_target_label(t)} ({name})" for t, name in taken)
+                                + "; pass override=True to replace them")
         for t in targets:
+            if override and t in RULES:
+                log.info("rule %r replaces %r for %s", rule.name, RULES[t].name, _target_label(t))
             RULES[t] = rule
         return fn
 
     return deco
+
+
+def _target_label(target: Any) -> str:
+    """A readable name of a rule target (a method name, a qualified op name, or a callable)."""
+    if isinstance(target, str):
+        return target
+    mod = getattr(target, "__module__", None) or ""
+    return f"{mod}.{getattr(target, '__name__', repr(target))}".lstrip(".")
 
 
 def rule_for(node: fx.Node) -> Optional[Rule]:
@@ -367,30 +387,6 @@ def dense_fallback(ctx: AxesContext, node: fx.Node, reason: str) -> TokenAxes:
         if get_axes(a).is_token:
             ctx.materialise(a, node, reason)
     return DENSE
-
-
-#: Python's in-place operators (``x += y`` ...) and ``x[i] = y``, as Dynamo records them.
-INPLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.setitem})
-
-#: Tensor methods that overwrite their tensor with random draws (``empty_like(x).exponential_()``: Gumbel noise)
-RANDOM_FILLS = frozenset({"exponential_", "uniform_", "normal_", "bernoulli_", "random_", "geometric_", "cauchy_",
-                          "log_normal_"})
-
-
-def random_draw(node: fx.Node) -> Optional[str]:
-    """The name of the random draw ``node`` makes, or None: a Tensor method of :data:`RANDOM_FILLS`, or an ATen
-    op tagged ``nondeterministic_seeded`` (the ATen level, docs/ARCHITECTURE.md §3.0: ``exponential_`` is the
-    functional ``aten.exponential`` there, named by the in-place method the model called when there is one)."""
-    if node.op == "call_method" and node.target in RANDOM_FILLS:
-        return node.target
-    op = node.target if node.op == "call_function" else None
-    if isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
-        name = op._schema.name.split("::")[-1]
-        return f"{name}_ ({op})" if f"{name}_" in RANDOM_FILLS else str(op)
-    return None
 
 
 def _register_state_changes() -> None:
@@ -583,6 +579,6 @@ def summarize(gm: fx.GraphModule) -> list[tuple[str, str]]:
 
 __all__ = [
     "CannotReplay", "NothingToShare", "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
-    "register_rule", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value", "hint",
-    "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
+    "register_rule", "RuleCollision", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value",
+    "hint", "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
 ]

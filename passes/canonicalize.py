@@ -146,7 +146,10 @@ from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace,
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
 from brcompile.passes.masks import BLOCKING, ancestors
 from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
-from brcompile.passes.spellings import copy_graph_module, is_op, op_name as _op_name, spellings
+from brcompile.passes.spellings import (
+    CONSTANT_FILLS, COPIES, FLOORS, GATHERS, LOGSUMEXP, MAX, OPERATORS_NOT_INPLACE, RESHAPE_VIEWS, SAME_VALUE, arg,
+    copy_graph_module, is_op, op_name as _op_name, random_draw, spellings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -280,14 +283,10 @@ def _remove_dead_code(graph: fx.Graph) -> int:
     return removed
 
 
-_OPERATOR_NOT_INPLACE = (operator.and_, operator.or_, operator.xor, operator.not_, operator.is_,
-                         operator.is_not, operator.concat)
-
-
 def _mutates(node: fx.Node) -> bool:
     """``axes.is_inplace``, except that ``operator.and_``/``or_``… (named with a trailing ``_`` only to
     avoid Python keywords) do not mutate."""
-    return node.target not in _OPERATOR_NOT_INPLACE and is_inplace(node)
+    return node.target not in OPERATORS_NOT_INPLACE and is_inplace(node)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -958,9 +957,9 @@ def _match_probabilities(sm: fx.Node, sinks: Optional[fx.Node], sc: Scores, dead
                 _refuse(sm, nxt, "the probabilities are not cast to a float dtype")
             seen_cast = True
         elif not seen_dropout and nxt.target in DROPOUT and nxt.args[0] is cur:
-            p = nxt.kwargs.get("p", nxt.args[1] if len(nxt.args) > 1 else 0.5)
-            training = nxt.kwargs.get("training", nxt.args[2] if len(nxt.args) > 2 else True)
-            if nxt.kwargs.get("inplace", nxt.args[3] if len(nxt.args) > 3 else False):
+            p = arg(nxt, 1, "p", 0.5)
+            training = arg(nxt, 2, "training", True)
+            if arg(nxt, 3, "inplace", False):
                 _refuse(sm, nxt, "in-place dropout of the probabilities")
             seen_dropout = True
         elif not seen_zero and not folded and _zeroes_blocked(nxt, cur, masks):
@@ -988,11 +987,6 @@ def _zeroes_blocked(n: fx.Node, p: fx.Node, masks: Sequence) -> bool:
     return any(m[0] == "fill" and _same_value(m[1], n.args[1]) for m in masks)
 
 
-#: name parts of ops whose two calls differ (random draws)
-_RANDOM = ("rand", "bernoulli", "normal", "multinomial", "dropout", "poisson", "exponential", "uniform", "cauchy",
-           "geometric")
-
-
 def _same_value(a: Any, b: Any, depth: int = 6) -> bool:
     """Whether ``a`` and ``b`` provably hold the same value: the same node or constant, or two calls of the same
     deterministic op on arguments that hold the same values (CPM-Ant builds its mask condition twice:
@@ -1005,7 +999,7 @@ def _same_value(a: Any, b: Any, depth: int = 6) -> bool:
         return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and type(a) is type(b) and a == b
     if depth == 0 or a.op not in ("call_function", "call_method") or (a.op, a.target) != (b.op, b.target) \
             or a.is_impure() or _mutates(a) or set(a.kwargs) != set(b.kwargs) \
-            or any(r in _op_name(a) for r in _RANDOM):
+            or random_draw(a, by_name=True) is not None:
         return False
     return _same_value(a.args, b.args, depth - 1) and all(_same_value(a.kwargs[k], b.kwargs[k], depth - 1)
                                                           for k in a.kwargs)
@@ -1062,8 +1056,6 @@ def _match_output(sm: fx.Node, probs: fx.Node, sc: Scores, dead: list, folded: b
     return nxt, v, True, layout
 
 
-MAX = (torch.max, "max", torch.amax, "amax")
-VIEWS = spellings("reshape") + ("expand", "unsqueeze", torch.unsqueeze)
 
 
 def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], fx.Node, list]:
@@ -1087,7 +1079,7 @@ def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], 
     if not (_call_in(c, spellings("cat")) and _tensor(c) is not None and _tensor(c).dim() == 4):
         return None, c, shift
     ops = c.args[0] if c.args else c.kwargs.get("tensors")
-    cdim = c.kwargs.get("dim", c.args[1] if len(c.args) > 1 else 0)
+    cdim = arg(c, 1, "dim", 0)
     if not (isinstance(ops, (list, tuple)) and len(ops) == 2 and all(isinstance(o, fx.Node) for o in ops)):
         return None, c, shift
     scores, sink = ops
@@ -1111,7 +1103,6 @@ def _match_sinks(sm: fx.Node, x: fx.Node, dim: Any) -> tuple[Optional[fx.Node], 
     return source if source is not None else sink, scores, shift + [c]
 
 
-LOGSUMEXP = (torch.logsumexp, "logsumexp")
 SIGMOID = spellings("sigmoid")
 
 
@@ -1131,9 +1122,9 @@ def _match_lse_sink(sm: fx.Node, x: fx.Node, sinks: Optional[fx.Node], dead: lis
     if lse is None:
         return None
     tx = _tensor(x)
-    d = lse.kwargs.get("dim", lse.args[1] if len(lse.args) > 1 else None)
+    d = arg(lse, 1, "dim")
     d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
-    keep = lse.kwargs.get("keepdim", lse.args[2] if len(lse.args) > 2 else False)
+    keep = arg(lse, 2, "keepdim", False)
     if sinks is not None or tx.dim() != 4 or not isinstance(d, int) or normalize_dim(d, 4) != 3 or keep:
         _refuse(sm, lse, "the scores also go to a logsumexp that is not a sink gate sigmoid(logsumexp(s, -1) - S) "
                 "on the attention output")
@@ -1198,8 +1189,8 @@ def _is_row_max(m: Any, c: fx.Node) -> bool:
     src = _max_source(m) if isinstance(m, fx.Node) else None
     if src is None or src.args[0] is not c:
         return False
-    d = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else None)
-    keep = src.kwargs.get("keepdim", src.args[2] if len(src.args) > 2 else False)
+    d = arg(src, 1, "dim")
+    keep = arg(src, 2, "keepdim", False)
     if isinstance(d, (list, tuple)) and len(d) == 1:
         d = d[0]
     return isinstance(d, int) and normalize_dim(d, 4) == 3 and keep is True
@@ -1208,10 +1199,10 @@ def _is_row_max(m: Any, c: fx.Node) -> bool:
 def _sink_source(n: fx.Node) -> Optional[fx.Node]:
     """The 1-D (or one-non-singleton-dim) node that ``n`` is a chain of reshape/view/unsqueeze/expand of, or
     None when another op is on the way."""
-    while _call_in(n, VIEWS):
+    while _call_in(n, RESHAPE_VIEWS):
         n = n.args[0]
         t = _tensor(n)
-        if t is not None and sum(int(d) != 1 for d in t.shape) <= 1 and not _call_in(n, VIEWS):
+        if t is not None and sum(int(d) != 1 for d in t.shape) <= 1 and not _call_in(n, RESHAPE_VIEWS):
             return n
     return None
 
@@ -1309,9 +1300,6 @@ def _mask_or_scale_step(sm: fx.Node, cur: Any):
     return None
 
 
-#: an elementwise ``max(s, c)``: ``torch.maximum``, ``torch.max`` of two tensors, ``clamp(s, min=c)``
-FLOOR = (torch.maximum, "maximum", torch.max, "max", torch.clamp, "clamp", torch.clip, "clip", torch.clamp_min,
-         "clamp_min")
 
 
 def _floor_step(cur: fx.Node):
@@ -1320,7 +1308,7 @@ def _floor_step(cur: fx.Node):
     number ``c``, ``s`` from the scores; None otherwise. It raises only scores below ``c``, and ``c`` must be a
     blocking value (:func:`_check_mask_steps`): a visible score lies above it (the assumption of every mask
     value, ``BLOCKING``) and a masked one stays at or below it, so its probability stays exactly 0."""
-    if not _call_in(cur, FLOOR):
+    if not _call_in(cur, FLOORS):
         return None
     a, kw = list(cur.args), cur.kwargs
     if cur.target in (torch.maximum, "maximum", torch.max, "max"):
@@ -1374,23 +1362,18 @@ def _number(x: Any) -> Optional[float]:
     return float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else None
 
 
-#: constructors of a tensor filled with one number: ``torch.full(size, v)``, ``torch.tensor(v)``,
-#: ``torch.scalar_tensor(v)`` (CPM-Ant's mask value, XGLM's ``torch.full((), finfo.min)``)
-_CONSTANT = (torch.full, torch.tensor, torch.scalar_tensor)
 
 
-#: calls whose value is their operand's: ``x.detach()``, ``x.clone()``, ``x.contiguous()`` (the ATen level's
-#: ``torch.tensor(v).detach()``)
-_SAME_VALUE = (torch.detach, "detach", torch.clone, "clone", "contiguous")
 
 
 def _constant(n: fx.Node) -> Optional[float]:
-    """``v`` rounded to the node's dtype when ``n`` makes a one-element tensor of the number ``v`` (``_CONSTANT``),
-    through calls that keep their operand's value (``_SAME_VALUE``), else None."""
-    while _call_in(n, _SAME_VALUE) and n.args and isinstance(n.args[0], fx.Node):
+    """``v`` rounded to the node's dtype when ``n`` makes a one-element tensor of the number ``v``
+    (``spellings.CONSTANT_FILLS``), through calls that keep their operand's value (``spellings.SAME_VALUE``),
+    else None."""
+    while _call_in(n, SAME_VALUE) and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     t = _tensor(n)
-    if n.op != "call_function" or n.target not in _CONSTANT or t is None or not t.is_floating_point() \
+    if n.op != "call_function" or n.target not in CONSTANT_FILLS or t is None or not t.is_floating_point() \
             or t.numel() != 1:
         return None
     a = list(n.args)
@@ -1701,8 +1684,6 @@ def _key_bias_source(M: Any, tq: torch.Tensor, tk: torch.Tensor, values: dict) -
     return None
 
 
-GATHER = (torch.gather, "gather")
-CONTIGUOUS = ("contiguous", "clone", torch.clone)
 
 
 def relative_bias_dense(table: torch.Tensor, like: torch.Tensor, zero_beyond: bool) -> torch.Tensor:
@@ -1780,7 +1761,7 @@ def _relative_bias(graph: fx.Graph, q: Any, M: Any, values: dict) -> Optional[tu
     for _ in range(_KEY_BIAS_DEPTH):
         if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
             return None
-        if _call_in(n, GATHER):
+        if _call_in(n, GATHERS):
             break
         path.append(n)
         n = _carried_operand(n)
@@ -1795,7 +1776,7 @@ def _relative_bias(graph: fx.Graph, q: Any, M: Any, values: dict) -> Optional[tu
     table, zero = T, False
     for step in reversed(path):  # gather side first
         carried = _carried_operand(step)
-        if _call_in(step, CAST) or _call_in(step, CONTIGUOUS):
+        if _call_in(step, CAST) or _call_in(step, COPIES):
             if _call_in(step, CAST):
                 table = _copy_on(graph, step, carried, table)
             continue
@@ -1991,7 +1972,7 @@ def _specialise_dropout(node: fx.Node, placeholders: list[fx.Node], values: dict
     (the dropout rule then sees a number: identity at 0, refused otherwise)."""
     in_args = len(node.args) > 1
     p = node.args[1] if in_args else node.kwargs.get("p")
-    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    training = arg(node, 2, "training", True)
     if not isinstance(p, fx.Node) or training is False:
         return  # a number, or an identity whatever p is
     value, src = _scalar_value(p, placeholders, values)

@@ -32,16 +32,14 @@ import dataclasses
 import operator
 from typing import Any, Optional
 
-import torch
 import torch.fx as fx
 
 from brcompile.passes.axes import CannotReplay
-from brcompile.passes.spellings import copy_graph_module
+from brcompile.passes.spellings import CHECKPOINT_HOPS, CHECKPOINT_READS, copy_graph_module
 
 __all__ = ["CHECKPOINT_HOPS", "CheckpointRegion", "is_checkpoint", "inline_checkpoints", "outline_checkpoints",
            "body_with_attention", "region_of"]
 
-CHECKPOINT_HOPS = (torch.ops.higher_order.tag_activation_checkpoint,)
 META = "br_ckpt"
 
 
@@ -141,8 +139,6 @@ def body_with_attention(gm: fx.GraphModule, attention_targets) -> Optional[fx.No
     return None
 
 
-_READS = (operator.getitem, "__getitem__", "unsqueeze", "size")
-
 
 def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
     """Reads of graph inputs: indexing, ``unsqueeze`` and ``size`` of placeholders (and of such reads) —
@@ -151,7 +147,7 @@ def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
     for n in graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             out.add(n)
-        elif n.op in ("call_function", "call_method") and n.target in _READS and n.all_input_nodes and all(
+        elif n.op in ("call_function", "call_method") and n.target in CHECKPOINT_READS and n.all_input_nodes and all(
                 a in out for a in n.all_input_nodes):
             out.add(n)
     return out

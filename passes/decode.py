@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from brcompile.passes import masks as masks_mod
 from brcompile.passes.axes import example_value, hint, is_static_input
-from brcompile.passes.spellings import op_name
+from brcompile.passes.spellings import CACHE_MOVES, op_name
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +69,16 @@ def _reads_batch_token(query: fx.Node, B: int) -> bool:
     return False
 
 
-#: ops that move stored values without computing on them: how cached keys reach an attention (a dynamic cache's
-#: concatenation with the new key, a static cache's in-place write, the heads repeated for grouped queries)
-_MOVES = {"cat", "concat", "concatenate", "view", "reshape", "expand", "getitem", "__getitem__", "transpose",
-          "permute", "unsqueeze", "squeeze", "contiguous", "to", "clone", "detach", "float", "double", "half",
-          "bfloat16", "type_as", "repeat", "repeat_interleave", "narrow", "flatten", "index_copy", "index_copy_",
-          "index_put", "index_put_", "scatter", "slice_scatter", "select_scatter", "copy", "copy_", "alias",
-          "_unsafe_view"}
 
 
 def _moved_only(source: fx.Node, key: fx.Node) -> bool:
-    """Every node on a path from ``source`` to ``key`` (``key`` included) is a move (:data:`_MOVES`): ``key``
+    """Every node on a path from ``source`` to ``key`` (``key`` included) is a move (:data:`CACHE_MOVES`): ``key``
     holds ``source``'s stored values, none computed from them here."""
     on_path: set[fx.Node] = {source}
     for n in masks_mod.ancestors(key):
         if n is source or not any(a in on_path for a in n.all_input_nodes):
             continue
-        if op_name(n).split(".")[0] not in _MOVES:
+        if op_name(n).split(".")[0] not in CACHE_MOVES:
             return False
         on_path.add(n)
     return key in on_path

@@ -60,7 +60,7 @@ from brcompile.passes.axes import example_value
 from brcompile.passes import probe
 from brcompile.passes.linear_scans import LEFT
 from brcompile.passes.probe import ancestors
-from brcompile.passes.spellings import is_op
+from brcompile.passes.spellings import FLOAT_CASTS, arg, is_op
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,9 @@ def _sequence_pad(n: fx.Node) -> bool:
     the token dim (dim 2 of ``[B, H, L, ...]``)."""
     if not is_op(n, "pad") or not n.args or not isinstance(n.args[0], fx.Node):
         return False
-    pad = n.kwargs.get("pad", n.args[1] if len(n.args) > 1 else None)
-    mode = n.kwargs.get("mode", n.args[2] if len(n.args) > 2 else "constant")
-    value = n.kwargs.get("value", n.args[3] if len(n.args) > 3 else None)
+    pad = arg(n, 1, "pad")
+    mode = arg(n, 2, "mode", "constant")
+    value = arg(n, 3, "value")
     v = example_value(n.args[0])
     if not isinstance(v, torch.Tensor) or not isinstance(pad, (tuple, list)) or mode != "constant" \
             or value not in (None, 0, 0.0):
@@ -288,8 +288,6 @@ def _f64(x: Any) -> Any:
     return x
 
 
-#: methods that cast to a floating dtype (KDA's ``decay_mask.exp().float()``): ``double`` in the probe's copy
-_FLOAT_CASTS = ("float", "half", "bfloat16", "double")
 
 
 def _region_callable(region: _Region) -> fx.GraphModule:
@@ -303,7 +301,7 @@ def _as_f64(c: fx.Node) -> None:
     and its ``.float()``-style casts (``.double()``)."""
     c.args = fx.node.map_aggregate(c.args, _f64)
     c.kwargs = fx.node.map_aggregate(c.kwargs, _f64)
-    if c.op == "call_method" and c.target in _FLOAT_CASTS:  # ``.float()``: a cast to a floating dtype
+    if c.op == "call_method" and c.target in FLOAT_CASTS:  # ``.float()``: a cast to a floating dtype
         c.target = "double"
 
 

@@ -56,52 +56,16 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from brcompile.passes.axes import example_value, is_inplace
-from brcompile.passes.spellings import copy_graph_module
+from brcompile.passes.spellings import (
+    ALLOCATING_FUNCTIONS, ALLOCATING_METHODS, ALLOCATING_TUPLES, INPUT_OR_NEW_FUNCTIONS, LAYOUT_VIEW_FUNCTIONS,
+    LAYOUT_VIEW_METHODS, LIKE_METHODS, OUT_OF_PLACE_OPERATORS, copy_graph_module,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["functionalize"]
-
-#: In-place operator -> its out-of-place twin.
-OUT_OF_PLACE_OPERATORS = {
-    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
-    operator.ipow: operator.pow, operator.imatmul: operator.matmul, operator.iand: operator.and_,
-    operator.ior: operator.or_, operator.ixor: operator.xor,
-}
-
-#: call_function targets whose result is always a new tensor.
-ALLOCATING_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
-    operator.matmul, operator.neg,
-    torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.matmul, torch.bmm, torch.mm,
-    torch.baddbmm, torch.einsum, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.tanh, torch.sigmoid,
-    torch.softmax, torch.log_softmax, torch.sum, torch.mean, torch.cumsum, torch.where, torch.cat, torch.stack,
-    torch.slice_scatter, torch.select_scatter, torch.clone, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
-    torch.empty_like, torch.full_like, torch.arange, torch.cos, torch.sin, torch.tril, torch.triu, torch.masked_fill, torch.pow, torch.abs,
-    F.linear, torch._C._nn.linear, F.softmax, F.log_softmax, F.silu, F.gelu, F.relu, F.embedding,
-    F.layer_norm, F.one_hot, torch.gather, torch.index_select, torch.take_along_dim, F.sigmoid, F.softplus,
-    # comparisons: a new bool tensor (``x[x == v] = 0`` reads x into the mask before the write)
-    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
-    torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
-}
-
-#: call_method names whose result is always a new tensor.
-ALLOCATING_METHODS = {
-    "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "softmax",
-    "log_softmax", "sum", "mean", "cumsum", "clone", "masked_fill", "new_zeros", "new_ones", "new_empty",
-    "new_full", "abs", "gather", "index_select", "take_along_dim", "__add__", "__sub__", "__mul__",
-    "__truediv__", "__radd__", "__rmul__", "__rsub__", "__neg__", "__matmul__",
-    "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
-    "cos", "sin", "tan", "sign", "square", "reciprocal", "expm1", "log1p", "tril", "triu", "prod", "amax",
-    "amin", "repeat",
-}
-
-#: Ops returning a tuple of new tensors (read through ``getitem``).
-ALLOCATING_TUPLES = {torch.topk, torch.sort, torch.max, torch.min, "topk", "sort"}
 
 
 def _is_fresh(x: Any) -> bool:
@@ -119,17 +83,6 @@ def _is_fresh(x: Any) -> bool:
     if x.op == "call_method":
         return x.target in ALLOCATING_METHODS
     return False
-
-
-#: views that rearrange a tensor's elements one-to-one (each element of the view is one element of its base), and
-#: ops that return their input or a copy of it (``contiguous``, ``type_as`` / ``to`` of its own dtype)
-LAYOUT_VIEW_METHODS = {"permute", "transpose", "view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten",
-                       "t", "contiguous", "type_as", "to"}
-LAYOUT_VIEW_FUNCTIONS = {torch.permute, torch.transpose, torch.reshape, torch.unsqueeze, torch.squeeze,
-                         torch.flatten, torch.t}
-#: ops that return their input (``dropout`` with p = 0 or not training: ATen returns the input itself) or a new
-#: tensor (a dropout that draws): either way nothing but their input shares their storage
-INPUT_OR_NEW_FUNCTIONS = {F.dropout, torch.dropout}
 
 
 def _sole_view_of_fresh(x: Any, made: set) -> bool:
@@ -215,10 +168,6 @@ def _no_alias_before(x: fx.Node, write: fx.Node, order: dict) -> bool:
     ``x``'s shape or dtype (:func:`_reads_only_metadata`)."""
     return all(u is write or order[u] > order[write] or _is_fresh(u) or _reads_only_metadata(u, x)
                for u in x.users)
-
-
-#: methods ``y.op(t)`` whose result is ``y`` (a view of it or a copy) shaped or typed like ``t``
-LIKE_METHODS = {"expand_as", "view_as", "reshape_as", "type_as"}
 
 
 def _reads_only_metadata(u: fx.Node, x: fx.Node) -> bool:

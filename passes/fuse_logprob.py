@@ -38,13 +38,12 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from brcompile.passes.axes import (
     CONST, DENSE, AxesContext, Window, dense_fallback, example_value, get_axes, node_args, normalize_dim,
     register_rule, set_axes, shape_of,
 )
-from brcompile.passes.spellings import spellings
+from brcompile.passes.spellings import CASTS_AND_COPIES, CROSS_ENTROPY, FLAT_RESHAPES, arg, spellings
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +59,6 @@ SOFTMAX = set(spellings("softmax"))
 EXP = set(spellings("exp"))
 NEG = set(spellings("neg"))
 SUM = set(spellings("sum"))
-CASTS = {*spellings("cast"), "contiguous", "clone", torch.clone}
-RESHAPES = {"reshape", "view", torch.reshape, "flatten", torch.flatten}
-CROSS_ENTROPY = [F.cross_entropy]
 
 
 def _op():
@@ -130,12 +126,6 @@ def _is(n: Any, targets) -> bool:
     return isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and n.target in targets
 
 
-def _arg(n: fx.Node, i: int, name: str, default=None):
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
-
-
 def _is_token3(n: Any) -> bool:
     """A TOKEN value [B, L, X] with row dim 0 and position dim 1."""
     if not isinstance(n, fx.Node) or "br_axes" not in n.meta:
@@ -169,7 +159,7 @@ def _is_window(n: fx.Node) -> bool:
 
 def _is_noop(n: fx.Node) -> bool:
     """A cast or copy that keeps dtype and device (``.float()`` of a float32 value, ``contiguous``)."""
-    return _is(n, CASTS) and isinstance(n.args[0], fx.Node) and _same_dtype(n, n.args[0]) and (
+    return _is(n, CASTS_AND_COPIES) and isinstance(n.args[0], fx.Node) and _same_dtype(n, n.args[0]) and (
         n.target != "to" or all(isinstance(a, (torch.dtype, torch.device, str)) for a in n.args[1:]))
 
 
@@ -208,7 +198,7 @@ def _scale_step(n: fx.Node):
 def _head_op(n: fx.Node):
     """(hidden, weight, transposed, bias) of ``linear(h, W[, b])`` / ``h @ Wt``; None otherwise."""
     if _is(n, LINEAR):
-        h, w, b = n.args[0], _arg(n, 1, "weight"), _arg(n, 2, "bias")
+        h, w, b = n.args[0], arg(n, 1, "weight"), arg(n, 2, "bias")
         transposed = False
     elif _is(n, MATMUL) and len(n.args) == 2:
         (h, w), b, transposed = n.args, None, True
@@ -290,7 +280,7 @@ def _dim_is_last(d: Any, ndim: int) -> bool:
 
 
 def _log_softmax_input(n: fx.Node) -> Optional[fx.Node]:
-    if not _is(n, LOG_SOFTMAX) or not _dim_is_last(_arg(n, 1, "dim"), 3):
+    if not _is(n, LOG_SOFTMAX) or not _dim_is_last(arg(n, 1, "dim"), 3):
         return None
     dt = n.kwargs.get("dtype")
     if dt is not None and dt != example_value(n.args[0]).dtype:
@@ -310,7 +300,7 @@ def _entropy(L: fx.Node, y: fx.Node, others: list) -> Optional[tuple[fx.Node, fl
     P = M.args[1] if M.args[0] is L else M.args[0]
     if _is(P, EXP) and P.args[0] is L and set(others) == {P, M} and _only_user(P, M):
         nodes = [P, M]
-    elif _is(P, SOFTMAX) and P.args[0] is y and _dim_is_last(_arg(P, 1, "dim"), 3) and \
+    elif _is(P, SOFTMAX) and P.args[0] is y and _dim_is_last(arg(P, 1, "dim"), 3) and \
             P.kwargs.get("dtype") is None and set(others) == {M} and _only_user(P, M):
         nodes = [P, M]
     else:
@@ -324,7 +314,7 @@ def _entropy(L: fx.Node, y: fx.Node, others: list) -> Optional[tuple[fx.Node, fl
     if len(cur.users) != 1:
         return None
     S = next(iter(cur.users))
-    dim = _arg(S, 1, "dim")
+    dim = arg(S, 1, "dim")
     if isinstance(dim, (list, tuple)) and len(dim) == 1:
         dim = dim[0]
     if not _is(S, SUM) or not _dim_is_last(dim, 3) or S.kwargs.get("dtype") is not None:
@@ -354,7 +344,7 @@ def _readout_chain(x: fx.Node) -> Optional[tuple[fx.Node, list]]:
 def match_gather(node: fx.Node) -> Optional[LogprobMatch]:
     """``log_softmax(head(h)) [-> window] .gather(-1, targets)`` with targets [B', L', 1] (see module
     docstring), or None."""
-    x, dim, idx = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index")
+    x, dim, idx = node.args[0], arg(node, 1, "dim"), arg(node, 2, "index")
     if not _is_token3(x) or not _dim_is_last(dim, 3) or not isinstance(idx, fx.Node):
         return None
     xs, iv = example_value(x), example_value(idx)
@@ -431,7 +421,7 @@ def match_cross_entropy(node: fx.Node) -> Optional[LogprobMatch]:
             or a["label_smoothing"] != 0.0 or a["reduction"] not in ("none", "mean", "sum") \
             or not isinstance(a["ignore_index"], int):
         return None
-    if not _is(R, RESHAPES) or not _only_user(R, node) or not isinstance(T, fx.Node) or get_axes(T).is_token:
+    if not _is(R, FLAT_RESHAPES) or not _only_user(R, node) or not isinstance(T, fx.Node) or get_axes(T).is_token:
         return None
     X = R.args[0]
     rs, tv = shape_of(R), example_value(T)

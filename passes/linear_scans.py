@@ -41,7 +41,9 @@ from torch._functorch import predispatch
 from brcompile.backends.scan import linear_scan
 from brcompile.passes import probe
 from brcompile.passes.axes import example_value
-from brcompile.passes.spellings import is_op
+from brcompile.passes.spellings import (
+    ATEN_SLICES, FLATTENS, MOVEDIMS, POINTWISE_ATEN, VMAP_CONTROL, VMAP_DATA, is_op, spellings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,23 +54,13 @@ LEFT = "left as is"
 
 #: the HOP as Dynamo records it (absent from torch builds without it)
 HOP = getattr(getattr(torch.ops, "higher_order", None), "associative_scan", None)
-#: pointwise arithmetic a combine body may use
-_POINTWISE_FAMILIES = ("add", "sub", "mul", "neg")
-_POINTWISE_ATEN = {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
-                   torch.ops.aten.neg.default}
-#: torch.vmap's bookkeeping as traced by Dynamo (no data: nesting levels and the lazy decompositions)
-_VMAP_CONTROL = {predispatch.lazy_load_decompositions, predispatch._vmap_increment_nesting,
-                 predispatch._vmap_decrement_nesting}
-VMAP_DATA = {predispatch._add_batch_dim, predispatch._remove_batch_dim}
-_SLICE = {torch.ops.aten.slice, torch.ops.aten.slice.Tensor}
-_FLATTEN = {torch.flatten, "flatten"}
-_CAT = {torch.cat, torch.concat, torch.concatenate}
-_PAD = {torch.nn.functional.pad, torch._C._nn.pad}
-_MOVEDIM = {torch.movedim, "movedim"}
+#: ``cat`` and ``pad`` (the families' spellings)
+_CATS = frozenset(spellings("cat"))
+_PADS = frozenset(spellings("pad"))
 
 
 def _is_pointwise(n: fx.Node) -> bool:
-    return is_op(n, *_POINTWISE_FAMILIES) or (n.op == "call_function" and n.target in _POINTWISE_ATEN)
+    return is_op(n, "add", "sub", "mul", "neg") or (n.op == "call_function" and n.target in POINTWISE_ATEN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,7 +191,7 @@ class _Region:
 
 
 def _movedim_args(n: fx.Node) -> Optional[tuple[fx.Node, int, int]]:
-    if n.op not in ("call_function", "call_method") or n.target not in _MOVEDIM:
+    if n.op not in ("call_function", "call_method") or n.target not in MOVEDIMS:
         return None
     args = list(n.args) + [n.kwargs.get(k) for k in ("source", "destination") if k in n.kwargs]
     if len(args) != 3 or not isinstance(args[0], fx.Node) or not all(isinstance(d, int) for d in args[1:]):
@@ -216,17 +208,17 @@ def _data_movement_ok(n: fx.Node) -> bool:
     """A node of the inlined recursion that moves data along dim 0 only (module docstring)."""
     t = n.target
     args = list(n.args)
-    if n.op == "call_function" and t in _SLICE:
+    if n.op == "call_function" and t in ATEN_SLICES:
         return len(args) >= 2 and args[1] == 0
-    if n.op == "call_function" and t in _CAT:
+    if n.op == "call_function" and t in _CATS:
         return n.kwargs.get("dim", args[1] if len(args) > 1 else 0) == 0
     if n.op == "call_function" and t is torch.stack:
         return n.kwargs.get("dim", args[1] if len(args) > 1 else 0) in (0, 1)
-    if t in _FLATTEN:
+    if t in FLATTENS:
         start = n.kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
         end = n.kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
         return start == 0 and end == 1
-    if n.op == "call_function" and t in _PAD:
+    if n.op == "call_function" and t in _PADS:
         pad = n.kwargs.get("pad", args[1] if len(args) > 1 else None)
         mode = n.kwargs.get("mode", args[2] if len(args) > 2 else "constant")
         return isinstance(pad, (list, tuple)) and len(pad) >= 2 and not any(pad[:-2]) and mode == "constant"
@@ -238,7 +230,7 @@ def _data_movement_ok(n: fx.Node) -> bool:
 
 
 def _allowed_inner(n: fx.Node) -> bool:
-    if n.op == "call_function" and n.target in _VMAP_CONTROL:
+    if n.op == "call_function" and n.target in VMAP_CONTROL:
         return True
     return n.op in ("call_function", "call_method") and (_data_movement_ok(n) or _is_pointwise(n))
 

@@ -37,20 +37,20 @@ import torch.fx as fx
 
 from brcompile.passes.axes import example_value, get_axes, node_args, normalize_dim
 from brcompile.passes.repack import packed_again
-from brcompile.passes.rules.pointwise import BINARY, UNARY
-from brcompile.passes.rules.reduce import REDUCTIONS, _reduced_dims
-from brcompile.passes.spellings import CHEAP_VIEWS, FAMILIES, spellings
+from brcompile.passes.rules.reduce import _reduced_dims
+from brcompile.passes.spellings import (
+    BINARY, CHEAP_VIEWS, FAMILIES, GATHERS, MATRIX_TRANSPOSES, MAX_MIN, REDUCTIONS, SQUEEZES, UNARY, arg, spellings,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LivePlan", "analyse_liveness", "safe_operand"]
 
 #: ops whose inputs' positions map one to one onto the output's (elementwise, or working along other dims)
-_POSITIONWISE = set(BINARY) | set(UNARY) | {torch.max, torch.min, "max", "min"}
+_POSITIONWISE = set(BINARY) | set(UNARY) | set(MAX_MIN)
 _REDUCTIONS = set(REDUCTIONS)
-_ALONG_DIM = set(spellings("softmax", "log_softmax")) | {torch.gather, "gather"}
-_LAYOUT = set(spellings("transpose", "permute")) | {torch.unsqueeze, "unsqueeze", torch.squeeze, "squeeze",
-                                                   torch.t, "t"}
+_ALONG_DIM = set(spellings("softmax", "log_softmax")) | set(GATHERS)
+_LAYOUT = set(spellings("transpose", "permute")) | set(SQUEEZES) | set(MATRIX_TRANSPOSES)
 _MUL = set(FAMILIES["mul"])
 _WHERE = set(FAMILIES["where"])
 _MASKED_FILL = set(FAMILIES["masked_fill"])
@@ -335,7 +335,7 @@ class _Liveness:
         t = n.target
         if t in _POSITIONWISE or t in _ALONG_DIM:
             if t in _ALONG_DIM:
-                dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+                dim = arg(n, 1, "dim")
                 src = frames[0] if ops[0] is n.args[0] else None
                 if not isinstance(dim, int) or src is None or normalize_dim(dim, src.ndim) in (src.row, src.pos):
                     return None

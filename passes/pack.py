@@ -36,7 +36,9 @@ from brcompile.passes.guards import BatchGuard, scalar_equals
 from brcompile.passes.liveness import safe_operand
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes.rules import scan as scan_rules
-from brcompile.passes.spellings import CHEAP_VIEWS, is_op, op_name
+from brcompile.passes.spellings import (
+    CHEAP_VIEWS, EMBEDDINGS, MATRIX_RIGHT_OPERAND, VALUE_MOVES, WEIGHT_TRANSPOSES, arg, is_op, op_name,
+)
 from brcompile.runtime.tree import GRAPH_ARGS, row_keys
 from brcompile.backends.read_packed import read_packed
 
@@ -44,7 +46,6 @@ log = logging.getLogger(__name__)
 
 #: Extra inputs of the packed graph, in this order, after the original ones.
 
-_EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
 #: A TOKEN value read through a window covering at most this fraction of the B·L positions is computed
 #: densely from its inputs' dense values when they share the window (Packer._sinks_window).
 WINDOW_SINK_FRACTION = 0.5
@@ -132,7 +133,7 @@ def _strip_views(n: fx.Node) -> fx.Node:
 def find_token_ids(gm: fx.GraphModule) -> fx.Node:
     """The placeholder of the token ids: the integer [B, L] input of the first ``embedding``."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _EMBEDDINGS:
+        if n.op == "call_function" and n.target in EMBEDDINGS:
             src = _strip_views(n.args[0])
             v = example_value(src)
             if src.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 2 \
@@ -216,7 +217,7 @@ def analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeh
                              f"compute")
     if not any(_float_arithmetic(n) for n in ops):  # a mask built from [B, L] metadata; a sort of routing keys
         what = ", ".join(dict.fromkeys(op_name(n) for n in ops
-                                       if n.target not in _CHEAP and n.target not in _MOVES))
+                                       if n.target not in _CHEAP and n.target not in VALUE_MOVES))
         raise NothingToShare(f"{nothing}: the graph computes no floating-point value (integer and boolean "
                              f"bookkeeping only: {what}; floating-point values are only viewed, cast or indexed): "
                              f"nothing to compute per token")
@@ -264,8 +265,6 @@ def analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeh
                     canon.notes)
 
 
-_RIGHT_OPERAND = {operator.matmul, torch.matmul, "matmul", "__matmul__", torch.mm, "mm", torch.nn.functional.linear}
-_TRANSPOSES = {"T", "mT", "t", "transpose", "permute", torch.t, torch.transpose, torch.permute}
 
 
 def _read_as_weight(p: fx.Node, depth: int = 0) -> bool:
@@ -275,26 +274,24 @@ def _read_as_weight(p: fx.Node, depth: int = 0) -> bool:
     if not p.users or depth > 2:
         return False
     for u in p.users:
-        if u.target in _RIGHT_OPERAND and len(u.args) > 1 and u.args[1] is p and u.args[0] is not p:
+        if u.target in MATRIX_RIGHT_OPERAND and len(u.args) > 1 and u.args[1] is p and u.args[0] is not p:
             continue
-        if (u.target in _TRANSPOSES or (u.target is getattr and len(u.args) > 1 and u.args[1] in _TRANSPOSES)) \
+        if (u.target in WEIGHT_TRANSPOSES
+                or (u.target is getattr and len(u.args) > 1 and u.args[1] in WEIGHT_TRANSPOSES)) \
                 and u.args[0] is p and _read_as_weight(u, depth + 1):
             continue
         return False
     return True
 
 
-#: ops that move floating-point values without computing on them (with :data:`_CHEAP`)
-_MOVES = {"flatten", "index_select", "gather", "take", "take_along_dim", "clone", torch.flatten, torch.index_select,
-          torch.gather, torch.take, torch.take_along_dim, torch.clone}
 
 
 def _float_arithmetic(n: fx.Node) -> bool:
     """``n`` computes a floating-point value (one of its outputs is floating and it is no view, cast, index
-    or move of values: :data:`_CHEAP`, :data:`_MOVES`)."""
+    or move of values: :data:`_CHEAP`, :data:`VALUE_MOVES`)."""
     if n.op == "call_module":  # a module not inlined: assumed to compute
         return True
-    if n.target in _CHEAP or n.target in _MOVES:
+    if n.target in _CHEAP or n.target in VALUE_MOVES:
         return False
     v = example_value(n)
     vals = v if isinstance(v, (tuple, list)) else (v,)
@@ -327,7 +324,7 @@ def _lookup_by_integer_input(gm: fx.GraphModule, placeholders: list) -> Optional
 
 def _indexes_by(n: fx.Node, index_args: list) -> bool:
     """``n`` reads its data at the places one of ``index_args`` names (an embedding, an index, a gather)."""
-    if n.target in _EMBEDDINGS:
+    if n.target in EMBEDDINGS:
         return True
     name = getattr(n.target, "__name__", n.target)
     if name in ("getitem", "__getitem__", "index_select", "gather", "take", "take_along_dim", "index"):
@@ -389,10 +386,10 @@ def attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:
     needed: set[fx.Node] = set()
     needed_qkv: set[fx.Node] = set()
     for a, m in zip(attentions, mask_args):
-        for arg in node_args(a):
-            anc = masks_mod.ancestors(arg)
+        for operand in node_args(a):
+            anc = masks_mod.ancestors(operand)
             needed.update(anc)
-            if arg is not m:
+            if operand is not m:
                 needed_qkv.update(anc)
     return needed, needed_qkv
 
@@ -403,7 +400,7 @@ def classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_m
     Attentions without a mask and without ``is_causal`` are left out (the sdpa rule names them)."""
     classified: dict[fx.Node, masks_mod.MaskInfo] = {}
     for a, m in zip(attentions, mask_args):
-        is_causal = a.kwargs.get("is_causal", a.args[5] if len(a.args) > 5 else False)
+        is_causal = arg(a, 5, "is_causal", False)
         if m is None:
             if is_causal:
                 classified[a] = masks_mod.MaskInfo("causal")
@@ -524,14 +521,14 @@ def ids_joined_to_constants(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.No
     prefix or suffix: CPM-Ant's ``cat((arange(a, b).repeat(B, 1), input_ids), 1)``); None otherwise. Only a
     diagnosis: such ids are not a tree input (:func:`find_token_ids`)."""
     for n in gm.graph.nodes:
-        if not (n.op == "call_function" and n.target in _EMBEDDINGS):
+        if not (n.op == "call_function" and n.target in EMBEDDINGS):
             continue
         src = _strip_views(n.args[0])
         v = example_value(src)
         if not (is_op(src, "cat") and isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point()):
             continue
         parts = src.args[0] if src.args else src.kwargs.get("tensors")
-        dim = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else 0)
+        dim = arg(src, 1, "dim", 0)
         if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or normalize_dim(dim, 2) != 1:
             continue
         ids = [p for p in parts if isinstance(p, fx.Node) and _is_int_input(_strip_views(p))]
@@ -558,8 +555,8 @@ def _reads_no_input_values(n: Any) -> bool:
 def unmasked(attn: fx.Node) -> bool:
     """An SDPA without a mask and without ``is_causal``: never a tree attention (the sdpa rule makes it a per-token
     op when its token dims are batch dims, else refuses it as bidirectional)."""
-    mask = attn.kwargs.get("attn_mask", attn.args[3] if len(attn.args) > 3 else None)
-    return mask is None and not attn.kwargs.get("is_causal", attn.args[5] if len(attn.args) > 5 else False)
+    mask = arg(attn, 3, "attn_mask")
+    return mask is None and not arg(attn, 5, "is_causal", False)
 
 
 def captured_length(token_ids: Optional[fx.Node], attentions: list[fx.Node]) -> Any:

@@ -48,7 +48,7 @@ from brcompile.passes.liveness import analyse_liveness
 from brcompile.passes.pack import Analysis, PackOptions, build_packed_graph
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import PER_TOKEN, SDPA
-from brcompile.passes.spellings import copy_graph_module
+from brcompile.passes.spellings import arg, copy_graph_module
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def tree_inputs(state: PipelineState) -> None:
         return
     token_ids, placeholders = state.token_ids, state.placeholders
     state.attentions = attentions
-    state.mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
+    state.mask_args = [arg(a, 3, "attn_mask") for a in attentions]
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
     else:

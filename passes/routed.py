@@ -38,9 +38,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes.axes import CannotReplay, example_value, hint, node_args
-from brcompile.passes.rules.pointwise import BINARY, UNARY
-from brcompile.passes.spellings import copy_graph_module, family_of, op_name
+from brcompile.passes.axes import CannotReplay, RuleCollision, example_value, hint, node_args
+from brcompile.passes.spellings import (
+    ALONG_DIM_NAMES, BINARY, GATHER_NAMES, UNARY, arg, copy_graph_module, family_of, op_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,6 @@ class RoutedPlan:
 # --------------------------------------------------------------------------------------------------
 # finding the pattern
 
-_GATHERS = ("getitem", "index_select")
-
-
 def _is_int_placeholder(n: Any) -> bool:
     v = example_value(n)
     return isinstance(n, fx.Node) and n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 1 \
@@ -108,7 +106,7 @@ def _is_int_placeholder(n: Any) -> bool:
 def _gathered(n: fx.Node) -> Optional[tuple]:
     """(x, idx) when ``n`` gathers rows of a float value by a 1-D integer graph input: ``x[idx]`` or
     ``x.index_select(0, idx)``; else None."""
-    if n.op not in ("call_function", "call_method") or op_name(n) not in _GATHERS or len(n.args) < 2:
+    if n.op not in ("call_function", "call_method") or op_name(n) not in GATHER_NAMES or len(n.args) < 2:
         return None
     if op_name(n) == "getitem":
         x, idx = n.args[0], n.args[1]
@@ -147,12 +145,57 @@ def _token_source(x: fx.Node) -> fx.Node:
 
 #: ops that act elementwise (with broadcasting) on their tensor operands: the token-axis pointwise rule's targets
 _POINTWISE = frozenset(BINARY + UNARY)
-#: ops that reduce or normalise along the dims they are given (never dim 0 here)
-_ALONG_DIMS = {"softmax", "log_softmax", "sum", "mean", "amax", "amin", "norm", "var", "std"}
 
 
 def _name(n: fx.Node) -> str:
     return family_of(n) or op_name(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairRule:
+    """How one op propagates the pair fact. ``fn(prop, n)``, or with ``shared=True`` ``fn(prop, n, fact)`` where
+    ``fact`` is the one :class:`Pair` fact of ``n``'s pair operands (checked first: an op on pairs of different
+    groups is refused before any rule reads it). ``scatter``: the rule may read a scatter index (index_add)."""
+
+    name: str
+    fn: Any
+    shared: bool = True
+    scatter: bool = False
+
+
+#: the pair-local rules by target (the pointwise ops, as the token-axis rules key them), looked up first
+_PAIR_RULES_BY_TARGET: dict[Any, _PairRule] = {}
+#: the pair-local rules by op name (``_name``: the node's family, else its target's short name)
+_PAIR_RULES_BY_NAME: dict[str, _PairRule] = {}
+
+
+def _pair_rule(*names: str, targets: Sequence = (), shared: bool = True, scatter: bool = False,
+               override: bool = False):
+    """Decorator: register a :class:`_Propagation` method as the pair-local rule of the op ``names`` and the
+    ``targets``. A name or target has one rule: a second one raises :class:`RuleCollision` unless
+    ``override=True``."""
+
+    def deco(fn):
+        rule = _PairRule(fn.__name__, fn, shared, scatter)
+        keyed = [(_PAIR_RULES_BY_NAME, k) for k in names] + [(_PAIR_RULES_BY_TARGET, t) for t in targets]
+        taken = [k for table, k in keyed if k in table] if not override else []
+        if taken:
+            raise RuleCollision(f"pair rule {rule.name!r}: {', '.join(map(str, taken))} already have a pair rule; "
+                                f"pass override=True to replace them")
+        for table, k in keyed:
+            table[k] = rule
+        return fn
+
+    return deco
+
+
+def _pair_rule_for(n: fx.Node) -> Optional[_PairRule]:
+    """The pair rule of ``n``: by its target, else by its name (``_name``)."""
+    try:
+        rule = _PAIR_RULES_BY_TARGET.get(n.target)
+    except TypeError:  # an unhashable target
+        rule = None
+    return rule if rule is not None else _PAIR_RULES_BY_NAME.get(_name(n))
 
 
 def _norm_dim(d: Any, ndim: int) -> Optional[int]:
@@ -223,44 +266,56 @@ class _Propagation:
                                     and sum(a is idx for a in node_args(n)) == 1)
 
     def _rule(self, n: fx.Node) -> Any:
-        name = _name(n)
-        out = example_value(n)
-        if name == "index_add":
-            return self._index_add(n)
-        if any(a in self.index_uses for a in node_args(n)):
+        """The pair fact of ``n`` by its pair rule (:data:`_PAIR_RULES_BY_TARGET`, :data:`_PAIR_RULES_BY_NAME`);
+        an op without one is refused."""
+        rule = _pair_rule_for(n)
+        if not (rule is not None and rule.scatter) and any(a in self.index_uses for a in node_args(n)):
             self.fail(n, "a scatter index is used otherwise than by its index_add")
-        if op_name(n) == "getitem" and isinstance(self.facts.get(n.args[0]), PairTuple):
+        if rule is not None and not rule.shared:
+            return rule.fn(self, n)
+        fact = self._same_fact(n)
+        if rule is None:
+            self.fail(n, f"{_name(n)} on values per pair has no pair-local rule")
+        return rule.fn(self, n, fact)
+
+    @_pair_rule("getitem", shared=False)
+    def _getitem(self, n: fx.Node) -> Any:
+        """An item of a tuple of pair groups (a split's output), else an index into a pair value (a view)."""
+        if isinstance(self.facts.get(n.args[0]), PairTuple):
             items = self.facts[n.args[0]].items
             return items[n.args[1]] if isinstance(n.args[1], int) else self.fail(n, "slicing a tuple of pairs")
-        if name == "cat":
-            return self._cat(n)
-        fact = self._same_fact(n)
-        if n.target in _POINTWISE:
-            self._check_broadcast(n, out)
-            return fact
-        if name == "linear":
-            if n.args[0] not in self.facts or any(a in self.facts for a in _flat_nodes((n.args[1:], n.kwargs))):
-                self.fail(n, "linear with a weight that is a value per pair")
-            return fact
-        if name == "matmul":
-            w = example_value(n.args[1])
-            if n.args[0] not in self.facts or n.args[1] in self.facts or not isinstance(w, torch.Tensor) \
-                    or w.dim() > 2 or example_value(n.args[0]).dim() < 2:
-                self.fail(n, "a matrix product that mixes pairs")
-            return fact
-        if name in ("layer_norm", "rms_norm"):
-            shape = n.args[1] if len(n.args) > 1 else n.kwargs.get("normalized_shape")
-            if n.args[0] not in self.facts or len(shape) >= example_value(n.args[0]).dim() or \
-                    any(a in self.facts for a in _flat_nodes((n.args[1:], n.kwargs))):
-                self.fail(n, f"{name} over the pair dim")
-            return fact
-        if name in _ALONG_DIMS:
-            return self._along_dims(n, fact)
-        if name in ("split", "chunk", "split_with_sizes", "unbind"):
-            return self._split(n, fact)
-        if name in ("reshape", "unsqueeze", "squeeze", "transpose", "permute", "getitem", "expand"):
-            return self._layout(n, fact)
-        self.fail(n, f"{name} on values per pair has no pair-local rule")
+        return self._layout(n, self._same_fact(n))
+
+    @_pair_rule(targets=_POINTWISE)
+    def _pointwise(self, n: fx.Node, fact: Any) -> Any:
+        """Elementwise: each pair's row of the output reads that pair's rows and values the same for all pairs."""
+        self._check_broadcast(n, example_value(n))
+        return fact
+
+    @_pair_rule("linear")
+    def _linear(self, n: fx.Node, fact: Any) -> Any:
+        """``linear(x, W, b)`` acts on each row of x alone, when W and b are no pair values."""
+        if n.args[0] not in self.facts or any(a in self.facts for a in _flat_nodes((n.args[1:], n.kwargs))):
+            self.fail(n, "linear with a weight that is a value per pair")
+        return fact
+
+    @_pair_rule("matmul")
+    def _matmul(self, n: fx.Node, fact: Any) -> Any:
+        """``x @ W`` with x's pairs at dim 0 (at least 2-D) and W a matrix that is no pair value: row by row."""
+        w = example_value(n.args[1])
+        if n.args[0] not in self.facts or n.args[1] in self.facts or not isinstance(w, torch.Tensor) \
+                or w.dim() > 2 or example_value(n.args[0]).dim() < 2:
+            self.fail(n, "a matrix product that mixes pairs")
+        return fact
+
+    @_pair_rule("layer_norm", "rms_norm")
+    def _norm(self, n: fx.Node, fact: Any) -> Any:
+        """A normalisation over trailing dims only (not the pair dim), its weights no pair values."""
+        shape = n.args[1] if len(n.args) > 1 else n.kwargs.get("normalized_shape")
+        if n.args[0] not in self.facts or len(shape) >= example_value(n.args[0]).dim() or \
+                any(a in self.facts for a in _flat_nodes((n.args[1:], n.kwargs))):
+            self.fail(n, f"{_name(n)} over the pair dim")
+        return fact
 
     def _same_fact(self, n: fx.Node) -> Any:
         facts = {self.facts[a] for a in node_args(n) if a in self.facts}
@@ -279,6 +334,7 @@ class _Propagation:
             if v.dim() == out.dim() and hint(v.shape[0]) != 1:
                 self.fail(n, f"{a.name} has a dim of its own along the pairs but is no pair value")
 
+    @_pair_rule(*sorted(ALONG_DIM_NAMES))
     def _along_dims(self, n: fx.Node, fact: Any) -> Any:
         x = example_value(n.args[0])
         dims = _dims_arg(n)
@@ -288,6 +344,7 @@ class _Propagation:
             self.fail(n, f"{_name(n)} over the pair dim (it would mix pairs)")
         return fact
 
+    @_pair_rule("reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand")
     def _layout(self, n: fx.Node, fact: Any) -> Any:
         if n.args[0] not in self.facts:
             self.fail(n, "a pair value used as an index")
@@ -317,12 +374,13 @@ class _Propagation:
                 self.fail(n, "a reshape that moves elements between pairs")
         return fact
 
+    @_pair_rule("split", "chunk", "split_with_sizes", "unbind")
     def _split(self, n: fx.Node, fact: Any) -> Any:
         x = example_value(n.args[0])
         name = _name(n)
-        dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
+        dim = arg(n, 2, "dim", 0)
         if name == "unbind":
-            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+            dim = arg(n, 1, "dim", 0)
         outs = example_value(n)
         if n.args[0] not in self.facts or not isinstance(outs, (tuple, list)):
             self.fail(n, f"{name} with values per pair as sizes")
@@ -348,9 +406,10 @@ class _Propagation:
             self.fail(s, "a per-expert count is used otherwise than to split the pairs")
         return True
 
+    @_pair_rule("cat", shared=False)
     def _cat(self, n: fx.Node) -> Any:
         items = n.args[0] if n.args else n.kwargs.get("tensors")
-        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+        dim = arg(n, 1, "dim", 0)
         facts = [self.facts.get(a) for a in items]
         x = example_value(items[0])
         if _norm_dim(dim, x.dim()) != 0:
@@ -361,6 +420,7 @@ class _Propagation:
             self.fail(n, "cat along the pairs of anything but every group in order")
         return Pair()
 
+    @_pair_rule("index_add", shared=False, scatter=True)
     def _index_add(self, n: fx.Node) -> Any:
         target, dim, index, src = (list(n.args) + [None] * 4)[:4]
         if dim != 0 or n.kwargs or self.facts.get(src) != Pair() or target in self.facts or \

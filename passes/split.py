@@ -52,8 +52,7 @@ from brcompile.backends.scan import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
 )
 from brcompile.passes.repack import repack_tokens
-from brcompile.passes.rules.moe import _CASTS
-from brcompile.passes.spellings import op_name
+from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, op_name
 from brcompile.passes.axes import CannotReplay
 from brcompile.passes.check import symbolic_run, token_positions
 from brcompile.passes.masks import descendants
@@ -69,7 +68,6 @@ _CONV = torch.ops.brcompile.tree_causal_conv1d.default
 _LINEAR_SCAN = torch.ops.brcompile.tree_linear_scan.default
 _MATRIX_SCAN = torch.ops.brcompile.tree_matrix_scan.default
 _PARENT = torch.ops.brcompile.tree_parent.default
-_AUTOCAST_REGION = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
 
 
 @dataclasses.dataclass
@@ -180,9 +178,6 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
                        cached_positions=tuple(p.name for p in positions))
 
 
-_COUNT_STEPS = _CASTS | {"cumsum"}  # the region ops rules/moe.py allows on group counts
-
-
 def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:
     """Whether ``node`` is the group counts (or offsets) of a MoE block's sort-based dispatch, a token-local
     region (passes/rules/moe.py): ``histc`` of the flattened sorted expert keys — one count per expert, no
@@ -199,7 +194,7 @@ def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:
         if name == "histc":
             keys = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
             return isinstance(keys, torch.Tensor) and len(_token_factors(keys, n_sym)) == 1
-        if name not in _COUNT_STEPS:
+        if name not in GROUP_COUNT_STEPS:
             return False
         node = node.args[0]
     return False
@@ -225,7 +220,7 @@ def _cached_positions(attentions: Sequence[fx.Node], tok_nodes, trunk_set) -> li
 def _autocast_nodes(packed: fx.GraphModule) -> list[fx.Node]:
     """The ``_enter_autocast`` / ``_exit_autocast`` calls of the graph (``with torch.autocast(...)`` inside the
     compiled function), in graph order."""
-    return [n for n in packed.graph.nodes if n.op == "call_function" and n.target in _AUTOCAST_REGION]
+    return [n for n in packed.graph.nodes if n.op == "call_function" and n.target in AUTOCAST_REGION]
 
 
 def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node], trunk_set: set,
@@ -252,7 +247,7 @@ def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node], tr
     after = descendants(frontier) - trunk_set
     stray = next((n for n in packed.graph.nodes if order[n] > order[later[0]]
                   and n.op in ("call_function", "call_method", "call_module")
-                  and n not in after and n not in trunk_set and n.target not in _AUTOCAST_REGION), None)
+                  and n not in after and n not in trunk_set and n.target not in AUTOCAST_REGION), None)
     if stray is not None:
         raise CannotReplay(f"streaming replay: {stray.name}, after an autocast region's boundary that follows the "
                            f"token-local part, does not read it (the packed mode runs)", stray)

@@ -44,11 +44,10 @@ from brcompile.passes.axes import (
     shape_of, token,
 )
 from brcompile.passes.fuse_logprob import emit_fused_gather
-from brcompile.passes.spellings import spellings
+from brcompile.passes.spellings import BROADCASTS, spellings
 from brcompile.backends.read_packed import read_packed
 
 SDPA = list(spellings("sdpa"))
-_EXPANDS = ("expand", "expand_as", torch.broadcast_to)
 
 
 def _sdpa_args(node):
@@ -252,7 +251,7 @@ def per_token_attention(ctx: AxesContext, node):
 def _broadcast_source(x, dims):
     """The source of ``x`` when ``x`` is an ``expand`` / ``expand_as`` / ``broadcast_to`` of a non-token value
     whose extents at the output dims ``dims`` are 1 or new (``x`` is constant along them), else None."""
-    if not isinstance(x, fx.Node) or x.target not in _EXPANDS or not x.args or not isinstance(x.args[0], fx.Node):
+    if not isinstance(x, fx.Node) or x.target not in BROADCASTS or not x.args or not isinstance(x.args[0], fx.Node):
         return None
     src = x.args[0]
     ins, outs = shape_of(src), shape_of(x)

@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.axes import AxesContext, dense_fallback, get_axes, register_rule, shape_of, token
-from brcompile.passes.spellings import family_of, op_name, spellings
+from brcompile.passes.spellings import BROADCASTS, SAME_VALUE, family_of, names, op_name, spellings
 
 
 @register_rule(spellings("linear"), local="carry")
@@ -50,8 +50,9 @@ def _matmul_dims(sa, sb) -> Optional[tuple[int, dict, dict]]:
     return R, da, db
 
 
-_COPIES = ("contiguous", "clone", "detach")
-_BROADCASTS = ("expand", "expand_as", "broadcast_to")
+#: the names of :data:`SAME_VALUE` and :data:`BROADCASTS` (the walk compares ``op_name``)
+_COPIES = names(SAME_VALUE)
+_BROADCASTS = names(BROADCASTS)
 
 
 def invariant_along(node, dim: int) -> bool:

@@ -50,15 +50,13 @@ from brcompile.passes.axes import (
 )
 from brcompile.passes.guards import integers_in_range
 from brcompile.passes.rules import reduce as _reduce
+from brcompile.passes.spellings import GROUPED_MM, INDEX_CASTS, arg
 
-_CASTS = {"to", "long", "int", "float", "double", "type", "type_as"}
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-GROUPED_MM = [t for t in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if t is not None] + [
-    "transformers::grouped_mm_fallback"]
 
 
 def _dim(node, pos: int, default=None):
-    return node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else default)
+    return arg(node, pos, "dim", default)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,8 +95,8 @@ def scatter(ctx: AxesContext, node):
     ``gather(scores, 1, topk_indices)``, which carries them too: rules/attention.py)."""
     x = node.args[0] if node.args else node.kwargs.get("input")
     dim = _dim(node, 1)
-    idx = node.kwargs.get("index", node.args[2] if len(node.args) > 2 else None)
-    src = node.kwargs.get("src", node.kwargs.get("value", node.args[3] if len(node.args) > 3 else None))
+    idx = arg(node, 2, "index")
+    src = node.kwargs.get("src", arg(node, 3, "value"))
     ax, shp = get_axes(x), shape_of(x)
     if not isinstance(dim, int) or not ax.is_token or shp is None:
         return dense_fallback(ctx, node, "scatter into a value that is not a token value")
@@ -232,7 +230,7 @@ def region_op(ctx: AxesContext, node):
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     v = example_value(node)
     if len(args) == 1 and ax.is_token and (ax.points is not None or ax.groups is not None):
-        if name in _CASTS and isinstance(v, torch.Tensor) and (ax.groups is not None or v.dtype in _INT_DTYPES):
+        if name in INDEX_CASTS and isinstance(v, torch.Tensor) and (ax.groups is not None or v.dtype in _INT_DTYPES):
             return ax
         if _floor_division(node) and ax.points is not None and isinstance(node.args[1], int) and node.args[1] > 0:
             f, o = ax.points
@@ -304,7 +302,7 @@ def _key_range(node: fx.Node, depth: int = 0, tables: Optional[list] = None):
             parts = node.args[0] if node.args else node.kwargs.get("tensors")
             bounds = [_key_range(p, depth + 1, tables) for p in parts] if isinstance(parts, (list, tuple)) else [None]
             return None if not bounds or None in bounds else max(bounds)
-        if tname in ("reshape", "view", "flatten", "contiguous", "clone", "detach") or tname in _CASTS:
+        if tname in ("reshape", "view", "flatten", "contiguous", "clone", "detach") or tname in INDEX_CASTS:
             node = node.args[0]
             continue
         if tname == "masked_fill":
@@ -337,13 +335,13 @@ def histc(ctx: AxesContext, node):
     counts are batch-wide, but only grouped matmuls of values in that same order read them (region_op)."""
     x = node.args[0]
     ax = get_axes(x)
-    bins = node.kwargs.get("bins", node.args[1] if len(node.args) > 1 else 100)
-    lo = node.kwargs.get("min", node.args[2] if len(node.args) > 2 else 0)
-    hi = node.kwargs.get("max", node.args[3] if len(node.args) > 3 else 0)
+    bins = arg(node, 1, "bins", 100)
+    lo = arg(node, 2, "min", 0)
+    hi = arg(node, 3, "max", 0)
     if ax.order is None or ax.points is not None or ax.ndim != 1:
         return _refuse(ctx, node, ax, "histc of flattened tokens that are not the keys of a sort")
     srt = ax.order
-    descending = srt.kwargs.get("descending", srt.args[2] if len(srt.args) > 2 else False)
+    descending = arg(srt, 2, "descending", False)
     if descending is not False:
         ctx.fail(node, "group counts of keys sorted in descending order")
     tables: list[fx.Node] = []
@@ -364,7 +362,7 @@ def grouped_mm(ctx: AxesContext, node):
     (``x[i] @ W[g]`` for the group g of row i): a per-entry function of entry ``P(i)``, in the same order."""
     x = node.args[0]
     w = node.args[1] if len(node.args) > 1 else node.kwargs.get("mat_b", node.kwargs.get("weight"))
-    offs = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+    offs = arg(node, 2, "offs")
     ax, fw, fo = get_axes(x), get_axes(w), get_axes(offs)
     extra = [k for k, v in node.kwargs.items() if k not in ("offs", "mat_b", "weight", "out_dtype") and v is not None]
     if len(node.args) > 3 or extra:

@@ -28,36 +28,7 @@ import torch.nn.functional as F
 from brcompile.passes.axes import (
     DENSE, AxesContext, dense_fallback, get_axes, register_rule, shape_of, token,
 )
-from brcompile.passes.spellings import spellings
-
-BINARY = [
-    *spellings("add", "sub", "rsub", "mul", "div", "rdiv", "floordiv", "pow", "rpow", "masked_fill", "where"),
-    operator.mod, operator.and_, operator.or_, operator.xor, operator.eq, operator.ne, operator.lt,
-    operator.le, operator.gt, operator.ge,
-    torch.maximum, torch.minimum,
-    torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and, torch.logical_or,
-    torch.clamp, torch.clip, torch.lerp, torch.atan2, torch.fmod, torch.remainder,
-    torch.addcmul, torch.addcdiv,
-    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-    "clamp", "clip", "clamp_min", "clamp_max", "lerp", "logical_and", "logical_or",
-    "__and__", "__or__",
-]
-
-UNARY = [
-    *spellings("neg", "exp", "tanh", "sigmoid", "silu", "gelu", "cast"),
-    operator.pos, operator.invert, operator.abs,
-    torch.real, torch.imag, torch.conj, torch.exp2, torch.expm1, torch.log, torch.log1p, torch.log2, torch.sqrt,
-    torch.rsqrt, torch.sin, torch.cos, torch.tan, torch.abs, torch.sign,
-    torch.square, torch.reciprocal, torch.erf, torch.floor, torch.ceil, torch.round, torch.trunc,
-    torch.logical_not, torch.isnan, torch.isinf, torch.isfinite, torch.nan_to_num, torch.relu,
-    F.relu, F.leaky_relu, F.elu, F.softplus, F.mish, F.hardtanh,
-    F.relu6, F.logsigmoid, torch.special.erf,
-    "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "sin", "cos", "tan",
-    "abs", "sign", "square", "reciprocal", "erf", "floor", "ceil", "round", "trunc",
-    "logical_not", "isnan", "isinf", "isfinite", "nan_to_num", "relu",
-    "int", "long", "bool", "detach", "clone", "contiguous", "conj",
-    "__invert__", torch.clone, torch.detach,
-]
+from brcompile.passes.spellings import BINARY, NEW_FILLED, UNARY, arg, spellings
 
 
 def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None = None) -> object:
@@ -195,8 +166,8 @@ def _is_dtype_cast(node) -> bool:
 def dropout(ctx: AxesContext, node):
     """Dropout: the identity when ``p == 0`` or not training; otherwise its random mask is drawn per
     dense element, which a packed run cannot reproduce — refuse."""
-    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    p = arg(node, 1, "p", 0.5)
+    training = arg(node, 2, "training", True)
     if p == 0 or training is False:
         return get_axes(node.args[0])
     ctx.fail(node, f"dropout with p={p} in training draws a random mask per dense element")
@@ -212,9 +183,6 @@ def filled_like(ctx: AxesContext, node):
     x = node.args[0] if node.args else node.kwargs.get("input")
     ax = get_axes(x)
     return ax if ax.is_token else DENSE if ax.is_dense else ax
-
-
-NEW_FILLED = ["new_zeros", "new_ones", "new_full"]
 
 
 def _new_filled_parts(node) -> tuple[list, tuple]:

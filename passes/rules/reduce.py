@@ -15,21 +15,15 @@ from brcompile.passes.axes import (
     AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule, token,
 )
 from brcompile.passes.rules import pointwise as _pointwise
-from brcompile.passes.spellings import spellings
-
-REDUCTIONS = [
-    *spellings("sum"), torch.mean, torch.amax, torch.amin, torch.prod, torch.logsumexp, torch.norm, torch.var,
-    torch.std, torch.all, torch.any, torch.linalg.vector_norm,
-    "mean", "amax", "amin", "prod", "logsumexp", "norm", "var", "std", "all", "any",
-]
+from brcompile.passes.spellings import REDUCTIONS, arg, spellings
 
 
 def _reduced_dims(node, ndim: int):
     name = node.target if isinstance(node.target, str) else node.target.__name__
     if name in ("norm", "vector_norm", "linalg_vector_norm"):  # (x, ord, dim, ...): torch.linalg.vector_norm's name
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+        dim = arg(node, 2, "dim")
     else:
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        dim = arg(node, 1, "dim")
     if dim is None:
         return list(range(ndim))
     if isinstance(dim, int):
@@ -58,7 +52,7 @@ def max_min(ctx: AxesContext, node):
     indices) over ``dim`` are reductions (both outputs reduce the same elements, so the tuple's fact is its
     elements': per token when ``dim`` is not a token dim); ``max(x, other)`` with a tensor ``other`` is the
     elementwise maximum (pointwise)."""
-    other = node.kwargs.get("other", node.args[1] if len(node.args) > 1 else None)
+    other = arg(node, 1, "other")
     if isinstance(other, fx.Node):
         return _pointwise.pointwise(ctx, node)
     return reduction(ctx, node)
@@ -69,7 +63,7 @@ def softmax(ctx: AxesContext, node):
     """softmax/log_softmax/cumsum along ``dim``: shape-preserving, allowed along a non-token dim (a cumsum
     along the positions runs along the tree paths: ``passes/rules/scan.py``, which calls this otherwise)."""
     ax = get_axes(node.args[0])
-    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    dim = arg(node, 1, "dim")
     if ax.flat and dim is not None and normalize_dim(dim, ax.ndim) == ax.pos:
         return dense_fallback(ctx, node, "cumsum/softmax over the flattened tokens: each entry depends on every "
                                          "other token of the batch (an expert capacity count, token dropping by "

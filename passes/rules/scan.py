@@ -53,7 +53,7 @@ from brcompile.passes.axes import (
 )
 from brcompile.passes.rules import reduce
 from brcompile.passes.rules.shape import _normalize_index
-from brcompile.passes.spellings import is_op, spellings
+from brcompile.passes.spellings import arg, is_op, spellings
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _same_size(a: Any, b: Any) -> bool:
 
 
 def _scan_dim(node: fx.Node) -> Any:
-    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    return arg(node, 1, "dim")
 
 
 def _is_tree_scan(node: fx.Node) -> bool:

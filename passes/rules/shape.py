@@ -20,7 +20,7 @@ from brcompile.passes.axes import (
     AxesContext, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,
 )
-from brcompile.passes.spellings import spellings
+from brcompile.passes.spellings import arg, spellings
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,7 +340,7 @@ def repeat_interleave(ctx: AxesContext, node):
     i along ``dim`` reads input index ``i // n`` there, and the same coordinates elsewhere, so token dims
     keep their coordinates (a repeat along a token dim would copy positions: materialised)."""
     ax = get_axes(node.args[0])
-    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    dim = arg(node, 2, "dim")
     reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
     if ax.flat and ax.order is None and dim is not None and isinstance(reps, int) and \
             normalize_dim(dim, ax.ndim) == ax.pos:
@@ -579,7 +579,7 @@ def split(ctx: AxesContext, node):
     """split/chunk along a non-token dim: every piece keeps the token dims (the tuple's fact is the
     pieces' fact). ``torch.Tensor.split`` is how Dynamo records ``x.split([sizes], dim)`` (a Python method)."""
     ax = get_axes(node.args[0])
-    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    dim = arg(node, 2, "dim", 0)
     if normalize_dim(dim, ax.ndim) in ax.token_dims():
         return dense_fallback(ctx, node, "split along a token dim")
     return ax
@@ -589,7 +589,7 @@ def split(ctx: AxesContext, node):
 def unbind(ctx: AxesContext, node):
     """unbind(dim) along a non-token dim: pieces lose that dim."""
     ax = get_axes(node.args[0])
-    dim = normalize_dim(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0), ax.ndim)
+    dim = normalize_dim(arg(node, 1, "dim", 0), ax.ndim)
     if dim in ax.token_dims():
         return dense_fallback(ctx, node, "unbind along a token dim")
     sh = lambda x: None if x is None else (x - 1 if x > dim else x)  # noqa: E731

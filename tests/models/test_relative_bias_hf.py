@@ -130,9 +130,9 @@ def reference_without_relbias():
     from brcompile.backends.ops import get_attention_impl, register_attention_impl
 
     real = get_attention_impl("reference", torch.device("cpu"))
-    register_attention_impl(dataclasses.replace(real, supports_relbias=False))
+    register_attention_impl(dataclasses.replace(real, supports_relbias=False), override=True)
     yield
-    register_attention_impl(real)
+    register_attention_impl(real, override=True)
 
 
 def test_impl_without_relative_bias_falls_back_naming_it(reference_without_relbias):
