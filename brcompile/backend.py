@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from brcompile import runtime
-from brcompile.passes.axes import CannotReplay, NothingToShare
+from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.check import check_packed_graph
 from brcompile.passes.liveness import analyse_liveness
 from brcompile.passes.pack import PackOptions, analyse, build_packed_graph
@@ -156,7 +156,7 @@ class GraphRecord:
     replay_reason: Optional[str] = None  # why the streaming split was refused (packed mode is used)
     level: Optional[str] = None  # the level whose graph was rewritten ("dynamo" or "aten"; Options.level)
     refusals: tuple[tuple[str, str], ...] = ()  # (level, reason) of each level tried and refused
-    unshared: bool = False  # not rewritten because it has nothing to share (passes/axes.py: NothingToShare)
+    unshared: bool = False  # not rewritten because it has nothing to share (passes/refusals.py: NothingToShare)
     liveness: Optional[str] = None  # what decides the live positions (passes/liveness.py); None: all kept
     routed: Optional[dict] = None  # routed pairs (passes/routed.py): experts after a routing graph break
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -427,7 +427,7 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
             check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias, slopes,
                                 backward_device=device if training else None)
         except AttentionImplError as e:
-            raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
+            raise CannotReplay(Code.ATTENTION_IMPL, f"{e} (attention={attention!r} on {device.type})") from e
 
 
 def _check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> None:
@@ -444,7 +444,7 @@ def _check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> No
     try:
         get_scan_impl(scan, device)
     except ScanError as e:
-        raise CannotReplay(f"{e} (scan={scan!r} on {device.type})") from e
+        raise CannotReplay(Code.SCAN_IMPL, f"{e} (scan={scan!r} on {device.type})") from e
 
 
 #: the levels Options.level tries, in order (the first that is not refused is rewritten)

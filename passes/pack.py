@@ -26,9 +26,10 @@ import torch.fx as fx
 
 from brcompile.passes import checkpoint as checkpoints, input_masks, masks as masks_mod
 from brcompile.passes.axes import (
-    AxesContext, CannotReplay, Materialisation, NothingToShare, Window, example_value, get_axes, hint,
+    AxesContext, Materialisation, Window, example_value, get_axes, hint,
     is_static_input, node_args, normalize_dim, propagate, rule_for, shape_of,
 )
+from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.functionalize import functionalize
 from brcompile.passes.guards import BatchGuard, scalar_equals
 from brcompile.passes.liveness import safe_operand
@@ -139,7 +140,8 @@ def find_token_ids(gm: fx.GraphModule) -> fx.Node:
             if src.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 2 \
                     and not v.is_floating_point():
                 return src
-    raise CannotReplay("no [B, L] integer token input feeding an embedding (inputs_embeds models and "
+    raise CannotReplay(Code.NO_TOKEN_INPUT,
+                       "no [B, L] integer token input feeding an embedding (inputs_embeds models and "
                        "graphs without the embedding are not supported)")
 
 
@@ -149,7 +151,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     Works on a canonical copy of ``gm`` (eager attention as SDPA, attention scalars as guarded
     constants: :mod:`.rules.eager_attention`); ``gm`` itself is not modified."""
     if len([n for n in gm.graph.nodes if n.op == "placeholder"]) != len(example_inputs):
-        raise CannotReplay("example inputs do not match the graph's placeholders")
+        raise CannotReplay(Code.GRAPH_INPUTS, "example inputs do not match the graph's placeholders")
     gm = copy_graph_module(gm)  # the analysis may insert nodes (passes/repack.py); the user's graph stays as is
     gm = checkpoints.inline_checkpoints(gm)  # checkpoint bodies inlined, tagged; the rewrite re-outlines them
     gm = functionalize(gm)
@@ -169,14 +171,15 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
     if not attentions:  # e.g. the loss after a graph break: each row's values are its own, nothing to share
         hop = checkpoints.body_with_attention(gm, SDPA)
         if hop is not None:
-            raise CannotReplay(f"attention inside a {getattr(hop.target, '__name__', hop.target)} body (only "
+            raise CannotReplay(Code.ATTENTION_IN_BODY,
+                               f"attention inside a {getattr(hop.target, '__name__', hop.target)} body (only "
                                f"activation-checkpoint bodies are analysed)", hop)
         scans = scan_rules.scan_candidates(gm)
         left = "".join(f"; {n}" for n in scan_notes if linear_scans.LEFT in n)  # scans not rewritten, named
         if not scans:
             unrecognised = eager_attention.unrecognised_attention(gm)
             if unrecognised is not None:
-                raise CannotReplay(unrecognised[1], unrecognised[0])
+                raise CannotReplay(Code.UNRECOGNISED_ATTENTION, unrecognised[1], unrecognised[0])
             return _analyse_token_local(gm, token_ids, placeholders, values, canon, training, left)
         return _analyse_scans(gm, scans, token_ids, placeholders, values, canon, training, left)
     mask_args = [a.kwargs.get("attn_mask", a.args[3] if len(a.args) > 3 else None) for a in attentions]
@@ -187,22 +190,24 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
         B, L = _attention_batch_dims(next((a for a in attentions if not _unmasked(a)), attentions[0]))
     decode = decode_against_cache(attentions, _captured_length(token_ids, attentions), B)
     if decode is not None:  # one token per row against a KV cache (passes/decode.py)
-        raise NothingToShare(decode[1], decode[0])
+        raise NothingToShare(Code.DECODE_STEP, decode[1], decode[0])
     needed, needed_qkv = _attention_inputs(attentions, mask_args)
     outside = {a: m for a, m in zip(attentions, mask_args) if input_masks.input_mask_source(m) is not None}
     outside_sources = {input_masks.input_mask_source(m) for m in outside.values()}
     tree_inputs = [p for p in placeholders if p in needed and _is_token_shaped(p, B, L) and p not in outside_sources]
     if token_ids is not None and token_ids not in tree_inputs:
-        raise CannotReplay("the attentions do not depend on the token ids")
+        raise CannotReplay(Code.NO_TOKEN_INPUT, "the attentions do not depend on the token ids")
     if not tree_inputs:
         built = ids_joined_to_constants(gm)
         if built is not None:
             emb, ids, extra = built
-            raise CannotReplay(f"the embedding reads token ids joined in the graph: {extra} constant token(s) (a "
+            raise CannotReplay(Code.JOINED_TOKEN_IDS,
+                               f"the embedding reads token ids joined in the graph: {extra} constant token(s) (a "
                                f"prompt every row shares, CPM-Ant's) concatenated with the [B, L] input {ids.name} "
                                "along the length; the prefix tree is built over the rows of the graph's inputs, and "
                                "the attentions run over positions that are not theirs", emb)
-        raise CannotReplay(f"no [B, L] integer token input feeding an embedding, and the attentions read no "
+        raise CannotReplay(Code.NO_TOKEN_INPUT,
+                           f"no [B, L] integer token input feeding an embedding, and the attentions read no "
                            f"per-token [B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
     position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree_inputs
                        for d in [_position_dim(p, B, L)] if d is not None}
@@ -219,7 +224,7 @@ def analyse(gm: fx.GraphModule, example_inputs: Sequence[Any], *, training: bool
             mask_nodes -= set(masks_mod.ancestors(info.alibi_node))
     keypads = {info.keypad for info in classified.values() if info.keypad is not None}
     if len(keypads) > 1:
-        raise CannotReplay("attentions use different key-padding inputs")
+        raise CannotReplay(Code.KEY_PADDING_INPUTS, "attentions use different key-padding inputs")
     keypad = next(iter(keypads), None)
     sequences = _sequences_input([a for a in attentions if not _unmasked(a)], classified)
     ctx = AxesContext(gm, B, L, tree_inputs, mask_nodes, training=training, position_inputs=position_inputs,
@@ -258,8 +263,9 @@ def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional
     if token_ids not in tree_inputs:
         unrecognised = eager_attention.unrecognised_attention(gm)  # the tokens' mixing is an attention we missed
         if unrecognised is not None:
-            raise CannotReplay(unrecognised[1], unrecognised[0])
-        raise CannotReplay("no scaled_dot_product_attention in the graph, and its scans do not depend on the "
+            raise CannotReplay(Code.UNRECOGNISED_ATTENTION, unrecognised[1], unrecognised[0])
+        raise CannotReplay(Code.NO_TOKEN_INPUT,
+                           "no scaled_dot_product_attention in the graph, and its scans do not depend on the "
                            "token ids (nothing packed; it runs unchanged)")
     position_inputs = {p: d for p in placeholders if p in needed and p not in tree_inputs
                        for d in [_position_dim(p, B, L)] if d is not None}
@@ -268,7 +274,8 @@ def _analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional
     propagate(ctx)
     if not any(scan_rules.is_tree_scan(ctx, s) for s in scans):
         why = ctx.first_materialisation() or "no scan runs along the positions of the tokens"
-        raise CannotReplay(f"no scaled_dot_product_attention in the graph and no scan along the tree (nothing to "
+        raise CannotReplay(Code.NOTHING_PACKED,
+                           f"no scaled_dot_product_attention in the graph and no scan along the tree (nothing to "
                            f"share; it runs unchanged): {why}{left}")
     return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
                     canon.notes)
@@ -296,12 +303,14 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     if all(n.target in _CHEAP for n in ops):  # hidden.reshape(-1, D) alone between two graph breaks
         what = ", ".join(dict.fromkeys(op_name(n) for n in ops)) or "nothing"
-        raise NothingToShare(f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
+        raise NothingToShare(Code.NO_PER_TOKEN_WORK,
+                             f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
                              f"compute")
     if not any(_float_arithmetic(n) for n in ops):  # a mask built from [B, L] metadata; a sort of routing keys
         what = ", ".join(dict.fromkeys(op_name(n) for n in ops
                                        if n.target not in _CHEAP and n.target not in _MOVES))
-        raise NothingToShare(f"{nothing}: the graph computes no floating-point value (integer and boolean "
+        raise NothingToShare(Code.NO_PER_TOKEN_WORK,
+                             f"{nothing}: the graph computes no floating-point value (integer and boolean "
                              f"bookkeeping only: {what}; floating-point values are only viewed, cast or indexed): "
                              f"nothing to compute per token")
     rows = False
@@ -321,16 +330,19 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
                        "(flattened hidden states)")
                 lookup = _lookup_by_integer_input(gm, placeholders)
                 if lookup is not None:
-                    raise CannotReplay(f"{unpacked}: {why}, but {lookup.name} looks a floating-point value up by an "
+                    raise CannotReplay(Code.NO_TOKEN_INPUT,
+                                       f"{unpacked}: {why}, but {lookup.name} looks a floating-point value up by an "
                                        f"integer input (per-token work on what it holds)", lookup)
                 if not any(_free_float(p, n) for p in placeholders for n in range(1, 9)):
-                    raise NothingToShare(f"{nothing}: {why}: it reads no per-token value (masks and position "
+                    raise NothingToShare(Code.NO_PER_TOKEN_WORK,
+                                         f"{nothing}: {why}: it reads no per-token value (masks and position "
                                          f"tables built from integer inputs and parameters)")
-                raise CannotReplay(f"{unpacked}: {why}")
+                raise CannotReplay(Code.NO_TOKEN_INPUT, f"{unpacked}: {why}")
             first = flat[0]
             B, L, rows = hint(example_value(first).shape[0]), 1, True
     if _one_row(first):  # an expert that received one token, Dynamo's graph for that size
-        raise NothingToShare(f"{nothing}: its batch is one row at every call ({first.name}: a size specialised "
+        raise NothingToShare(Code.ONE_ROW_BATCH,
+                             f"{nothing}: its batch is one row at every call ({first.name}: a size specialised "
                              f"to 1): a row shares nothing with itself")
     tree_inputs = _row_inputs(placeholders, B) if rows else [p for p in placeholders if _is_token_shaped(p, B, L)]
     position_inputs = {} if rows else {p: d for p in placeholders if p not in tree_inputs
@@ -342,7 +354,7 @@ def _analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], place
     propagate(ctx)
     if not any(_computes_packed(n) for n in gm.graph.nodes):
         why = ctx.first_materialisation() or "no op computes on the per-token inputs"
-        raise CannotReplay(f"{unpacked}: {why}")
+        raise CannotReplay(Code.NOTHING_PACKED, f"{unpacked}: {why}")
     log.debug("token-local graph: tree inputs %s, (B, L) = (%d, %d)", [p.name for p in tree_inputs], B, L)
     return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
                     canon.notes)
@@ -493,14 +505,15 @@ def _classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_
                 classified[a] = masks_mod.MaskInfo("causal")
             continue
         if is_causal:
-            raise CannotReplay("attention with both a mask and is_causal=True", a)
+            raise CannotReplay(Code.MASK_USE, "attention with both a mask and is_causal=True", a)
         if a in outside:
             classified[a] = masks_mod.MaskInfo("causal+keypad", keypad=input_mask.source, window=input_mask.window)
             continue
         if m not in mask_nodes:
-            raise CannotReplay("attention mask is also used outside attention masks", a)
+            raise CannotReplay(Code.MASK_USE, "attention mask is also used outside attention masks", a)
         if not mask_keys:
-            raise CannotReplay("the attention mask is built in the graph without any [B, L] input (token ids, "
+            raise CannotReplay(Code.MASK_SOURCE,
+                               "the attention mask is built in the graph without any [B, L] input (token ids, "
                                "attention mask): its meaning cannot be probed; use is_causal=True", a)
         classified[a] = masks_mod.classify(a, m, mask_keys, values)
     return classified
@@ -535,7 +548,7 @@ def _input_mask(outside: dict, placeholders: list, example_inputs: Sequence[Any]
         return None
     masks = list(dict.fromkeys(outside.values()))
     if len(masks) > 1:
-        raise CannotReplay(f"the attentions use {len(masks)} different masks from outside the graph "
+        raise CannotReplay(Code.INPUT_MASK, f"the attentions use {len(masks)} different masks from outside the graph "
                            f"({', '.join(m.name for m in masks)}); one is supported", next(iter(outside)))
     a = next(iter(outside))
     return input_masks.classify_input_mask(a, masks[0], placeholders, example_inputs)
@@ -550,7 +563,8 @@ def _sequences_input(attentions: list[fx.Node], classified: dict) -> Optional[fx
         return None
     if len(seqs) > 1:
         names = sorted(str(classified[a]) if a in classified else "bidirectional" for a in attentions)
-        raise CannotReplay(f"attentions disagree on packed sequences ({', '.join(dict.fromkeys(names))}): some "
+        raise CannotReplay(Code.PACKED_SEQUENCES,
+                           f"attentions disagree on packed sequences ({', '.join(dict.fromkeys(names))}): some "
                            f"are causal within the sequences of a padding-free row, others are not")
     return next(iter(seqs))
 
@@ -566,7 +580,7 @@ def _check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) 
         ax = n.meta.get("br_axes")
         if ax is not None and ax.is_token and ax.row is None and not ax.local:  # flattened tokens keep their rows
             what = "a per-position input" if n.op == "placeholder" else "a value computed from the column"
-            raise CannotReplay(
+            raise CannotReplay(Code.PACKED_SEQUENCES,
                 f"padding-free batch (the attentions are causal within the sequences that {sequences.name} "
                 f"starts): {what} ({n.name}) depends on the column in the row, not on the position in the "
                 f"sequence; pass position ids instead", n)
@@ -661,7 +675,7 @@ def _attention_batch_dims(attn: fx.Node) -> tuple[int, int]:
     [B, H, L, head_dim]."""
     q = example_value(attn.args[0] if attn.args else attn.kwargs.get("query"))
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise CannotReplay("attention query is not a [B, H, L, head_dim] tensor", attn)
+        raise CannotReplay(Code.ATTENTION_LAYOUT, "attention query is not a [B, H, L, head_dim] tensor", attn)
     return hint(q.shape[0]), hint(q.shape[-2])
 
 
@@ -699,14 +713,15 @@ def _check_masks_are_computed(attentions, mask_args, tree_inputs, B: int, L: int
             if n not in tree_inputs:
                 shape = list(hint(tuple(v.shape)))
                 if len(shape) == 2 and shape[0] == B and shape[1] != L:
-                    raise CannotReplay(_other_axis_reason(a, n, shape, L), a)
-                raise CannotReplay(
+                    raise CannotReplay(Code.MASK_SOURCE, _other_axis_reason(a, n, shape, L), a)
+                raise CannotReplay(Code.INPUT_MASK,
                     f"the attention mask comes from graph input {n.name} {shape} (a mask "
                     f"built outside the compiled graph, e.g. a [B, 1, L, L] mask passed to a per-block graph): "
                     f"its meaning cannot be checked inside the graph; compile the mask's construction with the "
                     f"graph, or call the block without a mask (is_causal=True)", a)
             if v.dim() != 2:
-                raise CannotReplay(f"the attention mask is computed from the [B, L, ...] input {n.name} "
+                raise CannotReplay(Code.MASK_FROM_VALUES,
+                                   f"the attention mask is computed from the [B, L, ...] input {n.name} "
                                    f"(only [B, L] inputs can be probed)", a)
 
 
@@ -828,7 +843,7 @@ class Packer:
         sizes = []
         for d, s in enumerate(v.shape):
             if isinstance(s, torch.SymInt) and d not in ax.token_dims() and s.node.maybe_as_int() is None:
-                raise CannotReplay("a non-token dim of a packed value has a symbolic size", node)
+                raise CannotReplay(Code.SYMBOLIC_SIZE, "a non-token dim of a packed value has a symbolic size", node)
             sizes.append(hint(s))
         return sizes
 
@@ -988,7 +1003,7 @@ class Packer:
         kept = set(new_gm.graph.nodes)
         written = [n for n in self.an.ctx.input_writes if self.env.get(n) in kept]
         if len(written) != len(self.an.ctx.input_writes):  # a write the rewrite dropped would lose its effect
-            raise CannotReplay("an in-place write into a graph input was dropped by the rewrite",
+            raise CannotReplay(Code.INPUT_WRITE, "an in-place write into a graph input was dropped by the rewrite",
                                next(iter(self.an.ctx.input_writes)))
         # inputs the graph writes into (axes.input_write_destination): the runtime snapshots them
         new_gm.br_written_inputs = tuple(sorted({placeholders.index(d) for d in self.an.ctx.input_writes.values()}))
@@ -1027,7 +1042,8 @@ def _checkpoint_spans(gm: fx.GraphModule) -> dict[fx.Node, "checkpoints.Checkpoi
     for r, (lo, hi) in bounds.items():
         for n in order[lo:hi + 1]:
             if n in spans or checkpoints.region_of(n) not in (None, r):
-                raise CannotReplay(f"activation checkpoint {r.body}: its nodes are interleaved with others", n)
+                raise CannotReplay(Code.CHECKPOINT_INTERLEAVED,
+                                   f"activation checkpoint {r.body}: its nodes are interleaved with others", n)
             spans[n] = r
     return spans
 

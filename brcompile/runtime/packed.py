@@ -353,7 +353,7 @@ class PackedRuntime:
 
 class FallbackRuntime:
     """The callable for a graph that could not be rewritten: the original graph, counted — as a fallback, or,
-    for a graph with nothing to share (``unshared``: passes/axes.py ``NothingToShare``), as an unshared call."""
+    for a graph with nothing to share (``unshared``: passes/refusals.py ``NothingToShare``), as an unshared call."""
 
     def __init__(self, original: Callable, reason: str, unshared: bool = False):
         self.original = original

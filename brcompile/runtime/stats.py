@@ -25,7 +25,7 @@ class Stats:
     compiled_graphs: int = 0
     rewritten_graphs: int = 0
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    # calls of graphs with nothing to share (passes/axes.py: NothingToShare; a decode step against a KV cache,
+    # calls of graphs with nothing to share (passes/refusals.py: NothingToShare; a decode step against a KV cache,
     # passes/decode.py), run as they are: no fallback, so fallback_calls counts real refusals only
     unshared_calls: int = 0
     unshared_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)

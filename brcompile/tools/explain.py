@@ -287,7 +287,7 @@ class ExplainReport:
 
     @property
     def unshared(self) -> list[GraphRecord]:
-        """Graphs with nothing to share (passes/axes.py: NothingToShare), run as they are: no fallback."""
+        """Graphs with nothing to share (passes/refusals.py: NothingToShare), run as they are: no fallback."""
         return [g for g in self.graphs if not g.rewritten and getattr(g, "unshared", False)]
 
     @staticmethod
