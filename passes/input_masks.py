@@ -173,7 +173,8 @@ class InputMask:
 
     def guard(self) -> BatchGuard:
         """Per call: the mask is still causal & key padding (& window); checked once per mask tensor."""
-        return BatchGuard(f"{self} (checked once per tensor)", lambda args: self.examine(args)[0])
+        return BatchGuard(f"{self} (checked once per tensor)", lambda args: self.examine(args)[0],
+                          code=Code.GUARD_INPUT_MASK)
 
     def key_padding(self, args: Sequence[Any]) -> torch.Tensor:
         """``valid[b, k]`` of this call's mask (after :meth:`guard` passed), ``[B' , L]``, B' = B or 1."""

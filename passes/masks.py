@@ -1053,7 +1053,8 @@ def sequences_guard(info: MaskInfo, placeholders: Sequence[fx.Node]):
     def check(args):
         return sequence_layout_problem(args[pos])
 
-    return BatchGuard(f"{info.sequences.name} (input {pos}) splits the rows into packed sequences", check)
+    return BatchGuard(f"{info.sequences.name} (input {pos}) splits the rows into packed sequences", check,
+                      code=Code.GUARD_SEQUENCES)
 
 
 def meaning_guard(attn: fx.Node, mask: fx.Node, info: MaskInfo, tree_inputs: Sequence[fx.Node],
@@ -1074,7 +1075,8 @@ def meaning_guard(attn: fx.Node, mask: fx.Node, info: MaskInfo, tree_inputs: Seq
                     f"meaning at length {L} is not proven")
         return None
 
-    return BatchGuard(f"mask of {attn.name} proven for lengths <= {limit} (input {pos})", check)
+    return BatchGuard(f"mask of {attn.name} proven for lengths <= {limit} (input {pos})", check,
+                      code=Code.GUARD_MASK_LENGTH)
 
 
 def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, window: int = 0) -> bool:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import brcompile
 from brcompile.passes import masks
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.testing import assert_exact
 from tests.helpers import exact_over_batches, grouped_rows, real_next_token_loss
 

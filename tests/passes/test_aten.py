@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import brcompile
 from brcompile.passes.aten import ATEN_SPELLINGS, aten_ops, lower, lower_and_respell, respell
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.testing import assert_exact
 from examples.grpo import grpo_loss, make_grpo_batch
 from tests.helpers import assert_replayed, grpo_args

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from brcompile.passes.aten import lower, lower_and_respell
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from tests.helpers import assert_replayed
 from tests.passes.test_aten import Tiny, _capture, _model, _run
 from brcompile.testing import assert_exact

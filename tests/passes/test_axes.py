@@ -10,7 +10,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from brcompile.passes.axes import AxesContext, CannotReplay, get_axes, propagate
+from brcompile.passes.axes import AxesContext, get_axes, propagate
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.pack import analyse, find_token_ids
 from examples.gpt import GPT, GPTConfig
 

@@ -8,7 +8,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import brcompile
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.canonicalize import canonicalize
 from brcompile.passes.rules.attention import SDPA
 from brcompile.passes.spellings import FAMILIES, family_of, is_op, spellings

@@ -4,7 +4,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes import input_masks
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.input_masks import check_mask, classify_input_mask, key_validity
 
 
