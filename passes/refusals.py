@@ -72,6 +72,8 @@ class Code(str, enum.Enum):
                        "an eager softmax attention whose math is not exactly scaled dot-product attention")
     ATTENTION_IN_BODY = ("attention_in_body", "attention",
                          "an attention inside a higher-order op's body (only checkpoints are inlined)")
+    ATTENTION_UNPACKED = ("attention_unpacked", "attention",
+                          "an attention whose inputs went dense (an op before it mixes rows or has no token rule)")
     ATTENTION_LAYOUT = ("attention_layout", "attention",
                         "an attention whose query, keys or values are not packed [B, H, L, D] token values")
     ATTENTION_DROPOUT = ("attention_dropout", "attention", "an attention with dropout")

@@ -51,7 +51,7 @@ from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
 from brcompile.backends.read_packed import dropped_grads_unchecked
 from brcompile.passes.axes import is_inplace
 from brcompile.passes.functionalize import functionalize
-from brcompile.passes.refusals import CONSTRUCTS, Code
+from brcompile.passes.refusals import CONSTRUCTS, Code as RefusalCode
 from brcompile.tools.measure import limit_flops, measure_fwd_bwd
 
 log = logging.getLogger(__name__)
@@ -365,18 +365,18 @@ class ExplainReport:
         return Table("graphs that FELL BACK (the original graph runs unchanged)",
                      ["graph", "failed at node", "code", "reason"], rows, notes)
 
-    def refusals_by_code(self) -> dict[Code, dict]:
+    def refusals_by_code(self) -> dict[RefusalCode, dict]:
         """Every refusal of the report grouped by code: ``{code: {"graphs": [ids], "calls": n}}`` — graphs that
         fell back or have nothing to share, and calls that ran the original graph (their own code: a failed
         guard, a batch sharing too little, ... or their graph's)."""
-        out: dict[Code, dict] = {}
+        out: dict[RefusalCode, dict] = {}
         for g in self.graphs:
             if not g.rewritten and g.code is not None:
                 out.setdefault(g.code, {"graphs": [], "calls": 0})["graphs"].append(g.graph_id)
         for c in self.calls:
             code = c.get("code")
             if not c["replayed"] and code is not None:
-                out.setdefault(Code(code), {"graphs": [], "calls": 0})["calls"] += 1
+                out.setdefault(RefusalCode(code), {"graphs": [], "calls": 0})["calls"] += 1
         return out
 
     def code_table(self) -> Table:
@@ -702,9 +702,9 @@ class RecordingBackend:
                              result, notes)
 
 
-def _code_value(code: Optional[Code]) -> Optional[str]:
+def _code_value(code: Optional[RefusalCode]) -> Optional[str]:
     """A refusal code as its stable string value (JSON and tables), None for none."""
-    return None if code is None else Code(code).value
+    return None if code is None else RefusalCode(code).value
 
 
 def _refusal_codes(g: GraphRecord) -> tuple:

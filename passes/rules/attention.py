@@ -294,7 +294,7 @@ def sdpa(ctx: AxesContext, node):
         return per_token
     facts = [get_axes(a[n]) for n in ("query", "key", "value")]
     if not all(f.is_token for f in facts):
-        ctx.fail(Code.ATTENTION_LAYOUT, node, "attention inputs are not packed token values: "
+        ctx.fail(Code.ATTENTION_UNPACKED, node, "attention inputs are not packed token values: "
                  + (ctx.first_materialisation() or "they depend on dense data"))
     if any((f.ndim, f.row, f.pos) != (4, 0, 2) or f.window != ctx.full_window() for f in facts):
         ctx.fail(Code.ATTENTION_LAYOUT, node, "attention inputs are not [B, H, L, D] token values")
