@@ -76,6 +76,8 @@ class Code(str, enum.Enum):
                           "an attention whose inputs went dense (an op before it mixes rows or has no token rule)")
     ATTENTION_LAYOUT = ("attention_layout", "attention",
                         "an attention whose query, keys or values are not packed [B, H, L, D] token values")
+    ATTENTION_DTYPE = ("attention_dtype", "attention",
+                       "an attention whose q/k/v and output dtypes are neither one dtype nor autocast's casts")
     ATTENTION_DROPOUT = ("attention_dropout", "attention", "an attention with dropout")
     ATTENTION_SCALAR = ("attention_scalar", "attention",
                         "an attention scalar (scale, soft-cap) computed in the graph, not read from an input")

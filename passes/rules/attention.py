@@ -105,7 +105,7 @@ def emit_sdpa(pk, node):
     k, v = broadcast_heads(pk, node, k, v)
     cast, why = attention_dtype(node)
     if why is not None:  # checked by the rule; a graph changed since must not reach the op
-        raise CannotReplay(Code.ATTENTION_LAYOUT, why, node)
+        raise CannotReplay(Code.ATTENTION_DTYPE, why, node)
     if cast is not None:  # all three, whatever their traced dtype: a no-op where it already is ``cast``
         q, k, v = (pk.graph.call_method("to", (x, cast)) for x in (q, k, v))
     D = pk.static_shape(a["query"])[-1]
@@ -302,7 +302,7 @@ def sdpa(ctx: AxesContext, node):
         ctx.fail(Code.ATTENTION_DROPOUT, node, f"attention dropout p={a['dropout_p']}")
     _, why = attention_dtype(node)
     if why is not None:
-        ctx.fail(Code.ATTENTION_LAYOUT, node, why)
+        ctx.fail(Code.ATTENTION_DTYPE, node, why)
     if node not in ctx.notes:
         if a["attn_mask"] is None and not a["is_causal"]:
             ctx.fail(Code.MASK_NOT_CAUSAL, node, "bidirectional attention (is_causal=False and no mask) is not causal")
