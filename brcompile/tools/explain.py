@@ -572,7 +572,8 @@ class _LoggedRuntime:
         if calls is not None and len(calls) > n_logged:
             c = calls[-1]
             return {"graph_id": self.graph_id, "replayed": bool(c.replayed), "reason": c.reason,
-                    "code": _code_value(getattr(c, "code", None)), "tree": c.tree_stats, "mode": getattr(c, "mode", "packed"),
+                    "code": _code_value(getattr(c, "code", None)), "tree": c.tree_stats,
+                    "mode": getattr(c, "mode", "packed"),
                     "schedule": getattr(c, "schedule", None)}
         # a runtime without a call log (the original graph) or past its last logged call: the counters
         replayed = delta.replayed_calls > 0

@@ -524,7 +524,8 @@ def test_specialised_attention_scalars_are_guarded_per_call():
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 1, str(s)
     assert s.fallback_codes == {brcompile.Code.GUARD_SCALAR: 1}, str(s)
-    assert any("attention scale" in r and "is 0.3 in this call" in r for r in s.details(brcompile.Code.GUARD_SCALAR)), str(s)
+    assert any("attention scale" in r and "is 0.3 in this call" in r
+               for r in s.details(brcompile.Code.GUARD_SCALAR)), str(s)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -221,7 +221,8 @@ def test_scores_shape_read_and_written_in_place():
     got, want, gg, gw, names, backend = _compiled_vs_eager(_tiny("xlm", causal=True), keep_float64=True)
     s = brcompile.stats()
     assert s.replayed_calls == 3 and s.executed_tokens < s.logical_tokens, str(s)
-    assert set(s.fallback_codes) <= {brcompile.Code.NOTHING_PACKED, brcompile.Code.NO_TOKEN_INPUT}, str(s)  # the graph without attention
+    # the graph without attention
+    assert set(s.fallback_codes) <= {brcompile.Code.NOTHING_PACKED, brcompile.Code.NO_TOKEN_INPUT}, str(s)
     assert any("tree_attention" in r.packed_code for r in backend.records if r.packed_code), "no tree attention"
     assert_exact(got, want, torch.float64, "loss")
     assert_grads_exact(gg, gw, names, torch.float64)

@@ -172,8 +172,8 @@ def test_copies_routed_alike_share_their_pairs_and_others_run_the_original():
     (rec,) = backend.records
     first, second = rec.runtime.calls
     assert first.replayed and first.tree_stats["executed_pairs"] == 8 and first.tree_stats["pairs"] == 14, first
-    assert not second.replayed and second.code is brcompile.Code.ROUTED_CALL and "different per-pair inputs" in second.reason, \
-        second
+    assert not second.replayed and second.code is brcompile.Code.ROUTED_CALL, second
+    assert "different per-pair inputs" in second.reason, second
 
 
 @pytest.mark.parametrize("transform, reason", [

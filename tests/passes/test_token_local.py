@@ -114,7 +114,7 @@ def test_graph_that_mixes_tokens_runs_unchanged():
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     assert s.fallback_codes == {brcompile.Code.NOTHING_PACKED: 1}, str(s)
-    assert any("made dense" in r for r in s.details(brcompile.Code.NOTHING_PACKED)), str(s)  # names the value made dense
+    assert any("made dense" in r for r in s.details(brcompile.Code.NOTHING_PACKED)), str(s)  # names the dense value
 
 
 class RowMLP(nn.Module):

@@ -146,8 +146,10 @@ def test_zoo_load_counter_written_in_the_forward(verify):
     assert "writes into its input" in streaming.records[0].replay_reason, streaming.records[0].replay_reason
 
 
-FALLBACK_CODES = {"quadratic_bias": brcompile.Code.ATTENTION_BIAS, "relative_position_table": brcompile.Code.ATTENTION_BIAS,
-                  "soft_multiplicative_mask": brcompile.Code.MASK_FLOAT_BIAS, "query_key_bias": brcompile.Code.ATTENTION_BIAS}
+FALLBACK_CODES = {"quadratic_bias": brcompile.Code.ATTENTION_BIAS,
+                  "relative_position_table": brcompile.Code.ATTENTION_BIAS,
+                  "soft_multiplicative_mask": brcompile.Code.MASK_FLOAT_BIAS,
+                  "query_key_bias": brcompile.Code.ATTENTION_BIAS}
 
 
 @pytest.mark.parametrize("style", sorted(models.FALLBACK))
