@@ -226,7 +226,7 @@ def test_explain_says_which_level_replayed():
                                backend=brcompile.backend(compiler="eager"))
     text = report.render_text(code=False)
     assert "REWRITTEN (ATen level)" in text
-    assert "was refused at the dynamo level: in-place op" in text
+    assert "was refused at the dynamo level [inplace_token_value]: in-place op" in text
     d = report.to_dict()["graphs"][0]
     assert d["level"] == "aten" and d["refusals"][0]["level"] == "dynamo"
 
