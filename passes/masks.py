@@ -621,7 +621,7 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
         raise CannotReplay(Code.MASK_UNPROVEN, "attention mask could not be evaluated at any probe size", attn)
     info = _meaning(attn, mask, inputs, trials)
     if free and any(t.bias(mask, attn) is not None for t in trials):
-        raise CannotReplay(Code.ATTENTION_BIAS,
+        raise CannotReplay(Code.RELATIVE_BIAS,
                            f"attention bias gathered from the per-query table {free[0].name} that is not "
                            f"{free[0].name}[b, h, i, clamp(i - j, 0, E - 1)] at every visible pair (i, j) (optionally 0 "
                            "from distance E on): a relative bias must be a function of the query token's table and "
