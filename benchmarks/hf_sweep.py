@@ -584,7 +584,7 @@ def _add_stats(row: dict, s, backend) -> None:
                executed_tokens=s.executed_tokens, fallback_reasons=dict(s.fallback_reasons),
                unshared_calls=s.unshared_calls, unshared_reasons=dict(s.unshared_reasons))
     row["graphs"] = [dict(id=r.graph_id, rewritten=r.rewritten, reason=r.reason, node=r.failed_node, level=r.level,
-                          unshared=r.unshared)
+                          unshared=r.unshared, code=None if r.code is None else r.code.value)
                      for r in backend.records]
     row["level"] = LEVEL
     row["aten_graphs"] = sum(r.level == "aten" for r in backend.records)

@@ -5,7 +5,8 @@ once, with loss and gradients equal to the unmodified run (see README.md and doc
 
 Public API: ``backend(**options)`` (a backend object with options), ``branch_replay`` (the entry-point
 backend), ``stats()`` / ``reset_stats()`` (counters that prove a rewrite ran), ``explain(fn, *args)``
-(a report), ``build_tree`` / ``PackedTree`` (the prefix tree of a batch), ``CannotReplay``;
+(a report), ``build_tree`` / ``PackedTree`` (the prefix tree of a batch), ``CannotReplay``
+(a typed refusal: ``.code``, a ``Code``, the rule broken; ``.reason``, how);
 ``compile_decoder(model)`` / ``BranchReplayCallback()`` (brcompile/integrations.py: an HF model's decoder
 compiled in place, by hand or when a transformers/TRL trainer begins training; ``BranchReplayCallback`` is
 made on first access, so ``import brcompile`` needs no transformers, and is not in ``__all__``).
@@ -13,14 +14,14 @@ made on first access, so ``import brcompile`` needs no transformers, and is not 
 from brcompile.backend import BranchReplayBackend, Options, backend, branch_replay
 from brcompile.integrations import NoDecoderError, compile_decoder
 from brcompile.tools.explain import ExplainReport, explain
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.runtime import Stats, reset_stats, stats
 from brcompile.runtime.tree import PackedTree, TreeStats, build_tree
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BranchReplayBackend", "CannotReplay", "ExplainReport", "NoDecoderError", "Options",
+    "BranchReplayBackend", "CannotReplay", "Code", "ExplainReport", "NoDecoderError", "Options",
     "PackedTree", "Stats", "TreeStats", "backend", "branch_replay", "build_tree", "compile_decoder", "explain",
     "reset_stats", "stats",
 ]

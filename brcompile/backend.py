@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from brcompile import runtime
-from brcompile.passes.axes import CannotReplay, NothingToShare
+from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.pipeline import PipelineConfig, run_pipeline
 
 log = logging.getLogger(__name__)
@@ -154,9 +154,13 @@ class GraphRecord:
     replay_reason: Optional[str] = None  # why the streaming split was refused (packed mode is used)
     level: Optional[str] = None  # the level whose graph was rewritten ("dynamo" or "aten"; Options.level)
     refusals: tuple[tuple[str, str], ...] = ()  # (level, reason) of each level tried and refused
-    unshared: bool = False  # not rewritten because it has nothing to share (passes/axes.py: NothingToShare)
+    unshared: bool = False  # not rewritten because it has nothing to share (passes/refusals.py: NothingToShare)
     liveness: Optional[str] = None  # what decides the live positions (passes/liveness.py); None: all kept
     routed: Optional[dict] = None  # routed pairs (passes/routed.py): experts after a routing graph break
+    # the refusal codes (passes/refusals.py) of ``reason``, of ``replay_reason`` and of each of ``refusals``
+    code: Optional[Code] = None
+    replay_code: Optional[Code] = None
+    refusal_codes: tuple[Code, ...] = ()
     #: (level, stage, seconds) of every pipeline stage run on this graph (passes/pipeline.py: STAGES), in order
     stage_times: tuple[tuple[str, str, float], ...] = ()
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -177,7 +181,7 @@ class BranchReplayBackend:
 
         gid = len(self.records)
         original = gm.forward
-        refusals: list[tuple[str, str, Optional[str]]] = []  # (level, reason, node)
+        refusals: list[tuple[str, str, Optional[str], Code]] = []  # (level, reason, node, code)
         read: dict[str, fx.GraphModule] = {}  # level -> the graph the analysis read there (a refusal's node is in it)
         times: list[tuple[str, str, float]] = []  # (level, stage, seconds)
         for level in _LEVEL_ORDER[opts.level]:
@@ -185,41 +189,40 @@ class BranchReplayBackend:
                 an, packed, example_args = self._rewrite(gm, example_inputs, opts, level, read, times)
                 break
             except NothingToShare as e:  # no per-token work at any level: the graph runs as it is, not a fallback
-                tried = tuple((lv, r) for lv, r, _ in refusals) + ((level, str(e)),)
-                return self._fallback(gid, gm, str(e), e.node_name, opts, tried, unshared=True,
+                refusals.append((level, str(e), e.node_name, e.code))
+                return self._fallback(gid, gm, e.code, str(e), e.node_name, opts, refusals, unshared=True,
                                       dumped=read.get(level, gm), times=times)
             except CannotReplay as e:
-                refusals.append((level, str(e), e.node_name))
+                refusals.append((level, str(e), e.node_name, e.code))
             except Exception as e:  # a bug in a pass must never produce a wrong number: run the original
                 if opts.strict:
                     raise
                 log.warning("branch_replay: internal error while rewriting graph %d (%s level); running it "
                             "unchanged", gid, level, exc_info=True)
-                refusals.append((level, f"internal error: {type(e).__name__}: {e}", None))
+                refusals.append((level, f"internal error: {type(e).__name__}: {e}", None, Code.INTERNAL_ERROR))
             if level == "dynamo" and len(_LEVEL_ORDER[opts.level]) > 1:
-                log.info("branch_replay: graph %d refused at the Dynamo level (%s); trying its ATen graph",
-                         gid, refusals[-1][1])
+                log.info("branch_replay: graph %d refused at the Dynamo level [%s] (%s); trying its ATen graph",
+                         gid, refusals[-1][3], refusals[-1][1])
         else:
             routed = self._routed(gid, gm, example_inputs, opts, refusals)
             if routed is not None:
                 return routed
-            level, reason, node = refusals[0]
-            return self._fallback(gid, gm, reason, node, opts, tuple((lv, r) for lv, r, _ in refusals),
-                                  dumped=read.get(level, gm), times=times)
+            level, reason, node, code = refusals[0]
+            return self._fallback(gid, gm, code, reason, node, opts, refusals, dumped=read.get(level, gm), times=times)
         run_packed = self._compile(packed, opts)
-        streaming, replay_info, replay_reason = None, None, None
+        streaming, replay_info, replay_reason, replay_code = None, None, None, None
         if opts.mode != "packed":
             try:
                 streaming, replay_info = self._streaming(packed, example_args, opts)
             except CannotReplay as e:
-                replay_reason = str(e)
+                replay_reason, replay_code = str(e), e.code
             except Exception as e:  # never worse than the packed mode
                 if opts.strict:
                     raise
                 log.warning("branch_replay: internal error in the streaming split of graph %d", gid, exc_info=True)
-                replay_reason = f"internal error: {type(e).__name__}: {e}"
+                replay_reason, replay_code = f"internal error: {type(e).__name__}: {e}", Code.INTERNAL_ERROR
             if replay_reason is not None:
-                log.info("branch_replay: graph %d runs packed only: %s", gid, replay_reason)
+                log.info("branch_replay: graph %d runs packed only [%s]: %s", gid, replay_code, replay_reason)
         rt = runtime.PackedRuntime(original, run_packed, an.tree_input_positions,
                                    an.key_padding if an.keypad is not None else None, opts.min_dedup,
                                    eager_packed=packed.forward,
@@ -240,10 +243,12 @@ class BranchReplayBackend:
             not_repacked=tuple((n.name, why) for n, why in an.ctx.repack_refused.items()),
             replay=replay_info,
             replay_reason=replay_reason,
+            replay_code=replay_code,
             liveness="; ".join(x for x in (None if an.liveness is None else an.liveness.describe(),
                                            an.liveness_note) if x) or None,
             level=level,
-            refusals=tuple((lv, r) for lv, r, _ in refusals),
+            refusals=tuple((lv, r) for lv, r, _, _ in refusals),
+            refusal_codes=tuple(c for *_, c in refusals),
             stage_times=tuple(times),
             runtime=rt,
         )
@@ -268,17 +273,18 @@ class BranchReplayBackend:
         try:
             plan = analyse_routed(gm, example_inputs, gather)
         except CannotReplay as e:
-            refusals.insert(0, ("dynamo", str(e), e.node_name))
+            refusals.insert(0, ("dynamo", str(e), e.node_name, e.code))
             return None
         except Exception as e:
             if opts.strict:
                 raise
             log.warning("branch_replay: internal error in the routed-pairs rewrite of graph %d", gid, exc_info=True)
-            refusals.insert(0, ("dynamo", f"internal error: {type(e).__name__}: {e}", None))
+            refusals.insert(0, ("dynamo", f"internal error: {type(e).__name__}: {e}", None, Code.INTERNAL_ERROR))
             return None
         rt = RoutedRuntime(gm.forward, plan, strict=opts.strict)
         self.records.append(GraphRecord(gid, True, None, None, gm.code, plan.gm.code, level="dynamo",
-                                        refusals=tuple((lv, r) for lv, r, _ in refusals),
+                                        refusals=tuple((lv, r) for lv, r, _, _ in refusals),
+                                        refusal_codes=tuple(c for *_, c in refusals),
                                         routed=plan.describe(), runtime=rt))
         runtime.record_graph(True)
         log.info("branch_replay: graph %d runs routed pairs (%d experts, %d pairs at capture)", gid,
@@ -340,15 +346,18 @@ class BranchReplayBackend:
                     prefix_code=split.prefix.code, tail_code=split.tail.code, outer_code=split.outer.code)
         return streaming, info
 
-    def _fallback(self, gid: int, gm: fx.GraphModule, reason: str, node: Optional[str],
-                  opts: Optional[Options] = None, refusals: tuple = (), unshared: bool = False,
+    def _fallback(self, gid: int, gm: fx.GraphModule, code: Code, reason: str, node: Optional[str],
+                  opts: Optional[Options] = None, refusals: Sequence[tuple] = (), unshared: bool = False,
                   dumped: Optional[fx.GraphModule] = None, times: Sequence = ()):
-        """Runs ``gm`` as captured, with the reason; the dump draws ``dumped`` (the graph the refusing level
-        read, where ``node`` is: the ATen graph for an ATen-level refusal), gm by default."""
-        rt = runtime.FallbackRuntime(gm.forward, reason, unshared=unshared)
-        self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, refusals=refusals,
-                                        unshared=unshared, stage_times=tuple(times), runtime=rt))
-        runtime.record_graph(False, reason)
+        """Runs ``gm`` as captured, with the refusal (``code``, ``reason``); ``refusals``: (level, reason, node,
+        code) of each level tried. The dump draws ``dumped`` (the graph the refusing level read, where ``node``
+        is: the ATen graph for an ATen-level refusal), gm by default."""
+        rt = runtime.FallbackRuntime(gm.forward, code, reason, unshared=unshared)
+        self.records.append(GraphRecord(gid, False, reason, node, gm.code, None,
+                                        refusals=tuple((lv, r) for lv, r, _, _ in refusals), unshared=unshared,
+                                        code=code, refusal_codes=tuple(c for *_, c in refusals),
+                                        stage_times=tuple(times), runtime=rt))
+        runtime.record_graph(False, reason, code)
         self._dump(opts or self.options, gm if dumped is None else dumped, None, reason, node)
         return rt
 

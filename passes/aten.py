@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from brcompile.backends.scan import linear_scan
 from brcompile.passes import checkpoint as checkpoints
 from brcompile.passes import linear_scans
-from brcompile.passes.axes import CannotReplay, example_value
+from brcompile.passes.axes import example_value
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.functionalize import functionalize, writes_inverse_permutation
 from brcompile.passes.guards import scalar_equals
 from brcompile.passes.spellings import copy_graph_module
@@ -76,7 +77,8 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
     fakes = [example_value(p) for p in placeholders]
     if any(f is None for f in fakes):
         missing = next(p.name for p, f in zip(placeholders, fakes) if f is None)
-        raise CannotReplay(f"the ATen level needs the example value of every input; `{missing}` has none")
+        raise CannotReplay(Code.ATEN_LOWERING,
+                           f"the ATen level needs the example value of every input; `{missing}` has none")
     fake_mode = detect_fake_mode(fakes)
 
     def export(g: fx.GraphModule):
@@ -98,18 +100,20 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
     except Exception as e:  # the export's own refusal (data-dependent control flow, an unsupported HOP, ...)
         site = _vmap_site(gm)
         what = f"torch.vmap {site}: functorch batching is not traced by the pre-dispatch export; " if site else ""
-        raise CannotReplay(f"the graph could not be lowered to ATen ({what}{type(e).__name__}: "
+        raise CannotReplay(Code.ATEN_LOWERING, f"the graph could not be lowered to ATen ({what}{type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from e
     by_export_name = dict(zip(sig.user_inputs, (p.name for p in placeholders)))  # the export's argN_1 -> gm's
     written = [*(by_export_name.get(n, n) for n in sig.user_inputs_to_mutate.values()),
                *sig.buffers_to_mutate.values(), *getattr(sig, "parameters_to_mutate", {}).values()]
     if written:
-        raise CannotReplay(f"the graph writes into its input(s) {sorted(set(written))} (kept out of the ATen level)")
+        raise CannotReplay(Code.INPUT_WRITE,
+                           f"the graph writes into its input(s) {sorted(set(written))} (kept out of the ATen level)")
     if getattr(sig, "input_tokens", None) or getattr(sig, "output_tokens", None):
-        raise CannotReplay("the graph has ops with side effects (effect tokens at the ATen level)")
+        raise CannotReplay(Code.SIDE_EFFECTS, "the graph has ops with side effects (effect tokens at the ATen level)")
     n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     if len(sig.user_outputs) != n_out:
-        raise CannotReplay(f"the ATen level has {len(sig.user_outputs)} outputs for the graph's {n_out}")
+        raise CannotReplay(Code.ATEN_LOWERING,
+                           f"the ATen level has {len(sig.user_outputs)} outputs for the graph's {n_out}")
     out = _rebind_inputs(gm, lowered, sig)
     for n in out.graph.nodes:  # the checkpoint regions, back from the meta the export carried
         index = (n.meta.get("custom") or {}).get(_CKPT_KEY)
@@ -147,7 +151,8 @@ def _refuse_custom_backwards(gm: fx.GraphModule) -> None:
     hop = getattr(getattr(torch.ops, "higher_order", None), "autograd_function_apply", None)
     for n in gm.graph.nodes:
         if n.op == "call_function" and hop is not None and n.target is hop:
-            raise CannotReplay(f"a custom torch.autograd.Function ({_function_name(n)}) is in the graph: the ATen "
+            raise CannotReplay(Code.CUSTOM_AUTOGRAD_FUNCTION,
+                               f"a custom torch.autograd.Function ({_function_name(n)}) is in the graph: the ATen "
                                "lowering keeps its forward and drops its backward", n)
 
 
@@ -251,7 +256,7 @@ def _rebind_inputs(gm: fx.GraphModule, lowered: fx.GraphModule, sig) -> fx.Graph
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     user = [n for n in ph_old if n.name not in lifted]
     if len(user) != len(ph_gm):
-        raise CannotReplay(f"the ATen level has {len(user)} inputs for the graph's {len(ph_gm)}")
+        raise CannotReplay(Code.ATEN_LOWERING, f"the ATen level has {len(user)} inputs for the graph's {len(ph_gm)}")
     for new_ph, old in zip(user, ph_gm):
         p = graph.placeholder(old.name, type_expr=old.type)
         p.meta.update(old.meta)

@@ -30,39 +30,11 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.spellings import INPLACE_OPERATORS, random_draw, target_name
+from brcompile.passes.refusals import CannotReplay, Code
 
 log = logging.getLogger(__name__)
 
 META_KEY = "br_axes"
-
-
-class CannotReplay(RuntimeError):
-    """A graph (or batch) that branch replay cannot rewrite exactly; the backend runs the original."""
-
-    def __init__(self, reason: str, node: Optional[fx.Node] = None):
-        self.reason = reason
-        self.node = node
-        where = ""
-        if node is not None:
-            try:
-                where = f" at `{node.format_node()}`"
-            except Exception:  # pragma: no cover - format_node is best effort
-                where = f" at node {node.name}"
-        super().__init__(f"{reason}{where}")
-
-    @property
-    def node_name(self) -> Optional[str]:
-        return None if self.node is None else self.node.name
-
-
-class NothingToShare(CannotReplay):
-    """A graph in which rows sharing a prefix have nothing to compute once. Either it has no per-token work:
-    nothing in it is a function of the batch's tokens (it only views, casts or indexes its inputs; or it reads
-    no token ids, no floating-point per-token value and looks nothing up by an integer input: masks and
-    position tables built from ``[B, L]`` metadata between two graph breaks). Or it is a decode step against a
-    KV cache (passes/decode.py): one token per row whose prefix is the row's cache, not the batch. Running it as
-    it is is all a replay could do; the backend does, and counts its calls apart from the fallbacks
-    (``Stats.unshared_calls``)."""
 
 
 class Kind(enum.Enum):
@@ -353,14 +325,15 @@ class AxesContext:
         again = "" if refused is None else f"; {refused[0].name} is not packed again: {refused[1]}"
         return f"{m.node.name} was made dense by {m.user.name} ({m.reason}){again}"
 
-    def fail(self, node: fx.Node, reason: str):
-        raise CannotReplay(reason, node)
+    def fail(self, code: Code, node: fx.Node, reason: str):
+        """Refuse the graph at ``node``: CannotReplay with ``code`` (the rule broken) and ``reason``."""
+        raise CannotReplay(code, reason, node)
 
     def materialise(self, arg: fx.Node, user: fx.Node, reason: str) -> None:
         """Record that TOKEN ``arg`` is used densely by ``user`` (it will be gathered to [B, L, …])."""
         ax = get_axes(arg)
         if ax.region:
-            raise CannotReplay(
+            raise CannotReplay(Code.TOKEN_LOCAL_REGION,
                 f"{arg.name} ({ax}) is a value of a token-local region in the batch's sort order, an index or "
                 f"group offsets; {user.name} would need its dense value ({reason})", user)
         if arg not in self.materialised:
@@ -454,7 +427,8 @@ def input_write_destination(ctx: AxesContext, node: fx.Node, tainted: set) -> Op
     if (node.op != "call_method" and node.target not in INPLACE_OPERATORS) or dest in ctx.tree_inputs \
             or not isinstance(v, torch.Tensor) or v.requires_grad or not get_axes(dest).is_const \
             or len(dest.users) != 1 or node.users or "out" in node.kwargs:
-        ctx.fail(node, f"in-place write of values computed from the tokens into the graph input {dest.name}: "
+        ctx.fail(Code.INPUT_WRITE,
+                 node, f"in-place write of values computed from the tokens into the graph input {dest.name}: "
                        f"only a buffer without gradient that the graph writes once and never reads (a load "
                        f"counter) is supported")
     return dest
@@ -478,12 +452,13 @@ def propagate(ctx: AxesContext) -> None:
             tainted.add(node)
             draw = random_draw(node)
             if draw is not None:
-                ctx.fail(node, f"random draw {draw} over token values: every copy of a shared token draws "
+                ctx.fail(Code.RANDOM_DRAW,
+                         node, f"random draw {draw} over token values: every copy of a shared token draws "
                                f"its own numbers (training-mode sampling, e.g. the Gumbel noise of a router)")
             if is_inplace(node):
                 dest = input_write_destination(ctx, node, tainted)
                 if dest is None:
-                    ctx.fail(node, "in-place op on a value derived from the token inputs")
+                    ctx.fail(Code.INPLACE_TOKEN_VALUE, node, "in-place op on a value derived from the token inputs")
                 set_axes(node, dense_fallback(ctx, node, f"written in place into the graph input {dest.name}"))
                 ctx.input_writes[node] = dest
                 continue
@@ -505,13 +480,15 @@ def propagate(ctx: AxesContext) -> None:
             continue
         if local and (rule is None or not rule.local):
             if any(f.region for f in local):
-                ctx.fail(node, f"a value of a token-local region ({next(f for f in local if f.region)}) is used "
+                ctx.fail(Code.TOKEN_LOCAL_REGION,
+                         node, f"a value of a token-local region ({next(f for f in local if f.region)}) is used "
                                f"by {_target_name(node)}, which no token-local rule covers")
             set_axes(node, dense_fallback(ctx, node, f"{_target_name(node)} of flattened tokens"))
             continue
         if local and rule.local == "carry":
             if len({(f.flat, f.order) for f in facts if f.is_token}) != 1:
-                ctx.fail(node, f"{_target_name(node)} mixes values of different token-local layouts "
+                ctx.fail(Code.TOKEN_LOCAL_REGION,
+                         node, f"{_target_name(node)} mixes values of different token-local layouts "
                                f"({', '.join(sorted({str(f) for f in facts if f.is_token}))})")
         if rule is not None:
             if rule.always or any(f.is_token for f in facts):
@@ -578,7 +555,7 @@ def summarize(gm: fx.GraphModule) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "CannotReplay", "NothingToShare", "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
+    "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
     "register_rule", "RuleCollision", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value",
     "hint", "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
 ]

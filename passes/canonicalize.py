@@ -142,7 +142,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from brcompile.passes.axes import CannotReplay, example_value, hint, is_inplace, is_static_input, normalize_dim
+from brcompile.passes.axes import example_value, hint, is_inplace, is_static_input, normalize_dim
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
 from brcompile.passes.masks import BLOCKING, ancestors
 from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
@@ -606,7 +607,7 @@ def _scores_3d(n: fx.Node) -> Optional[Scores]:
 
 def _refuse(sm: fx.Node, at: fx.Node, why: str):
     """An attention (the softmax ``sm``) whose chain is not exactly the eager math: stop, naming ``at``."""
-    raise CannotReplay(f"eager attention: {why}", at)
+    raise CannotReplay(Code.EAGER_ATTENTION, f"eager attention: {why}", at)
 
 
 def _looks_like_attention(start: Any) -> bool:
@@ -1421,7 +1422,8 @@ def _resolve_softcaps(graph: fx.Graph, placeholders: list, values: dict, canon: 
             if isinstance(side, fx.Node):
                 value, guard_src = _scalar_value(side, placeholders, values)
                 if value is None:
-                    raise CannotReplay("eager attention: the soft-cap is computed in the graph, not read from a "
+                    raise CannotReplay(Code.ATTENTION_SCALAR,
+                                       "eager attention: the soft-cap is computed in the graph, not read from a "
                                        "scalar input", node)
                 pos, transform = guard_src
                 canon.guards.append(scalar_equals(pos, value, f"attention soft-cap of {node.name} "
@@ -1430,7 +1432,8 @@ def _resolve_softcaps(graph: fx.Graph, placeholders: list, values: dict, canon: 
             else:
                 got.append(float(side))
         if got[0] != got[1] or got[0] <= 0:
-            raise CannotReplay(f"eager attention: tanh soft-capping divides by {got[0]} and multiplies by "
+            raise CannotReplay(Code.EAGER_ATTENTION,
+                               f"eager attention: tanh soft-capping divides by {got[0]} and multiplies by "
                                f"{got[1]}", node)
         node.meta["br_softcap"] = got[0]
         canon.notes.append(f"{node.name}: soft-cap specialised to {got[0]}")
@@ -1545,7 +1548,8 @@ def canonical_attention(node: fx.Node, args: tuple, kwargs: dict) -> torch.Tenso
     a = sdpa_bind(args, kwargs)
     q, k, v, M = a["query"], a["key"], a["value"], a["attn_mask"]
     if a["dropout_p"]:
-        raise CannotReplay(f"a probe evaluates {node.name}, an attention with dropout (p={a['dropout_p']}): "
+        raise CannotReplay(Code.ATTENTION_DROPOUT,
+                           f"a probe evaluates {node.name}, an attention with dropout (p={a['dropout_p']}): "
                            "random, it has no single value", node)
     if a["enable_gqa"] and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
@@ -1957,7 +1961,8 @@ def _specialise_scalars(node: fx.Node, placeholders: list[fx.Node], values: dict
             continue
         value, guard_src = _scalar_value(arg, placeholders, values)
         if value is None:
-            raise CannotReplay(f"attention {name} is computed in the graph, not read from a scalar input",
+            raise CannotReplay(Code.ATTENTION_SCALAR,
+                               f"attention {name} is computed in the graph, not read from a scalar input",
                                node)
         pos, transform = guard_src
         what = f"attention {name} of {node.name}"

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
 
 __all__ = ["symbolic_run", "check_packed_graph", "token_positions"]
@@ -64,7 +64,8 @@ def check_packed_graph(packed: fx.GraphModule, example_args: Sequence[Any]) -> N
         raise
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
-        raise CannotReplay(f"the packed graph does not hold for every packed token count N ({type(e).__name__}: "
+        raise CannotReplay(Code.PACKED_COUNT,
+                           f"the packed graph does not hold for every packed token count N ({type(e).__name__}: "
                            f"{first}): a value kept a batch-sized dim (e.g. positions expanded over rows) or a "
                            "view baked the example's sizes") from e
     fixed = env.simplify(n_sym)
@@ -72,6 +73,7 @@ def check_packed_graph(packed: fx.GraphModule, example_args: Sequence[Any]) -> N
         culprit = next((n for n in packed.graph.nodes for v in [n.meta.get("val")]
                         if isinstance(v, torch.Tensor) and any(
                             isinstance(s, int) and s == int(fixed) for s in v.shape)), None)
-        raise CannotReplay(f"the packed graph only holds for N = {int(fixed)} packed tokens (the example batch's): "
+        raise CannotReplay(Code.PACKED_COUNT,
+                           f"the packed graph only holds for N = {int(fixed)} packed tokens (the example batch's): "
                            "a value kept a batch-sized dim or a view baked the example's sizes"
                            + (f"; first at {culprit.format_node()}" if culprit is not None else ""))

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.spellings import CHECKPOINT_HOPS, CHECKPOINT_READS, copy_graph_module
 
 __all__ = ["CHECKPOINT_HOPS", "CheckpointRegion", "is_checkpoint", "inline_checkpoints", "outline_checkpoints",
@@ -63,12 +63,13 @@ def region_of(n: fx.Node) -> Optional[CheckpointRegion]:
 def _body(gm: fx.GraphModule, hop: fx.Node) -> fx.GraphModule:
     b = hop.args[0] if hop.args else None
     if not (isinstance(b, fx.Node) and b.op == "get_attr"):
-        raise CannotReplay("activation checkpoint whose body is not a submodule of the graph", hop)
+        raise CannotReplay(Code.CHECKPOINT_FORM,
+                           "activation checkpoint whose body is not a submodule of the graph", hop)
     mod = gm
     for part in b.target.split("."):
         mod = getattr(mod, part)
     if not isinstance(mod, fx.GraphModule):
-        raise CannotReplay("activation checkpoint whose body is not an FX graph", hop)
+        raise CannotReplay(Code.CHECKPOINT_FORM, "activation checkpoint whose body is not an FX graph", hop)
     return mod
 
 
@@ -82,18 +83,21 @@ def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     for i, hop in enumerate([n for n in graph.nodes if is_checkpoint(n)]):
         body = _body(new, hop)
         if any(n.op == "get_attr" or is_checkpoint(n) for n in body.graph.nodes):
-            raise CannotReplay("activation checkpoint body with a nested checkpoint or a get_attr (not supported)",
+            raise CannotReplay(Code.CHECKPOINT_FORM,
+                               "activation checkpoint body with a nested checkpoint or a get_attr (not supported)",
                                hop)
         if any(isinstance(a, fx.Node) for a in fx.node.map_aggregate(hop.kwargs, lambda a: a).values()):
-            raise CannotReplay("activation checkpoint with a graph value among its keyword arguments", hop)
+            raise CannotReplay(Code.CHECKPOINT_FORM,
+                               "activation checkpoint with a graph value among its keyword arguments", hop)
         bad = [u for u in hop.users if not (u.op == "call_function" and u.target is operator.getitem
                                             and isinstance(u.args[1], int))]
         if bad:
-            raise CannotReplay("activation checkpoint output used other than by indexing", bad[0])
+            raise CannotReplay(Code.CHECKPOINT_FORM, "activation checkpoint output used other than by indexing", bad[0])
         region = CheckpointRegion(i, hop.args[0].target, tuple(sorted(hop.kwargs.items())))
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(hop.args) - 1:
-            raise CannotReplay("activation checkpoint body's inputs do not match the call's arguments", hop)
+            raise CannotReplay(Code.CHECKPOINT_FORM,
+                               "activation checkpoint body's inputs do not match the call's arguments", hop)
         env: dict[fx.Node, Any] = dict(zip(placeholders, hop.args[1:]))
         outs: Any = None
         with graph.inserting_before(hop):
@@ -170,7 +174,8 @@ def outline_checkpoints(gm: fx.GraphModule, regions: list[tuple[CheckpointRegion
         first, last = order[body_nodes[0]], order[body_nodes[-1]]
         stray = [n for n in graph.nodes if first < order[n] < last and n not in inside and n not in hoist]
         if stray:  # the region's packed nodes are not contiguous: never expected from the rewrite
-            raise CannotReplay(f"the packed nodes of activation checkpoint {region.body} are interleaved with "
+            raise CannotReplay(Code.CHECKPOINT_INTERLEAVED,
+                               f"the packed nodes of activation checkpoint {region.body} are interleaved with "
                                f"others ({stray[0].name})")
         inputs = list(dict.fromkeys(a for n in body_nodes for a in n.all_input_nodes if a not in inside))
         outputs = [n for n in body_nodes if any(u not in inside for u in n.users)]

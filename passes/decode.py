@@ -9,7 +9,7 @@ cache row, which is no tree key, and a row of the batch holds one token, which h
 that another row could share. Two rows with the same new token compute different values when their caches
 differ, and the tree cannot tell, so it must not merge them; with nothing else in a row, there is nothing to
 compute once. The graph runs as it is, and the backend counts its calls as
-unshared calls (:class:`passes.axes.NothingToShare`), not as fallbacks.
+unshared calls (:class:`passes.refusals.NothingToShare`), not as fallbacks.
 
 The rule is structural and proven at compile time: the batch has one position per row (``L`` is the int 1:
 Dynamo specialises a size of 1, so a graph captured with a symbolic ``L`` also serves longer batches and is

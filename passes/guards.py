@@ -25,6 +25,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from brcompile.passes.refusals import Code, Refusal, refusal
+
 log = logging.getLogger(__name__)
 
 
@@ -32,10 +34,12 @@ log = logging.getLogger(__name__)
 class BatchGuard:
     """``check(args) -> None`` when the packed graph is exact for this call, else the reason it is not.
 
-    ``what`` names the assumption for reports (``explain``)."""
+    ``what`` names the assumption for reports (``explain``); ``code`` is the refusal code of a call that
+    fails it (passes/refusals.py)."""
 
     what: str
     check: Callable[[Sequence[object]], Optional[str]]
+    code: Code = dataclasses.field(kw_only=True)
     #: True for an assumption about padded positions only (their outputs): moot on a call whose needed positions
     #: hold no padded one (brcompile.runtime.packed: checked after the call's live positions).
     padding_only: bool = False
@@ -57,7 +61,7 @@ def scalar_equals(position: int, value: float, what: str) -> BatchGuard:
             return f"{what} is {got} in this call; the packed graph was specialised to {value}"
         return None
 
-    return BatchGuard(f"{what} == {value} (input {position})", check)
+    return BatchGuard(f"{what} == {value} (input {position})", check, code=Code.GUARD_SCALAR)
 
 
 def no_query_without_keys(position: int, what: str, window: int = 0) -> BatchGuard:
@@ -83,8 +87,9 @@ def no_query_without_keys(position: int, what: str, window: int = 0) -> BatchGua
 
     if window:
         return BatchGuard(f"{what}: every {window}-column window holds a real token (input {position})", check,
-                          padding_only=True)
-    return BatchGuard(f"{what}: no left padding (input {position}[:, 0] != 0)", check, padding_only=True)
+                          padding_only=True, code=Code.GUARD_QUERY_WITHOUT_KEYS)
+    return BatchGuard(f"{what}: no left padding (input {position}[:, 0] != 0)", check, padding_only=True,
+                      code=Code.GUARD_QUERY_WITHOUT_KEYS)
 
 
 def integers_in_range(position: int, bins: int, what: str) -> BatchGuard:
@@ -107,16 +112,16 @@ def integers_in_range(position: int, bins: int, what: str) -> BatchGuard:
         seen.update(tensor=weakref.ref(x), key=key)
         return None
 
-    return BatchGuard(f"{what}: entries in [0, {bins}) (input {position})", check)
+    return BatchGuard(f"{what}: entries in [0, {bins}) (input {position})", check, code=Code.GUARD_TABLE_RANGE)
 
 
-def first_failure(guards: Sequence[BatchGuard], args: Sequence[object]) -> Optional[str]:
-    """The reason of the first failing guard, or None when all hold."""
+def first_failure(guards: Sequence[BatchGuard], args: Sequence[object]) -> Optional[Refusal]:
+    """The refusal (the guard's code, its reason) of the first failing guard, or None when all hold."""
     for g in guards:
         reason = g(args)
         if reason is not None:
-            log.debug("branch_replay guard failed: %s", reason)
-            return reason
+            log.debug("branch_replay guard failed [%s]: %s", g.code, reason)
+            return refusal(g.code, reason)
     return None
 
 

@@ -33,7 +33,8 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes import masks as masks_mod
-from brcompile.passes.axes import CannotReplay, example_value, is_static_input
+from brcompile.passes.axes import example_value, is_static_input
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.guards import BatchGuard
 
 __all__ = ["InputMask", "check_mask", "classify_input_mask", "input_mask_source", "key_validity"]
@@ -172,7 +173,8 @@ class InputMask:
 
     def guard(self) -> BatchGuard:
         """Per call: the mask is still causal & key padding (& window); checked once per mask tensor."""
-        return BatchGuard(f"{self} (checked once per tensor)", lambda args: self.examine(args)[0])
+        return BatchGuard(f"{self} (checked once per tensor)", lambda args: self.examine(args)[0],
+                          code=Code.GUARD_INPUT_MASK)
 
     def key_padding(self, args: Sequence[Any]) -> torch.Tensor:
         """``valid[b, k]`` of this call's mask (after :meth:`guard` passed), ``[B' , L]``, B' = B or 1."""
@@ -195,25 +197,30 @@ def classify_input_mask(attn: fx.Node, mask: fx.Node, placeholders: Sequence[fx.
     except CannotReplay:
         raise
     except Exception as e:
-        raise CannotReplay(f"{where} (a mask built outside the compiled graph) and the subgraph that reads it "
+        raise CannotReplay(Code.INPUT_MASK,
+                           f"{where} (a mask built outside the compiled graph) and the subgraph that reads it "
                            f"cannot be evaluated: {type(e).__name__}: {e}", attn) from e
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or getattr(x, "fake_mode", None) is not None:
-        raise CannotReplay(f"{where} (a mask built outside the compiled graph) and its example value cannot be "
+        raise CannotReplay(Code.INPUT_MASK,
+                           f"{where} (a mask built outside the compiled graph) and its example value cannot be "
                            "read", attn)
     m = x if x.dim() == 4 else x[:, None]
     if m.shape[-1] != m.shape[-2]:
-        raise CannotReplay(f"{where} (a mask built outside the compiled graph): it spans {m.shape[-1]} key positions "
+        raise CannotReplay(Code.INPUT_MASK,
+                           f"{where} (a mask built outside the compiled graph): it spans {m.shape[-1]} key positions "
                            f"for {m.shape[-2]} query positions, keys that are not the batch's tokens (a static "
                            f"cache's); tree attention's keys are the batch's own positions", attn)
     vis = visible(m)
     if vis is None:
-        raise CannotReplay(f"{where}: it holds values other than 0 and blocking values (<= {masks_mod.BLOCKING:g}: "
+        raise CannotReplay(Code.INPUT_MASK,
+                           f"{where}: it holds values other than 0 and blocking values (<= {masks_mod.BLOCKING:g}: "
                            "-1e9, finfo(dtype).min, -inf): an additive bias, not a mask", attn)
     window = _window_of(vis)
     reason = check_mask(x, window)
     if reason is not None and window:
         window, reason = 0, check_mask(x, 0)
     if reason is not None:
-        raise CannotReplay(f"{where} (a mask built outside the compiled graph, read from the tensor): {reason}",
+        raise CannotReplay(Code.INPUT_MASK,
+                           f"{where} (a mask built outside the compiled graph, read from the tensor): {reason}",
                            attn)
     return InputMask(mask, inputs, window)

@@ -100,8 +100,9 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes import probe
-from brcompile.passes.axes import CannotReplay, example_value, is_static_input
+from brcompile.passes.axes import example_value, is_static_input
 from brcompile.passes.probe import ancestors, map_ints, sequence_positions
+from brcompile.passes.refusals import CannotReplay, Code
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ def evaluate(mask: fx.Node, values: dict[fx.Node, object],
     try:
         return probe.evaluate(mask, values, literal=literal, call=_by_meaning)
     except probe.UnsupportedNode as e:
-        raise CannotReplay(f"mask subgraph contains a {e.node.op}", e.node) from e
+        raise CannotReplay(Code.MASK_UNPROVEN, f"mask subgraph contains a {e.node.op}", e.node) from e
 
 
 def _by_meaning(n: fx.Node, args: tuple, kwargs: dict):
@@ -245,7 +246,7 @@ def visible(mask: torch.Tensor, node: fx.Node) -> torch.Tensor:
     masks that carry a bias."""
     vis, bias = split_bias(mask, node)
     if bias is not None:
-        raise CannotReplay(float_bias_reason(mask, vis), node)
+        raise CannotReplay(Code.MASK_FLOAT_BIAS, float_bias_reason(mask, vis), node)
     return vis
 
 
@@ -268,7 +269,8 @@ def split_bias(mask: torch.Tensor, node: fx.Node) -> tuple[torch.Tensor, Optiona
         return mask, None
     vis = ~blocked(mask)
     if not bool(torch.isfinite(mask.masked_fill(~vis, 0.0)).all()):
-        raise CannotReplay("float attention mask holds NaN or +inf (NaN also marks a blend s * B + A of the scores "
+        raise CannotReplay(Code.MASK_FLOAT_BIAS,
+                           "float attention mask holds NaN or +inf (NaN also marks a blend s * B + A of the scores "
                            "where B is not 0 or 1, or where B is 0 and A does not block: the scores are scaled "
                            "or replaced by a finite value, not masked)", node)
     bias = mask.masked_fill(~vis, 0.0)
@@ -541,7 +543,7 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
     for n in anc:
         if n.op == "placeholder" and n not in tree_inputs and isinstance(values.get(n), torch.Tensor) \
                 and values[n].dim() > 0 and not is_static_input(n):  # 0-dim: a lifted scalar, guarded by pack
-            raise CannotReplay(f"attention mask depends on non-token input {n.name}", attn)
+            raise CannotReplay(Code.MASK_FROM_VALUES, f"attention mask depends on non-token input {n.name}", attn)
     sc = Scaling.of(tree_inputs[0], values, anc)
     dynamic = _is_symbolic_length(tree_inputs[0])
     small = sc.B * sc.L * sc.L <= MAX_PROBE_ELEMENTS
@@ -551,7 +553,7 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
     if dynamic or not small:
         if not sc.l_scalable:
             if not small:
-                raise CannotReplay(
+                raise CannotReplay(Code.MASK_UNPROVEN,
                     f"attention mask of a [{sc.B}, {sc.L}] batch cannot be evaluated at small sizes (the batch size "
                     "and the length cannot be told apart in its subgraph) and is too large to evaluate whole", attn)
             limit = (sc.L, "its sizes cannot be scaled for probes")
@@ -564,13 +566,15 @@ def classify(attn: fx.Node, mask: fx.Node, tree_inputs: Sequence[fx.Node],
                 more, limit = _probe_trials(attn, mask, probes, _size_constants(anc, values, sc))
             trials += more
     if limit is not None and (not dynamic or limit[0] < BASE_LENGTHS[0]) and sc.L > limit[0]:
-        raise CannotReplay(f"attention mask's meaning is proven for lengths <= {limit[0]} only ({limit[1]}); "
+        raise CannotReplay(Code.MASK_UNPROVEN,
+                           f"attention mask's meaning is proven for lengths <= {limit[0]} only ({limit[1]}); "
                            f"the batch has L = {sc.L}", attn)
     if not trials:
-        raise CannotReplay("attention mask could not be evaluated at any probe size", attn)
+        raise CannotReplay(Code.MASK_UNPROVEN, "attention mask could not be evaluated at any probe size", attn)
     info = _meaning(attn, mask, inputs, trials)
     if free and any(t.bias(mask, attn) is not None for t in trials):
-        raise CannotReplay(f"attention bias gathered from the per-query table {free[0].name} that is not "
+        raise CannotReplay(Code.RELATIVE_BIAS,
+                           f"attention bias gathered from the per-query table {free[0].name} that is not "
                            f"{free[0].name}[b, h, i, clamp(i - j, 0, E - 1)] at every visible pair (i, j) (optionally 0 "
                            "from distance E on): a relative bias must be a function of the query token's table and "
                            "the clamped query-key distance alone", attn)
@@ -635,16 +639,18 @@ def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Se
             return info
         biased = next((t for t in trials if _biases_later_keys(t.visible(mask, attn), t.bias(mask, attn))), None)
         if biased is not None:
-            raise CannotReplay(float_bias_reason(evaluate(mask, biased.values, biased.literal),
+            raise CannotReplay(Code.MASK_FLOAT_BIAS, float_bias_reason(evaluate(mask, biased.values, biased.literal),
                                                  biased.visible(mask, attn), "where a causal mask blocks (through "
                                                  "them a query sees the keys after it)"), attn) from refusal
         if any(_sees_later_keys(t.visible(mask, attn)) for t in trials):
-            raise CannotReplay("attention mask lets a query see keys after it (bidirectional attention: an encoder, "
+            raise CannotReplay(Code.MASK_NOT_CAUSAL,
+                               "attention mask lets a query see keys after it (bidirectional attention: an encoder, "
                                "a masked LM such as XLM with causal=False, or a prefix-LM's prompt); a token's value "
                                "must depend on its prefix only for the prefix tree to share it", attn) from refusal
         x = _followed_input(attn, mask, inputs, trials, _Trial.visible)
         if x is not None:
-            raise CannotReplay(f"attention mask computed from the values of {x.name}: which keys a query sees "
+            raise CannotReplay(Code.MASK_FROM_VALUES,
+                               f"attention mask computed from the values of {x.name}: which keys a query sees "
                                "depends on the tokens (a content-dependent sparse mask, e.g. a top-k selection of "
                                "keys by a learned index, DeepSeek sparse attention's indexer, with fewer picks than "
                                "keys); tree attention's keys are the causal ones, by position and padding only",
@@ -683,13 +689,15 @@ def _row_meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials
     evaluated = [(t, t.visible(mask, attn)) for t in trials]
     windows = {w for t, m in evaluated if t.unpadded for w in [sliding_window(m, attn)] if w is not None}
     if len(windows) > 1:
-        raise CannotReplay(f"attention mask shows different sliding windows {sorted(windows)} at different probe "
+        raise CannotReplay(Code.MASK_UNPROVEN,
+                           f"attention mask shows different sliding windows {sorted(windows)} at different probe "
                            "sizes (a window that depends on the batch size or length)", attn)
     for window in sorted(windows) + [0]:
         for cand in [None] + list(inputs):
             if all(_matches(m, cand, t.values, window) for t, m in evaluated):
                 return MaskInfo("causal" if cand is None else "causal+keypad", cand, window)
-    raise CannotReplay("attention mask is neither causal nor causal & key padding from a token input, "
+    raise CannotReplay(Code.MASK_NOT_CAUSAL,
+                       "attention mask is neither causal nor causal & key padding from a token input, "
                        "optionally with a sliding window (prefix-LM and bias masks are not supported)", attn)
 
 
@@ -698,7 +706,8 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
     """``info`` with the ALiBi slopes of the mask's bias (module docstring), else CannotReplay naming the bias."""
     what = "attention bias"
     if info.kind == "causal+sequences":
-        raise CannotReplay(f"{what} on packed sequences (ALiBi positions restart per sequence)", attn)
+        raise CannotReplay(Code.ATTENTION_BIAS,
+                           f"{what} on packed sequences (ALiBi positions restart per sequence)", attn)
     hq = _query_heads(attn)
     trainable = [n for n in ancestors(mask) if n.op == "placeholder"
                  for v in [values.get(n)] if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -706,7 +715,8 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
         n = trainable[0]
         x = _followed_input(attn, mask, inputs, trials)
         if x is not None:
-            raise CannotReplay(f"{what} computed from the values of {x.name} through the trainable tensor "
+            raise CannotReplay(Code.ATTENTION_BIAS,
+                               f"{what} computed from the values of {x.name} through the trainable tensor "
                                f"{n.name} (a per-token bias, e.g. a projection of the hidden states: tree "
                                "attention's biases are ALiBi, a per-head slope times the position distance, and a "
                                "relative bias gathered from a table of the query token by the clamped distance)",
@@ -714,7 +724,8 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
         node = _slopes_node(mask, trainable, values, hq)
         found = None if node is None else _trainable_alibi(attn, mask, info, inputs, trials, node, hq)
         if found is None:
-            raise CannotReplay(f"{what} computed from the trainable tensor {n.name} that is not ALiBi with trainable "
+            raise CannotReplay(Code.ATTENTION_BIAS,
+                               f"{what} computed from the trainable tensor {n.name} that is not ALiBi with trainable "
                                "slopes (a learned position bias, e.g. a relative-position table: its gradient is "
                                "not supported)", attn)
         return found
@@ -722,7 +733,8 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
     what = (f"attention bias (the float mask holds finite nonzero values above {BLOCKING:g} at visible pairs: a bias "
             "added to the scores, not a 0 / -inf mask)")
     if slopes is None:
-        raise CannotReplay(f"{what} that is not ALiBi: no per-head slope can be read off a probe without padding",
+        raise CannotReplay(Code.ATTENTION_BIAS,
+                           f"{what} that is not ALiBi: no per-head slope can be read off a probe without padding",
                            attn)
     for count in _alibi_counts(info, inputs, trials):
         if all(_fits_alibi(t.visible(mask, attn), t.bias(mask, attn), slopes, _alibi_positions(t, count))
@@ -730,9 +742,11 @@ def alibi_meaning(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Sequence
             if not any(slopes):
                 return info  # a bias constant along every query row: the softmax ignores it
             if count is not None and info.window:
-                raise CannotReplay(f"{what}: ALiBi over attention-mask counts with a sliding window", attn)
+                raise CannotReplay(Code.ATTENTION_BIAS,
+                                   f"{what}: ALiBi over attention-mask counts with a sliding window", attn)
             return dataclasses.replace(info, alibi=tuple(slopes), alibi_count=count)
-    raise CannotReplay(f"{what} that is not ALiBi (a per-head slope times the key position minus the query "
+    raise CannotReplay(Code.ATTENTION_BIAS,
+                       f"{what} that is not ALiBi (a per-head slope times the key position minus the query "
                        "position, over the columns or the count of attention-mask tokens)", attn)
 
 
@@ -785,7 +799,8 @@ def _trainable_alibi(attn: fx.Node, mask: fx.Node, info: MaskInfo, inputs: Seque
         if all(_fits_alibi(t.visible(mask, attn), t.bias(mask, attn), slopes, _alibi_positions(t, count))
                for t, slopes in checks):
             if count is not None and info.window:
-                raise CannotReplay("attention bias: ALiBi over attention-mask counts with a sliding window", attn)
+                raise CannotReplay(Code.ATTENTION_BIAS,
+                                   "attention bias: ALiBi over attention-mask counts with a sliding window", attn)
             return dataclasses.replace(info, alibi=tuple(checks[0][1]), alibi_count=count, alibi_node=node)
     return None
 
@@ -980,7 +995,8 @@ def sequences_guard(info: MaskInfo, placeholders: Sequence[fx.Node]):
     def check(args):
         return sequence_layout_problem(args[pos])
 
-    return BatchGuard(f"{info.sequences.name} (input {pos}) splits the rows into packed sequences", check)
+    return BatchGuard(f"{info.sequences.name} (input {pos}) splits the rows into packed sequences", check,
+                      code=Code.GUARD_SEQUENCES)
 
 
 def meaning_guard(attn: fx.Node, mask: fx.Node, info: MaskInfo, tree_inputs: Sequence[fx.Node],
@@ -1001,7 +1017,8 @@ def meaning_guard(attn: fx.Node, mask: fx.Node, info: MaskInfo, tree_inputs: Seq
                     f"meaning at length {L} is not proven")
         return None
 
-    return BatchGuard(f"mask of {attn.name} proven for lengths <= {limit} (input {pos})", check)
+    return BatchGuard(f"mask of {attn.name} proven for lengths <= {limit} (input {pos})", check,
+                      code=Code.GUARD_MASK_LENGTH)
 
 
 def _matches(mask: torch.Tensor, cand: Optional[fx.Node], values, window: int = 0) -> bool:

@@ -29,9 +29,10 @@ import torch.fx as fx
 
 from brcompile.passes import checkpoint as checkpoints, input_masks, masks as masks_mod
 from brcompile.passes.axes import (
-    AxesContext, CannotReplay, Materialisation, NothingToShare, Window, example_value, get_axes, hint,
+    AxesContext, Materialisation, Window, example_value, get_axes, hint,
     is_static_input, node_args, normalize_dim, propagate, rule_for, shape_of,
 )
+from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.guards import BatchGuard, scalar_equals
 from brcompile.passes.liveness import safe_operand
 from brcompile.passes import canonicalize as eager_attention
@@ -139,7 +140,8 @@ def find_token_ids(gm: fx.GraphModule) -> fx.Node:
             if src.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 2 \
                     and not v.is_floating_point():
                 return src
-    raise CannotReplay("no [B, L] integer token input feeding an embedding (inputs_embeds models and "
+    raise CannotReplay(Code.NO_TOKEN_INPUT,
+                       "no [B, L] integer token input feeding an embedding (inputs_embeds models and "
                        "graphs without the embedding are not supported)")
 
 
@@ -149,11 +151,11 @@ def refuse_without_tree_inputs(gm: fx.GraphModule, B: int, L: int) -> None:
     built = ids_joined_to_constants(gm)
     if built is not None:
         emb, ids, extra = built
-        raise CannotReplay(f"the embedding reads token ids joined in the graph: {extra} constant token(s) (a "
+        raise CannotReplay(Code.JOINED_TOKEN_IDS, f"the embedding reads token ids joined in the graph: {extra} constant token(s) (a "
                            f"prompt every row shares, CPM-Ant's) concatenated with the [B, L] input {ids.name} "
                            "along the length; the prefix tree is built over the rows of the graph's inputs, and "
                            "the attentions run over positions that are not theirs", emb)
-    raise CannotReplay(f"no [B, L] integer token input feeding an embedding, and the attentions read no "
+    raise CannotReplay(Code.NO_TOKEN_INPUT, f"no [B, L] integer token input feeding an embedding, and the attentions read no "
                        f"per-token [B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
 
 
@@ -175,8 +177,9 @@ def analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional[
     if token_ids not in tree_inputs:
         unrecognised = eager_attention.unrecognised_attention(gm)  # the tokens' mixing is an attention we missed
         if unrecognised is not None:
-            raise CannotReplay(unrecognised[1], unrecognised[0])
-        raise CannotReplay("no scaled_dot_product_attention in the graph, and its scans do not depend on the "
+            raise CannotReplay(Code.UNRECOGNISED_ATTENTION, unrecognised[1], unrecognised[0])
+        raise CannotReplay(Code.NO_TOKEN_INPUT,
+                           "no scaled_dot_product_attention in the graph, and its scans do not depend on the "
                            "token ids (nothing packed; it runs unchanged)")
     position_inputs = {p: d for p in placeholders if p in needed and p not in tree_inputs
                        for d in [position_dim(p, B, L)] if d is not None}
@@ -185,7 +188,8 @@ def analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional[
     propagate(ctx)
     if not any(scan_rules.is_tree_scan(ctx, s) for s in scans):
         why = ctx.first_materialisation() or "no scan runs along the positions of the tokens"
-        raise CannotReplay(f"no scaled_dot_product_attention in the graph and no scan along the tree (nothing to "
+        raise CannotReplay(Code.NOTHING_PACKED,
+                           f"no scaled_dot_product_attention in the graph and no scan along the tree (nothing to "
                            f"share; it runs unchanged): {why}{left}")
     return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
                     canon.notes)
@@ -213,12 +217,14 @@ def analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeh
     ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     if all(n.target in _CHEAP for n in ops):  # hidden.reshape(-1, D) alone between two graph breaks
         what = ", ".join(dict.fromkeys(op_name(n) for n in ops)) or "nothing"
-        raise NothingToShare(f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
+        raise NothingToShare(Code.NO_PER_TOKEN_WORK,
+                             f"{nothing}: the graph only views, casts or indexes its inputs ({what}): nothing to "
                              f"compute")
     if not any(_float_arithmetic(n) for n in ops):  # a mask built from [B, L] metadata; a sort of routing keys
         what = ", ".join(dict.fromkeys(op_name(n) for n in ops
                                        if n.target not in _CHEAP and n.target not in VALUE_MOVES))
-        raise NothingToShare(f"{nothing}: the graph computes no floating-point value (integer and boolean "
+        raise NothingToShare(Code.NO_PER_TOKEN_WORK,
+                             f"{nothing}: the graph computes no floating-point value (integer and boolean "
                              f"bookkeeping only: {what}; floating-point values are only viewed, cast or indexed): "
                              f"nothing to compute per token")
     rows = False
@@ -238,16 +244,19 @@ def analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeh
                        "(flattened hidden states)")
                 lookup = _lookup_by_integer_input(gm, placeholders)
                 if lookup is not None:
-                    raise CannotReplay(f"{unpacked}: {why}, but {lookup.name} looks a floating-point value up by an "
+                    raise CannotReplay(Code.NO_TOKEN_INPUT,
+                                       f"{unpacked}: {why}, but {lookup.name} looks a floating-point value up by an "
                                        f"integer input (per-token work on what it holds)", lookup)
                 if not any(_free_float(p, n) for p in placeholders for n in range(1, 9)):
-                    raise NothingToShare(f"{nothing}: {why}: it reads no per-token value (masks and position "
+                    raise NothingToShare(Code.NO_PER_TOKEN_WORK,
+                                         f"{nothing}: {why}: it reads no per-token value (masks and position "
                                          f"tables built from integer inputs and parameters)")
-                raise CannotReplay(f"{unpacked}: {why}")
+                raise CannotReplay(Code.NO_TOKEN_INPUT, f"{unpacked}: {why}")
             first = flat[0]
             B, L, rows = hint(example_value(first).shape[0]), 1, True
     if _one_row(first):  # an expert that received one token, Dynamo's graph for that size
-        raise NothingToShare(f"{nothing}: its batch is one row at every call ({first.name}: a size specialised "
+        raise NothingToShare(Code.ONE_ROW_BATCH,
+                             f"{nothing}: its batch is one row at every call ({first.name}: a size specialised "
                              f"to 1): a row shares nothing with itself")
     tree_inputs = _row_inputs(placeholders, B) if rows else [p for p in placeholders if is_token_shaped(p, B, L)]
     position_inputs = {} if rows else {p: d for p in placeholders if p not in tree_inputs
@@ -259,7 +268,7 @@ def analyse_token_local(gm: fx.GraphModule, token_ids: Optional[fx.Node], placeh
     propagate(ctx)
     if not any(_computes_packed(n) for n in gm.graph.nodes):
         why = ctx.first_materialisation() or "no op computes on the per-token inputs"
-        raise CannotReplay(f"{unpacked}: {why}")
+        raise CannotReplay(Code.NOTHING_PACKED, f"{unpacked}: {why}")
     log.debug("token-local graph: tree inputs %s, (B, L) = (%d, %d)", [p.name for p in tree_inputs], B, L)
     return Analysis(gm, ctx, token_ids, tree_inputs, None, [], {}, placeholders, list(canon.guards) + ctx.guards,
                     canon.notes)
@@ -406,14 +415,15 @@ def classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_m
                 classified[a] = masks_mod.MaskInfo("causal")
             continue
         if is_causal:
-            raise CannotReplay("attention with both a mask and is_causal=True", a)
+            raise CannotReplay(Code.MASK_USE, "attention with both a mask and is_causal=True", a)
         if a in outside:
             classified[a] = masks_mod.MaskInfo("causal+keypad", keypad=input_mask.source, window=input_mask.window)
             continue
         if m not in mask_nodes:
-            raise CannotReplay("attention mask is also used outside attention masks", a)
+            raise CannotReplay(Code.MASK_USE, "attention mask is also used outside attention masks", a)
         if not mask_keys:
-            raise CannotReplay("the attention mask is built in the graph without any [B, L] input (token ids, "
+            raise CannotReplay(Code.MASK_SOURCE,
+                               "the attention mask is built in the graph without any [B, L] input (token ids, "
                                "attention mask): its meaning cannot be probed; use is_causal=True", a)
         classified[a] = masks_mod.classify(a, m, mask_keys, values)
     return classified
@@ -448,7 +458,7 @@ def outside_input_mask(outside: dict, placeholders: list, example_inputs: Sequen
         return None
     masks = list(dict.fromkeys(outside.values()))
     if len(masks) > 1:
-        raise CannotReplay(f"the attentions use {len(masks)} different masks from outside the graph "
+        raise CannotReplay(Code.INPUT_MASK, f"the attentions use {len(masks)} different masks from outside the graph "
                            f"({', '.join(m.name for m in masks)}); one is supported", next(iter(outside)))
     a = next(iter(outside))
     return input_masks.classify_input_mask(a, masks[0], placeholders, example_inputs)
@@ -463,7 +473,8 @@ def sequences_input(attentions: list[fx.Node], classified: dict) -> Optional[fx.
         return None
     if len(seqs) > 1:
         names = sorted(str(classified[a]) if a in classified else "bidirectional" for a in attentions)
-        raise CannotReplay(f"attentions disagree on packed sequences ({', '.join(dict.fromkeys(names))}): some "
+        raise CannotReplay(Code.PACKED_SEQUENCES,
+                           f"attentions disagree on packed sequences ({', '.join(dict.fromkeys(names))}): some "
                            f"are causal within the sequences of a padding-free row, others are not")
     return next(iter(seqs))
 
@@ -479,7 +490,7 @@ def check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) -
         ax = n.meta.get("br_axes")
         if ax is not None and ax.is_token and ax.row is None and not ax.local:  # flattened tokens keep their rows
             what = "a per-position input" if n.op == "placeholder" else "a value computed from the column"
-            raise CannotReplay(
+            raise CannotReplay(Code.PACKED_SEQUENCES,
                 f"padding-free batch (the attentions are causal within the sequences that {sequences.name} "
                 f"starts): {what} ({n.name}) depends on the column in the row, not on the position in the "
                 f"sequence; pass position ids instead", n)
@@ -574,7 +585,7 @@ def attention_batch_dims(attn: fx.Node) -> tuple[int, int]:
     [B, H, L, head_dim]."""
     q = example_value(attn.args[0] if attn.args else attn.kwargs.get("query"))
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise CannotReplay("attention query is not a [B, H, L, head_dim] tensor", attn)
+        raise CannotReplay(Code.ATTENTION_LAYOUT, "attention query is not a [B, H, L, head_dim] tensor", attn)
     return hint(q.shape[0]), hint(q.shape[-2])
 
 
@@ -612,14 +623,15 @@ def check_masks_are_computed(attentions, mask_args, tree_inputs, B: int, L: int)
             if n not in tree_inputs:
                 shape = list(hint(tuple(v.shape)))
                 if len(shape) == 2 and shape[0] == B and shape[1] != L:
-                    raise CannotReplay(_other_axis_reason(a, n, shape, L), a)
-                raise CannotReplay(
+                    raise CannotReplay(Code.MASK_SOURCE, _other_axis_reason(a, n, shape, L), a)
+                raise CannotReplay(Code.INPUT_MASK,
                     f"the attention mask comes from graph input {n.name} {shape} (a mask "
                     f"built outside the compiled graph, e.g. a [B, 1, L, L] mask passed to a per-block graph): "
                     f"its meaning cannot be checked inside the graph; compile the mask's construction with the "
                     f"graph, or call the block without a mask (is_causal=True)", a)
             if v.dim() != 2:
-                raise CannotReplay(f"the attention mask is computed from the [B, L, ...] input {n.name} "
+                raise CannotReplay(Code.MASK_FROM_VALUES,
+                                   f"the attention mask is computed from the [B, L, ...] input {n.name} "
                                    f"(only [B, L] inputs can be probed)", a)
 
 
@@ -741,7 +753,7 @@ class Packer:
         sizes = []
         for d, s in enumerate(v.shape):
             if isinstance(s, torch.SymInt) and d not in ax.token_dims() and s.node.maybe_as_int() is None:
-                raise CannotReplay("a non-token dim of a packed value has a symbolic size", node)
+                raise CannotReplay(Code.SYMBOLIC_SIZE, "a non-token dim of a packed value has a symbolic size", node)
             sizes.append(hint(s))
         return sizes
 
@@ -901,7 +913,7 @@ class Packer:
         kept = set(new_gm.graph.nodes)
         written = [n for n in self.an.ctx.input_writes if self.env.get(n) in kept]
         if len(written) != len(self.an.ctx.input_writes):  # a write the rewrite dropped would lose its effect
-            raise CannotReplay("an in-place write into a graph input was dropped by the rewrite",
+            raise CannotReplay(Code.INPUT_WRITE, "an in-place write into a graph input was dropped by the rewrite",
                                next(iter(self.an.ctx.input_writes)))
         # inputs the graph writes into (axes.input_write_destination): the runtime snapshots them
         new_gm.br_written_inputs = tuple(sorted({placeholders.index(d) for d in self.an.ctx.input_writes.values()}))
@@ -940,7 +952,8 @@ def _checkpoint_spans(gm: fx.GraphModule) -> dict[fx.Node, "checkpoints.Checkpoi
     for r, (lo, hi) in bounds.items():
         for n in order[lo:hi + 1]:
             if n in spans or checkpoints.region_of(n) not in (None, r):
-                raise CannotReplay(f"activation checkpoint {r.body}: its nodes are interleaved with others", n)
+                raise CannotReplay(Code.CHECKPOINT_INTERLEAVED,
+                                   f"activation checkpoint {r.body}: its nodes are interleaved with others", n)
             spans[n] = r
     return spans
 

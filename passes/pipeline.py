@@ -40,12 +40,13 @@ import torch.fx as fx
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import checkpoint as checkpoints
 from brcompile.passes import delta_rule, input_masks, linear_scans, masks as masks_mod, pack, ssd_scans
-from brcompile.passes.axes import AxesContext, CannotReplay, NothingToShare, example_value, hint, propagate
+from brcompile.passes.axes import AxesContext, example_value, hint, propagate
 from brcompile.passes.check import check_packed_graph
 from brcompile.passes.decode import decode_against_cache
 from brcompile.passes.functionalize import functionalize
 from brcompile.passes.liveness import analyse_liveness
 from brcompile.passes.pack import Analysis, PackOptions, build_packed_graph
+from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.rules.attention import PER_TOKEN, SDPA
 from brcompile.passes.spellings import arg, copy_graph_module
@@ -123,7 +124,7 @@ def lower(state: PipelineState) -> None:
     pre-dispatch ATen graph (passes/aten.py), which takes the same inputs, with the guards its lowering
     proved at the example values."""
     if len([n for n in state.gm.graph.nodes if n.op == "placeholder"]) != len(state.example_inputs):
-        raise CannotReplay("example inputs do not match the graph's placeholders")
+        raise CannotReplay(Code.GRAPH_INPUTS, "example inputs do not match the graph's placeholders")
     if state.config.level == "aten":
         from brcompile.passes.aten import lower_and_respell
 
@@ -184,14 +185,14 @@ def tree_inputs(state: PipelineState) -> None:
     state.B, state.L = B, L
     decode = decode_against_cache(attentions, pack.captured_length(token_ids, attentions), B)
     if decode is not None:  # one token per row against a KV cache (passes/decode.py)
-        raise NothingToShare(decode[1], decode[0])
+        raise NothingToShare(Code.DECODE_STEP, decode[1], decode[0])
     needed, needed_qkv = pack.attention_inputs(attentions, state.mask_args)
     state.outside = {a: m for a, m in zip(attentions, state.mask_args)
                      if input_masks.input_mask_source(m) is not None}
     outside_sources = {input_masks.input_mask_source(m) for m in state.outside.values()}
     tree = [p for p in placeholders if p in needed and pack.is_token_shaped(p, B, L) and p not in outside_sources]
     if token_ids is not None and token_ids not in tree:
-        raise CannotReplay("the attentions do not depend on the token ids")
+        raise CannotReplay(Code.NO_TOKEN_INPUT, "the attentions do not depend on the token ids")
     if not tree:
         pack.refuse_without_tree_inputs(gm, B, L)
     state.tree_inputs = tree
@@ -217,7 +218,7 @@ def masks(state: PipelineState) -> None:
             mask_nodes -= set(masks_mod.ancestors(info.alibi_node))
     keypads = {info.keypad for info in classified.values() if info.keypad is not None}
     if len(keypads) > 1:
-        raise CannotReplay("attentions use different key-padding inputs")
+        raise CannotReplay(Code.KEY_PADDING_INPUTS, "attentions use different key-padding inputs")
     state.keypad = next(iter(keypads), None)
     state.mask_nodes, state.classified = mask_nodes, classified
     state.sequences = pack.sequences_input([a for a in state.attentions if not pack.unmasked(a)], classified)
@@ -353,7 +354,7 @@ def _without_attention(state: PipelineState) -> Analysis:
     gm = state.gm
     hop = checkpoints.body_with_attention(gm, SDPA)
     if hop is not None:
-        raise CannotReplay(f"attention inside a {getattr(hop.target, '__name__', hop.target)} body (only "
+        raise CannotReplay(Code.ATTENTION_IN_BODY, f"attention inside a {getattr(hop.target, '__name__', hop.target)} body (only "
                            f"activation-checkpoint bodies are analysed)", hop)
     scans = scan_rules.scan_candidates(gm)
     left = "".join(f"; {n}" for n in state.scan_notes if linear_scans.LEFT in n)  # scans not rewritten, named
@@ -362,7 +363,7 @@ def _without_attention(state: PipelineState) -> Analysis:
         return pack.analyse_scans(gm, scans, *args[1:])
     unrecognised = eager_attention.unrecognised_attention(gm)
     if unrecognised is not None:
-        raise CannotReplay(unrecognised[1], unrecognised[0])
+        raise CannotReplay(Code.UNRECOGNISED_ATTENTION, unrecognised[1], unrecognised[0])
     return pack.analyse_token_local(*args)
 
 
@@ -426,7 +427,7 @@ def check_attention_support(packed: fx.GraphModule, example_inputs, attention: s
             check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias, slopes,
                                 backward_device=device if training else None)
         except AttentionImplError as e:
-            raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
+            raise CannotReplay(Code.ATTENTION_IMPL, f"{e} (attention={attention!r} on {device.type})") from e
 
 
 def check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> None:
@@ -443,7 +444,7 @@ def check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> Non
     try:
         get_scan_impl(scan, device)
     except ScanError as e:
-        raise CannotReplay(f"{e} (scan={scan!r} on {device.type})") from e
+        raise CannotReplay(Code.SCAN_IMPL, f"{e} (scan={scan!r} on {device.type})") from e
 
 
 def packed_example_args(an: Analysis, example_inputs) -> list:

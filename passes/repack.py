@@ -49,10 +49,11 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.axes import (
-    AxesContext, CannotReplay, example_value, get_axes, hint, node_args, register_rule, set_axes, token,
+    AxesContext, example_value, get_axes, hint, node_args, register_rule, set_axes, token,
 )
 from brcompile.passes import probe
 from brcompile.passes.probe import ancestors
+from brcompile.passes.refusals import CannotReplay, Code
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ def _emit_repack(pk, node: fx.Node) -> fx.Node:
     if pk.options.drop_padding and pk.options.drops_within_rows:
         # a kept token's representative row keeps every position before it only when nothing inside a row is
         # left out: the dense region then reads true values at every position a kept token depends on
-        raise CannotReplay(f"{node.args[0].name} is re-packed from a dense region, which needs the padding "
+        raise CannotReplay(Code.REPACK_PADDING,
+                           f"{node.args[0].name} is re-packed from a dense region, which needs the padding "
                            f"positions' values; key-padded positions left out of the tree remove them", node)
     row, pos = node.args[1], node.args[2]
     return pk.graph.call_function(repack_tokens, (pk.dense(node.args[0]), pk.tree("index"), pk.tree("rep_row"),

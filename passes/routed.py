@@ -38,7 +38,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes.axes import CannotReplay, RuleCollision, example_value, hint, node_args
+from brcompile.passes.axes import RuleCollision, example_value, hint, node_args
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.spellings import (
     ALONG_DIM_NAMES, BINARY, GATHER_NAMES, UNARY, arg, copy_graph_module, family_of, op_name,
 )
@@ -134,7 +135,8 @@ def _token_source(x: fx.Node) -> fx.Node:
     n = x
     while n.op != "placeholder":
         if family_of(n) != "reshape" or not isinstance(n.args[0], fx.Node):
-            raise CannotReplay("routed pairs gather rows of a value computed in the graph (only graph inputs "
+            raise CannotReplay(Code.ROUTED_SHAPE,
+                               "routed pairs gather rows of a value computed in the graph (only graph inputs "
                                "and reshapes of them are supported)", x)
         n = n.args[0]
     return n
@@ -225,7 +227,7 @@ class _Propagation:
         self.index_uses: set = set()  # int placeholders used as scatter indices (idx2)
 
     def fail(self, n: fx.Node, why: str):
-        raise CannotReplay(f"routed pairs: {why}", n)
+        raise CannotReplay(Code.ROUTED_NOT_PAIR_LOCAL, f"routed pairs: {why}", n)
 
     def run(self) -> None:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -255,10 +257,12 @@ class _Propagation:
             if fact is not None:
                 self.facts[n] = fact
         if not self.scatters:
-            raise CannotReplay("routed pairs: the pairs are never scattered back onto the tokens (index_add)",
+            raise CannotReplay(Code.ROUTED_SHAPE,
+                               "routed pairs: the pairs are never scattered back onto the tokens (index_add)",
                                self.gather)
         if self.sizes is None:
-            raise CannotReplay("routed pairs: the pairs are not split into groups (no split by the per-expert "
+            raise CannotReplay(Code.ROUTED_SHAPE,
+                               "routed pairs: the pairs are not split into groups (no split by the per-expert "
                                "counts)", self.gather)
 
     def _scatter_index_use(self, n: fx.Node, idx: fx.Node) -> bool:
@@ -458,7 +462,8 @@ def analyse_routed(gm: fx.GraphModule, example_inputs: Sequence[Any],
     :func:`find_routed_gather`'s node when the caller has it."""
     gather = gather or find_routed_gather(gm)
     if gather is None:
-        raise CannotReplay("routed pairs: no gather of flattened tokens by a routing index with an index_add back")
+        raise CannotReplay(Code.ROUTED_SHAPE,
+                           "routed pairs: no gather of flattened tokens by a routing index with an index_add back")
     prop = _Propagation(gm, gather)
     prop.run()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -531,9 +536,10 @@ def _check_other_sizes(gm: fx.GraphModule, plan: RoutedPlan, example_inputs: Seq
                 want = gm(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
                             for a in map(hint, example_inputs)])
     except Exception as e:
-        raise CannotReplay(f"routed pairs: the graph does not run for other per-expert counts (a size of this "
+        raise CannotReplay(Code.ROUTED_COUNTS,
+                           f"routed pairs: the graph does not run for other per-expert counts (a size of this "
                            f"batch's pairs is baked in): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     got_l, want_l = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
     if [tuple(t.shape) for t in got_l if isinstance(t, torch.Tensor)] != \
             [tuple(t.shape) for t in want_l if isinstance(t, torch.Tensor)]:
-        raise CannotReplay("routed pairs: an output's shape depends on the per-expert counts")
+        raise CannotReplay(Code.ROUTED_COUNTS, "routed pairs: an output's shape depends on the per-expert counts")

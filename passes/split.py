@@ -53,7 +53,7 @@ from brcompile.backends.scan import (
 )
 from brcompile.passes.repack import repack_tokens
 from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, op_name
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.check import symbolic_run, token_positions
 from brcompile.passes.masks import descendants
 from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
@@ -114,16 +114,19 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     ckpt = next((n for n in packed.graph.nodes if n.op == "call_function"
                  and n.target is torch.ops.higher_order.tag_activation_checkpoint), None)
     if ckpt is not None:  # the trunk would have to be split inside the checkpoint bodies (not done)
-        raise CannotReplay("streaming replay: activation checkpoints in the graph (the packed mode runs, "
+        raise CannotReplay(Code.STREAMING_CONSTRUCT,
+                           "streaming replay: activation checkpoints in the graph (the packed mode runs, "
                            "recomputing the checkpoint bodies packed)", ckpt)
     dense = next((n for n in packed.graph.nodes if n.op == "call_function" and n.target is repack_tokens), None)
     if dense is not None:  # the dense region runs on every row and position: there is no per-chunk trunk before it
-        raise CannotReplay("streaming replay: a dense region is packed again (passes/repack.py): it runs on the "
+        raise CannotReplay(Code.STREAMING_CONSTRUCT,
+                           "streaming replay: a dense region is packed again (passes/repack.py): it runs on the "
                            "whole [B, L] batch, not per chunk of tokens (the packed mode runs)", dense)
     written = getattr(packed, "br_written_inputs", ())
     if written:  # the write would have to be placed in one of the prefix / chunk / outer graphs (not done)
         ph = [n for n in packed.graph.nodes if n.op == "placeholder"]
-        raise CannotReplay(f"streaming replay: the graph writes into its input {ph[written[0]].name} in place "
+        raise CannotReplay(Code.STREAMING_CONSTRUCT,
+                           f"streaming replay: the graph writes into its input {ph[written[0]].name} in place "
                            f"(a buffer; the packed mode runs)", ph[written[0]])
     tree = tree_placeholders(packed)
     tok_nodes = tree.tokens
@@ -145,7 +148,8 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
             if not dims and _group_counts(n, n_sym, trunk_set):  # a few numbers per call, none per token
                 continue
             if len(dims) != 1:
-                raise CannotReplay(f"streaming replay: {n.name} has {len(dims)} packed-token dims "
+                raise CannotReplay(Code.STREAMING_FRONTIER,
+                                   f"streaming replay: {n.name} has {len(dims)} packed-token dims "
                                    f"(shape {tuple(val.shape)}); the trunk must be token-local", n)
             if val._is_view():  # shares its base's storage: no bytes of its own
                 continue
@@ -156,16 +160,19 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
             bytes_per_token += per * val.element_size()
     for n in frontier:
         if not isinstance(n.meta.get("val"), torch.Tensor):
-            raise CannotReplay(f"streaming replay: the outer graph reads {n.name}, which is not a tensor", n)
+            raise CannotReplay(Code.STREAMING_FRONTIER,
+                               f"streaming replay: the outer graph reads {n.name}, which is not a tensor", n)
         if not _token_dims(n.meta["val"], n_sym):  # the chunks' outputs are written at their tokens' rows
-            raise CannotReplay(f"streaming replay: the outer graph reads {n.name}, whose token dim is flattened "
+            raise CannotReplay(Code.STREAMING_FRONTIER,
+                               f"streaming replay: the outer graph reads {n.name}, whose token dim is flattened "
                                f"(shape {tuple(n.meta['val'].shape)}) (the packed mode runs)", n)
     ext = list(dict.fromkeys(a for n in trunk for a in n.all_input_nodes
                              if a not in trunk_set and a not in tok_nodes))
     attentions = [n for n in trunk if n.target is _ATTENTION]
     for a in attentions:
         if a.args[4] not in (tok_nodes.valid, tok_nodes.all_valid):
-            raise CannotReplay("streaming replay: an attention's key validity is not a tree array", a)
+            raise CannotReplay(Code.STREAMING_ATTENTION,
+                               "streaming replay: an attention's key validity is not a tree array", a)
     dims = tuple(_token_dims(n.meta["val"], n_sym)[0] for n in frontier)
     positions = _cached_positions(attentions, tok_nodes, trunk_set)
     prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=False)
@@ -211,7 +218,8 @@ def _cached_positions(attentions: Sequence[fx.Node], tok_nodes, trunk_set) -> li
         if p is None or p is tok_nodes.position:
             continue
         if p not in trunk_set:  # not a per-token value of the trunk: the prefix could not give its cached rows
-            raise CannotReplay(f"streaming replay: the attention's positions {p.name} are not computed per token "
+            raise CannotReplay(Code.STREAMING_ATTENTION,
+                               f"streaming replay: the attention's positions {p.name} are not computed per token "
                                f"from the tree arrays (the packed mode runs)", a)
         found[p] = None
     return list(found)
@@ -239,7 +247,8 @@ def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node], tr
     first, last = order[trunk[0]], order[trunk[-1]]
     inside = next((m for m in marks if first < order[m] < last), None)
     if inside is not None:
-        raise CannotReplay("streaming replay: an autocast region starts or ends inside the token-local part of the "
+        raise CannotReplay(Code.STREAMING_AUTOCAST,
+                           "streaming replay: an autocast region starts or ends inside the token-local part of the "
                            "graph (its chunks would run in two precisions; the packed mode runs)", inside)
     later = [m for m in marks if order[m] > last]
     if not later:
@@ -249,7 +258,8 @@ def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node], tr
                   and n.op in ("call_function", "call_method", "call_module")
                   and n not in after and n not in trunk_set and n.target not in AUTOCAST_REGION), None)
     if stray is not None:
-        raise CannotReplay(f"streaming replay: {stray.name}, after an autocast region's boundary that follows the "
+        raise CannotReplay(Code.STREAMING_AUTOCAST,
+                           f"streaming replay: {stray.name}, after an autocast region's boundary that follows the "
                            f"token-local part, does not read it (the packed mode runs)", stray)
 
 
@@ -266,7 +276,8 @@ def _check_scan(scan: fx.Node, tok_nodes) -> None:
     (the chunk's own ``end`` gives the chunk's local paths)."""
     parent = scan.args[{_CONV: 3, _LINEAR_SCAN: 2, _MATRIX_SCAN: 2}.get(scan.target, 1)]
     if not (parent.op == "call_function" and parent.target is _PARENT and parent.args[0] is tok_nodes.end):
-        raise CannotReplay("streaming replay: a scan along the tree paths whose parents are not the tree's "
+        raise CannotReplay(Code.STREAMING_CONSTRUCT,
+                           "streaming replay: a scan along the tree paths whose parents are not the tree's "
                            "(the packed mode runs)", scan)
 
 

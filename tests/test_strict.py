@@ -51,7 +51,9 @@ def test_internal_error_falls_back_when_not_strict(monkeypatch):
     torch.testing.assert_close(out, model(ids), rtol=0, atol=0)
     (rec,) = be.records
     assert not rec.rewritten and rec.reason == "internal error: RuntimeError: a bug in a pass"
+    assert rec.code is brcompile.Code.INTERNAL_ERROR
     assert brcompile.stats().fallback_calls == 1
+    assert brcompile.stats().fallback_codes == {brcompile.Code.INTERNAL_ERROR: 1}
 
 
 def test_internal_error_raises_when_strict(monkeypatch):
@@ -63,7 +65,7 @@ def test_internal_error_raises_when_strict(monkeypatch):
 
 def test_cannot_replay_falls_back_when_strict(monkeypatch):
     def refuse(*args, **kwargs):
-        raise brcompile.CannotReplay("not this graph")
+        raise brcompile.CannotReplay(brcompile.Code.MASK_NOT_CAUSAL, "not this graph")
 
     monkeypatch.setattr(pipeline_mod, "build_packed_graph", refuse)
     model, ids = _model(), _ids()
@@ -71,7 +73,7 @@ def test_cannot_replay_falls_back_when_strict(monkeypatch):
     out = torch.compile(model, backend=be)(ids)
     torch.testing.assert_close(out, model(ids), rtol=0, atol=0)
     (rec,) = be.records
-    assert not rec.rewritten and rec.reason == "not this graph"
+    assert not rec.rewritten and rec.reason == "not this graph" and rec.code is brcompile.Code.MASK_NOT_CAUSAL
 
 
 def test_streaming_split_internal_error(monkeypatch):
@@ -85,6 +87,7 @@ def test_streaming_split_internal_error(monkeypatch):
     torch.testing.assert_close(out, model(ids), rtol=1e-10, atol=1e-10)
     (rec,) = be.records
     assert rec.rewritten and rec.replay_reason == "internal error: RuntimeError: a bug in a pass"
+    assert rec.replay_code is brcompile.Code.INTERNAL_ERROR
     assert brcompile.stats().replayed_calls == 1
     torch._dynamo.reset()
     be = brcompile.backend(compiler="eager", mode="replay", strict=True)
@@ -112,5 +115,6 @@ def test_a_failing_packed_forward_runs_the_original(strict):
     assert torch.equal(out, model(ids).sum())
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 1, str(s)
+    assert s.fallback_codes == {brcompile.Code.INTERNAL_ERROR: 1}, str(s)
     assert any("internal error running the packed graph: RuntimeError: a bug in a pass" in r
-               for r in s.fallback_reasons), str(s)
+               for r in s.details(brcompile.Code.INTERNAL_ERROR)), str(s)

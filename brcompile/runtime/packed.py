@@ -11,9 +11,10 @@ import torch
 
 from torch.utils._pytree import tree_leaves
 
+from brcompile.passes.refusals import Code
 from brcompile.runtime import tree as tree_mod
 from brcompile.contract import TOLERANCE, rel_err
-from brcompile.runtime.stats import _record
+from brcompile.runtime.stats import _record, record_original_call
 from brcompile.runtime.streaming import StreamingRuntime
 from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, row_keys, rows_agree
 
@@ -27,6 +28,7 @@ class CallRecord:
     reason: Optional[str] = None
     mode: str = "packed"  # "packed" or "replay" (streaming) for a replayed call
     schedule: Optional[dict] = None  # the streaming chunk schedule (brcompile.runtime.streaming.ReplaySchedule.summary)
+    code: Optional[Code] = None  # the refusal code of a call that ran the original graph (passes/refusals.py)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,12 +172,12 @@ class PackedRuntime:
 
     def __call__(self, *args):
         if self.verify_failed is not None:
-            return self._original(args, self.verify_failed)
+            return self._original(args, Code.VERIFY_FAILED, self.verify_failed)
         for guard in self.guards:
             if not guard.padding_only:
                 reason = guard(args)
                 if reason is not None:
-                    return self._original(args, reason)
+                    return self._original(args, guard.code, reason)
         per_token = [args[i] for i in self.tree_positions]
         if self.rows:
             per_token = row_keys(per_token)
@@ -187,23 +189,24 @@ class PackedRuntime:
             if guard.padding_only and not pads_out:
                 reason = guard(args)
                 if reason is not None:
-                    return self._original(args, reason)
+                    return self._original(args, guard.code, reason)
         tree, source = self._tree(args, per_token, mask, needed, live)
         st = tree.stats
         if st.executed_tokens == 0:
-            return self._original(args, "no position of the batch is needed (every one is padding or has loss "
-                                        "weight 0)", st)
+            return self._original(args, Code.NOTHING_NEEDED, "no position of the batch is needed (every one is "
+                                                             "padding or has loss weight 0)", st)
         if st.dedup_ratio < self.min_dedup:
-            return self._original(
-                args, f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}", st)
+            return self._original(args, Code.SHARES_TOO_LITTLE,
+                                  f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}",
+                                  st)
         tree_args = tree.graph_args()
         if self.verify:
             self.verify = False
             reason = self._verify(args, tree_args)
             if reason is not None:
                 self.verify_failed = reason
-                log.warning("branch_replay: %s", reason)
-                return self._original(args, reason, st)
+                log.warning("branch_replay [%s]: %s", Code.VERIFY_FAILED, reason)
+                return self._original(args, Code.VERIFY_FAILED, reason, st)
         why_packed = None if self.streaming is None else self.streaming.choose(tree)
         if why_packed is not None:
             log.debug("branch_replay call runs packed, not streamed: %s", why_packed)
@@ -249,11 +252,12 @@ class PackedRuntime:
             for i, v in zip(self.written, snapshot):
                 args[i].copy_(v)
 
-    def _original(self, args: Sequence[Any], reason: str, st=None):
-        """This call runs the original graph; the reason is counted and logged."""
-        _record(fallback_calls=1, reason=reason)
-        self._log_call(CallRecord(False, None if st is None else st.to_dict(), reason))
-        log.debug("branch_replay call falls back: %s", reason)
+    def _original(self, args: Sequence[Any], code: Code, reason: str, st=None):
+        """This call runs the original graph; the refusal (``code``: the rule broken, ``reason``: how) is
+        counted and logged."""
+        record_original_call(code, reason)
+        self._log_call(CallRecord(False, None if st is None else st.to_dict(), reason, code=code))
+        log.debug("branch_replay call falls back [%s]: %s", code, reason)
         return self.original(*args)
 
     def _tree(self, args: Sequence[Any], per_token: list, mask: Optional[torch.Tensor],
@@ -330,8 +334,8 @@ class PackedRuntime:
         if self.strict:
             raise e
         reason = f"internal error running the {what} graph: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        log.warning("branch_replay: %s; running the original graph", reason, exc_info=True)
-        return self._original(args, reason, st)
+        log.warning("branch_replay [%s]: %s; running the original graph", Code.INTERNAL_ERROR, reason, exc_info=True)
+        return self._original(args, Code.INTERNAL_ERROR, reason, st)
 
     def _tag_outputs(self, out, tree: PackedTree) -> None:
         """Outputs read densely from packed values carry the tree (provenance), unless positions were left out
@@ -353,17 +357,15 @@ class PackedRuntime:
 
 class FallbackRuntime:
     """The callable for a graph that could not be rewritten: the original graph, counted — as a fallback, or,
-    for a graph with nothing to share (``unshared``: passes/axes.py ``NothingToShare``), as an unshared call."""
+    for a graph with nothing to share (``unshared``: passes/refusals.py ``NothingToShare``), as an unshared call."""
 
-    def __init__(self, original: Callable, reason: str, unshared: bool = False):
+    def __init__(self, original: Callable, code: Code, reason: str, unshared: bool = False):
         self.original = original
+        self.code = code  # the graph's refusal code (passes/refusals.py)
         self.reason = reason
         self.unshared = unshared
 
     def __call__(self, *args):
-        if self.unshared:
-            _record(unshared_calls=1, unshared_reason=self.reason)
-        else:
-            _record(fallback_calls=1, reason=self.reason)
+        record_original_call(self.code, self.reason, unshared=self.unshared)
         return self.original(*args)
 

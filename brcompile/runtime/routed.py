@@ -16,8 +16,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from brcompile.passes.refusals import Code, Refusal, refusal
 from brcompile.runtime.packed import CallRecord
-from brcompile.runtime.stats import _record
+from brcompile.runtime.stats import _record, record_original_call
 from brcompile.runtime.tree import build_tree, row_keys
 from brcompile.runtime.tree.build import position_words
 
@@ -50,8 +51,8 @@ class RoutedRuntime:
 
     def __call__(self, *args):
         prepared = self.prepare(args)
-        if isinstance(prepared, str):
-            return self._original(args, prepared)
+        if isinstance(prepared, Refusal):
+            return self._original(args, prepared.code, prepared.detail)
         routed_args, st = prepared
         try:
             out = self.routed(*routed_args)
@@ -59,26 +60,29 @@ class RoutedRuntime:
             if self.strict:
                 raise
             log.warning("branch_replay: the routed graph raised; running the original", exc_info=True)
-            return self._original(args, f"internal error running the routed graph: {type(e).__name__}: {e}")
+            return self._original(args, Code.INTERNAL_ERROR,
+                                  f"internal error running the routed graph: {type(e).__name__}: {e}")
         _record(replayed_calls=1, logical_tokens=st["logical_tokens"], executed_tokens=st["executed_tokens"])
         self._log_call(CallRecord(True, st, mode="routed"))
         return out
 
-    def _original(self, args: Sequence[Any], reason: str):
-        _record(fallback_calls=1, reason=reason)
-        self._log_call(CallRecord(False, None, reason))
-        log.debug("branch_replay routed call falls back: %s", reason)
+    def _original(self, args: Sequence[Any], code: Code, reason: str):
+        """This call runs the original graph; the refusal (``code``, ``reason``) is counted and logged."""
+        record_original_call(code, reason)
+        self._log_call(CallRecord(False, None, reason, code=code))
+        log.debug("branch_replay routed call falls back [%s]: %s", code, reason)
         return self.original(*args)
 
     def prepare(self, args: Sequence[Any]):
-        """(the routed graph's arguments, call stats), or the reason to run the original graph."""
+        """(the routed graph's arguments, call stats), or the :class:`Refusal` to run the original graph (code
+        ``ROUTED_CALL``: this call's pairs break the routing the graph assumes)."""
         plan = self.plan
         x = args[plan.tokens_pos]
         idx = args[plan.index_pos]
         sizes_now = [int(args[p]) if p is not None else s for s, p in zip(plan.sizes, plan.size_positions)]
         if not isinstance(x, torch.Tensor) or not plan.row_numel or x.numel() % plan.row_numel \
                 or not isinstance(idx, torch.Tensor) or idx.numel() != sum(sizes_now):
-            return "routed pairs: the call's tokens or pairs do not match the graph's"
+            return refusal(Code.ROUTED_CALL, "routed pairs: the call's tokens or pairs do not match the graph's")
         rows = x.detach().reshape(-1, plan.row_numel)
         T = rows.shape[0]
         tree = build_tree(row_keys([rows]))
@@ -89,7 +93,7 @@ class RoutedRuntime:
         group = torch.repeat_interleave(torch.arange(E, device=idx.device), sizes)
         reason = self._check(args, idx, group, rep, node, tree.stats.executed_tokens, E, T)
         if isinstance(reason, str):
-            return reason
+            return refusal(Code.ROUTED_CALL, reason)
         keep = reason
         kept_sizes = torch.bincount(group[keep], minlength=E).tolist()
         changed = {plan.index_pos: idx[keep], **{p: args[p][keep] for p in plan.pair_inputs},

@@ -7,6 +7,8 @@ import logging
 import threading
 from typing import Optional
 
+from brcompile.passes.refusals import CONSTRUCTS, Code
+
 log = logging.getLogger(__name__)
 
 
@@ -25,21 +27,47 @@ class Stats:
     compiled_graphs: int = 0
     rewritten_graphs: int = 0
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    # calls of graphs with nothing to share (passes/axes.py: NothingToShare; a decode step against a KV cache,
+    #: fallback calls per refusal code (passes/refusals.py: the rule broken) ...
+    fallback_codes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    #: ... and per (code, reason): the details of each code (:meth:`details`)
+    fallback_details: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # calls of graphs with nothing to share (passes/refusals.py: NothingToShare; a decode step against a KV cache,
     # passes/decode.py), run as they are: no fallback, so fallback_calls counts real refusals only
     unshared_calls: int = 0
     unshared_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    unshared_codes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    unshared_details: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def dedup_ratio(self) -> float:
         return self.logical_tokens / self.executed_tokens if self.executed_tokens else 1.0
 
+    def details(self, code: Code, unshared: bool = False) -> collections.Counter:
+        """The reasons counted under ``code`` (fallback calls, or with ``unshared`` the unshared calls)."""
+        per = self.unshared_details if unshared else self.fallback_details
+        return collections.Counter({r: n for (c, r), n in per.items() if c is code})
+
     def to_dict(self) -> dict:
+        """Plain JSON types: counters as dicts, codes as their string values, details as {code: {reason: n}}."""
         d = dataclasses.asdict(self)
         d["fallback_reasons"] = dict(self.fallback_reasons)
         d["unshared_reasons"] = dict(self.unshared_reasons)
+        for kind in ("fallback", "unshared"):
+            codes = getattr(self, f"{kind}_codes")
+            d[f"{kind}_codes"] = {c.value: n for c, n in codes.items()}
+            d[f"{kind}_details"] = {c.value: dict(self.details(c, kind == "unshared")) for c in codes}
         d["dedup_ratio"] = self.dedup_ratio
         return d
+
+    def _code_lines(self, kind: str) -> list[str]:
+        """One line per code (most calls first, grouped by construct), then one per reason under it."""
+        codes = getattr(self, f"{kind}_codes")
+        order = sorted(codes.items(), key=lambda cn: (CONSTRUCTS.index(cn[0].construct), -cn[1], cn[0].value))
+        lines = []
+        for code, n in order:
+            lines.append(f"  {kind} x{n}: [{code.construct}] {code.value}: {code.describe()}")
+            lines += [f"    x{k}: {reason}" for reason, k in self.details(code, kind == "unshared").most_common()]
+        return lines
 
     def __str__(self) -> str:
         lines = [f"replayed calls {self.replayed_calls}, fallback calls {self.fallback_calls}",
@@ -48,12 +76,10 @@ class Stats:
         if self.dead_tokens or self.live_tokens:
             lines.append(f"  needed {self.executed_tokens} (live {self.live_tokens}), dead {self.dead_tokens} "
                          f"(left out of the tree)")
-        for reason, n in self.fallback_reasons.most_common():
-            lines.append(f"  fallback x{n}: {reason}")
+        lines += self._code_lines("fallback")
         if self.unshared_calls:
             lines.append(f"calls with nothing to share (run as they are) {self.unshared_calls}")
-        for reason, n in self.unshared_reasons.most_common():
-            lines.append(f"  unshared x{n}: {reason}")
+        lines += self._code_lines("unshared")
         return "\n".join(lines)
 
 
@@ -65,8 +91,10 @@ def stats() -> Stats:
     """The live counters (a snapshot copy)."""
     with _LOCK:
         s = dataclasses.replace(_STATS)
-        s.fallback_reasons = collections.Counter(_STATS.fallback_reasons)
-        s.unshared_reasons = collections.Counter(_STATS.unshared_reasons)
+        for f in dataclasses.fields(Stats):
+            v = getattr(_STATS, f.name)
+            if isinstance(v, collections.Counter):
+                setattr(s, f.name, collections.Counter(v))
         return s
 
 
@@ -77,17 +105,27 @@ def reset_stats() -> None:
 
 
 def _record(**kw) -> None:
+    """Add to the numeric counters (``replayed_calls=1``, ...)."""
     with _LOCK:
         for k, v in kw.items():
-            if k == "reason":
-                _STATS.fallback_reasons[v] += 1
-            elif k == "unshared_reason":
-                _STATS.unshared_reasons[v] += 1
-            else:
-                setattr(_STATS, k, getattr(_STATS, k) + v)
+            setattr(_STATS, k, getattr(_STATS, k) + v)
 
 
-def record_graph(rewritten: bool, reason: Optional[str] = None) -> None:
+def record_original_call(code: Code, reason: str, unshared: bool = False) -> None:
+    """One call that ran the original graph: a fallback (the rule ``code`` broken, how: ``reason``), or with
+    ``unshared`` a call of a graph with nothing to share. Counted per reason, per code and per (code, reason)."""
+    if not isinstance(code, Code):
+        raise TypeError(f"a fallback needs a refusals.Code, got {code!r}")
+    kind = "unshared" if unshared else "fallback"
+    with _LOCK:
+        setattr(_STATS, f"{kind}_calls", getattr(_STATS, f"{kind}_calls") + 1)
+        getattr(_STATS, f"{kind}_reasons")[reason] += 1
+        getattr(_STATS, f"{kind}_codes")[code] += 1
+        getattr(_STATS, f"{kind}_details")[(code, reason)] += 1
+
+
+def record_graph(rewritten: bool, reason: Optional[str] = None, code: Optional[Code] = None) -> None:
+    """One captured graph: rewritten, or falling back with ``code`` and ``reason`` (logged)."""
     _record(compiled_graphs=1, rewritten_graphs=int(rewritten))
     if reason is not None:
-        log.info("branch_replay: graph falls back: %s", reason)
+        log.info("branch_replay: graph falls back [%s]: %s", code, reason)

@@ -51,6 +51,7 @@ from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
 from brcompile.backends.read_packed import dropped_grads_unchecked
 from brcompile.passes.axes import is_inplace
 from brcompile.passes.functionalize import functionalize
+from brcompile.passes.refusals import CONSTRUCTS, Code as RefusalCode
 from brcompile.tools.measure import limit_flops, measure_fwd_bwd
 
 log = logging.getLogger(__name__)
@@ -287,14 +288,14 @@ class ExplainReport:
 
     @property
     def unshared(self) -> list[GraphRecord]:
-        """Graphs with nothing to share (passes/axes.py: NothingToShare), run as they are: no fallback."""
+        """Graphs with nothing to share (passes/refusals.py: NothingToShare), run as they are: no fallback."""
         return [g for g in self.graphs if not g.rewritten and getattr(g, "unshared", False)]
 
     @staticmethod
     def graph_dict(g: GraphRecord) -> dict:
         """One graph record as a JSON-serialisable dict."""
         return {
-            "graph_id": g.graph_id, "rewritten": g.rewritten, "reason": g.reason,
+            "graph_id": g.graph_id, "rewritten": g.rewritten, "reason": g.reason, "code": _code_value(g.code),
             "failed_node": g.failed_node, "tree_inputs": list(g.tree_inputs), "masks": list(g.masks),
             "materialisations": [dict(zip(("node", "user", "numel", "reason"), (n, u, int(k), r)))
                                  for n, u, k, r in g.materialisations],
@@ -304,8 +305,10 @@ class ExplainReport:
             "brcompile_nodes": brcompile_nodes(packed_module(g)),
             "original_code": g.original_code, "packed_code": g.packed_code,
             "replay": getattr(g, "replay", None), "replay_reason": getattr(g, "replay_reason", None),
+            "replay_code": _code_value(getattr(g, "replay_code", None)),
             "level": getattr(g, "level", None), "unshared": getattr(g, "unshared", False),
-            "refusals": [dict(level=lv, reason=r) for lv, r in getattr(g, "refusals", ())],
+            "refusals": [dict(level=lv, reason=r, code=_code_value(c))
+                         for (lv, r), c in zip(getattr(g, "refusals", ()), _refusal_codes(g))],
             "routed": getattr(g, "routed", None),
             "liveness": getattr(g, "liveness", None),
             "stage_times": [dict(level=lv, stage=st, seconds=t) for lv, st, t in getattr(g, "stage_times", ())],
@@ -354,13 +357,37 @@ class ExplainReport:
         return Table("graphs", headers, rows)
 
     def fallback_table(self) -> Table:
-        rows = [[str(g.graph_id), g.failed_node or "-", _wrap(g.reason, 80)] for g in self.fallbacks]
-        notes = [f"graph {g.graph_id}: also refused at the {lv} level: {r}" for g in self.fallbacks
-                 for lv, r in getattr(g, "refusals", ())[1:]]
-        notes += [f"graph {g.graph_id} (rewritten at the {g.level} level) was refused at the {lv} level: {r}"
-                  for g in self.rewritten for lv, r in getattr(g, "refusals", ())]
-        return Table("graphs that FELL BACK (the original graph runs unchanged)", ["graph", "failed at node", "reason"],
-                     rows, notes)
+        rows = [[str(g.graph_id), g.failed_node or "-", _code_value(g.code) or "-", _wrap(g.reason, 80)]
+                for g in self.fallbacks]
+        notes = [f"graph {g.graph_id}: also refused at the {lv} level [{c}]: {r}" for g in self.fallbacks
+                 for (lv, r), c in list(zip(getattr(g, "refusals", ()), _refusal_codes(g)))[1:]]
+        notes += [f"graph {g.graph_id} (rewritten at the {g.level} level) was refused at the {lv} level [{c}]: {r}"
+                  for g in self.rewritten for (lv, r), c in zip(getattr(g, "refusals", ()), _refusal_codes(g))]
+        return Table("graphs that FELL BACK (the original graph runs unchanged)",
+                     ["graph", "failed at node", "code", "reason"], rows, notes)
+
+    def refusals_by_code(self) -> dict[RefusalCode, dict]:
+        """Every refusal of the report grouped by code: ``{code: {"graphs": [ids], "calls": n}}`` — graphs that
+        fell back or have nothing to share, and calls that ran the original graph (their own code: a failed
+        guard, a batch sharing too little, ... or their graph's)."""
+        out: dict[RefusalCode, dict] = {}
+        for g in self.graphs:
+            if not g.rewritten and g.code is not None:
+                out.setdefault(g.code, {"graphs": [], "calls": 0})["graphs"].append(g.graph_id)
+        for c in self.calls:
+            code = c.get("code")
+            if not c["replayed"] and code is not None:
+                out.setdefault(RefusalCode(code), {"graphs": [], "calls": 0})["calls"] += 1
+        return out
+
+    def code_table(self) -> Table:
+        """The refusals grouped by construct and code, each with its one-line description."""
+        groups = self.refusals_by_code()
+        order = sorted(groups, key=lambda c: (CONSTRUCTS.index(c.construct), c.value))
+        rows = [[c.construct, c.value, _wrap(c.describe(), 60),
+                 ", ".join(map(str, groups[c]["graphs"])) or "-", str(groups[c]["calls"])] for c in order]
+        return Table("refusals by construct and code (the rule each graph or call broke)",
+                     ["construct", "code", "rule", "graphs", "calls"], rows)
 
     def stage_table(self) -> Table:
         """Compile time per pipeline stage (passes/pipeline.py: STAGES), over every graph and level it ran on:
@@ -407,7 +434,8 @@ class ExplainReport:
         for g in graphs:
             r = g.replay
             if r is None:
-                notes.append(f"graph {g.graph_id}: streaming refused, packed mode only: {g.replay_reason}")
+                notes.append(f"graph {g.graph_id}: streaming refused, packed mode only "
+                             f"[{_code_value(getattr(g, 'replay_code', None)) or '-'}]: {g.replay_reason}")
                 continue
             budget = "-" if r["memory_budget"] is None else fmt_bytes(r["memory_budget"])
             rows.append([str(g.graph_id), r["mode"], str(r["trunk_nodes"]),
@@ -450,7 +478,8 @@ class ExplainReport:
                               fmt_int(t.get("depth")), fmt_int(t.get("segments")),
                               _TREE_SOURCE.get(t.get("source"), "-"), "\n".join(t.get("keys", ())) or "-"])
             if not c["replayed"]:
-                notes.append(f"call {i} (graph {c['graph_id']}) ran the original graph: {c.get('reason')}")
+                notes.append(f"call {i} (graph {c['graph_id']}) ran the original graph [{c.get('code') or '-'}]: "
+                             f"{c.get('reason')}")
             cost = c.get("cost")
             if cost is None:
                 continue
@@ -488,7 +517,11 @@ class ExplainReport:
         if self.unshared:
             out.append(Table("graphs with NOTHING TO SHARE (no per-token work, or a decode step against a cache: "
                              "they run as they are, no fallback)",
-                             ["graph", "why"], [[str(g.graph_id), _wrap(g.reason, 80)] for g in self.unshared]))
+                             ["graph", "code", "why"],
+                             [[str(g.graph_id), _code_value(g.code) or "-", _wrap(g.reason, 80)]
+                              for g in self.unshared]))
+        if self.refusals_by_code():
+            out.append(self.code_table())
         if any(getattr(g, "stage_times", ()) for g in self.graphs):
             out.append(self.stage_table())
         if any(g.materialisations for g in self.rewritten):
@@ -565,16 +598,19 @@ class _LoggedRuntime:
         if calls is not None and len(calls) > n_logged:
             c = calls[-1]
             return {"graph_id": self.graph_id, "replayed": bool(c.replayed), "reason": c.reason,
-                    "tree": c.tree_stats, "mode": getattr(c, "mode", "packed"),
+                    "code": _code_value(getattr(c, "code", None)), "tree": c.tree_stats,
+                    "mode": getattr(c, "mode", "packed"),
                     "schedule": getattr(c, "schedule", None)}
         # a runtime without a call log (the original graph) or past its last logged call: the counters
         replayed = delta.replayed_calls > 0
         tree = getattr(self.rt, "last_tree", None)
-        reason = None
+        reason, code = None, None
         if not replayed:
             reason = next(iter(delta.fallback_reasons), None) or getattr(
                 self.rt, "reason", "the runtime ran the original graph")
-        return {"graph_id": self.graph_id, "replayed": replayed, "reason": reason,
+            code = next(iter(delta.fallback_codes), None) or next(iter(delta.unshared_codes), None) or getattr(
+                self.rt, "code", None)
+        return {"graph_id": self.graph_id, "replayed": replayed, "reason": reason, "code": _code_value(code),
                 "tree": None if tree is None or not replayed else tree.stats.to_dict(),
                 "mode": "replay" if delta.streamed_calls else "packed"}
 
@@ -691,6 +727,17 @@ class RecordingBackend:
                   for d in self.dropped_options]
         return ExplainReport(list(self.graphs), list(self.calls), stats_delta(self._stats_before, runtime.stats()),
                              result, notes)
+
+
+def _code_value(code: Optional[RefusalCode]) -> Optional[str]:
+    """A refusal code as its stable string value (JSON and tables), None for none."""
+    return None if code is None else RefusalCode(code).value
+
+
+def _refusal_codes(g: GraphRecord) -> tuple:
+    """The code of each of ``g.refusals`` (None where a record has none)."""
+    codes = tuple(getattr(g, "refusal_codes", ()))
+    return codes + (None,) * (len(getattr(g, "refusals", ())) - len(codes))
 
 
 def stats_delta(before: runtime.Stats, after: runtime.Stats) -> runtime.Stats:

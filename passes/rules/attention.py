@@ -40,9 +40,10 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.axes import (
-    DENSE, AxesContext, CannotReplay, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
+    DENSE, AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
     shape_of, token,
 )
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.fuse_logprob import emit_fused_gather
 from brcompile.passes.spellings import BROADCASTS, spellings
 from brcompile.backends.read_packed import read_packed
@@ -103,7 +104,7 @@ def emit_sdpa(pk, node):
     k, v = broadcast_heads(pk, node, k, v)
     cast, why = attention_dtype(node)
     if why is not None:  # checked by the rule; a graph changed since must not reach the op
-        raise CannotReplay(why, node)
+        raise CannotReplay(Code.ATTENTION_DTYPE, why, node)
     if cast is not None:  # all three, whatever their traced dtype: a no-op where it already is ``cast``
         q, k, v = (pk.graph.call_method("to", (x, cast)) for x in (q, k, v))
     D = pk.static_shape(a["query"])[-1]
@@ -292,23 +293,23 @@ def sdpa(ctx: AxesContext, node):
         return per_token
     facts = [get_axes(a[n]) for n in ("query", "key", "value")]
     if not all(f.is_token for f in facts):
-        ctx.fail(node, "attention inputs are not packed token values: "
+        ctx.fail(Code.ATTENTION_UNPACKED, node, "attention inputs are not packed token values: "
                  + (ctx.first_materialisation() or "they depend on dense data"))
     if any((f.ndim, f.row, f.pos) != (4, 0, 2) or f.window != ctx.full_window() for f in facts):
-        ctx.fail(node, "attention inputs are not [B, H, L, D] token values")
+        ctx.fail(Code.ATTENTION_LAYOUT, node, "attention inputs are not [B, H, L, D] token values")
     if a["dropout_p"] not in (0, 0.0):
-        ctx.fail(node, f"attention dropout p={a['dropout_p']}")
+        ctx.fail(Code.ATTENTION_DROPOUT, node, f"attention dropout p={a['dropout_p']}")
     _, why = attention_dtype(node)
     if why is not None:
-        ctx.fail(node, why)
+        ctx.fail(Code.ATTENTION_DTYPE, node, why)
     if node not in ctx.notes:
         if a["attn_mask"] is None and not a["is_causal"]:
-            ctx.fail(node, "bidirectional attention (is_causal=False and no mask) is not causal")
-        ctx.fail(node, "attention mask was not classified")
+            ctx.fail(Code.MASK_NOT_CAUSAL, node, "bidirectional attention (is_causal=False and no mask) is not causal")
+        ctx.fail(Code.MASK_UNPROVEN, node, "attention mask was not classified")
     why = head_counts_unsupported(ctx.shape(a["query"])[1], ctx.shape(a["key"])[1], ctx.shape(a["value"])[1],
                                   a["enable_gqa"])
     if why is not None:
-        ctx.fail(node, why)
+        ctx.fail(Code.ATTENTION_LAYOUT, node, why)
     _check_sinks(ctx, node, a.get("br_sinks"))
     _check_relbias(ctx, node, a.get("br_relbias"))
     return facts[0]
@@ -326,12 +327,14 @@ def _check_sinks(ctx: AxesContext, node, sinks) -> None:
     if not f.is_token:
         if shape is not None and sum(int(d) != 1 for d in shape) <= 1:  # one logit per head
             return
-        ctx.fail(node, "attention sink logits per query row that are not a value of the query token (they "
+        ctx.fail(Code.ATTENTION_SINKS,
+                 node, "attention sink logits per query row that are not a value of the query token (they "
                  "depend on other rows or positions): "
                  + (ctx.first_materialisation() or "they depend on dense data"))
     if (f.ndim, f.row, f.pos) != (4, 0, 2) or f.window != ctx.full_window() or f.local \
             or shape is None or shape[-1] != 1:
-        ctx.fail(node, f"attention sink logits per query row are a token value {f} of shape {shape}, not a "
+        ctx.fail(Code.ATTENTION_SINKS,
+                 node, f"attention sink logits per query row are a token value {f} of shape {shape}, not a "
                  "[B, H, L, 1] column along the queries' token axis")
 
 
@@ -345,14 +348,17 @@ def _check_relbias(ctx: AxesContext, node, table) -> None:
     f = get_axes(table)
     shape = ctx.shape(table)
     if not f.is_token:
-        ctx.fail(node, "relative-bias table that is not a value of the query token (it depends on other rows or "
+        ctx.fail(Code.RELATIVE_BIAS,
+                 node, "relative-bias table that is not a value of the query token (it depends on other rows or "
                  "positions): " + (ctx.first_materialisation() or "it depends on dense data"))
     if (f.ndim, f.row, f.pos) != (4, 0, 2) or f.window != ctx.full_window() or f.local or shape is None \
             or shape[1] != ctx.shape(_sdpa_args(node)["query"])[1]:
-        ctx.fail(node, f"relative-bias table is a token value {f} of shape {shape}, not a [B, H, L, E] table "
+        ctx.fail(Code.RELATIVE_BIAS,
+                 node, f"relative-bias table is a token value {f} of shape {shape}, not a [B, H, L, E] table "
                  "along the queries' token axis")
     if getattr(ctx.notes.get(node), "alibi_count", None) is not None:
-        ctx.fail(node, "relative bias beside ALiBi over attention-mask counts (two position spaces)")
+        ctx.fail(Code.RELATIVE_BIAS,
+                 node, "relative bias beside ALiBi over attention-mask counts (two position spaces)")
 
 
 def head_counts_unsupported(hq: int, hk: int, hv: int, enable_gqa: bool) -> str | None:

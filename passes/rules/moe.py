@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from brcompile.passes.axes import (
     AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule, shape_of, token,
 )
+from brcompile.passes.refusals import Code
 from brcompile.passes.guards import integers_in_range
 from brcompile.passes.rules import reduce as _reduce
 from brcompile.passes.spellings import GROUPED_MM, INDEX_CASTS, arg
@@ -139,9 +140,10 @@ def sort(ctx: AxesContext, node):
         if name == "argsort" and ax.ndim == 1 and ax.order is not None and ax.points == (ax.flat, None):
             # a permutation of the entries (P, not P // k): argsort(P)[j] = the place of entry j in P's order
             return token(1, None, 0, ax.window, flat=own[0], points=(own[0], own[1]))
-        ctx.fail(node, f"{name} of a permutation index other than the inverse of a sort of the flattened tokens")
+        ctx.fail(Code.TOKEN_LOCAL_REGION,
+                 node, f"{name} of a permutation index other than the inverse of a sort of the flattened tokens")
     if ax.region:
-        ctx.fail(node, f"{name} of a value in a sort order of the flattened tokens")
+        ctx.fail(Code.TOKEN_LOCAL_REGION, node, f"{name} of a value in a sort order of the flattened tokens")
     d = normalize_dim(dim, ax.ndim)
     if d not in ax.token_dims():
         return ax
@@ -176,7 +178,7 @@ def region_getitem(ctx: AxesContext, node):
     entries = list(idx) if isinstance(idx, tuple) else [idx]
     tensors = [i for i, e in enumerate(entries) if isinstance(e, fx.Node)]
     if ax.points is not None or ax.groups is not None:
-        ctx.fail(node, "indexing a permutation index or group offsets of a token-local region")
+        ctx.fail(Code.TOKEN_LOCAL_REGION, node, "indexing a permutation index or group offsets of a token-local region")
     if tensors:
         if tensors != [ax.pos] or any(e != slice(None) for i, e in enumerate(entries) if i != ax.pos):
             return _refuse(ctx, node, ax, "an index of the flattened tokens beside other indices")
@@ -208,7 +210,7 @@ def region_getitem(ctx: AxesContext, node):
 
 def _refuse(ctx, node, ax, reason):
     if ax.region:
-        ctx.fail(node, reason + " (in a sort order)")
+        ctx.fail(Code.TOKEN_LOCAL_REGION, node, reason + " (in a sort order)")
     return dense_fallback(ctx, node, reason)
 
 
@@ -242,7 +244,8 @@ def region_op(ctx: AxesContext, node):
                 normalize_dim(_dim(node, 1, 0), 1) == 0:
             return token(1, None, None, ax.window, groups=("offsets", ax.groups[1], ax.groups[2]))
     what = next(f for f in facts if f.is_token and (f.points is not None or f.groups is not None))
-    ctx.fail(node, f"{name} of a value of a token-local region ({what}) would read the batch's token order")
+    ctx.fail(Code.TOKEN_LOCAL_REGION,
+             node, f"{name} of a value of a token-local region ({what}) would read the batch's token order")
 
 
 def _floor_division(node: fx.Node) -> bool:
@@ -343,11 +346,12 @@ def histc(ctx: AxesContext, node):
     srt = ax.order
     descending = arg(srt, 2, "descending", False)
     if descending is not False:
-        ctx.fail(node, "group counts of keys sorted in descending order")
+        ctx.fail(Code.MOE_GROUPS, node, "group counts of keys sorted in descending order")
     tables: list[fx.Node] = []
     E = _key_range(x, tables=tables)
     if not (isinstance(bins, int) and bins >= 2 and lo == 0 and hi == bins - 1 and E is not None and E <= bins):
-        ctx.fail(node, f"histc(bins={bins}, min={lo}, max={hi}) of keys not proved to be integers in [0, bins) "
+        ctx.fail(Code.MOE_GROUPS,
+                 node, f"histc(bins={bins}, min={lo}, max={hi}) of keys not proved to be integers in [0, bins) "
                        f"(their origin gives {E} values): the counts need not be the runs of equal keys")
     placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
     for t in dict.fromkeys(tables):  # keys looked up in a table input: its entries are guarded per call
@@ -366,15 +370,16 @@ def grouped_mm(ctx: AxesContext, node):
     ax, fw, fo = get_axes(x), get_axes(w), get_axes(offs)
     extra = [k for k, v in node.kwargs.items() if k not in ("offs", "mat_b", "weight", "out_dtype") and v is not None]
     if len(node.args) > 3 or extra:
-        ctx.fail(node, "grouped_mm with a bias or other extra arguments")
+        ctx.fail(Code.GROUPED_MM, node, "grouped_mm with a bias or other extra arguments")
     if not ax.is_token or ax.order is None or ax.points is not None or ax.pos != 0 or ax.ndim != 2:
         return _refuse(ctx, node, ax, "grouped_mm of rows that are not in a sort order of the flattened tokens")
     if not fw.is_const or fo.groups is None or fo.groups[0] != "offsets" or fo.groups[1] is not ax.order:
-        ctx.fail(node, "grouped_mm whose weights are not constant or whose offsets are not the group offsets of "
+        ctx.fail(Code.GROUPED_MM,
+                 node, "grouped_mm whose weights are not constant or whose offsets are not the group offsets of "
                        "the sort that orders its rows")
     ws = shape_of(w)
     if ws is None or len(ws) != 3 or ws[0] != fo.groups[2]:
-        ctx.fail(node, "grouped_mm with a weight count other than the number of groups")
+        ctx.fail(Code.GROUPED_MM, node, "grouped_mm with a weight count other than the number of groups")
     return token(2, None, 0, ax.window, flat=ax.flat, order=ax.order)
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from brcompile.passes.axes import (
     DENSE, AxesContext, dense_fallback, get_axes, register_rule, shape_of, token,
 )
+from brcompile.passes.refusals import Code
 from brcompile.passes.spellings import BINARY, NEW_FILLED, UNARY, arg, spellings
 
 
@@ -170,7 +171,7 @@ def dropout(ctx: AxesContext, node):
     training = arg(node, 2, "training", True)
     if p == 0 or training is False:
         return get_axes(node.args[0])
-    ctx.fail(node, f"dropout with p={p} in training draws a random mask per dense element")
+    ctx.fail(Code.RANDOM_DRAW, node, f"dropout with p={p} in training draws a random mask per dense element")
     return DENSE
 
 

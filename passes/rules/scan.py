@@ -48,9 +48,10 @@ import torch.fx as fx
 from brcompile.backends import matrix_scan as _matrix_ops
 from brcompile.backends import scan as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
 from brcompile.passes.axes import (
-    AxesContext, CannotReplay, Window, dense_fallback, example_value, get_axes, normalize_dim,
+    AxesContext, Window, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,
 )
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.rules import reduce
 from brcompile.passes.rules.shape import _normalize_index
 from brcompile.passes.spellings import arg, is_op, spellings
@@ -87,7 +88,8 @@ def _refuse_dropped_padding(pk, node: fx.Node, what: str) -> None:
     CannotReplay (the backend then keeps them: passes/liveness.py). Positions left out only after a row's last
     needed one are read by no kept token's scan."""
     if pk.options.drop_padding and pk.options.drops_within_rows:
-        raise CannotReplay(f"{what} along the tokens with key-padded positions left out of the tree: the dense "
+        raise CannotReplay(Code.SCAN_PADDING,
+                           f"{what} along the tokens with key-padded positions left out of the tree: the dense "
                            f"scan reads the padded positions", node)
 
 
@@ -180,7 +182,8 @@ class PaddedWindow(Window):
     def sliced(self, which: str, s: slice) -> Window:
         if which == "pos" and _keeps_first(s, self.length, self.pad):
             return self.base
-        raise CannotReplay(f"a slice {s} of a padded causal-conv intermediate other than the first L positions")
+        raise CannotReplay(Code.SCAN_SHAPE,
+                           f"a slice {s} of a padded causal-conv intermediate other than the first L positions")
 
 
 def _keeps_first(s: slice, length: Any, pad: int) -> bool:

@@ -20,6 +20,7 @@ from brcompile.passes.axes import (
     AxesContext, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,
 )
+from brcompile.passes.refusals import Code
 from brcompile.passes.spellings import arg, spellings
 
 
@@ -121,7 +122,8 @@ def view(ctx: AxesContext, node):
         if flat is not None:
             return flat
         if ax.region:
-            ctx.fail(node, f"view {list(ins)} -> {list(outs)} of a value in a sort order of the flattened tokens")
+            ctx.fail(Code.TOKEN_LOCAL_REGION,
+                     node, f"view {list(ins)} -> {list(outs)} of a value in a sort order of the flattened tokens")
         return dense_fallback(ctx, node, f"view {list(ins)} -> {list(outs)} merges or splits a token dim")
     return token(len(outs), None if ax.row is None else m[ax.row], m[ax.pos], ax.window)
 
@@ -348,7 +350,7 @@ def repeat_interleave(ctx: AxesContext, node):
         # entries reads that token only (batched experts: one copy of the hidden state per top-k slot)
         return token(ax.ndim, None, ax.pos, ax.window, flat=ax.flat * reps)
     if ax.region:
-        ctx.fail(node, "repeat_interleave of a value in a sort order of the flattened tokens")
+        ctx.fail(Code.TOKEN_LOCAL_REGION, node, "repeat_interleave of a value in a sort order of the flattened tokens")
     if dim is None or hasattr(reps, "meta") or normalize_dim(dim, ax.ndim) in ax.token_dims():
         return dense_fallback(ctx, node, "repeat_interleave over a token dim")
     return ax
@@ -522,7 +524,8 @@ def _lookup(ctx: AxesContext, node):
         return dense_fallback(ctx, node, "indexing a constant by a non-integer or 0-D token value")
     ax = get_axes(ix)
     if ax.points is not None or ax.groups is not None:
-        ctx.fail(node, "a constant indexed by a permutation index or group offsets of a token-local region")
+        ctx.fail(Code.TOKEN_LOCAL_REGION,
+                 node, "a constant indexed by a permutation index or group offsets of a token-local region")
     sh = lambda a: None if a is None else a + d  # noqa: E731
     # a flattened (or sorted) index keeps its layout: entry e reads the table at e's own key
     return token(len(shape_of(node)), sh(ax.row), sh(ax.pos), ax.window, flat=ax.flat, order=ax.order)

@@ -308,4 +308,5 @@ def test_backend_refuses_a_scan_impl_that_does_not_run_here():
     assert_exact(got, fn(*args), EXACT, "loss of the original graph")
     reasons = [r.reason for r in backend.records]
     assert not any(r.rewritten for r in backend.records), reasons
+    assert brcompile.Code.SCAN_IMPL in [r.code for r in backend.records], reasons
     assert any("does not run on cpu" in (r or "") and "scan='triton'" in (r or "") for r in reasons), reasons

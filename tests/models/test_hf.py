@@ -42,10 +42,12 @@ def make_model(family: str, impl: str, dtype=None, **overrides):
     return hf_tiny_model(family, impl, dtype or DTYPE.get(impl, torch.float64), **overrides)
 
 
-def assert_fell_back(reason: str):
+def assert_fell_back(code: brcompile.Code, reason: str):
+    """No call replayed; one fell back with ``code``, a detail naming ``reason``."""
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls >= 1, str(s)
-    assert any(reason in r for r in s.fallback_reasons), f"no fallback reason contains {reason!r}: {s}"
+    assert code in s.fallback_codes, f"no fallback with code {code}: {s}"
+    assert any(reason in r for r in s.details(code)), f"no {code} fallback reason contains {reason!r}: {s}"
 
 
 #: HF's RMSNorm runs in float32 even in a float64 model: gradients meet the float32 bound (docstring)
@@ -322,7 +324,7 @@ def test_eager_attention_float64_exact(faithful_eager, float64_norms, family, pa
 def test_eager_float64_softmax_is_refused():
     model = make_model("llama", "eager", torch.float64, num_hidden_layers=1)  # refused at the first softmax
     run_cell(model, "loss", shared_batch(), dynamic=False)
-    assert_fell_back("softmax of torch.float64 scores is computed in torch.float32")
+    assert_fell_back(brcompile.Code.EAGER_ATTENTION, "softmax of torch.float64 scores is computed in torch.float32")
 
 
 def test_eager_left_padding_falls_back_per_call():
@@ -342,7 +344,7 @@ def test_eager_left_padding_falls_back_per_call():
         check_grads(model, ref, out, dtype=torch.float32)
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 1, str(s)
-    assert any("a row starts with padding" in r for r in s.fallback_reasons), str(s)
+    assert s.fallback_codes == {brcompile.Code.GUARD_QUERY_WITHOUT_KEYS: 1}, str(s)
 
 
 @pytest.mark.parametrize("padding,path,dynamic", [  # every pair of the three factors (half of 2x2x2)
@@ -432,7 +434,7 @@ def test_eager_window_of_padding_falls_back():
     b = padded_batch(seed=10, left=False)
     assert bool(((b["attention_mask"][:, -2:] == 0).all(1)).any()), "the batch needs a 2-column pad run"
     run_cell(model, "loss", b, dynamic=False, backend=brcompile.backend(compiler="eager", liveness=False))
-    assert_fell_back("a window of 2 columns holds only padding")
+    assert_fell_back(brcompile.Code.GUARD_QUERY_WITHOUT_KEYS, "a window of 2 columns holds only padding")
     # by default those pad queries are needed by nobody: they leave the tree, the guard is moot, the call replays
     brcompile.reset_stats()
     torch._dynamo.reset()
@@ -474,7 +476,7 @@ def test_attention_dropout_in_training_falls_back(impl):
     torch.manual_seed(11)
     out = torch.compile(fn, backend=EAGER_ONLY)(*args)
     assert_exact(out, ref, DTYPE[impl], "loss")
-    assert_fell_back("attention dropout p=0.1")
+    assert_fell_back(brcompile.Code.ATTENTION_DROPOUT, "attention dropout p=0.1")
     brcompile.reset_stats()
     torch._dynamo.reset()
     run_cell(model.eval(), "loss", b, dynamic=False)
@@ -492,7 +494,7 @@ def test_hidden_dropout_in_training_falls_back():
     torch.manual_seed(12)
     out = torch.compile(fn, backend=EAGER_ONLY)(*args)
     assert_exact(out, ref, torch.float64, "loss")
-    assert_fell_back("dropout with p=0.1")
+    assert_fell_back(brcompile.Code.RANDOM_DRAW, "dropout with p=0.1")
 
 
 def test_specialised_attention_scalars_are_guarded_per_call():
@@ -521,7 +523,9 @@ def test_specialised_attention_scalars_are_guarded_per_call():
     assert_exact(runtime(*changed)[0], gm.forward(*changed)[0], torch.float64, "logits with scale 0.3")
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 1, str(s)
-    assert any("attention scale" in r and "is 0.3 in this call" in r for r in s.fallback_reasons), str(s)
+    assert s.fallback_codes == {brcompile.Code.GUARD_SCALAR: 1}, str(s)
+    assert any("attention scale" in r and "is 0.3 in this call" in r
+               for r in s.details(brcompile.Code.GUARD_SCALAR)), str(s)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -573,19 +577,19 @@ def tiny_loss(model, ids):
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-@pytest.mark.parametrize("variant,reason", [
-    ("ok", None),
-    ("softcap", None),
-    ("softcap_mismatch", "logit soft-capping"),
-    ("tensor_scale", "`mul <- q @ k^T` between the scores matmul and the softmax"),
-    ("bool_added", "not a float tensor"),
-    ("alibi", None),
-    ("bias", "not ALiBi"),
-    ("no_mask", "bidirectional"),
-    ("query_dim", "not the key dim"),
-    ("probs_used", "other users"),
+@pytest.mark.parametrize("variant,code,reason", [
+    ("ok", None, None),
+    ("softcap", None, None),
+    ("softcap_mismatch", brcompile.Code.EAGER_ATTENTION, "logit soft-capping"),
+    ("tensor_scale", brcompile.Code.EAGER_ATTENTION, "`mul <- q @ k^T` between the scores matmul and the softmax"),
+    ("bool_added", brcompile.Code.EAGER_ATTENTION, "not a float tensor"),
+    ("alibi", None, None),
+    ("bias", brcompile.Code.ATTENTION_BIAS, "not ALiBi"),
+    ("no_mask", brcompile.Code.MASK_NOT_CAUSAL, "bidirectional"),
+    ("query_dim", brcompile.Code.EAGER_ATTENTION, "not the key dim"),
+    ("probs_used", brcompile.Code.EAGER_ATTENTION, "other users"),
 ])
-def test_eager_matcher_accepts_the_exact_math_only(variant, reason):
+def test_eager_matcher_accepts_the_exact_math_only(variant, code, reason):
     torch.manual_seed(0)
     model = TinyEagerLM(variant).double()
     ids = torch.cat([torch.randint(1, 37, (1, 7)).expand(4, 7), torch.randint(1, 37, (4, 3))], 1)
@@ -597,4 +601,4 @@ def test_eager_matcher_accepts_the_exact_math_only(variant, reason):
     if reason is None:
         assert_replayed()
     else:
-        assert_fell_back(reason)
+        assert_fell_back(code, reason)

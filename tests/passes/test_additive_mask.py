@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import brcompile
 from brcompile.passes import masks
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.testing import assert_exact
 from tests.helpers import exact_over_batches, grouped_rows, real_next_token_loss
 
@@ -136,8 +136,9 @@ def test_left_padded_finite_mask_is_guarded(spelling, fill):
     run_exact(model, [grouped_rows(3, pad=True), grouped_rows(3, pad=False)], liveness=False)
     s = brcompile.stats()
     assert s.replayed_calls == 1 and s.fallback_calls == 1, str(s)
-    assert any("blocks with a finite value" in r and "a row starts with padding" in r for r in s.fallback_reasons), \
-        str(s)
+    assert s.fallback_codes == {Code.GUARD_QUERY_WITHOUT_KEYS: 1}, str(s)
+    assert any("blocks with a finite value" in r and "a row starts with padding" in r
+               for r in s.details(Code.GUARD_QUERY_WITHOUT_KEYS)), str(s)  # saying why
 
 
 def test_left_padded_finite_mask_replays_when_pads_are_left_out():
@@ -199,7 +200,9 @@ def test_float_bias_is_refused_by_name(bias, reason):
     run_exact(model, [(ids, am)])
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    assert any(reason in r for r in s.fallback_reasons), str(s)
+    code = {"small": Code.MASK_FLOAT_BIAS, "threshold": Code.MASK_FLOAT_BIAS}.get(bias, Code.ATTENTION_BIAS)
+    assert s.fallback_codes == {code: 1}, str(s)
+    assert any(reason in r for r in s.fallback_reasons), str(s)  # the reason says it is a bias
 
 
 def test_blocking_threshold():
@@ -213,5 +216,6 @@ def test_blocking_threshold():
     assert masks.finite_blocking(m)
     assert not masks.finite_blocking(torch.tensor([0.0, float("-inf")]))
     assert not masks.finite_blocking(torch.tensor([True, False]))
-    with pytest.raises(CannotReplay, match="float bias with finite nonzero values"):
+    with pytest.raises(CannotReplay, match="float bias with finite nonzero values") as e:
         masks.visible(m, None)
+    assert e.value.code is Code.MASK_FLOAT_BIAS

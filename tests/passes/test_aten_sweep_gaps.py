@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from brcompile.passes.aten import lower, lower_and_respell
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from tests.helpers import assert_replayed
 from tests.passes.test_aten import Tiny, _capture, _model, _run
 from brcompile.testing import assert_exact
@@ -107,8 +107,8 @@ def test_vector_norm_reads_dim_after_ord():
     model = _model(NormOverPositions)
     be, (ref, gref), (out, gout) = _run(model, level="dynamo")
     rec = be.records[0]
-    assert not rec.rewritten and "made dense by linalg_vector_norm (reduction over a token dim" in rec.reason, \
-        rec.reason
+    assert not rec.rewritten and rec.code is Code.ATTENTION_UNPACKED, rec.reason
+    assert "made dense by linalg_vector_norm (reduction over a token dim" in rec.reason  # names the reduction
     assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
     for (name, _), a, b in zip(model.named_parameters(), gout, gref):
         assert_exact(a, b, torch.float64, f"grad of {name}")
@@ -143,8 +143,9 @@ def test_vmap_is_refused_at_aten_level_naming_the_function():
 
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     site = r"torch\.vmap in `combine` \(test_aten_sweep_gaps\.py:\d+\): functorch batching"
-    with pytest.raises(CannotReplay, match=site):
+    with pytest.raises(CannotReplay, match=site) as e:
         lower(_capture(f, x, y))
+    assert e.value.code is Code.ATEN_LOWERING
 
 
 class ClampedCoefs(torch.nn.Module):
@@ -164,5 +165,6 @@ def test_a_written_input_is_named_by_its_graph_input():
     """The write stays refused at the ATen level; the reason names the captured graph's input (the parameter),
     not the export's ``argN_1``."""
     with pytest.raises(CannotReplay, match=r"writes into its input\(s\) \['l_self_modules_prediction_coefs_"
-                                           r"parameters_weight_'\]"):
+                                           r"parameters_weight_'\]") as e:
         lower(_capture(ClampedCoefs().double(), torch.randn(2, 3, dtype=torch.float64)))
+    assert e.value.code is Code.INPUT_WRITE

@@ -10,7 +10,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from brcompile.passes.axes import AxesContext, CannotReplay, get_axes, propagate
+from brcompile.passes.axes import AxesContext, get_axes, propagate
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.pack import find_token_ids
 from brcompile.passes.pipeline import analyse
 from examples.gpt import GPT, GPTConfig
@@ -157,8 +158,9 @@ def test_inplace_on_token_value_refused():
         x = EMB(ids)
         x.mul_(2)
         return x
-    with pytest.raises(CannotReplay, match="in-place"):
+    with pytest.raises(CannotReplay) as e:
         facts(f, torch.randint(0, V, (B, L)))
+    assert e.value.code is Code.INPLACE_TOKEN_VALUE
 
 
 def test_logical_operators_are_not_inplace():
@@ -194,8 +196,9 @@ def test_ids_joined_to_constant_tokens_are_refused_by_name():
     """Token ids built in the graph (a constant prefix joined to the input ids) are not the tree's rows: refused,
     naming the construct and its P, not as a graph without token ids."""
     gm, inputs = capture(prompt_joined, torch.randint(1, V, (B, L)))
-    with pytest.raises(CannotReplay, match="3 constant token\\(s\\) .* concatenated with the \\[B, L\\] input"):
+    with pytest.raises(CannotReplay, match="3 constant token\\(s\\) .* concatenated with the \\[B, L\\] input") as e:
         analyse(gm, inputs)
+    assert e.value.code is Code.JOINED_TOKEN_IDS
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import brcompile
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.canonicalize import canonicalize
 from brcompile.passes.rules.attention import SDPA
 from brcompile.passes.spellings import FAMILIES, family_of, is_op, spellings
@@ -70,8 +70,9 @@ def test_masked_fill_becomes_sdpa(value):
 
 def test_masked_fill_with_a_small_value_is_a_bias():
     gm, inputs = capture(lambda q: attn_masked_fill(q, -10.0), Q)
-    with pytest.raises(CannotReplay, match="not a large negative constant"):
+    with pytest.raises(CannotReplay, match="not a large negative constant") as e:
         canonicalize(gm, inputs)
+    assert e.value.code is Code.EAGER_ATTENTION
 
 
 def test_einsum_scores_and_output():
@@ -129,8 +130,9 @@ def test_mask_on_folded_scores_is_refused_by_name():
         return torch.bmm((torch.bmm(q3, q3.transpose(1, 2)) + m).softmax(-1), q3)
 
     gm, inputs = capture(f, Q, torch.zeros(5, 5, dtype=torch.float64))
-    with pytest.raises(CannotReplay, match=r"mask on \[B\*H, Lq, Lk\] scores"):
+    with pytest.raises(CannotReplay) as e:
         canonicalize(gm, inputs)
+    assert e.value.code is Code.EAGER_ATTENTION and "[B*H, Lq, Lk] scores" in e.value.reason
 
 
 def test_softmax_of_upcast_scores_becomes_sdpa():
@@ -304,8 +306,9 @@ def test_attention_in_two_dtypes_refused(attn, reason):
     """A chain whose steps compute in dtypes tree attention cannot take together (it computes q k^T and p v in one
     dtype, the canonical SDPA node's) falls back with the dtypes named."""
     gm, inputs = capture(EagerLM(attn), torch.randint(1, V, (3, 7)))
-    with pytest.raises(CannotReplay, match=reason):
+    with pytest.raises(CannotReplay, match=reason) as e:  # the wording names the dtypes
         canonicalize(gm, inputs)
+    assert e.value.code is Code.EAGER_ATTENTION
 
 
 class LseSink(torch.nn.Module):
@@ -353,8 +356,9 @@ def returned_weights(q, k, v, causal):
 def test_eager_spelling_refused_with_reason(attn, reason):
     """Attention weights read by the loss, and a lower-precision per-head bias, fall back with the reason."""
     gm, inputs = capture(EagerLM(attn).double(), torch.randint(1, V, (3, 7)))
-    with pytest.raises(CannotReplay, match=reason):
+    with pytest.raises(CannotReplay, match=reason) as e:  # the wording names the construct
         canonicalize(gm, inputs)
+    assert e.value.code is Code.EAGER_ATTENTION
 
 
 def sink_column(q, k, v, causal, sink):
@@ -380,13 +384,13 @@ def test_per_query_sinks_replay_exactly():
 ], ids=["mean_over_rows", "later_positions", "all_positions"])
 def test_sinks_not_of_the_query_token_fall_back(sink, reason):
     """A sink column that mixes the rows of the batch or reads other positions than the query's is refused."""
-    reasons = fallback_reasons(EagerLM(lambda q, k, v, c: sink_column(q, k, v, c, sink(q))))
-    assert reason in reasons, reasons
+    codes, reasons = fallback_reasons(EagerLM(lambda q, k, v, c: sink_column(q, k, v, c, sink(q))))
+    assert codes == {Code.ATTENTION_SINKS} and reason in reasons, reasons
 
 
-def fallback_reasons(model) -> str:
+def fallback_reasons(model) -> tuple[set, str]:
     """Compile ``model`` (ids -> scalar) in float64 on a batch sharing a prefix: the loss equals eager's and the
-    call fell back; returns the reasons."""
+    call fell back; returns its codes and reasons."""
     model = model.double()
     ids = torch.randint(1, V, (1, 7)).repeat(3, 1)
     want = model(ids)
@@ -394,7 +398,7 @@ def fallback_reasons(model) -> str:
     assert torch.equal(got, want)
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    return " | ".join(s.fallback_reasons)
+    return set(s.fallback_codes), " | ".join(s.fallback_reasons)
 
 
 @pytest.mark.parametrize("scale,fill,reason", [
@@ -402,7 +406,8 @@ def fallback_reasons(model) -> str:
 def test_multiplicative_mask_that_is_not_a_mask_is_refused(scale, fill, reason):
     """``s * B + A`` is a mask only where B is 0/1 and A blocks where B is 0: a B of 0.5 scales the scores, a fill
     of -10 keeps them a finite bias: both are refused on the probes, naming the blend."""
-    assert reason in fallback_reasons(EagerLM(lambda q, k, v, c: openai_gpt(q, k, v, c, scale, fill)))
+    codes, reasons = fallback_reasons(EagerLM(lambda q, k, v, c: openai_gpt(q, k, v, c, scale, fill)))
+    assert codes == {Code.MASK_FLOAT_BIAS} and reason in reasons, reasons  # the detail names the blend
 
 
 def single_head_3d(q, k, v, causal, bias=None):
@@ -417,9 +422,9 @@ def single_head_3d(q, k, v, causal, bias=None):
 def test_unrecognised_attention_is_named():
     """A graph with no recognised attention but a softmax over a product of two batch values is refused naming
     that chain, not as a graph without attention."""
-    reasons = fallback_reasons(EagerLM(single_head_3d))
-    assert "softmax <- masked_fill <- matmul" in reasons and "not recognised as an attention" in reasons, reasons
-    assert "no scaled_dot_product_attention" not in reasons
+    codes, reasons = fallback_reasons(EagerLM(single_head_3d))
+    assert codes == {Code.UNRECOGNISED_ATTENTION}, reasons
+    assert "softmax <- masked_fill <- matmul" in reasons, reasons  # the detail names the chain
 
 
 def single_head_3d_with_cumsum(q, k, v, causal):
@@ -431,5 +436,5 @@ def single_head_3d_with_cumsum(q, k, v, causal):
 def test_unrecognised_attention_is_named_in_a_graph_with_scans():
     """A scan the token ids do not feed does not hide the unrecognised attention behind "its scans do not
     depend on the token ids"."""
-    reasons = fallback_reasons(EagerLM(single_head_3d_with_cumsum))
-    assert "not recognised as an attention" in reasons and "scans do not depend" not in reasons, reasons
+    codes, reasons = fallback_reasons(EagerLM(single_head_3d_with_cumsum))
+    assert codes == {Code.UNRECOGNISED_ATTENTION}, reasons

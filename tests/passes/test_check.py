@@ -84,4 +84,5 @@ def test_packed_graph_that_fixes_the_token_count_is_refused_at_compile_time(monk
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     assert not backend.records[0].rewritten
+    assert backend.records[0].code is brcompile.Code.PACKED_COUNT, backend.records[0].reason
     assert "only holds for N = " in backend.records[0].reason, backend.records[0].reason

@@ -114,4 +114,5 @@ def test_a_per_row_feature_dim_is_not_taken_for_the_row_dim():
     assert_grads_exact(gg, gw, names, torch.float64)
     # the product is dense; packing it again is refused by the repack probe that rolls the rows
     reason = backend.records[0].reason or ""
+    assert backend.records[0].code is brcompile.Code.ATTENTION_UNPACKED, reason
     assert "not the same function of every row's inputs" in reason, reason

@@ -2,6 +2,7 @@
 import torch
 
 from brcompile.passes.guards import first_failure, integers_in_range, scalar_equals
+from brcompile.passes.refusals import Code
 
 
 def test_integers_in_range_checks_each_version_of_the_table():
@@ -23,5 +24,7 @@ def test_integers_in_range_checks_each_version_of_the_table():
 def test_first_failure_is_the_first_guard_that_fails():
     guards = [scalar_equals(0, 0.5, "p"), integers_in_range(1, 2, "table")]
     assert first_failure(guards, [0.5, torch.tensor([0, 1])]) is None
-    assert "p is 0.25" in first_failure(guards, [0.25, torch.tensor([5])])
-    assert "table holds values in [5, 5]" in first_failure(guards, [0.5, torch.tensor([5])])
+    first = first_failure(guards, [0.25, torch.tensor([5])])
+    assert first.code is Code.GUARD_SCALAR and "p is 0.25" in first.detail
+    second = first_failure(guards, [0.5, torch.tensor([5])])
+    assert second.code is Code.GUARD_TABLE_RANGE and "table holds values in [5, 5]" in second.detail

@@ -4,7 +4,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes import input_masks
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.input_masks import check_mask, classify_input_mask, key_validity
 
 
@@ -79,8 +79,9 @@ def test_masks_tree_attention_does_not_compute_are_refused(case):
     else:
         mask = torch.cat([mask, mask.roll(1, dims=0)], dim=1)
         why = "not causal"
-    with pytest.raises(CannotReplay, match=why):
+    with pytest.raises(CannotReplay, match=why) as e:
         classify(mask)
+    assert e.value.code is Code.INPUT_MASK
 
 
 def test_check_reads_in_bounded_chunks(monkeypatch):
@@ -115,5 +116,6 @@ def test_mask_computed_from_the_input_is_evaluated():
     info = classify(hidden, invert=True)
     assert info.guard()((None, hidden)) is None
     assert torch.equal(info.key_padding((None, hidden)), RIGHT_PADDED.bool())
-    with pytest.raises(CannotReplay, match="not causal"):
-        classify(hf_mask(RIGHT_PADDED), invert=True)  # a mask of what is visible, inverted: anti-causal
+    with pytest.raises(CannotReplay, match="not causal") as e:
+        classify(hf_mask(RIGHT_PADDED), invert=True)
+    assert e.value.code is Code.INPUT_MASK  # a mask of what is visible, inverted: anti-causal

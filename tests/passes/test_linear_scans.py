@@ -150,6 +150,7 @@ def test_not_affine_combine_falls_back_naming_it():
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     reasons = [r.reason or "" for r in backend.records]
+    assert s.fallback_codes == {brcompile.Code.NOTHING_PACKED: 1}, str(s)
     assert any("associative_scan whose combine_fn is not the affine composition" in r for r in reasons), reasons
 
 
@@ -246,7 +247,8 @@ def test_no_attention_and_no_tree_scan_runs_unchanged(conv, reason):
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     reasons = [r.reason or "" for r in backend.records]
-    assert any(reason in r for r in reasons), reasons
+    assert s.fallback_codes == {brcompile.Code.NOTHING_PACKED: 1}, str(s)
+    assert any(reason in r for r in reasons), reasons  # the conv is named
 
 
 def test_no_attention_without_token_ids_replays_keyed_by_hidden_states():

@@ -109,7 +109,7 @@ def test_window_that_follows_the_batch_size_is_refused():
     run_exact(model, [shared_batch(4, 9, 3, seed=1), shared_batch(6, 9, 3, seed=2)], dynamic=True)
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 2, str(s)
-    assert any("different sliding windows" in r for r in s.fallback_reasons), str(s)
+    assert s.fallback_codes == {brcompile.Code.MASK_UNPROVEN: 2}, str(s)
 
 
 def test_tril_buffer_mask_is_bounded_by_the_buffer():
@@ -134,7 +134,7 @@ def test_unprobeable_constant_bounds_the_lengths_by_a_guard(monkeypatch):
     s = brcompile.stats()
     assert s.replayed_calls == 2 and s.fallback_calls == 1, str(s)
     assert any(f"L <= {big - 1}" in m for m in backend.records[0].masks), backend.records[0].masks
-    assert any("at length 78 is not proven" in r for r in s.fallback_reasons), str(s)
+    assert any("at length 78" in r for r in s.details(brcompile.Code.GUARD_MASK_LENGTH)), str(s)
 
 
 def test_sliding_window_reads_no_index_grids():
@@ -261,7 +261,7 @@ def test_bidirectional_within_sequences_is_refused():
     run_exact(model, [packed_batch(2, 6, (3, 2, 4), seed=1)], dynamic=False)
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    assert any("see keys after it" in r for r in s.fallback_reasons), str(s)
+    assert s.fallback_codes == {brcompile.Code.MASK_NOT_CAUSAL: 1}, str(s)
 
 
 class PaddingOnlyLM(MaskLM):
@@ -280,7 +280,7 @@ def test_key_padding_alone_is_refused_as_bidirectional():
     run_exact(PaddingOnlyLM().double(), [shared_batch(3, 5, 4, right_pad=2)], dynamic=False)
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    assert any("bidirectional attention" in r for r in s.fallback_reasons), str(s)
+    assert s.fallback_codes == {brcompile.Code.MASK_NOT_CAUSAL: 1}, str(s)
 
 
 class IndexedLM(nn.Module):
@@ -348,7 +348,8 @@ def test_mask_that_follows_the_tokens_is_refused_by_name():
     run_exact(IndexedLM(topk=3).double(), [shared_batch(3, 6, 4, right_pad=2)], dynamic=False)
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    assert any("computed from the values of l_ids_" in r and "top-k" in r for r in s.fallback_reasons), str(s)
+    assert s.fallback_codes == {brcompile.Code.MASK_FROM_VALUES: 1}, str(s)
+    assert any("l_ids_" in r and "top-k" in r for r in s.details(brcompile.Code.MASK_FROM_VALUES)), str(s)
 
 
 def test_sequence_positions_are_well_formed():
@@ -408,7 +409,9 @@ def test_trainable_bias_is_refused_naming_its_kind(bias, reason):
     run_exact(model, [shared_batch(3, 5, 4, right_pad=2)], dynamic=False)
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    assert any("trainable tensor" in r and reason in r for r in s.fallback_reasons), str(s)
+    assert s.fallback_codes == {brcompile.Code.ATTENTION_BIAS: 1}, str(s)
+    # the detail tells a learned position bias from a per-token one
+    assert any("trainable tensor" in r and reason in r for r in s.details(brcompile.Code.ATTENTION_BIAS)), str(s)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

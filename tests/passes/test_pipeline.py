@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import brcompile
-from brcompile.passes.axes import CannotReplay
+from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.pipeline import ANALYSIS_STAGES, STAGES, PipelineConfig, run_pipeline
 from brcompile.tools.explain import explain
 from examples.gpt import GPT, GPTConfig
@@ -73,7 +73,7 @@ def test_a_refusal_names_its_stage():
     gm, inputs = capture(_loss(model), ids)
     with pytest.raises(CannotReplay) as info:
         run_pipeline(gm, inputs[:-1], PipelineConfig())  # fewer inputs than placeholders
-    assert info.value.stage == "lower"
+    assert info.value.stage == "lower" and info.value.code is Code.GRAPH_INPUTS
     assert [name for name, _ in info.value.stage_times] == ["lower"]
 
 

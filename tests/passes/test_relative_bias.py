@@ -95,4 +95,5 @@ def test_bias_of_query_and_key_is_refused():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     s = brcompile.stats()
     assert s.fallback_calls == 1 and s.replayed_calls == 0, str(s)
+    assert backend.records[-1].code is brcompile.Code.ATTENTION_BIAS, backend.records[-1].reason
     assert "a per-token bias" in backend.records[-1].reason, backend.records[-1].reason

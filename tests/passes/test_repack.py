@@ -155,7 +155,8 @@ def test_region_with_a_custom_autograd_function_is_packed_again():
 def test_region_the_probes_cannot_prove_stays_dense(mixer, why):
     backend = run(MixedModel(mixer), batch())
     record = backend.records[-1]
-    assert not record.rewritten and why in record.reason, record.reason
+    assert not record.rewritten and record.code is brcompile.Code.ATTENTION_UNPACKED, record.reason
+    assert why in record.reason, record.reason  # says why the region stays dense
 
 
 def test_region_with_a_random_op_stays_dense():
@@ -163,7 +164,8 @@ def test_region_with_a_random_op_stays_dense():
     backend = brcompile.backend(compiler="eager")
     torch.compile(MixedModel(random_mix).double(), backend=backend)(batch())
     record = backend.records[-1]
-    assert not record.rewritten and "not deterministic" in record.reason, record.reason
+    assert not record.rewritten and record.code is brcompile.Code.ATTENTION_UNPACKED, record.reason
+    assert "not deterministic" in record.reason, record.reason
 
 
 class LateMixer(MixedModel):
@@ -199,7 +201,8 @@ def test_repacked_graph_serves_new_shapes_and_streams_packed():
         for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
             assert_exact(a, b, torch.float64, "grad")
     assert_replayed_calls(2)
-    assert all("dense region is packed again" in r.replay_reason for r in backend.records), backend.records
+    assert all(r.replay_code is brcompile.Code.STREAMING_CONSTRUCT and "dense region is packed again" in r.replay_reason
+               for r in backend.records), backend.records
 
 
 def assert_replayed_calls(n):

@@ -172,15 +172,16 @@ def test_copies_routed_alike_share_their_pairs_and_others_run_the_original():
     (rec,) = backend.records
     first, second = rec.runtime.calls
     assert first.replayed and first.tree_stats["executed_pairs"] == 8 and first.tree_stats["pairs"] == 14, first
-    assert not second.replayed and "different per-pair inputs" in second.reason, second
+    assert not second.replayed and second.code is brcompile.Code.ROUTED_CALL, second
+    assert "different per-pair inputs" in second.reason, second
 
 
-@pytest.mark.parametrize("transform, reason", [
-    (lambda y: y - y.sum(0), "sum over the pair dim"),
-    (lambda y: y.reshape(sum(SIZES), D, 1).squeeze(-1), "baked in"),
-    (lambda y: y.cumsum(0), "cumsum on values per pair has no pair-local rule"),
+@pytest.mark.parametrize("transform, code, reason", [
+    (lambda y: y - y.sum(0), brcompile.Code.ROUTED_NOT_PAIR_LOCAL, "sum over the pair dim"),
+    (lambda y: y.reshape(sum(SIZES), D, 1).squeeze(-1), brcompile.Code.ROUTED_COUNTS, "baked in"),
+    (lambda y: y.cumsum(0), brcompile.Code.ROUTED_NOT_PAIR_LOCAL, "cumsum on values per pair has no pair-local rule"),
 ])
-def test_what_breaks_the_pair_local_shape_is_refused(transform, reason):
+def test_what_breaks_the_pair_local_shape_is_refused(transform, code, reason):
     """A reduction over the pairs, a view that bakes this batch's pair count in, and an op with no pair-local
     rule: the graph runs unchanged, the reason names the construct."""
 
@@ -196,4 +197,5 @@ def test_what_breaks_the_pair_local_shape_is_refused(transform, reason):
     assert_exact(got, want, F64, "output")
     assert_exact(gg, gw, F64, "grad of the expert weights")
     (rec,) = backend.records
-    assert not rec.rewritten and rec.reason.startswith("routed pairs") and reason in rec.reason, rec.reason
+    assert not rec.rewritten and rec.code is code, rec.reason
+    assert reason in rec.reason, rec.reason  # names the construct

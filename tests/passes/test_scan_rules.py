@@ -178,7 +178,9 @@ def test_non_causal_conv_is_refused_with_the_reason(spelling, reason):
     backend = run_exact(model, functools.partial(token_loss, model), grpo_like_batch())
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    assert any(reason in (r.reason or "") for r in backend.records), [r.reason for r in backend.records]
+    assert [r.code for r in backend.records if not r.rewritten] == [brcompile.Code.ATTENTION_UNPACKED], \
+        [r.reason for r in backend.records]
+    assert any(reason in (r.reason or "") for r in backend.records), [r.reason for r in backend.records]  # the conv
 
 
 def test_scans_keep_the_padding_they_read():

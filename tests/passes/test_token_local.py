@@ -113,8 +113,8 @@ def test_graph_that_mixes_tokens_runs_unchanged():
     run_on_hidden_states(MixesPositions(), *prefix_rows())
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
-    reasons = " | ".join(s.fallback_reasons)
-    assert "nothing packed" in reasons and "made dense" in reasons, reasons
+    assert s.fallback_codes == {brcompile.Code.NOTHING_PACKED: 1}, str(s)
+    assert any("made dense" in r for r in s.details(brcompile.Code.NOTHING_PACKED)), str(s)  # names the dense value
 
 
 class RowMLP(nn.Module):
@@ -229,7 +229,7 @@ def test_graph_that_only_views_its_input_says_so():
     out = torch.compile(lambda x: x.reshape(-1, x.shape[-1]), backend=backend)(h)
     assert torch.equal(out, h.reshape(-1, h.shape[-1]))
     (rec,) = backend.records
-    assert not rec.rewritten and "only views, casts or indexes its inputs (reshape)" in rec.reason, rec.reason
+    assert not rec.rewritten and rec.code is brcompile.Code.NO_PER_TOKEN_WORK and "(reshape)" in rec.reason, rec.reason
     # nothing to share is no fallback: the call is counted apart
     assert rec.unshared and brcompile.stats().unshared_calls == 1 and brcompile.stats().fallback_calls == 0
 
@@ -300,9 +300,11 @@ def test_graphs_with_nothing_per_token_to_compute_are_no_fallback():
         for a, b in zip(torch.compile(fn, backend=backend)(*args), fn(*args)):
             assert torch.equal(a, b)
     assert [r.unshared for r in backend.records] == [True, True], [r.reason for r in backend.records]
+    assert [r.code for r in backend.records] == [brcompile.Code.NO_PER_TOKEN_WORK] * 2
     assert "computes no floating-point value" in backend.records[0].reason
     assert "reads no per-token value" in backend.records[1].reason
     s = brcompile.stats()
+    assert s.unshared_codes == {brcompile.Code.NO_PER_TOKEN_WORK: 2}, str(s)
     assert s.unshared_calls == 2 and s.fallback_calls == 0, str(s)
 
 
@@ -316,7 +318,8 @@ def test_lookup_by_an_integer_input_is_a_fallback():
     out = torch.compile(lambda i: torch.tanh(table.W[i]), backend=backend)(ids)
     assert torch.equal(out, torch.tanh(table.W[ids]))
     (rec,) = backend.records
-    assert not rec.rewritten and not rec.unshared and "looks a floating-point value up" in rec.reason, rec.reason
+    assert not rec.rewritten and not rec.unshared and rec.code is brcompile.Code.NO_TOKEN_INPUT, rec.reason
+    assert "looks a floating-point value up" in rec.reason  # names the lookup
     s = brcompile.stats()
     assert s.fallback_calls == 1 and s.unshared_calls == 0, str(s)
 
@@ -343,7 +346,8 @@ def test_dense_region_reading_a_per_call_constant_is_not_packed_again():
     for name, a, b in zip(["embedding", "w"], gg, gw):
         assert_exact(a, b, F64, f"grad of {name}")
     (rec,) = backend.records
-    assert not rec.rewritten and not rec.unshared and "l_w_, a per-call input" in rec.reason, rec.reason
+    assert not rec.rewritten and not rec.unshared and rec.code is brcompile.Code.NOTHING_PACKED, rec.reason
+    assert "l_w_, a per-call input" in rec.reason  # names the weight
 
 
 def test_one_row_graph_has_nothing_to_share():
@@ -353,6 +357,6 @@ def test_one_row_graph_has_nothing_to_share():
     backend = brcompile.backend(compiler="eager", strict=True)
     assert torch.equal(torch.compile(F.silu, backend=backend)(x), F.silu(x))
     (rec,) = backend.records
-    assert rec.unshared and "one row at every call" in rec.reason, rec.reason
+    assert rec.unshared and rec.code is brcompile.Code.ONE_ROW_BATCH, rec.reason
     s = brcompile.stats()
     assert s.unshared_calls == 1 and s.fallback_calls == 0, str(s)

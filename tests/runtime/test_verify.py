@@ -57,5 +57,6 @@ def test_verify_catches_a_wrong_packed_graph(reference_off_by_a_little):
         assert_exact(step(model, **batch), want, torch.float64, "loss")  # the original graph ran
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls == 2, str(s)
+    assert s.fallback_codes == {brcompile.Code.VERIFY_FAILED: 2}, str(s)
     (reason,) = s.fallback_reasons
     assert "verify=True" in reason and "original" in reason and "packed" in reason and "bound 1e-10" in reason, reason

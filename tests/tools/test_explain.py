@@ -172,14 +172,20 @@ def test_report_of_a_fallback_names_node_and_reason():
     report = brcompile.explain(lm_loss, model, ids, backend=brcompile.backend(**EAGER))
     assert not report.rewritten and report.stats.fallback_calls == 1
     (g,) = report.fallbacks
-    assert "bidirectional" in g.reason and g.failed_node
+    assert g.code is brcompile.Code.MASK_NOT_CAUSAL and g.failed_node
     text = str(report)
-    assert "FELL BACK" in text and g.failed_node in text and "bidirectional" in text
+    assert "FELL BACK" in text and g.failed_node in text and "bidirectional" in text  # the detail is shown
+    # grouped by construct and code, with the rule's description
+    assert "refusals by construct and code" in text and "mask_not_causal" in text
+    assert brcompile.Code.MASK_NOT_CAUSAL.describe()[:30] in text.replace("\n", " ")
+    assert report.refusals_by_code() == {brcompile.Code.MASK_NOT_CAUSAL: {"graphs": [g.graph_id], "calls": 1}}
     (call,) = report.calls
-    assert not call["replayed"] and "bidirectional" in call["reason"]
+    assert not call["replayed"] and call["code"] == "mask_not_causal" and "bidirectional" in call["reason"]
     assert call["cost"]["dense_flops"] > 0 and "packed_flops" not in call["cost"]
     assert "ran the original graph" in text
-    assert json.loads(json.dumps(report.to_dict()))["graphs"][0]["failed_node"] == g.failed_node
+    as_json = json.loads(json.dumps(report.to_dict()))
+    assert as_json["graphs"][0]["failed_node"] == g.failed_node and as_json["graphs"][0]["code"] == "mask_not_causal"
+    assert as_json["stats"]["fallback_codes"] == {"mask_not_causal": 1}
 
 
 def test_report_prints_plain_and_rich():
@@ -317,8 +323,7 @@ def test_dump_dir_writes_python_and_coloured_dot(tmp_path):
     torch.manual_seed(0)
     torch.compile(lm_loss, backend=brcompile.backend(dump_dir=str(tmp_path / "fb"), **EAGER))(
         Bidirectional().double(), torch.randint(1, 37, (3, 7)))
-    (reason,) = brcompile.stats().fallback_reasons
-    assert "bidirectional" in reason
+    assert brcompile.stats().fallback_codes == {brcompile.Code.MASK_NOT_CAUSAL: 1}
     before = (tmp_path / "fb" / "graph_0_before.py").read_text()
     assert "FELL BACK" in before and "bidirectional" in before
     assert not (tmp_path / "fb" / "graph_0_after.py").exists()

@@ -142,7 +142,14 @@ def test_zoo_load_counter_written_in_the_forward(verify):
     torch._dynamo.reset()
     streaming = brcompile.backend(compiler="eager", mode="replay", chunk_tokens=3)
     run(models.make(models.CountedGptFastMoE), streaming)
+    assert streaming.records[0].replay_code is brcompile.Code.STREAMING_CONSTRUCT, streaming.records[0].replay_reason
     assert "writes into its input" in streaming.records[0].replay_reason, streaming.records[0].replay_reason
+
+
+FALLBACK_CODES = {"quadratic_bias": brcompile.Code.ATTENTION_BIAS,
+                  "relative_position_table": brcompile.Code.ATTENTION_BIAS,
+                  "soft_multiplicative_mask": brcompile.Code.MASK_FLOAT_BIAS,
+                  "query_key_bias": brcompile.Code.ATTENTION_BIAS}
 
 
 @pytest.mark.parametrize("style", sorted(models.FALLBACK))
@@ -152,7 +159,8 @@ def test_zoo_falls_back_with_reason(style):
     ref, gref, out, gout = run(model)
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls >= 1, str(s)
-    reasons = " | ".join(s.fallback_reasons)
+    assert set(s.fallback_codes) == {FALLBACK_CODES[style]}, str(s)
+    reasons = " | ".join(s.details(FALLBACK_CODES[style]))
     assert phrase in reasons, reasons
     assert_exact(out.detach(), ref.detach(), torch.float64, "loss")
     for a, b in zip(gout, gref):
