@@ -18,6 +18,7 @@ from brcompile import runtime
 from brcompile.passes.axes import CannotReplay, NothingToShare
 from brcompile.passes.check import check_packed_graph
 from brcompile.passes.liveness import analyse_liveness
+from brcompile.passes.meta import FUSED, FUSED_COVERS
 from brcompile.passes.pack import PackOptions, analyse, build_packed_graph
 
 log = logging.getLogger(__name__)
@@ -225,8 +226,8 @@ class BranchReplayBackend:
                                    guards=an.guards,
                                    liveness=an.liveness, streaming=streaming, strict=opts.strict,
                                    verify=opts.verify)
-        fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]
-        covered = {name for n in fused_nodes for name in n.meta.get("br_fused_covers", ())}
+        fused_nodes = [n for n in packed.graph.nodes if FUSED.has(n)]
+        covered = {name for n in fused_nodes for name in FUSED_COVERS.get(n, ())}
         rec = GraphRecord(
             gid, True, None, None, gm.code, packed.code,
             tree_inputs=tuple(p.name for p in an.tree_inputs),
@@ -234,7 +235,7 @@ class BranchReplayBackend:
             materialisations=tuple((m.node.name, m.user.name, m.numel, m.reason)
                                    for m in an.materialisations if m.node.name not in covered),
             lazy_gathers=tuple(n.name for n in an.lazy_gathers if n.name not in covered),
-            fused=tuple(n.meta["br_fused"] for n in fused_nodes),
+            fused=tuple(FUSED.require(n) for n in fused_nodes),
             repacked=tuple(an.ctx.repacked),
             not_repacked=tuple((n.name, why) for n, why in an.ctx.repack_refused.items()),
             replay=replay_info,

@@ -57,6 +57,7 @@ from brcompile.passes.spellings import op_name
 from brcompile.passes.axes import CannotReplay
 from brcompile.passes.check import symbolic_run, token_positions
 from brcompile.passes.masks import descendants
+from brcompile.passes.meta import WRITTEN_INPUTS
 from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     if dense is not None:  # the dense region runs on every row and position: there is no per-chunk trunk before it
         raise CannotReplay("streaming replay: a dense region is packed again (passes/repack.py): it runs on the "
                            "whole [B, L] batch, not per chunk of tokens (the packed mode runs)", dense)
-    written = getattr(packed, "br_written_inputs", ())
+    written = WRITTEN_INPUTS.get(packed)
     if written:  # the write would have to be placed in one of the prefix / chunk / outer graphs (not done)
         ph = [n for n in packed.graph.nodes if n.op == "placeholder"]
         raise CannotReplay(f"streaming replay: the graph writes into its input {ph[written[0]].name} in place "

@@ -31,6 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from brcompile.passes.meta import AXES
+
 log = logging.getLogger(__name__)
 
 #: Fill colour per node kind (Graphviz colour names/hex), and the legend's wording.
@@ -59,7 +61,7 @@ def _next_graph_index(directory: Path) -> int:
 
 
 def _fact(node: fx.Node) -> Any:
-    return node.meta.get("br_axes")
+    return AXES.get(node)
 
 
 def kind_of(fact: Any) -> str:

@@ -44,6 +44,7 @@ from brcompile.passes.axes import (
     shape_of, token,
 )
 from brcompile.passes.fuse_logprob import emit_fused_gather
+from brcompile.passes.meta import RELBIAS_ZERO, SOFTCAP
 from brcompile.passes.spellings import spellings
 from brcompile.backends.read_packed import read_packed
 
@@ -112,7 +113,7 @@ def emit_sdpa(pk, node):
     q, k, v, dv = pad_head_dims(pk, q, k, v, D, pk.static_shape(a["value"])[-1])
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
     args = (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale), pk.options.attention)
-    softcap = float(node.meta.get("br_softcap", 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
+    softcap = float(SOFTCAP.get(node, 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
     alibi = getattr(info, "alibi", None)
     slopes = getattr(info, "alibi_node", None)  # trainable ALiBi slopes (:mod:`..masks`)
     sinks = a.get("br_sinks")  # attention sinks (eager canonicalisation)
@@ -125,7 +126,7 @@ def emit_sdpa(pk, node):
     if alibi or extra:
         args += (list(alibi) if alibi and slopes is None else None, None if sinks is None else _sinks(pk, sinks))
     if rel is not None or slopes is not None:
-        args += (None if rel is None else _relbias(pk, rel, bool(node.meta.get("br_relbias_zero"))),)
+        args += (None if rel is None else _relbias(pk, rel, bool(RELBIAS_ZERO.get(node))),)
     if slopes is not None:
         args += (_slopes(pk, slopes, pk.static_shape(a["query"])[1]),)
     out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
@@ -228,7 +229,7 @@ def per_token_attention(ctx: AxesContext, node):
     then runs on the packed operands."""
     a = _sdpa_args(node)
     if a["attn_mask"] is not None or a["dropout_p"] not in (0, 0.0) or a.get("br_sinks") is not None \
-            or a.get("br_relbias") is not None or node.meta.get("br_softcap"):
+            or a.get("br_relbias") is not None or SOFTCAP.get(node):
         return None
     facts = [get_axes(a[n]) for n in _QKV]
     tokens = {(f.ndim, f.row, f.pos, f.window) for f in facts if f.is_token}
