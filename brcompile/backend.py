@@ -409,24 +409,19 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
     attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias), or, for a graph captured with
     grad enabled (``training``), a backward there (``attention="flex"`` on CPU): the original graph runs, with
     the reason. Attention sinks need no support: the op applies them around every impl."""
-    from brcompile.backends.ops import (
-        AttentionImplError, attention_extras, attention_relbias, attention_scores_extras, attention_slopes,
-        check_impl_supports, get_attention_impl,
-    )
+    from brcompile.backends.attention_features import FEATURES
+    from brcompile.backends.ops import AttentionImplError, attention_features, check_impl_supports, get_attention_impl
 
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
     for n in packed.graph.nodes:
         if n.target is not torch.ops.brcompile.tree_attention_forward.default:
             continue
-        window, _, softcap = attention_extras(n.args)
-        alibi, _ = attention_scores_extras(n.args)
-        relbias = attention_relbias(n.args) is not None
-        slopes = attention_slopes(n.args)
-        if not (window or softcap or alibi or relbias or slopes is not None or training):
+        features = attention_features(n.args)
+        if not (any(f.support and f.is_on(features[f.name]) for f in FEATURES) or training):
             continue
         try:
-            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias, slopes,
-                                backward_device=device if training else None)
+            check_impl_supports(get_attention_impl(attention, device), backward_device=device if training else None,
+                                **features)
         except AttentionImplError as e:
             raise CannotReplay(f"{e} (attention={attention!r} on {device.type})") from e
 

@@ -45,6 +45,7 @@ from brcompile.passes.axes import (
 )
 from brcompile.passes.fuse_logprob import emit_fused_gather
 from brcompile.passes.meta import RELBIAS_ZERO, SOFTCAP
+from brcompile.backends.attention_features import feature_tail, needs_position
 from brcompile.passes.spellings import spellings
 from brcompile.backends.read_packed import read_packed
 
@@ -118,18 +119,18 @@ def emit_sdpa(pk, node):
     slopes = getattr(info, "alibi_node", None)  # trainable ALiBi slopes (:mod:`..masks`)
     sinks = a.get("br_sinks")  # attention sinks (eager canonicalisation)
     rel = a.get("br_relbias")  # relative bias (canonicalisation)
-    extra = sinks is not None or rel is not None
-    if info.window or softcap or alibi or extra:  # sliding window over the tree positions
-        args += (info.window, _positions(pk, info) if (info.window or alibi or rel is not None) else None)
-    if softcap or alibi or extra:
-        args += (softcap,)
-    if alibi or extra:
-        args += (list(alibi) if alibi and slopes is None else None, None if sinks is None else _sinks(pk, sinks))
-    if rel is not None or slopes is not None:
-        args += (None if rel is None else _relbias(pk, rel, bool(RELBIAS_ZERO.get(node))),)
+    features = dict(window=info.window, softcap=softcap, alibi=list(alibi) if alibi and slopes is None else None,
+                    sinks=sinks, relbias=rel, slopes=slopes)  # the graph values: packed below, after the positions
+    if needs_position(features):  # the tree positions (a sliding window, a position bias)
+        features["position"] = _positions(pk, info)
+    if sinks is not None:
+        features["sinks"] = _sinks(pk, sinks)
+    if rel is not None:
+        features["relbias"] = _relbias(pk, rel, bool(RELBIAS_ZERO.get(node)))
     if slopes is not None:
-        args += (_slopes(pk, slopes, pk.static_shape(a["query"])[1]),)
-    out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
+        features["slopes"] = _slopes(pk, slopes, pk.static_shape(a["query"])[1])
+    out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default,
+                                     args + feature_tail(features))
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     if dv is not None:
         out = pk.graph.call_function(operator.getitem, (out, (Ellipsis, slice(None, dv))))
