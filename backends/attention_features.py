@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Feature", "FEATURES", "CACHED_FEATURES", "CACHE_POSITION", "FEATURE_NAMES", "FORWARD_FEATURES_AT", "CACHED_FEATURES_AT",
-    "feature", "call_features", "feature_tail", "active", "needs_position", "impl_lacks",
+    "feature", "call_features", "feature_tail", "active", "needs_position", "needs_support", "impl_lacks",
 ]
 
 
@@ -132,6 +132,11 @@ def active(values: Mapping[str, Any], features: Sequence[Feature] = FEATURES) ->
 def needs_position(values: Mapping[str, Any], features: Sequence[Feature] = FEATURES) -> bool:
     """Whether a feature ``values`` turns on needs the tokens' positions (a window or a position bias)."""
     return any(f.needs_position and f.is_on(values.get(f.name, f.default)) for f in features)
+
+
+def needs_support(values: Mapping[str, Any]) -> bool:
+    """Whether ``values`` turns on a feature that not every impl runs (one with support flags)."""
+    return any(f.support and f.is_on(values.get(f.name, f.default)) for f in FEATURES)
 
 
 def impl_lacks(impl: Any, values: Mapping[str, Any]) -> Optional[Feature]:

@@ -409,7 +409,7 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
     attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias), or, for a graph captured with
     grad enabled (``training``), a backward there (``attention="flex"`` on CPU): the original graph runs, with
     the reason. Attention sinks need no support: the op applies them around every impl."""
-    from brcompile.backends.attention_features import FEATURES
+    from brcompile.backends.attention_features import needs_support
     from brcompile.backends.ops import AttentionImplError, attention_features, check_impl_supports, get_attention_impl
 
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
@@ -417,7 +417,7 @@ def _check_attention_support(packed: fx.GraphModule, example_inputs, attention: 
         if n.target is not torch.ops.brcompile.tree_attention_forward.default:
             continue
         features = attention_features(n.args)
-        if not (any(f.support and f.is_on(features[f.name]) for f in FEATURES) or training):
+        if not (needs_support(features) or training):
             continue
         try:
             check_impl_supports(get_attention_impl(attention, device), backward_device=device if training else None,

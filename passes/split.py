@@ -46,7 +46,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from brcompile.backends.attention_features import CACHE_POSITION, CACHED_FEATURES, feature_tail
+from brcompile.backends.attention_features import CACHE_POSITION, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail
 from brcompile.backends.ops import attention_features
 from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan import (
@@ -361,7 +361,7 @@ def _cached_attention(g: fx.Graph, n: fx.Node, env: dict, kv_cache: tuple, cache
     """The tail's ``tree_attention_cached_forward`` for the packed attention ``n``: the chunk's own arguments,
     the cached K/V ``kv_cache``, its validity and cross rows, then ``n``'s features by name (the graph values
     mapped into the tail) with the cache's positions ``cpos``, up to the last one that is on."""
-    q, k, v, end, valid, segments, scale, impl = n.args[:8]
+    q, k, v, end, valid, segments, scale, impl = n.args[:FORWARD_FEATURES_AT]
     kc, vc = kv_cache
     args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
             scale, impl)

@@ -8,7 +8,7 @@ import torch
 from brcompile.backends import cached  # noqa: F401  (registers the cached ops)
 from brcompile.backends.attention_features import (
     CACHED_FEATURES, CACHED_FEATURES_AT, FEATURES, FORWARD_FEATURES_AT, active, call_features, feature, feature_tail,
-    impl_lacks, needs_position,
+    impl_lacks, needs_position, needs_support,
 )
 from brcompile.backends.ops import AttentionImpl, AttentionImplError, TreeAttentionArgs, check_impl_supports
 
@@ -58,6 +58,7 @@ def test_call_features_and_tail_round_trip():
     assert active({"window": 2, "position": pos, "alibi": [0.5]}) == ("window", "position", "alibi")
     assert needs_position({"alibi": [0.5]}) and needs_position({"relbias": sinks})
     assert not needs_position({"softcap": 1.0, "sinks": sinks})
+    assert needs_support({"softcap": 1.0}) and not needs_support({"sinks": sinks, "position": pos})
     assert feature_tail({"cache_position": pos}, CACHED_FEATURES) == (0, None, pos)
     with pytest.raises(KeyError, match="no feature 'nope'"):
         feature("nope")
