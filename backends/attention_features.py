@@ -3,8 +3,9 @@
 ``brcompile::tree_attention_forward(q, k, v, end, valid, segments, scale, impl, <features>)`` and its backward
 take the features of :data:`FEATURES` after ``impl``; ``tree_attention_cached_forward`` (backends/cached.py)
 takes those of :data:`CACHED_FEATURES` (the same, with the cache's positions after ``position``). Each feature
-has a neutral default that means off, so a call lists its features up to the last one that is on
-(:func:`feature_tail`) and a reader fills in the rest (:func:`call_features`). What reads or writes features
+has a neutral default that means off, so a call lists its features up to the last block of them that has one
+on (:func:`feature_tail`, blocks: :data:`FORWARD_BLOCKS`, :data:`CACHED_BLOCKS`) and a reader fills in the rest
+(:func:`call_features`). What reads or writes features
 iterates this list by name instead of by argument index: :class:`..ops.TreeAttentionArgs` (its fields after
 ``scale`` are these, in this order), the support check of the impls (:func:`..ops.check_impl_supports`, from
 ``Feature.support``), the op's autograd formula (a gradient for each ``differentiable`` feature), the attention
@@ -23,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "Feature", "FEATURES", "CACHED_FEATURES", "CACHE_POSITION", "FEATURE_NAMES", "FORWARD_FEATURES_AT", "CACHED_FEATURES_AT",
+    "Feature", "FEATURES", "CACHED_FEATURES", "CACHE_POSITION", "FEATURE_NAMES", "FORWARD_BLOCKS", "CACHED_BLOCKS", "FORWARD_FEATURES_AT", "CACHED_FEATURES_AT",
     "feature", "call_features", "feature_tail", "active", "needs_position", "needs_support", "impl_lacks",
 ]
 
@@ -92,6 +93,14 @@ CACHED_FEATURES: tuple[Feature, ...] = (FEATURES[0], FEATURES[1], CACHE_POSITION
 
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 
+#: How the emitters write the features of ``tree_attention_forward``: in blocks, each written whole (its
+#: features that are off at their defaults) when it or a later block has a feature on.
+FORWARD_BLOCKS: tuple[tuple[str, ...], ...] = (("window", "position"), ("softcap",), ("alibi", "sinks"),
+                                              ("relbias",), ("slopes",))
+#: The same for ``tree_attention_cached_forward`` (the positions, the cache's and the soft-cap are one block).
+CACHED_BLOCKS: tuple[tuple[str, ...], ...] = (("window", "position", "cache_position", "softcap"),
+                                             ("alibi", "sinks"), ("relbias",), ("slopes",))
+
 #: Index of the first feature among the arguments of ``tree_attention_forward`` (after q, k, v, end, valid,
 #: segments, scale, impl); ``tree_attention_backward`` has grad_out, out and lse more before them.
 FORWARD_FEATURES_AT = 8
@@ -116,12 +125,17 @@ def call_features(args: Sequence, start: int = FORWARD_FEATURES_AT,
     return {f.name: tail[i] if i < len(tail) else f.default for i, f in enumerate(features)}
 
 
-def feature_tail(values: Mapping[str, Any], features: Sequence[Feature] = FEATURES) -> tuple:
-    """The positional feature arguments of a call with ``values`` ({name: value}, absent: the default): every
-    feature up to the last one that is on (:meth:`Feature.is_on`), none when all are off."""
-    full = [values.get(f.name, f.default) for f in features]
-    last = max((i for i, (f, v) in enumerate(zip(features, full)) if f.is_on(v)), default=-1)
-    return tuple(full[:last + 1])
+def feature_tail(values: Mapping[str, Any], features: Sequence[Feature] = FEATURES,
+                 blocks: Sequence[tuple[str, ...]] = FORWARD_BLOCKS) -> tuple:
+    """The positional feature arguments of a call with ``values`` ({name: value}, absent: the default): the
+    ``blocks`` (the features' names in order, grouped) up to the last one with a feature on
+    (:meth:`Feature.is_on`), each whole; none when all are off."""
+    by_name = {f.name: f for f in features}
+    if [n for b in blocks for n in b] != list(by_name):
+        raise ValueError(f"feature blocks {blocks} do not list the features {tuple(by_name)} in order")
+    on = [any(by_name[n].is_on(values.get(n, by_name[n].default)) for n in b) for b in blocks]
+    written = blocks[:max((i + 1 for i, o in enumerate(on) if o), default=0)]
+    return tuple(values.get(n, by_name[n].default) for b in written for n in b)
 
 
 def active(values: Mapping[str, Any], features: Sequence[Feature] = FEATURES) -> tuple[str, ...]:

@@ -46,7 +46,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from brcompile.backends.attention_features import CACHE_POSITION, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail
+from brcompile.backends.attention_features import (
+    CACHE_POSITION, CACHED_BLOCKS, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail,
+)
 from brcompile.backends.ops import attention_features
 from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan import (
@@ -360,7 +362,7 @@ def _cached_attention(g: fx.Graph, n: fx.Node, env: dict, kv_cache: tuple, cache
                       cpos) -> fx.Node:
     """The tail's ``tree_attention_cached_forward`` for the packed attention ``n``: the chunk's own arguments,
     the cached K/V ``kv_cache``, its validity and cross rows, then ``n``'s features by name (the graph values
-    mapped into the tail) with the cache's positions ``cpos``, up to the last one that is on."""
+    mapped into the tail) with the cache's positions ``cpos``, in the cached op's blocks."""
     q, k, v, end, valid, segments, scale, impl = n.args[:FORWARD_FEATURES_AT]
     kc, vc = kv_cache
     args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
@@ -368,7 +370,7 @@ def _cached_attention(g: fx.Graph, n: fx.Node, env: dict, kv_cache: tuple, cache
     features = {name: env[x] if isinstance(x, fx.Node) else x for name, x in attention_features(n.args).items()}
     features[CACHE_POSITION.name] = cpos
     return g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default,
-                           args + feature_tail(features, CACHED_FEATURES))
+                           args + feature_tail(features, CACHED_FEATURES, CACHED_BLOCKS))
 
 
 def _fetch(mod: torch.nn.Module, target: str):

@@ -7,7 +7,7 @@ import torch
 
 from brcompile.backends import cached  # noqa: F401  (registers the cached ops)
 from brcompile.backends.attention_features import (
-    CACHED_FEATURES, CACHED_FEATURES_AT, FEATURES, FORWARD_FEATURES_AT, active, call_features, feature, feature_tail,
+    CACHED_BLOCKS, CACHED_FEATURES, CACHED_FEATURES_AT, FEATURES, FORWARD_FEATURES_AT, active, call_features, feature, feature_tail,
     impl_lacks, needs_position, needs_support,
 )
 from brcompile.backends.ops import AttentionImpl, AttentionImplError, TreeAttentionArgs, check_impl_supports
@@ -55,11 +55,15 @@ def test_call_features_and_tail_round_trip():
     read = call_features(("q",) * FORWARD_FEATURES_AT + tail)
     assert list(read) == [f.name for f in FEATURES] and read["sinks"] is sinks and read["relbias"] is None
     assert feature_tail({}) == () and feature_tail({"window": 2, "position": pos}) == (2, pos)
+    assert feature_tail({"alibi": [0.5], "position": pos}) == (0, pos, 0.0, [0.5], None)  # a block is written whole
+    cached = {"window": 2, "position": pos, "cache_position": pos}
+    assert feature_tail(cached, CACHED_FEATURES, CACHED_BLOCKS) == (2, pos, pos, 0.0)
+    with pytest.raises(ValueError, match="in order"):
+        feature_tail({}, CACHED_FEATURES)
     assert active({"window": 2, "position": pos, "alibi": [0.5]}) == ("window", "position", "alibi")
     assert needs_position({"alibi": [0.5]}) and needs_position({"relbias": sinks})
     assert not needs_position({"softcap": 1.0, "sinks": sinks})
     assert needs_support({"softcap": 1.0}) and not needs_support({"sinks": sinks, "position": pos})
-    assert feature_tail({"cache_position": pos}, CACHED_FEATURES) == (0, None, pos)
     with pytest.raises(KeyError, match="no feature 'nope'"):
         feature("nope")
 
