@@ -45,8 +45,12 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from brcompile.backends.attention_features import (
+    CACHE_POSITION, CACHED_FEATURES, CACHED_FEATURES_AT, call_features,
+)
 from brcompile.backends.ops import (
-    ATTENTION_IMPLS, TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, count_visible_pairs, impl_for,
+    ATTENTION_IMPLS, TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, count_visible_pairs,
+    feature_grads, impl_for,
     register_lower_precision_autocast, sink_grad, sink_merge,
 )
 
@@ -293,25 +297,35 @@ def _cached_backward_fake(grad_out, q, k, v, out, lse, end, valid, segments, k_c
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl, window, position,
-     cache_position, softcap, alibi, sinks, relbias, slopes) = inputs
-    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias,
-                          slopes)
+    """Save what backward needs (the chunk's arguments as TreeAttentionArgs, the cache's beside out and lse);
+    lse is an auxiliary output without gradient."""
+    q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, impl = inputs[:CACHED_FEATURES_AT]
+    features = call_features(inputs, CACHED_FEATURES_AT, CACHED_FEATURES)
+    cache_position = features.pop(CACHE_POSITION.name)
+    a = TreeAttentionArgs(q, k, v, end, valid, segments, scale, **features)
     a.save_for_backward(ctx, *output, k_cache, v_cache, cache_valid, cross, cache_position)
     ctx.impl = impl
     ctx.mark_non_differentiable(output[1])
 
 
+def _cached_tail(a: TreeAttentionArgs, cache_position) -> tuple:
+    """The cached op's feature arguments (:data:`CACHED_FEATURES`) of the chunk's ``a`` and the cache's
+    positions, all of them."""
+    features = {**a.features, CACHE_POSITION.name: cache_position}
+    return tuple(features[f.name] for f in CACHED_FEATURES)
+
+
 def _backward(ctx, grad_out, grad_lse):
+    """d(out)/d(q, k, v, k_cache, v_cache, relbias, slopes) via the cached backward op, d(out)/d(sinks) by
+    :func:`sink_grad`."""
     a, (out, lse, k_cache, v_cache, cache_valid, cross, cache_position) = TreeAttentionArgs.saved(ctx)
     dq, dk, dv, dkc, dvc, drel, dslopes = torch.ops.brcompile.tree_attention_cached_backward(
         grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, k_cache, v_cache, cache_valid, cross, a.scale,
-        ctx.impl, a.window, a.position, cache_position, a.softcap, a.alibi, a.sinks, a.relbias, a.slopes)
-    dsinks = sink_grad(grad_out, out, lse, a.sinks) if a.sinks is not None and ctx.needs_input_grad[17] else None
-    drel = drel if a.relbias is not None and ctx.needs_input_grad[18] else None
-    dslopes = dslopes if a.slopes is not None and ctx.needs_input_grad[19] else None
-    return (dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None, None, None, None, None, None, dsinks,
-            drel, dslopes)
+        ctx.impl, *_cached_tail(a, cache_position))
+    grads = {"sinks": lambda: sink_grad(grad_out, out, lse, a.sinks), "relbias": lambda: drel,
+             "slopes": lambda: dslopes}
+    return (dq, dk, dv, None, None, None, dkc, dvc, None, None, None, None,
+            *feature_grads(ctx, a, grads, CACHED_FEATURES_AT, CACHED_FEATURES))
 
 
 torch.library.register_autograd("brcompile::tree_attention_cached_forward", _backward,

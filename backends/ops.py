@@ -67,6 +67,9 @@ sink's own gradient: with ``p_s = exp(s[h, q] - lse'[h, q])``, ``d out'[q] / d s
 
 summed over the queries q for a per-head [Hq] sink (:func:`sink_merge`, :func:`sink_grad`).
 
+The optional arguments after ``impl`` (window, position, soft-cap, ALiBi, sinks, relative bias, slopes) are the
+features of backends/attention_features.py, in that order; code reads them by name through that list.
+
 The op bodies gather their arguments (all but ``impl``) into one :class:`TreeAttentionArgs`, check it once
 (:meth:`TreeAttentionArgs.check`) and hand it to the implementation named ``impl``, looked up in a registry
 (``register_attention_impl``, :class:`brcompile.backends.registry.Registry`); ``"reference"``, ``"cpu"``,
@@ -87,6 +90,9 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from brcompile.backends.attention_features import (
+    FEATURES, FORWARD_FEATURES_AT, call_features, impl_lacks, needs_position,
+)
 from brcompile.backends.registry import Impl, Registry
 
 log = logging.getLogger(__name__)
@@ -98,11 +104,8 @@ __all__ = [
     "TreeAttentionArgs",
     "TreeAttentionError",
     "attention_backward",
-    "attention_extras",
+    "attention_features",
     "attention_forward",
-    "attention_relbias",
-    "attention_scores_extras",
-    "attention_slopes",
     "check_alibi",
     "check_impl_supports",
     "check_relbias",
@@ -150,9 +153,11 @@ class TreeAttentionArgs:
     ignore it, see the module docstring); ``relbias`` ([Hq, N, E] tensor R, with ``position``): scores
     ``+ R[h, q, min(position[q] - position[k], E - 1)]``; ``slopes``: ALiBi's m as a differentiable [Hq]
     tensor instead of the constants ``alibi`` (not both). Neutral defaults (0, None, 0.0, None, None, None,
-    None) mean off; a new attention feature is a new field with a neutral default (docs/ARCHITECTURE.md §10.3).
-    The field order is the op's argument order (without ``impl``), so ``TreeAttentionArgs(q, k, v, end, valid,
-    segments, scale, window, position, softcap, alibi, sinks, relbias, slopes)`` reads like the op call.
+    None) mean off. The fields after ``scale`` are the features of backends/attention_features.py
+    (:data:`FEATURES`, same names, order and defaults): a new attention feature is a new entry there and a new
+    field here (docs/ARCHITECTURE.md §10.3). The field order is the op's argument order (without ``impl``), so
+    ``TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias,
+    slopes)`` reads like the op call.
     """
 
     q: Tensor
@@ -169,6 +174,11 @@ class TreeAttentionArgs:
     sinks: Optional[Tensor] = None
     relbias: Optional[Tensor] = None
     slopes: Optional[Tensor] = None
+
+    @property
+    def features(self) -> dict:
+        """{name: value} of the optional features (:data:`FEATURES`), in the op's order."""
+        return {f.name: getattr(self, f.name) for f in FEATURES}
 
     @property
     def has_alibi(self) -> bool:
@@ -238,21 +248,27 @@ class TreeAttentionArgs:
         return self if self.sinks is None else self.replace(sinks=None)
 
     def save_for_backward(self, ctx, *tensors: Optional[Tensor]) -> None:
-        """Save the arguments (and ``tensors``, e.g. out and lse) on an autograd ``ctx``; see :meth:`saved`."""
-        ctx.save_for_backward(self.q, self.k, self.v, self.end, self.valid, self.segments, self.position, self.sinks,
-                              self.relbias, self.slopes, *tensors)
-        ctx.tree_attention = (self.scale, self.window, self.softcap, self.alibi)
+        """Save the arguments (and ``tensors``, e.g. out and lse) on an autograd ``ctx``: q, k, v, the tree arrays
+        and the tensor features as saved tensors, ``scale`` and the other features as constants; see
+        :meth:`saved`."""
+        ctx.save_for_backward(self.q, self.k, self.v, self.end, self.valid, self.segments,
+                              *(getattr(self, f.name) for f in _TENSOR_FEATURES), *tensors)
+        ctx.tree_attention = (self.scale, *(getattr(self, f.name) for f in _CONSTANT_FEATURES))
 
     @classmethod
     def saved(cls, ctx) -> tuple["TreeAttentionArgs", list]:
         """(args, [tensors]) as :meth:`save_for_backward` saved them."""
-        q, k, v, end, valid, segments, position, sinks, relbias, slopes, *tensors = ctx.saved_tensors
-        scale, window, softcap, alibi = ctx.tree_attention
-        return cls(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias,
-                   slopes), tensors
+        saved = ctx.saved_tensors
+        n = 6 + len(_TENSOR_FEATURES)
+        scale, *constants = ctx.tree_attention
+        features = {**dict(zip((f.name for f in _TENSOR_FEATURES), saved[6:n])),
+                    **dict(zip((f.name for f in _CONSTANT_FEATURES), constants))}
+        return cls(*saved[:6], scale, **features), list(saved[n:])
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TreeAttentionArgs))
+_TENSOR_FEATURES = tuple(f for f in FEATURES if f.is_tensor)
+_CONSTANT_FEATURES = tuple(f for f in FEATURES if not f.is_tensor)
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, what: str) -> None:
@@ -418,25 +434,10 @@ def attention_backward(fn: Callable) -> Callable:
     return backward
 
 
-def attention_extras(args: Sequence) -> tuple:
-    """(window, position, softcap) of a ``tree_attention_forward`` call's arguments, defaults filled in
-    (:func:`attention_scores_extras` has the rest of the tail)."""
-    return (tuple(args[8:]) + (0, None, 0.0)[len(args[8:]):])[:3]
-
-
-def attention_scores_extras(args: Sequence) -> tuple:
-    """(alibi, sinks) of a ``tree_attention_forward`` call's arguments (after softcap), defaults filled in."""
-    return (tuple(args[11:]) + (None, None)[len(args[11:]):])[:2]
-
-
-def attention_relbias(args: Sequence):
-    """The relative-bias table of a ``tree_attention_forward`` call's arguments (None: off)."""
-    return args[13] if len(args) > 13 else None
-
-
-def attention_slopes(args: Sequence):
-    """The trainable ALiBi slopes of a ``tree_attention_forward`` call's arguments (None: off)."""
-    return args[14] if len(args) > 14 else None
+def attention_features(args: Sequence) -> dict:
+    """{name: value} of the features of a ``tree_attention_forward`` call's positional arguments (an FX node's
+    ``args``), defaults filled in (backends/attention_features.py)."""
+    return call_features(args, FORWARD_FEATURES_AT)
 
 
 # ------------------------------------------------------------------------------------------ registry
@@ -484,6 +485,12 @@ class AttentionImpl(Impl):
         if not callable(self.forward) or not callable(self.backward):
             raise AttentionImplError(f"attention impl {self.name!r}: forward and backward must be callable")
 
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The names of the attention features (backends/attention_features.py) this impl can be handed on: those
+        whose support flags it all sets (sinks and positions, needing none, always)."""
+        return tuple(f.name for f in FEATURES if all(getattr(self, s) for s in f.support))
+
     def backward_runs_on(self, device) -> bool:
         """Whether the impl's backward takes inputs on ``device`` (its forward must run there too)."""
         device = torch.device(device)
@@ -517,35 +524,28 @@ def get_attention_impl(name: str, device) -> AttentionImpl:
     return ATTENTION_IMPLS.get(name, device)
 
 
-def check_impl_supports(impl: AttentionImpl, window: int = 0, softcap: float = 0.0, alibi=None,
-                        relbias: bool = False, slopes=None, backward_device=None) -> None:
-    """Raise AttentionImplError when ``impl`` cannot run a sliding window / soft-capped / ALiBi / relative-bias
-    attention, or one with trainable ALiBi slopes, or (``backward_device`` given) has no backward on that
-    device."""
+def check_impl_supports(impl: AttentionImpl, backward_device=None, **features) -> None:
+    """Raise AttentionImplError when (``backward_device`` given) ``impl`` has no backward on that device, or
+    when it lacks a support flag of a feature that ``features`` ({name: value}, e.g. ``window=2``,
+    ``relbias=table``) turns on (``Feature.support``: a sliding window, soft-capping, ALiBi, a relative bias,
+    trainable ALiBi slopes), checked in the features' order."""
+    unknown = set(features) - {f.name for f in FEATURES}
+    if unknown:
+        raise TypeError(f"check_impl_supports: no attention feature named {', '.join(sorted(unknown))}")
     if backward_device is not None and not impl.backward_runs_on(backward_device):
         where = ", ".join(sorted(impl.backward_device_types)) if impl.backward_device_types else impl.placement()
         raise AttentionImplError(f"tree_attention impl {impl.name!r} has no backward on "
                                  f"{torch.device(backward_device).type} (its backward runs on {where})")
-    if window and not impl.supports_window:
-        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support a sliding window")
-    if softcap and not impl.supports_softcap:
-        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support logit soft-capping")
-    if alibi and not impl.supports_alibi:
-        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support ALiBi position biases")
-    if relbias and not impl.supports_relbias:
-        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support relative biases (a "
-                                 "per-query-token table over the clamped query-key distance)")
-    if slopes is not None and not (impl.supports_alibi and impl.supports_alibi_grad):
-        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support trainable ALiBi slopes (the "
-                                 "gradient of the slopes)")
+    lacking = impl_lacks(impl, features)
+    if lacking is not None:
+        raise AttentionImplError(f"tree_attention impl {impl.name!r} does not support {lacking.refusal}")
 
 
 def impl_for(name: str, args: TreeAttentionArgs, backward: bool = False) -> AttentionImpl:
-    """The impl ``name`` for ``args`` (its device; its window, soft-cap, ALiBi and relative bias supported; with
-    ``backward``, a backward on that device)."""
+    """The impl ``name`` for ``args`` (its device; every feature ``args`` turns on supported; with ``backward``,
+    a backward on that device)."""
     impl = get_attention_impl(name, args.q.device)
-    check_impl_supports(impl, args.window, args.softcap, args.alibi, args.relbias is not None, args.slopes,
-                        backward_device=args.q.device if backward else None)
+    check_impl_supports(impl, backward_device=args.q.device if backward else None, **args.features)
     return impl
 
 
@@ -640,11 +640,19 @@ def _tree_attention_backward_fake(grad_out, q, k, v, out, lse, end, valid, segme
 
 def _forward_setup_context(ctx, inputs, output):
     """Save what backward needs; lse is an auxiliary output without gradient."""
-    *fields, impl, window, position, softcap, alibi, sinks, relbias, slopes = inputs
-    TreeAttentionArgs(*fields, window, position, softcap, alibi, sinks, relbias, slopes).save_for_backward(
-        ctx, *output)
+    base, impl, features = inputs[:FORWARD_FEATURES_AT - 1], inputs[FORWARD_FEATURES_AT - 1], \
+        inputs[FORWARD_FEATURES_AT:]
+    TreeAttentionArgs(*base, *features).save_for_backward(ctx, *output)
     ctx.impl = impl
     ctx.mark_non_differentiable(output[1])
+
+
+def feature_grads(ctx, a: TreeAttentionArgs, grads: dict, start: int, features=FEATURES) -> tuple:
+    """The autograd formula's gradients of the feature arguments (from index ``start`` of the op's inputs), in
+    their order: ``grads[name]()`` (a callable: computed only when needed) for a differentiable feature that is
+    on and whose input needs a gradient, None for every other."""
+    return tuple(grads[f.name]() if f.differentiable and f.is_on(getattr(a, f.name, None))
+                 and ctx.needs_input_grad[start + i] else None for i, f in enumerate(features))
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
@@ -652,12 +660,10 @@ def _forward_backward(ctx, grad_out, grad_lse):
     :func:`sink_grad`; the tree arrays and constant ALiBi slopes get no gradient."""
     a, (out, lse) = TreeAttentionArgs.saved(ctx)
     dq, dk, dv, drel, dslopes = torch.ops.brcompile.tree_attention_backward(
-        grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, a.scale, ctx.impl, a.window, a.position,
-        a.softcap, a.alibi, a.sinks, a.relbias, a.slopes)
-    dsinks = sink_grad(grad_out, out, lse, a.sinks) if a.sinks is not None and ctx.needs_input_grad[12] else None
-    drel = drel if a.relbias is not None and ctx.needs_input_grad[13] else None
-    dslopes = dslopes if a.slopes is not None and ctx.needs_input_grad[14] else None
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, drel, dslopes
+        grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, a.scale, ctx.impl, *a.features.values())
+    grads = {"sinks": lambda: sink_grad(grad_out, out, lse, a.sinks), "relbias": lambda: drel,
+             "slopes": lambda: dslopes}
+    return dq, dk, dv, *(None,) * (FORWARD_FEATURES_AT - 3), *feature_grads(ctx, a, grads, FORWARD_FEATURES_AT)
 
 
 torch.library.register_autograd(
@@ -834,11 +840,12 @@ def tree_attention(
     end, valid, segments = _tree_arrays(tree)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if (window or alibi or relbias is not None or slopes is not None) and position is None:
-        position = getattr(tree, "position", None)
-    if window or softcap or alibi or sinks is not None or relbias is not None or slopes is not None:
-        constants = None if alibi is None else [float(m) for m in alibi]
-        return torch.ops.brcompile.tree_attention_forward(q, k, v, end, valid, segments, float(scale), impl, window,
-                                                          position, float(softcap), constants, sinks, relbias,
-                                                          slopes)[0]
+    features = dict(window=window, position=position, softcap=softcap, alibi=alibi, sinks=sinks, relbias=relbias,
+                    slopes=slopes)
+    if needs_position(features) and position is None:
+        features["position"] = getattr(tree, "position", None)
+    if any(f.is_on(features[f.name]) for f in FEATURES if f.name != "position"):
+        features.update(softcap=float(softcap), alibi=None if alibi is None else [float(m) for m in alibi])
+        return torch.ops.brcompile.tree_attention_forward(q, k, v, end, valid, segments, float(scale), impl,
+                                                          *(features[f.name] for f in FEATURES))[0]
     return torch.ops.brcompile.tree_attention(q, k, v, end, valid, segments, float(scale), impl)

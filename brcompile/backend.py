@@ -17,6 +17,7 @@ import torch.fx as fx
 from brcompile import runtime
 from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.pipeline import PipelineConfig, run_pipeline
+from brcompile.passes.meta import FUSED, FUSED_COVERS
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +230,8 @@ class BranchReplayBackend:
                                    guards=an.guards,
                                    liveness=an.liveness, streaming=streaming, strict=opts.strict,
                                    verify=opts.verify)
-        fused_nodes = [n for n in packed.graph.nodes if "br_fused" in n.meta]
-        covered = {name for n in fused_nodes for name in n.meta.get("br_fused_covers", ())}
+        fused_nodes = [n for n in packed.graph.nodes if FUSED.has(n)]
+        covered = {name for n in fused_nodes for name in FUSED_COVERS.get(n, ())}
         rec = GraphRecord(
             gid, True, None, None, gm.code, packed.code,
             tree_inputs=tuple(p.name for p in an.tree_inputs),
@@ -238,7 +239,7 @@ class BranchReplayBackend:
             materialisations=tuple((m.node.name, m.user.name, m.numel, m.reason)
                                    for m in an.materialisations if m.node.name not in covered),
             lazy_gathers=tuple(n.name for n in an.lazy_gathers if n.name not in covered),
-            fused=tuple(n.meta["br_fused"] for n in fused_nodes),
+            fused=tuple(FUSED.require(n) for n in fused_nodes),
             repacked=tuple(an.ctx.repacked),
             not_repacked=tuple((n.name, why) for n, why in an.ctx.repack_refused.items()),
             replay=replay_info,

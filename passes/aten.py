@@ -47,6 +47,7 @@ from brcompile.passes.axes import example_value
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.functionalize import functionalize, writes_inverse_permutation
 from brcompile.passes.guards import scalar_equals
+from brcompile.passes.meta import CHECKPOINT_INDEX, CHECKPOINT_REGION
 from brcompile.passes.spellings import copy_graph_module
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,9 @@ def lower(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> tupl
                            f"the ATen level has {len(sig.user_outputs)} outputs for the graph's {n_out}")
     out = _rebind_inputs(gm, lowered, sig)
     for n in out.graph.nodes:  # the checkpoint regions, back from the meta the export carried
-        index = (n.meta.get("custom") or {}).get(_CKPT_KEY)
+        index = CHECKPOINT_INDEX.get(n)
         if index is not None:
-            n.meta[checkpoints.META] = regions[index]
+            CHECKPOINT_REGION.set(n, regions[index])
     return out, guards
 
 
@@ -191,9 +192,6 @@ def _specialise_items(gm: fx.GraphModule, example_inputs: Optional[Sequence]):
     return new, guards
 
 
-_CKPT_KEY = "br_ckpt_region"
-
-
 def _canonicalize_scans(gm: fx.GraphModule) -> fx.GraphModule:
     """gm (a copy, when it has one) with its affine associative scans as ``linear_scan`` nodes. The export
     cannot trace torch.vmap's levels functionally, and the inlined generic associative scan (HF Mamba's on
@@ -242,7 +240,7 @@ def _inline_checkpoints(gm: fx.GraphModule):
         r = checkpoints.region_of(n)
         if r is not None:
             regions[r.index] = r
-            n.meta["custom"] = {**(n.meta.get("custom") or {}), _CKPT_KEY: r.index}
+            CHECKPOINT_INDEX.set(n, r.index)
     return inlined, regions
 
 

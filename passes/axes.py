@@ -29,12 +29,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from brcompile.passes.meta import AXES
 from brcompile.passes.spellings import INPLACE_OPERATORS, random_draw, target_name
 from brcompile.passes.refusals import CannotReplay, Code
 
 log = logging.getLogger(__name__)
 
-META_KEY = "br_axes"
 
 
 class Kind(enum.Enum):
@@ -151,12 +151,12 @@ def token(ndim: int, row: Optional[int], pos: int, window: Window, **region) -> 
 def get_axes(node: Any) -> TokenAxes:
     """The fact of an FX argument; non-node arguments (ints, dtypes …) are CONST."""
     if isinstance(node, fx.Node):
-        return node.meta[META_KEY]
+        return AXES.require(node)
     return CONST
 
 
 def set_axes(node: fx.Node, axes: TokenAxes) -> None:
-    node.meta[META_KEY] = axes
+    AXES.set(node, axes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -551,7 +551,7 @@ def normalize_dim(d: int, ndim: int) -> int:
 
 def summarize(gm: fx.GraphModule) -> list[tuple[str, str]]:
     """(node name, fact) pairs for reports."""
-    return [(n.name, str(n.meta.get(META_KEY, "?"))) for n in gm.graph.nodes]
+    return [(n.name, str(AXES.get(n, "?"))) for n in gm.graph.nodes]
 
 
 __all__ = [

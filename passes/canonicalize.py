@@ -146,6 +146,7 @@ from brcompile.passes.axes import example_value, hint, is_inplace, is_static_inp
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.guards import BatchGuard, no_query_without_keys, scalar_equals
 from brcompile.passes.masks import BLOCKING, ancestors
+from brcompile.passes.meta import CANONICAL, RELBIAS_SOURCE, RELBIAS_ZERO, SOFTCAP
 from brcompile.passes.rules.attention import SDPA, _sdpa_args, sdpa_bind
 from brcompile.passes.spellings import (
     CONSTANT_FILLS, COPIES, FLOORS, GATHERS, LOGSUMEXP, MAX, OPERATORS_NOT_INPLACE, RESHAPE_VIEWS, SAME_VALUE, arg,
@@ -233,7 +234,7 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Canonical
     _resolve_softcaps(graph, placeholders, values, canon)
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA]:
         _specialise_scalars(node, placeholders, values, canon)
-        if node.meta.get("br_canonical") is None:
+        if CANONICAL.get(node) is None:
             _key_bias_sdpa(graph, node, values, canon)
             _relative_bias_sdpa(graph, node, values, canon)
     for node in [n for n in graph.nodes if _call_in(n, DROPOUT)]:
@@ -1414,7 +1415,7 @@ def _resolve_softcaps(graph: fx.Graph, placeholders: list, values: dict, canon: 
     """Soft-caps read from scalar inputs: both sides must hold one positive value; it is specialised,
     with a per-call guard on each input (like the attention scale)."""
     for node in graph.nodes:
-        src = node.meta.get("br_softcap")
+        src = SOFTCAP.get(node)
         if not isinstance(src, tuple):
             continue
         got = []
@@ -1435,7 +1436,7 @@ def _resolve_softcaps(graph: fx.Graph, placeholders: list, values: dict, canon: 
             raise CannotReplay(Code.EAGER_ATTENTION,
                                f"eager attention: tanh soft-capping divides by {got[0]} and multiplies by "
                                f"{got[1]}", node)
-        node.meta["br_softcap"] = got[0]
+        SOFTCAP.set(node, got[0])
         canon.notes.append(f"{node.name}: soft-cap specialised to {got[0]}")
 
 
@@ -1494,11 +1495,11 @@ def _replace_with_sdpa(graph: fx.Graph, ch: EagerChain, canon: Canonical,
     node.meta.update(ch.out.meta)
     out = _attention_output_value(ch)
     node.meta["example_value"] = out
-    node.meta["br_canonical"] = "eager attention"
+    CANONICAL.set(node, "eager attention")
     if relative is not None:
         _mark_relative(node, relative, canon)
     if ch.softcap:
-        node.meta["br_softcap"] = ch.softcap
+        SOFTCAP.set(node, ch.softcap)
     chain = " -> ".join(n.name for n in reversed(ch.dead))
     result = node
     if width is not None:  # the values carry one zero feature for the key bias: drop it from the output
@@ -1556,7 +1557,7 @@ def canonical_attention(node: fx.Node, args: tuple, kwargs: dict) -> torch.Tenso
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
     scale = a["scale"] if a["scale"] is not None else q.shape[-1] ** -0.5
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    cap = float(node.meta.get("br_softcap", 0.0) or 0.0)
+    cap = float(SOFTCAP.get(node, 0.0) or 0.0)
     if cap:
         s = torch.tanh(s / cap) * cap
     if a["is_causal"]:
@@ -1602,7 +1603,7 @@ def _key_bias_sdpa(graph: fx.Graph, node: fx.Node, values: dict, canon: Canonica
     its q, k, v and mask are replaced in place and its users read the output without the extra feature."""
     a = _sdpa_args(node)
     M, q, k, v = a["attn_mask"], a["query"], a["key"], a["value"]
-    if not isinstance(M, fx.Node) or a["is_causal"] is not False or node.meta.get("br_softcap") \
+    if not isinstance(M, fx.Node) or a["is_causal"] is not False or SOFTCAP.get(node) \
             or any(_tensor(x) is None for x in (q, M)) or not _tensor(M).is_floating_point():
         return
     scale = a["scale"] if a["scale"] is not None else float(hint(_tensor(q).shape[-1])) ** -0.5
@@ -1723,7 +1724,7 @@ def _relative_bias_sdpa(graph: fx.Graph, node: fx.Node, values: dict, canon: Can
     ``where(mask, position_bias, min)``): its mask is replaced in place."""
     a = _sdpa_args(node)
     M, q = a["attn_mask"], a["query"]
-    if not isinstance(M, fx.Node) or a["is_causal"] is not False or node.meta.get("br_softcap") \
+    if not isinstance(M, fx.Node) or a["is_causal"] is not False or SOFTCAP.get(node) \
             or _tensor(q) is None or _tensor(M) is None or not _tensor(M).is_floating_point():
         return
     with graph.inserting_before(node):
@@ -1739,8 +1740,8 @@ def _relative_bias_sdpa(graph: fx.Graph, node: fx.Node, values: dict, canon: Can
 def _mark_relative(node: fx.Node, relative: tuple, canon: Canonical) -> None:
     """Record a relative bias on the SDPA node: the zero fill and the table's source T (the probes' free value)."""
     table, source, zero = relative
-    node.meta["br_relbias_zero"] = zero
-    node.meta["br_relbias_source"] = source
+    RELBIAS_ZERO.set(node, zero)
+    RELBIAS_SOURCE.set(node, source)
     canon.notes.append(f"{node.name}: relative bias, the per-query table {table.name} from {source.name} over the "
                        f"clamped distance{' (0 beyond it)' if zero else ''}")
 

@@ -36,11 +36,11 @@ import torch.fx as fx
 
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.spellings import CHECKPOINT_HOPS, CHECKPOINT_READS, copy_graph_module
+from brcompile.passes.meta import CHECKPOINT_BODY, CHECKPOINT_REGION
 
 __all__ = ["CHECKPOINT_HOPS", "CheckpointRegion", "is_checkpoint", "inline_checkpoints", "outline_checkpoints",
            "body_with_attention", "region_of"]
 
-META = "br_ckpt"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,7 +57,7 @@ def is_checkpoint(n: fx.Node) -> bool:
 
 
 def region_of(n: fx.Node) -> Optional[CheckpointRegion]:
-    return n.meta.get(META)
+    return CHECKPOINT_REGION.get(n)
 
 
 def _body(gm: fx.GraphModule, hop: fx.Node) -> fx.GraphModule:
@@ -108,7 +108,7 @@ def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
                     outs = fx.node.map_arg(bn.args[0], lambda a: env[a])
                     continue
                 c = graph.node_copy(bn, lambda a: env[a])
-                c.meta[META] = region
+                CHECKPOINT_REGION.set(c, region)
                 env[bn] = c
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         for u in list(hop.users):
@@ -196,7 +196,7 @@ def outline_checkpoints(gm: fx.GraphModule, regions: list[tuple[CheckpointRegion
             get = graph.get_attr(name)
         with graph.inserting_after(get):
             call = graph.call_function(CHECKPOINT_HOPS[0], (get, *inputs), dict(region.kwargs))
-        call.meta["br_checkpoint"] = region.body
+        CHECKPOINT_BODY.set(call, region.body)
         prev = call
         for i, o in enumerate(outputs):
             with graph.inserting_after(prev):

@@ -43,6 +43,7 @@ from brcompile.passes.axes import (
     CONST, DENSE, AxesContext, Window, dense_fallback, example_value, get_axes, node_args, normalize_dim,
     register_rule, set_axes, shape_of,
 )
+from brcompile.passes.meta import AXES, FUSED, FUSED_COVERS
 from brcompile.passes.spellings import CASTS_AND_COPIES, CROSS_ENTROPY, FLAT_RESHAPES, arg, spellings
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def _is(n: Any, targets) -> bool:
 
 def _is_token3(n: Any) -> bool:
     """A TOKEN value [B, L, X] with row dim 0 and position dim 1."""
-    if not isinstance(n, fx.Node) or "br_axes" not in n.meta:
+    if not isinstance(n, fx.Node) or not AXES.has(n):
         return False
     ax = get_axes(n)
     return ax.is_token and (ax.ndim, ax.row, ax.pos) == (3, 0, 1)
@@ -463,10 +464,10 @@ def _emit_op(pk, m: LogprobMatch, index: fx.Node, targets: fx.Node, want_entropy
             b = g.call_function(op, (b, s))
     res = g.call_function(_op(), (h, w, b, index, targets, float(m.head.scale), float(m.head.softcap),
                                   bool(want_entropy), 0, "auto"))
-    res.meta["br_fused"] = m.describe(out_name)
-    res.meta["br_fused_covers"] = tuple(n.name for n in m.covers)
+    FUSED.set(res, m.describe(out_name))
+    FUSED_COVERS.set(res, tuple(n.name for n in m.covers))
     res.meta["from_node"] = out_name.name
-    log.debug("fused %s", res.meta["br_fused"])
+    log.debug("fused %s", FUSED.require(res))
     return res
 
 
@@ -523,7 +524,7 @@ def emit_fused_gather(pk, node: fx.Node) -> Optional[fx.Node]:
         # original op on the original operands), so nothing needs the packed entropy.
         for n in ent_users:
             set_axes(n, DENSE)
-        res.meta["br_fused_covers"] += tuple(n.name for n in ent_users)
+        FUSED_COVERS.set(res, FUSED_COVERS.require(res) + tuple(n.name for n in ent_users))
     return out
 
 

@@ -103,6 +103,7 @@ from brcompile.passes import probe
 from brcompile.passes.axes import example_value, is_static_input
 from brcompile.passes.probe import ancestors, map_ints, sequence_positions
 from brcompile.passes.refusals import CannotReplay, Code
+from brcompile.passes.meta import CANONICAL, RELBIAS_SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ def _by_meaning(n: fx.Node, args: tuple, kwargs: dict):
 def is_canonical_attention(n: fx.Node) -> bool:
     """Whether ``n`` is an attention the canonicalisation made (an eager chain, sinks and soft-cap on the node):
     :func:`evaluate` runs it by :func:`..canonicalize.canonical_attention`, not as the call it is spelled as."""
-    return n.meta.get("br_canonical") is not None or any(k.startswith("br_") for k in n.kwargs)
+    return CANONICAL.get(n) is not None or any(k.startswith("br_") for k in n.kwargs)
 
 
 def blocked(mask: torch.Tensor) -> torch.Tensor:
@@ -441,7 +442,7 @@ class _Trial:
 
 def free_nodes(attn: fx.Node) -> list[fx.Node]:
     """The nodes whose probe values are free (random) rather than computed: a relative bias's table source."""
-    source = attn.meta.get("br_relbias_source")
+    source = RELBIAS_SOURCE.get(attn)
     return [source] if isinstance(source, fx.Node) else []
 
 

@@ -35,6 +35,7 @@ from brcompile.passes.axes import (
 from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.guards import BatchGuard, scalar_equals
 from brcompile.passes.liveness import safe_operand
+from brcompile.passes.meta import AXES, ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes.rules import scan as scan_rules
 from brcompile.passes.spellings import (
@@ -487,7 +488,7 @@ def check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) -
     for n in gm.graph.nodes:
         if n.op == "output" or n in mask_nodes:
             continue
-        ax = n.meta.get("br_axes")
+        ax = AXES.get(n)
         if ax is not None and ax.is_token and ax.row is None and not ax.local:  # flattened tokens keep their rows
             what = "a per-position input" if n.op == "placeholder" else "a value computed from the column"
             raise CannotReplay(Code.PACKED_SEQUENCES,
@@ -857,7 +858,7 @@ class Packer:
         self._placeholders: dict[fx.Node, fx.Node] = {}
         for p in self.an.placeholders:
             new = self.graph.placeholder(p.name)
-            new.meta.update({k: v for k, v in p.meta.items() if k != "br_axes"})
+            new.meta.update({k: v for k, v in p.meta.items() if k != AXES.key})
             self._placeholders[p] = new
             if not get_axes(p).is_token:
                 self.env[p] = new
@@ -906,9 +907,9 @@ class Packer:
         if regions:  # the packed nodes of each activation checkpoint back into a checkpoint call
             checkpoints.outline_checkpoints(new_gm, regions)
         new_gm.recompile()
-        new_gm.br_token_outputs = self._token_outputs(out)
-        new_gm.br_sequences = self.an.sequences_position  # padding-free: the tree is over sequences (runtime)
-        new_gm.br_rows = self.an.ctx.rows  # [T, ...] tree inputs: the runtime's keys are row_keys, [T, 1, ...]
+        TOKEN_OUTPUTS.set(new_gm, self._token_outputs(out))
+        SEQUENCES.set(new_gm, self.an.sequences_position)  # padding-free: the tree is over sequences (runtime)
+        ROWS.set(new_gm, self.an.ctx.rows)  # [T, ...] tree inputs: the runtime's keys are row_keys, [T, 1, ...]
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         kept = set(new_gm.graph.nodes)
         written = [n for n in self.an.ctx.input_writes if self.env.get(n) in kept]
@@ -916,7 +917,7 @@ class Packer:
             raise CannotReplay(Code.INPUT_WRITE, "an in-place write into a graph input was dropped by the rewrite",
                                next(iter(self.an.ctx.input_writes)))
         # inputs the graph writes into (axes.input_write_destination): the runtime snapshots them
-        new_gm.br_written_inputs = tuple(sorted({placeholders.index(d) for d in self.an.ctx.input_writes.values()}))
+        WRITTEN_INPUTS.set(new_gm, tuple(sorted({placeholders.index(d) for d in self.an.ctx.input_writes.values()})))
         return new_gm
 
     def _token_outputs(self, out: fx.Node) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ check                  the impls the packed graph needs exist on the device; the
 =====================  ==========================================================================================
 
 Every stage is a function of the state; it reads what earlier stages left there and adds its own. A stage may
-raise :class:`~brcompile.passes.axes.CannotReplay` (the graph runs unchanged, with the reason) or
+raise :class:`~brcompile.passes.refusals.CannotReplay` (the graph runs unchanged, with the reason) or
 ``NothingToShare`` (it runs unchanged and is not a fallback). :func:`run_pipeline` times every stage
 (``state.times``; ``explain()`` shows them) and logs each one (``TORCH_LOGS=+brcompile``). The streaming
 split (passes/split.py) and the routed-pairs rewrite (passes/routed.py) are the backend's two other ways, run
@@ -408,24 +408,19 @@ def check_attention_support(packed: fx.GraphModule, example_inputs, attention: s
     attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias), or, for a graph captured with
     grad enabled (``training``), a backward there (``attention="flex"`` on CPU): the original graph runs, with
     the reason. Attention sinks need no support: the op applies them around every impl."""
-    from brcompile.backends.ops import (
-        AttentionImplError, attention_extras, attention_relbias, attention_scores_extras, attention_slopes,
-        check_impl_supports, get_attention_impl,
-    )
+    from brcompile.backends.attention_features import needs_support
+    from brcompile.backends.ops import AttentionImplError, attention_features, check_impl_supports, get_attention_impl
 
     device = _device_of(example_inputs)
     for n in packed.graph.nodes:
         if n.target is not torch.ops.brcompile.tree_attention_forward.default:
             continue
-        window, _, softcap = attention_extras(n.args)
-        alibi, _ = attention_scores_extras(n.args)
-        relbias = attention_relbias(n.args) is not None
-        slopes = attention_slopes(n.args)
-        if not (window or softcap or alibi or relbias or slopes is not None or training):
+        features = attention_features(n.args)
+        if not (needs_support(features) or training):
             continue
         try:
-            check_impl_supports(get_attention_impl(attention, device), window, softcap, alibi, relbias, slopes,
-                                backward_device=device if training else None)
+            check_impl_supports(get_attention_impl(attention, device), backward_device=device if training else None,
+                                **features)
         except AttentionImplError as e:
             raise CannotReplay(Code.ATTENTION_IMPL, f"{e} (attention={attention!r} on {device.type})") from e
 

@@ -54,6 +54,7 @@ from brcompile.passes.axes import (
 from brcompile.passes import probe
 from brcompile.passes.probe import ancestors
 from brcompile.passes.refusals import CannotReplay, Code
+from brcompile.passes.meta import CHECKPOINT_REGION, REPACK_AXES
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def _emit_repack(pk, node: fx.Node) -> fx.Node:
 @register_rule([packed_again], emit=_emit_repack, always=True)
 def _repack_rule(ctx: AxesContext, node: fx.Node):
     """The fact was proved when the node was made (:func:`repack_operands`)."""
-    return node.meta["br_repack_axes"]
+    return REPACK_AXES.require(node)
 
 
 def repack_operands(ctx: AxesContext, node: fx.Node) -> bool:
@@ -165,10 +166,9 @@ def _repacked(ctx: AxesContext, v: fx.Node, user: fx.Node) -> Optional[fx.Node]:
     with ctx.gm.graph.inserting_before(user):
         new = ctx.gm.graph.call_function(packed_again, (v, row, pos))
     new.meta["example_value"] = example_value(v)
-    if "br_ckpt" in user.meta:
-        new.meta["br_ckpt"] = user.meta["br_ckpt"]
+    CHECKPOINT_REGION.copy(user, new)
     ax = token(example_value(v).dim(), row, pos, ctx.full_window())
-    new.meta["br_repack_axes"] = ax
+    REPACK_AXES.set(new, ax)
     set_axes(new, ax)
     ctx.repacked_nodes[v] = new
     ctx.repacked.append(Repacked(v.name, row, pos, n_ops))

@@ -46,7 +46,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from brcompile.backends.ops import attention_extras, attention_relbias, attention_scores_extras, attention_slopes
+from brcompile.backends.attention_features import (
+    CACHE_POSITION, CACHED_BLOCKS, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail,
+)
+from brcompile.backends.ops import attention_features
 from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
@@ -56,6 +59,7 @@ from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, op_na
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.check import symbolic_run, token_positions
 from brcompile.passes.masks import descendants
+from brcompile.passes.meta import WRITTEN_INPUTS
 from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
 
 log = logging.getLogger(__name__)
@@ -122,7 +126,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
         raise CannotReplay(Code.STREAMING_CONSTRUCT,
                            "streaming replay: a dense region is packed again (passes/repack.py): it runs on the "
                            "whole [B, L] batch, not per chunk of tokens (the packed mode runs)", dense)
-    written = getattr(packed, "br_written_inputs", ())
+    written = WRITTEN_INPUTS.get(packed)
     if written:  # the write would have to be placed in one of the prefix / chunk / outer graphs (not done)
         ph = [n for n in packed.graph.nodes if n.op == "placeholder"]
         raise CannotReplay(Code.STREAMING_CONSTRUCT,
@@ -214,7 +218,7 @@ def _cached_positions(attentions: Sequence[fx.Node], tok_nodes, trunk_set) -> li
     positions reach the tail as ``cache_position``)."""
     found = {}
     for a in attentions:
-        p = attention_extras(a.args)[1]
+        p = attention_features(a.args)["position"]
         if p is None or p is tok_nodes.position:
             continue
         if p not in trunk_set:  # not a per-token value of the trunk: the prefix could not give its cached rows
@@ -333,25 +337,8 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, pos
         if cached and n in scan_cache:
             new = _cached_scan(g, n, env, scan_cache[n], ancestors)
         elif cached and n.target is _ATTENTION:
-            q, k, v, end, valid, segments, scale, impl = n.args[:8]
-            window, position, softcap = attention_extras(n.args)
-            kc, vc = cache[n]
-            args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
-                    scale, impl)
-            alibi, sinks = attention_scores_extras(n.args)
-            relbias, slopes = attention_relbias(n.args), attention_slopes(n.args)
-            if position is not None:  # the cache's positions: the tree's, or the prefix's value of the same node
-                cpos = cache_position if position is tok_nodes.position else pos_cache[position]
-                args += (window, env[position], cpos, softcap)
-            elif softcap or sinks is not None:
-                args += (window, None, None, softcap)
-            if alibi or sinks is not None or relbias is not None or slopes is not None:  # as in the packed call
-                args += (alibi, None if sinks is None else env[sinks])
-            if relbias is not None or slopes is not None:
-                args += (None if relbias is None else env[relbias],)
-            if slopes is not None:
-                args += (env[slopes],)
-            new = g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default, args)
+            new = _cached_attention(g, n, env, cache[n], cache_valid, cross, _cache_positions(
+                n, tok_nodes, cache_position, pos_cache))
         else:
             new = g.node_copy(n, lambda a: env[a])
         new.meta.update(n.meta)
@@ -366,6 +353,30 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, pos
     gm = fx.GraphModule(packed, g, class_name="ReplayTail" if cached else "ReplayPrefix")
     gm.recompile()
     return gm
+
+
+def _cache_positions(n: fx.Node, tok_nodes, cache_position: fx.Node, pos_cache: dict):
+    """The cached keys' positions of the packed attention ``n`` (None without positions): the tree's
+    (``cache_position``) when it reads the tree's positions, else the prefix's value of its position node."""
+    position = attention_features(n.args)["position"]
+    if position is None:
+        return None
+    return cache_position if position is tok_nodes.position else pos_cache[position]
+
+
+def _cached_attention(g: fx.Graph, n: fx.Node, env: dict, kv_cache: tuple, cache_valid: dict, cross: fx.Node,
+                      cpos) -> fx.Node:
+    """The tail's ``tree_attention_cached_forward`` for the packed attention ``n``: the chunk's own arguments,
+    the cached K/V ``kv_cache``, its validity and cross rows, then ``n``'s features by name (the graph values
+    mapped into the tail) with the cache's positions ``cpos``, in the cached op's blocks."""
+    q, k, v, end, valid, segments, scale, impl = n.args[:FORWARD_FEATURES_AT]
+    kc, vc = kv_cache
+    args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
+            scale, impl)
+    features = {name: env[x] if isinstance(x, fx.Node) else x for name, x in attention_features(n.args).items()}
+    features[CACHE_POSITION.name] = cpos
+    return g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default,
+                           args + feature_tail(features, CACHED_FEATURES, CACHED_BLOCKS))
 
 
 def _fetch(mod: torch.nn.Module, target: str):

@@ -12,6 +12,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from brcompile.passes.refusals import Code
+from brcompile.passes.meta import ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS
 from brcompile.runtime import tree as tree_mod
 from brcompile.contract import TOLERANCE, rel_err
 from brcompile.runtime.stats import _record, record_original_call
@@ -158,12 +159,12 @@ class PackedRuntime:
         self.streaming = streaming
         # outputs that are dense reads of packed [1, N, ...] values at every (b, t): they carry the tree
         gm = getattr(eager_packed, "__self__", None)
-        self.token_outputs: tuple = tuple(getattr(gm, "br_token_outputs", ()))
-        self.sequences: Optional[int] = getattr(gm, "br_sequences", None)  # padding-free: position ids' arg
-        self.rows: bool = getattr(gm, "br_rows", False)  # [T, ...] tree inputs: keys [T, 1, ...] (one token a row)
+        self.token_outputs: tuple = tuple(TOKEN_OUTPUTS.get(gm))
+        self.sequences: Optional[int] = SEQUENCES.get(gm)  # padding-free: position ids' arg
+        self.rows: bool = ROWS.get(gm)  # [T, ...] tree inputs: keys [T, 1, ...] (one token a row)
         # inputs the graph writes into (a buffer: passes/axes.py input_write_destination): restored from a
         # snapshot when a run is not the call's only write (verify's two runs, a failed packed run)
-        self.written: tuple = tuple(getattr(gm, "br_written_inputs", ()))
+        self.written: tuple = tuple(WRITTEN_INPUTS.get(gm))
         self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
 
     def _log_call(self, rec: CallRecord) -> None:

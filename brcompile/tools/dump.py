@@ -34,6 +34,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from brcompile.passes.meta import AXES
+
 log = logging.getLogger(__name__)
 
 #: Fill colour per node kind (Graphviz colour names/hex), and the legend's wording.
@@ -79,7 +81,7 @@ def dump_stage(dump_dir: str | Path, level: str, index: int, stage: str, gm: fx.
 
 
 def _fact(node: fx.Node) -> Any:
-    return node.meta.get("br_axes")
+    return AXES.get(node)
 
 
 def kind_of(fact: Any) -> str:

@@ -45,6 +45,8 @@ from brcompile.passes.axes import (
 )
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.fuse_logprob import emit_fused_gather
+from brcompile.passes.meta import RELBIAS_ZERO, SOFTCAP
+from brcompile.backends.attention_features import feature_tail, needs_position
 from brcompile.passes.spellings import BROADCASTS, spellings
 from brcompile.backends.read_packed import read_packed
 
@@ -112,23 +114,23 @@ def emit_sdpa(pk, node):
     q, k, v, dv = pad_head_dims(pk, q, k, v, D, pk.static_shape(a["value"])[-1])
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
     args = (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale), pk.options.attention)
-    softcap = float(node.meta.get("br_softcap", 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
+    softcap = float(SOFTCAP.get(node, 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
     alibi = getattr(info, "alibi", None)
     slopes = getattr(info, "alibi_node", None)  # trainable ALiBi slopes (:mod:`..masks`)
     sinks = a.get("br_sinks")  # attention sinks (eager canonicalisation)
     rel = a.get("br_relbias")  # relative bias (canonicalisation)
-    extra = sinks is not None or rel is not None
-    if info.window or softcap or alibi or extra:  # sliding window over the tree positions
-        args += (info.window, _positions(pk, info) if (info.window or alibi or rel is not None) else None)
-    if softcap or alibi or extra:
-        args += (softcap,)
-    if alibi or extra:
-        args += (list(alibi) if alibi and slopes is None else None, None if sinks is None else _sinks(pk, sinks))
-    if rel is not None or slopes is not None:
-        args += (None if rel is None else _relbias(pk, rel, bool(node.meta.get("br_relbias_zero"))),)
+    features = dict(window=info.window, softcap=softcap, alibi=list(alibi) if alibi and slopes is None else None,
+                    sinks=sinks, relbias=rel, slopes=slopes)  # the graph values: packed below, after the positions
+    if needs_position(features):  # the tree positions (a sliding window, a position bias)
+        features["position"] = _positions(pk, info)
+    if sinks is not None:
+        features["sinks"] = _sinks(pk, sinks)
+    if rel is not None:
+        features["relbias"] = _relbias(pk, rel, bool(RELBIAS_ZERO.get(node)))
     if slopes is not None:
-        args += (_slopes(pk, slopes, pk.static_shape(a["query"])[1]),)
-    out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default, args)
+        features["slopes"] = _slopes(pk, slopes, pk.static_shape(a["query"])[1])
+    out_lse = pk.graph.call_function(torch.ops.brcompile.tree_attention_forward.default,
+                                     args + feature_tail(features))
     out = pk.graph.call_function(operator.getitem, (out_lse, 0))
     if dv is not None:
         out = pk.graph.call_function(operator.getitem, (out, (Ellipsis, slice(None, dv))))
@@ -228,7 +230,7 @@ def per_token_attention(ctx: AxesContext, node):
     then runs on the packed operands."""
     a = _sdpa_args(node)
     if a["attn_mask"] is not None or a["dropout_p"] not in (0, 0.0) or a.get("br_sinks") is not None \
-            or a.get("br_relbias") is not None or node.meta.get("br_softcap"):
+            or a.get("br_relbias") is not None or SOFTCAP.get(node):
         return None
     facts = [get_axes(a[n]) for n in _QKV]
     tokens = {(f.ndim, f.row, f.pos, f.window) for f in facts if f.is_token}

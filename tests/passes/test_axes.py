@@ -14,6 +14,7 @@ from brcompile.passes.axes import AxesContext, get_axes, propagate
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.pack import find_token_ids
 from brcompile.passes.pipeline import analyse
+from brcompile.passes.meta import AXES
 from examples.gpt import GPT, GPTConfig
 from tests.helpers import capture
 
@@ -259,7 +260,7 @@ def check_claims(gm, inputs, tree_positions, t: int):
     checked = 0
     rows = inputs[tree_positions[0]].shape[0]
     for n in gm.graph.nodes:
-        ax = n.meta.get("br_axes")
+        ax = AXES.get(n)
         if ax is None or not ax.is_token or not ax.window.is_whole or not isinstance(base.get(n.name), torch.Tensor):
             continue
         if ax.region:  # a sort order, an index or group offsets: no per-position dense value to compare
