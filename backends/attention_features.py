@@ -9,7 +9,7 @@ on (:func:`feature_tail`, blocks: :data:`FORWARD_BLOCKS`, :data:`CACHED_BLOCKS`)
 iterates this list by name instead of by argument index: :class:`..ops.TreeAttentionArgs` (its fields after
 ``scale`` are these, in this order), the support check of the impls (:func:`..ops.check_impl_supports`, from
 ``Feature.support``), the op's autograd formula (a gradient for each ``differentiable`` feature), the attention
-emitter (passes/rules/attention.py), the streaming split (passes/split.py) and the backend's support check
+emitter (passes/analysis/rules/attention.py), the streaming split (passes/emit/split.py) and the backend's support check
 (brcompile/backend.py).
 
 A new attention feature is one more entry here (with a neutral default), the op argument and the

@@ -3,7 +3,7 @@
 ``tree_matrix_scan(M, b, parent, dim)``: ``h[k] = M[k] @ h[parent[k]] + b[k]`` (``h = b`` at a root), with
 ``M [..., d, d]`` and ``b [..., d, e]`` and the tokens along batch dim ``dim`` — the state recurrence of a
 linear-attention layer: the gated delta rule ``S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``
-(Qwen3-Next's gated DeltaNet, passes/delta_rule.py) is ``M_t = exp(g_t) (I - β_t k_t k_tᵀ)``, ``b_t = β_t k_t
+(Qwen3-Next's gated DeltaNet, passes/canonical/scans/delta_rule.py) is ``M_t = exp(g_t) (I - β_t k_t k_tᵀ)``, ``b_t = β_t k_t
 v_tᵀ`` (Kimi-Linear's per-channel KDA: ``M_t = (I - β_t k_t k_tᵀ) diag(exp g_t)``). The matrix counterpart of ``tree_linear_scan`` (backends/scan.py), where ``a`` is elementwise.
 
 In the prefix tree (§4) a token's earlier positions in every row that holds it are its ancestors, so the dense
@@ -26,7 +26,7 @@ The op and its backward take an ``impl`` name (last, default ``"auto"``; the emi
 
 Exact up to the reassociation of the matrix products (the dense loop multiplies the same factors in another
 grouping). ``matrix_scan(M, b, dim)`` is the dense form (every row its own chain), what the passes recognise
-and the rule of passes/rules/matrix_scan.py makes the tree op.
+and the rule of passes/analysis/rules/matrix_scan.py makes the tree op.
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def _matrix_scan_backward_flop(grad, M, h, parent, dim, *args, out_val=None, **k
 
 
 #: ops whose output at a token reads its ancestors along the tree path: the streaming split runs them on a
-#: chunk of tails against the prefix's state (:func:`tree_matrix_scan_cached`; passes/split.py)
+#: chunk of tails against the prefix's state (:func:`tree_matrix_scan_cached`; passes/emit/split.py)
 MATRIX_PATH_OPS = (torch.ops.brcompile.tree_matrix_scan.default,)
 
 
@@ -219,7 +219,7 @@ MATRIX_PATH_OPS = (torch.ops.brcompile.tree_matrix_scan.default,)
 
 def tree_matrix_scan_cached(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str, h_cache: Tensor,
                             ancestors: Tensor) -> Tensor:
-    """``h[k] = M[k] @ h[parent(k)] + b[k]`` on a chunk of tail tokens (streaming replay, passes/split.py),
+    """``h[k] = M[k] @ h[parent(k)] + b[k]`` on a chunk of tail tokens (streaming replay, passes/emit/split.py),
     where the parent of a chunk root may be a prefix token: its state is the prefix scan's output ``h_cache``
     (``[..., P, ..., d, e]``, the prefix tokens along ``dim``) there. The chunk's scan with ``b[k] + M[k] @
     h_cache[p(k)]`` at those roots (``p(k) = ancestors[0, k]``, the prefix-local id of k's parent, -1 when it

@@ -578,7 +578,7 @@ def chain_parent(length: int, device=None) -> Tensor:
 def linear_scan(a: Tensor, b: Tensor, dim: int) -> Tensor:
     """The dense ``h_t = a_t h_{t-1} + b_t`` along ``dim`` of ``a`` and ``b`` broadcast together (``h_0 =
     b_0``): ``tree_linear_scan`` over the chain of the dense positions (every row is its own path). What
-    ``torch._higher_order_ops.associative_scan`` with the affine combine computes (passes/linear_scans.py)."""
+    ``torch._higher_order_ops.associative_scan`` with the affine combine computes (passes/canonical/scans/linear.py)."""
     n = torch.broadcast_shapes(a.shape, b.shape)[dim]
     return torch.ops.brcompile.tree_linear_scan(a, b, chain_parent(n, a.device), dim)
 
@@ -612,14 +612,14 @@ def _linear_scan_backward_flop(grad, a, h, parent, dim, *args, out_val=None, **k
 
 #: Ops whose output at a token reads its ancestors along the tree path (not token-local): the streaming
 #: split runs them on a chunk of tails with the cached values of the chunk's ancestors in the prefix (the
-#: ``*_cached`` functions below; passes/split.py).
+#: ``*_cached`` functions below; passes/emit/split.py).
 TREE_PATH_OPS = (torch.ops.brcompile.tree_cumsum.default, torch.ops.brcompile.tree_causal_conv1d.default,
                  torch.ops.brcompile.tree_linear_scan.default)
 
 
 # ----------------------------------------------------------------------------- against a cached prefix
 #
-# Streaming replay (passes/split.py) runs a scan on a chunk of tail tokens whose local tree (``parent``)
+# Streaming replay (passes/emit/split.py) runs a scan on a chunk of tail tokens whose local tree (``parent``)
 # holds the chunk's own tokens only: a chunk token whose path leaves the chunk continues in the prefix,
 # which ran before. ``ancestors [R, n]`` (brcompile.runtime.streaming.Chunk.ancestors) holds, row i-1, the
 # prefix-local id of the chunk token's i-th ancestor when that is a prefix token, else -1; along a path

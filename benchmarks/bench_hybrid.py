@@ -2,12 +2,12 @@
 for backward and wall-clock of one GRPO-style forward+backward, dense eager vs branch_replay, side by side.
 
 HF Bamba (Mamba-2 mixer), Jamba (Mamba-1 selective scan), LFM2 (gated short conv), Qwen3-Next (gated DeltaNet:
-the chunked delta rule, a tree matrix scan after passes/delta_rule.py), Mamba (no attention:
+the chunked delta rule, a tree matrix scan after passes/canonical/scans/delta_rule.py), Mamba (no attention:
 every layer a mixer, ``use_associative_scan=True``), and Llama as the all-attention control, built random from
 configs: ``--layers`` layers alternating mixer / attention, hidden
 ``--dim``; one prompt of ``--prompt`` tokens and ``--group`` responses of ``--tail`` tokens. The Mamba mixers
-have no token-axis rule: they run densely on the B·L positions and are packed again after (passes/repack.py),
-so their FLOPs are not shared; LFM2's short conv is a tree scan (passes/rules/scan.py) and shares like
+have no token-axis rule: they run densely on the B·L positions and are packed again after (passes/analysis/repack.py),
+so their FLOPs are not shared; LFM2's short conv is a tree scan (passes/analysis/rules/scan.py) and shares like
 attention, and so are Mamba's conv and selective scan (``tree_causal_conv1d``, ``tree_linear_scan``). FLOPs and saved bytes come from ``brcompile.explain`` (FlopCounterMode over the eager original
 and packed graphs); wall-clock is the median of ``--repeats`` steps in one process.
 

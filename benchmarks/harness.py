@@ -736,7 +736,7 @@ class Overhead:
     """branch_replay's run-time overhead in one step (seconds, medians over the measured steps): the tree stage
     (``PackedRuntime._tree``: ``build_tree``'s codes, hashing, row order and its exact verification, assembly;
     or a tree reused by provenance), the per-call guards (``PackedRuntime.guards``) and the liveness stage
-    (``PackedRuntime._liveness``: the call's live and needed positions, passes/liveness.py)."""
+    (``PackedRuntime._liveness``: the call's live and needed positions, passes/analysis/liveness.py)."""
 
     tree: float
     guards: float

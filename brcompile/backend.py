@@ -58,7 +58,7 @@ class Options:
         serves every batch), "aot_eager" (AOTAutograd, no codegen), or "eager" (the FX graph as is).
     fuse_logprob: compute next-token log-probs (log_softmax -> gather, cross_entropy, and the entropy)
         straight from the packed hidden states with brcompile::packed_logprob, never building [N, V]
-        logits (passes/fuse_logprob.py).
+        logits (passes/emit/fuse_logprob.py).
     dump_dir: when set, write every captured graph there, before and after the rewrite, as readable
         Python and Graphviz .dot (+ .svg when ``dot`` is installed); see brcompile/tools/dump.py.
     mode: "packed" (every packed token's activations live at once), "replay" (streaming replay,
@@ -87,7 +87,7 @@ class Options:
     level: which form of the captured graph the analysis reads (docs/ARCHITECTURE.md §3.0): "dynamo" (the
         graph as Dynamo recorded it, the ops the model wrote), "aten" (its functional pre-dispatch ATen graph:
         every in-place op and write into a view made out of place, every spelling one ATen op family;
-        passes/aten.py), or "auto" (the Dynamo graph, and its ATen graph when the Dynamo graph is refused).
+        passes/lower/aten.py), or "auto" (the Dynamo graph, and its ATen graph when the Dynamo graph is refused).
         Default "auto", or the environment variable BRCOMPILE_LEVEL.
     """
 
@@ -149,15 +149,15 @@ class GraphRecord:
     materialisations: tuple[tuple[str, str, int, str], ...] = ()  # (node, user, numel, reason)
     lazy_gathers: tuple[str, ...] = ()
     fused: tuple[str, ...] = ()  # one line per fused log-prob read-out (brcompile::packed_logprob)
-    repacked: tuple = ()  # dense causal regions packed again (passes/repack.py: Repacked)
+    repacked: tuple = ()  # dense causal regions packed again (passes/analysis/repack.py: Repacked)
     not_repacked: tuple[tuple[str, str], ...] = ()  # (dense value, why it stays dense)
     replay: Optional[dict] = None  # streaming split (mode replay/auto): trunk, frontier, cached K/V
     replay_reason: Optional[str] = None  # why the streaming split was refused (packed mode is used)
     level: Optional[str] = None  # the level whose graph was rewritten ("dynamo" or "aten"; Options.level)
     refusals: tuple[tuple[str, str], ...] = ()  # (level, reason) of each level tried and refused
     unshared: bool = False  # not rewritten because it has nothing to share (passes/refusals.py: NothingToShare)
-    liveness: Optional[str] = None  # what decides the live positions (passes/liveness.py); None: all kept
-    routed: Optional[dict] = None  # routed pairs (passes/routed.py): experts after a routing graph break
+    liveness: Optional[str] = None  # what decides the live positions (passes/analysis/liveness.py); None: all kept
+    routed: Optional[dict] = None  # routed pairs (passes/emit/routed.py): experts after a routing graph break
     # the refusal codes (passes/refusals.py) of ``reason``, of ``replay_reason`` and of each of ``refusals``
     code: Optional[Code] = None
     replay_code: Optional[Code] = None
@@ -262,10 +262,10 @@ class BranchReplayBackend:
         return rt
 
     def _routed(self, gid: int, gm: fx.GraphModule, example_inputs, opts: Options, refusals: list):
-        """A graph of routed pairs (passes/routed.py: experts after a routing graph break) refused by the
+        """A graph of routed pairs (passes/emit/routed.py: experts after a routing graph break) refused by the
         token-axis analysis: its :class:`~brcompile.runtime.routed.RoutedRuntime`, or None (the graph has no
         such gather, or the routed analysis refused: its reason goes first in ``refusals``)."""
-        from brcompile.passes.routed import analyse_routed, find_routed_gather
+        from brcompile.passes.emit.routed import analyse_routed, find_routed_gather
         from brcompile.runtime.routed import RoutedRuntime
 
         gather = find_routed_gather(gm)
@@ -325,10 +325,10 @@ class BranchReplayBackend:
         return gm.forward if opts.compiler == "eager" else torch.compile(gm, backend=opts.compiler, dynamic=True)
 
     def _streaming(self, packed: fx.GraphModule, example_args, opts: Options):
-        """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/split.py).
+        """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/emit/split.py).
         ``example_args``: the packed graph's inputs for the example batch (:func:`_packed_example_args`)."""
         from brcompile.backends import cached  # noqa: F401  (registers tree_attention_cached_forward)
-        from brcompile.passes.split import split_for_replay
+        from brcompile.passes.emit.split import split_for_replay
         from brcompile.runtime.streaming import ReplayTrunk, TrunkGraphs
 
         split = split_for_replay(packed, example_args)

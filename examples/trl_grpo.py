@@ -18,7 +18,7 @@ Every call of the decoder goes through the backend: the training forward (the gr
 prompt; prompts are left-padded, completions right-padded) and the prefill of ``generate`` (each prompt
 repeated ``num_generations`` times) replay; the decode steps of ``generate`` (one new token per row against
 the KV cache) have nothing to share and run as they are, counted in ``stats().unshared_calls``, not as
-fallbacks (passes/decode.py). ``stats().fallback_calls`` stays 0.
+fallbacks (passes/analysis/decode.py). ``stats().fallback_calls`` stays 0.
 
 - Gradient checkpointing: TRL's default (``gradient_checkpointing=True``) works, and so does ``False``. The
   decoder layers run inside ``torch.utils.checkpoint``; the backend inlines and rewrites their bodies. TRL

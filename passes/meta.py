@@ -7,20 +7,20 @@ are part of what a dump shows (``node.meta['br_axes']``) and stay as they are.
 
 Node facts:
 
-* :data:`AXES` — the token-axis fact of a value (passes/axes.py).
-* :data:`REPACK_AXES` — the fact proved for a re-pack node when it was made (passes/repack.py).
-* :data:`CHECKPOINT_REGION` — the activation-checkpoint region an inlined node came from (passes/checkpoint.py).
-* :data:`CHECKPOINT_BODY` — the body name of a re-outlined checkpoint call (passes/checkpoint.py).
+* :data:`AXES` — the token-axis fact of a value (passes/analysis/axes.py).
+* :data:`REPACK_AXES` — the fact proved for a re-pack node when it was made (passes/analysis/repack.py).
+* :data:`CHECKPOINT_REGION` — the activation-checkpoint region an inlined node came from (passes/lower/checkpoint.py).
+* :data:`CHECKPOINT_BODY` — the body name of a re-outlined checkpoint call (passes/lower/checkpoint.py).
 * :data:`CHECKPOINT_INDEX` — the region's number carried through the ATen export in ``meta["custom"]``
-  (passes/aten.py).
-* :data:`CANONICAL` — what an attention node was canonicalised from (passes/canonicalize.py).
-* :data:`SOFTCAP` — the logit soft-cap of a canonical attention (passes/canonicalize.py).
+  (passes/lower/aten.py).
+* :data:`CANONICAL` — what an attention node was canonicalised from (passes/canonical/attention/).
+* :data:`SOFTCAP` — the logit soft-cap of a canonical attention (passes/canonical/attention/).
 * :data:`RELBIAS_ZERO` / :data:`RELBIAS_SOURCE` — a relative bias's zero fill and its classified source
-  (passes/canonicalize.py, passes/masks.py).
+  (passes/canonical/attention/, passes/analysis/masks.py).
 * :data:`FUSED` / :data:`FUSED_COVERS` — a fused log-prob node's description and the nodes it replaces
-  (passes/fuse_logprob.py).
+  (passes/emit/fuse_logprob.py).
 
-Graph facts (attributes of the packed ``GraphModule``, written by passes/pack.py, read by the runtime):
+Graph facts (attributes of the packed ``GraphModule``, written by passes/emit/pack.py, read by the runtime):
 :data:`TOKEN_OUTPUTS`, :data:`SEQUENCES`, :data:`ROWS`, :data:`WRITTEN_INPUTS`.
 """
 from __future__ import annotations
@@ -122,14 +122,14 @@ class GraphFact:
 
 AXES = NodeFact("br_axes", """The :class:`..axes.TokenAxes` fact of a value (CONST / TOKEN / DENSE with its token
 dims). Written by the propagation (``axes.set_axes``), read by every rule and emitter (``axes.get_axes``), by the
-padding-free check and the packing (passes/pack.py), the log-prob fusion and the dump (brcompile/tools/dump.py).""")
+padding-free check and the packing (passes/emit/pack.py), the log-prob fusion and the dump (brcompile/tools/dump.py).""")
 
 REPACK_AXES = NodeFact("br_repack_axes", """The TOKEN fact proved for a ``packed_again`` node when
-passes/repack.py made it (from the dense value's causal proof); read back by that node's rule.""")
+passes/analysis/repack.py made it (from the dense value's causal proof); read back by that node's rule.""")
 
 CHECKPOINT_REGION = NodeFact("br_ckpt", """The :class:`..checkpoint.CheckpointRegion` an inlined node came
-from. Written by ``checkpoint.inline_checkpoints`` (and by passes/aten.py after the export, from
-:data:`CHECKPOINT_INDEX`), copied onto re-pack nodes (passes/repack.py), read by ``checkpoint.region_of`` to
+from. Written by ``checkpoint.inline_checkpoints`` (and by passes/lower/aten.py after the export, from
+:data:`CHECKPOINT_INDEX`), copied onto re-pack nodes (passes/analysis/repack.py), read by ``checkpoint.region_of`` to
 re-outline the packed bodies.""")
 
 CHECKPOINT_BODY = NodeFact("br_checkpoint", """The name of the original body of a checkpoint call that
@@ -137,30 +137,30 @@ CHECKPOINT_BODY = NodeFact("br_checkpoint", """The name of the original body of 
 
 CHECKPOINT_INDEX = NodeFact("br_ckpt_region", """The number of the checkpoint region of a node, kept in
 ``node.meta["custom"]``, which the ATen export copies onto every node it traces from that node. Written by
-passes/aten.py before the export, read after it to restore :data:`CHECKPOINT_REGION`.""", within="custom")
+passes/lower/aten.py before the export, read after it to restore :data:`CHECKPOINT_REGION`.""", within="custom")
 
 CANONICAL = NodeFact("br_canonical", """What an attention node was canonicalised from (``"eager attention"``:
-an eager softmax chain rewritten as SDPA). Written by passes/canonicalize.py; read there (a canonical node gets
+an eager softmax chain rewritten as SDPA). Written by passes/canonical/attention/; read there (a canonical node gets
 no further key-bias rewrites) and by ``masks.is_canonical_attention``.""")
 
 SOFTCAP = NodeFact("br_softcap", """The logit soft-cap c > 0 of a canonical attention (scores
 ``c * tanh(s / c)``, Gemma2's): a float, or the graph node holding it until it is resolved to a float. Written
-by passes/canonicalize.py; read there (the canonical attention's evaluation), by the attention rule (refusing
+by passes/canonical/attention/; read there (the canonical attention's evaluation), by the attention rule (refusing
 shapes it does not pack) and its emitter (the op's ``softcap`` argument).""")
 
 RELBIAS_ZERO = NodeFact("br_relbias_zero", """Whether a relative bias's table is zero at the distance E
-(the clamp's fill), a bool. Written by passes/canonicalize.py with the ``br_relbias`` keyword; read by the
+(the clamp's fill), a bool. Written by passes/canonical/attention/ with the ``br_relbias`` keyword; read by the
 attention emitter when it packs the table.""")
 
 RELBIAS_SOURCE = NodeFact("br_relbias_source", """Where a relative bias comes from, as
 ``masks.classify`` found it (the proof that the bias is a function of the query-key distance). Written by
-passes/canonicalize.py; read by passes/masks.py.""")
+passes/canonical/attention/; read by passes/analysis/masks.py.""")
 
-FUSED = NodeFact("br_fused", """A one-line description of a fused log-prob node (passes/fuse_logprob.py);
+FUSED = NodeFact("br_fused", """A one-line description of a fused log-prob node (passes/emit/fuse_logprob.py);
 read by brcompile/backend.py into the explain report.""")
 
 FUSED_COVERS = NodeFact("br_fused_covers", """The names of the original nodes a fused log-prob node replaces
-(a tuple of str), extended when the entropy is fused too. Written by passes/fuse_logprob.py, read by
+(a tuple of str), extended when the entropy is fused too. Written by passes/emit/fuse_logprob.py, read by
 brcompile/backend.py.""")
 
 #: Every node fact, in the order above.
@@ -170,18 +170,18 @@ NODE_FACTS = (AXES, REPACK_AXES, CHECKPOINT_REGION, CHECKPOINT_BODY, CHECKPOINT_
 # --------------------------------------------------------------------------------------- graph facts
 
 TOKEN_OUTPUTS = GraphFact("br_token_outputs", (), """The positions of the packed graph's outputs that are
-per-token (packed) values. Written by passes/pack.py, read by brcompile/runtime/packed.py.""")
+per-token (packed) values. Written by passes/emit/pack.py, read by brcompile/runtime/packed.py.""")
 
 SEQUENCES = GraphFact("br_sequences", None, """Padding-free batches: the argument position of the position
-ids, whose sequences the tree is built over (None: the rows are the sequences). Written by passes/pack.py, read
+ids, whose sequences the tree is built over (None: the rows are the sequences). Written by passes/emit/pack.py, read
 by brcompile/runtime/packed.py.""")
 
 ROWS = GraphFact("br_rows", False, """Whether the tree inputs are [T, ...] (one token a row), so the runtime's
-keys are [T, 1, ...]. Written by passes/pack.py, read by brcompile/runtime/packed.py.""")
+keys are [T, 1, ...]. Written by passes/emit/pack.py, read by brcompile/runtime/packed.py.""")
 
 WRITTEN_INPUTS = GraphFact("br_written_inputs", (), """The sorted placeholder positions the packed graph writes
-into (in-place input updates). Written by passes/pack.py, read by brcompile/runtime/packed.py and
-passes/split.py.""")
+into (in-place input updates). Written by passes/emit/pack.py, read by brcompile/runtime/packed.py and
+passes/emit/split.py.""")
 
 #: Every graph fact, in the order above.
 GRAPH_FACTS = (TOKEN_OUTPUTS, SEQUENCES, ROWS, WRITTEN_INPUTS)

@@ -24,7 +24,7 @@ Every stage is a function of the state; it reads what earlier stages left there 
 raise :class:`~brcompile.passes.refusals.CannotReplay` (the graph runs unchanged, with the reason) or
 ``NothingToShare`` (it runs unchanged and is not a fallback). :func:`run_pipeline` times every stage
 (``state.times``; ``explain()`` shows them) and logs each one (``TORCH_LOGS=+brcompile``). The streaming
-split (passes/split.py) and the routed-pairs rewrite (passes/routed.py) are the backend's two other ways, run
+split (passes/emit/split.py) and the routed-pairs rewrite (passes/emit/routed.py) are the backend's two other ways, run
 after and instead of this pipeline respectively.
 """
 from __future__ import annotations
@@ -37,18 +37,22 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes import canonicalize as eager_attention
-from brcompile.passes import checkpoint as checkpoints
-from brcompile.passes import delta_rule, input_masks, linear_scans, masks as masks_mod, pack, ssd_scans
-from brcompile.passes.axes import AxesContext, example_value, hint, propagate
-from brcompile.passes.check import check_packed_graph
-from brcompile.passes.decode import decode_against_cache
-from brcompile.passes.functionalize import functionalize
-from brcompile.passes.liveness import analyse_liveness
-from brcompile.passes.pack import Analysis, PackOptions, build_packed_graph
+from brcompile.passes import probe
+from brcompile.passes.canonical import attention as eager_attention
+from brcompile.passes.lower import checkpoint as checkpoints
+from brcompile.passes.canonical.scans import delta_rule, linear as linear_scans, ssd as ssd_scans
+from brcompile.passes.analysis import input_masks, mask_stage, masks as masks_mod
+from brcompile.passes.analysis import tree_inputs as inputs
+from brcompile.passes.analysis.axes import AxesContext, example_value, hint, propagate
+from brcompile.passes.emit.check import check_packed_graph
+from brcompile.passes.analysis.decode import decode_against_cache
+from brcompile.passes.lower.functionalize import functionalize
+from brcompile.passes.analysis.liveness import analyse_liveness
+from brcompile.passes.emit.pack import PackOptions, build_packed_graph
+from brcompile.passes.analysis.tree_inputs import Analysis
 from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
-from brcompile.passes.rules import scan as scan_rules
-from brcompile.passes.rules.attention import PER_TOKEN, SDPA
+from brcompile.passes.analysis.rules import scan as scan_rules
+from brcompile.passes.analysis.rules.attention import PER_TOKEN, SDPA
 from brcompile.passes.spellings import arg, copy_graph_module
 
 log = logging.getLogger(__name__)
@@ -76,7 +80,7 @@ class PipelineState:
     gm: fx.GraphModule  # the graph as the stages have left it (the user's graph is never modified)
     example_inputs: Sequence[Any]
     config: PipelineConfig
-    extra_guards: list = dataclasses.field(default_factory=list)  # the lowering's (passes/aten.py)
+    extra_guards: list = dataclasses.field(default_factory=list)  # the lowering's (passes/lower/aten.py)
     canon: Any = None  # eager_attention.Canonical: the canonical graph, its guards and notes
     scan_notes: list[str] = dataclasses.field(default_factory=list)
     token_ids: Optional[fx.Node] = None
@@ -121,12 +125,12 @@ class Stage:
 
 def lower(state: PipelineState) -> None:
     """The graph read at ``config.level``: "dynamo", Dynamo's graph as it was recorded; "aten", its functional
-    pre-dispatch ATen graph (passes/aten.py), which takes the same inputs, with the guards its lowering
+    pre-dispatch ATen graph (passes/lower/aten.py), which takes the same inputs, with the guards its lowering
     proved at the example values."""
     if len([n for n in state.gm.graph.nodes if n.op == "placeholder"]) != len(state.example_inputs):
         raise CannotReplay(Code.GRAPH_INPUTS, "example inputs do not match the graph's placeholders")
     if state.config.level == "aten":
-        from brcompile.passes.aten import lower_and_respell
+        from brcompile.passes.lower.aten import lower_and_respell
 
         state.gm, state.extra_guards = lower_and_respell(state.gm, state.example_inputs)
 
@@ -141,18 +145,18 @@ def functionalise(state: PipelineState) -> None:
 
 def canonicalise_attention(state: PipelineState) -> None:
     """Eager attention (``softmax(q @ k^T * s + mask) @ v`` and its spellings) as SDPA; its scalars as guarded
-    constants; sinks, soft-cap, ALiBi and relative biases as features of the attention (passes/canonicalize.py)."""
+    constants; sinks, soft-cap, ALiBi and relative biases as features of the attention (passes/canonical/attention/)."""
     state.canon = eager_attention.canonicalize(state.gm, state.example_inputs)
     state.gm = state.canon.gm
 
 
 def canonicalise_scans(state: PipelineState) -> None:
     """Causal scans along the positions as ops the tree can run: affine associative scans and chunked
-    state-space scans as ``linear_scan`` (passes/linear_scans.py, passes/ssd_scans.py), chunked gated delta
-    rules as ``matrix_scan`` (passes/delta_rule.py). The token ids are found first: the rewrites keep them."""
+    state-space scans as ``linear_scan`` (passes/canonical/scans/linear.py, passes/canonical/scans/ssd.py), chunked gated delta
+    rules as ``matrix_scan`` (passes/canonical/scans/delta_rule.py). The token ids are found first: the rewrites keep them."""
     gm = state.gm
     notes = linear_scans.canonicalize_linear_scans(gm)
-    state.token_ids = pack.find_token_ids_or_none(gm)
+    state.token_ids = inputs.find_token_ids_or_none(gm)
     shape = hint(tuple(example_value(state.token_ids).shape)) if state.token_ids is not None else None
     notes += ssd_scans.canonicalize_ssd_scans(gm, shape)
     notes += delta_rule.canonicalize_delta_rules(gm)
@@ -164,8 +168,8 @@ def tree_inputs(state: PipelineState) -> None:
     """(B, L) and the tree inputs: the [B, L, ...] inputs the attentions depend on (token ids, attention mask,
     position ids; float embeddings or hidden states in graphs without ids), the per-position inputs beside
     them, and the attention masks that come from outside the graph. A decode step against a KV cache has
-    nothing to share (passes/decode.py). A graph without attention is analysed here to the end: a token-local
-    graph or one whose rows share work through causal scans (pack.analyse_token_local / analyse_scans)."""
+    nothing to share (passes/analysis/decode.py). A graph without attention is analysed here to the end: a token-local
+    graph or one whose rows share work through causal scans (passes/analysis/tree_inputs.py: analyse_token_local, analyse_scans)."""
     gm = state.gm
     state.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # SymInt inputs (dynamic capture) become their example ints: evaluating the mask subgraph on them
@@ -181,51 +185,51 @@ def tree_inputs(state: PipelineState) -> None:
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
     else:
-        B, L = pack.attention_batch_dims(next((a for a in attentions if not pack.unmasked(a)), attentions[0]))
+        B, L = inputs.attention_batch_dims(next((a for a in attentions if not inputs.unmasked(a)), attentions[0]))
     state.B, state.L = B, L
-    decode = decode_against_cache(attentions, pack.captured_length(token_ids, attentions), B)
-    if decode is not None:  # one token per row against a KV cache (passes/decode.py)
+    decode = decode_against_cache(attentions, inputs.captured_length(token_ids, attentions), B)
+    if decode is not None:  # one token per row against a KV cache (passes/analysis/decode.py)
         raise NothingToShare(Code.DECODE_STEP, decode[1], decode[0])
-    needed, needed_qkv = pack.attention_inputs(attentions, state.mask_args)
+    needed, needed_qkv = inputs.attention_inputs(attentions, state.mask_args)
     state.outside = {a: m for a, m in zip(attentions, state.mask_args)
                      if input_masks.input_mask_source(m) is not None}
     outside_sources = {input_masks.input_mask_source(m) for m in state.outside.values()}
-    tree = [p for p in placeholders if p in needed and pack.is_token_shaped(p, B, L) and p not in outside_sources]
+    tree = [p for p in placeholders if p in needed and inputs.is_token_shaped(p, B, L) and p not in outside_sources]
     if token_ids is not None and token_ids not in tree:
         raise CannotReplay(Code.NO_TOKEN_INPUT, "the attentions do not depend on the token ids")
     if not tree:
-        pack.refuse_without_tree_inputs(gm, B, L)
+        inputs.refuse_without_tree_inputs(gm, B, L)
     state.tree_inputs = tree
     state.position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree
-                             for d in [pack.position_dim(p, B, L)] if d is not None}
+                             for d in [inputs.position_dim(p, B, L)] if d is not None}
     inside = [a for a in attentions if a not in state.outside]
-    pack.check_masks_are_computed(inside, [m for a, m in zip(attentions, state.mask_args) if a not in state.outside],
+    inputs.check_masks_are_computed(inside, [m for a, m in zip(attentions, state.mask_args) if a not in state.outside],
                                   tree, B, L)
-    state.input_mask = pack.outside_input_mask(state.outside, placeholders, state.example_inputs)
+    state.input_mask = mask_stage.outside_input_mask(state.outside, placeholders, state.example_inputs)
 
 
 def masks(state: PipelineState) -> None:
-    """Every attention's mask classified on probes of its [B, L] keys (passes/masks.py): causal, key padding,
+    """Every attention's mask classified on probes of its [B, L] keys (passes/analysis/masks.py): causal, key padding,
     padding-free sequences, windows, ALiBi; one key-padding input for all of them."""
     gm = state.gm
     # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with
     state.mask_keys = [p for p in state.tree_inputs if example_value(p).dim() == 2]
     mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in state.mask_args if isinstance(m, fx.Node)])
-    classified = pack.classify_masks(state.attentions, state.mask_args, mask_nodes, state.mask_keys, state.values,
+    classified = mask_stage.classify_masks(state.attentions, state.mask_args, mask_nodes, state.mask_keys, state.values,
                                      state.input_mask, set(state.outside))
     for info in classified.values():  # trainable ALiBi slopes: computed by the packed graph for tree attention
         if info.alibi_node is not None:
-            mask_nodes -= set(masks_mod.ancestors(info.alibi_node))
+            mask_nodes -= set(probe.ancestors(info.alibi_node))
     keypads = {info.keypad for info in classified.values() if info.keypad is not None}
     if len(keypads) > 1:
         raise CannotReplay(Code.KEY_PADDING_INPUTS, "attentions use different key-padding inputs")
     state.keypad = next(iter(keypads), None)
     state.mask_nodes, state.classified = mask_nodes, classified
-    state.sequences = pack.sequences_input([a for a in state.attentions if not pack.unmasked(a)], classified)
+    state.sequences = mask_stage.sequences_input([a for a in state.attentions if not inputs.unmasked(a)], classified)
 
 
 def token_axes(state: PipelineState) -> None:
-    """The token-axis fact of every node, propagated by the per-op rules (passes/axes.py, passes/rules/): TOKEN
+    """The token-axis fact of every node, propagated by the per-op rules (passes/analysis/axes.py, passes/analysis/rules/): TOKEN
     (one value per position, computed once per tree node), DENSE, or refused. An SDPA whose token dims are its
     batch dims is a per-token op, not a tree attention, and leaves the attention list here."""
     ctx = AxesContext(state.gm, state.B, state.L, state.tree_inputs, state.mask_nodes, training=state.config.training,
@@ -239,19 +243,19 @@ def token_axes(state: PipelineState) -> None:
     state.classified = {a: info for a, info in state.classified.items() if a in state.attentions}
     state.mask_args = [m for a, m in zip(everything, state.mask_args) if a in state.attentions]
     if state.sequences is not None:
-        pack.check_column_free(state.gm, state.mask_nodes, state.sequences)
+        mask_stage.check_column_free(state.gm, state.mask_nodes, state.sequences)
 
 
 def guards(state: PipelineState) -> None:
-    """The per-call guards (passes/guards.py) of what was proven at the example values only: canonicalisation's
+    """The per-call guards (passes/analysis/guards.py) of what was proven at the example values only: canonicalisation's
     scalars, the masks' classes and lengths, the scalars masks are computed from, the rules', the lowering's;
-    and the :class:`~brcompile.passes.pack.Analysis` that the emitter reads."""
+    and the :class:`~brcompile.passes.analysis.tree_inputs.Analysis` that the emitter reads."""
     inside = [m for a, m in zip(state.attentions, state.mask_args) if a not in state.outside]
     if state.analysis is None:  # a graph without attention has its analysis from "tree inputs"
-        found = state.canon.guards + pack.mask_guards(
+        found = state.canon.guards + mask_stage.mask_guards(
             state.canon, state.attentions, state.mask_args, state.classified, state.outside, state.input_mask,
             state.sequences, state.mask_keys, state.placeholders, state.example_inputs)
-        found += pack.mask_scalar_guards(inside, state.placeholders, state.values)
+        found += mask_stage.mask_scalar_guards(inside, state.placeholders, state.values)
         found += state.ctx.guards
         state.analysis = Analysis(state.gm, state.ctx, state.token_ids, state.tree_inputs, state.keypad,
                                   state.attentions, state.classified, state.placeholders, found, state.canon.notes,
@@ -260,15 +264,15 @@ def guards(state: PipelineState) -> None:
 
 
 def liveness(state: PipelineState) -> None:
-    """The live-position plan (passes/liveness.py): which positions an output needs, read per call from the
+    """The live-position plan (passes/analysis/liveness.py): which positions an output needs, read per call from the
     loss weights, slices and key padding; None (every position kept) with ``config.liveness`` off."""
     an = state.analysis
     an.liveness = analyse_liveness(an, drop_padding=state.config.drop_padding) if state.config.liveness else None
 
 
 def emit(state: PipelineState) -> None:
-    """The packed graph (passes/pack.py): TOKEN values once per tree node, fused log-probs
-    (passes/fuse_logprob.py); positions left out of the tree as the live-position plan allows, narrowed to
+    """The packed graph (passes/emit/pack.py): TOKEN values once per tree node, fused log-probs
+    (passes/emit/fuse_logprob.py); positions left out of the tree as the live-position plan allows, narrowed to
     prefix-only, then to none, when an op refuses them (:func:`build_with_liveness`)."""
     import brcompile.backends.ops  # noqa: F401  (registers the brcompile ops the packed graph calls)
 
@@ -278,7 +282,7 @@ def emit(state: PipelineState) -> None:
 def check(state: PipelineState) -> None:
     """The packed graph can run where the inputs are: the attention and scan impls it needs exist and support
     its features on that device (a backward too, for a training graph); then it runs on the example batch
-    (passes/check.py), outputs matching the original's shapes."""
+    (passes/emit/check.py), outputs matching the original's shapes."""
     inputs, config = state.example_inputs, state.config
     check_attention_support(state.packed, inputs, config.attention, training=config.training)
     check_scan_support(state.packed, inputs, config.scan)
@@ -360,11 +364,11 @@ def _without_attention(state: PipelineState) -> Analysis:
     left = "".join(f"; {n}" for n in state.scan_notes if linear_scans.LEFT in n)  # scans not rewritten, named
     args = (gm, state.token_ids, state.placeholders, state.values, state.canon, state.config.training, left)
     if scans:
-        return pack.analyse_scans(gm, scans, *args[1:])
+        return inputs.analyse_scans(gm, scans, *args[1:])
     unrecognised = eager_attention.unrecognised_attention(gm)
     if unrecognised is not None:
         raise CannotReplay(Code.UNRECOGNISED_ATTENTION, unrecognised[1], unrecognised[0])
-    return pack.analyse_token_local(*args)
+    return inputs.analyse_token_local(*args)
 
 
 def pack_options(config: PipelineConfig, drop: bool, within: bool = True) -> PackOptions:

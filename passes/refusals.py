@@ -204,7 +204,7 @@ class NothingToShare(CannotReplay):
     nothing in it is a function of the batch's tokens (it only views, casts or indexes its inputs; or it reads
     no token ids, no floating-point per-token value and looks nothing up by an integer input: masks and
     position tables built from ``[B, L]`` metadata between two graph breaks). Or it is a decode step against a
-    KV cache (passes/decode.py): one token per row whose prefix is the row's cache, not the batch. Running it as
+    KV cache (passes/analysis/decode.py): one token per row whose prefix is the row's cache, not the batch. Running it as
     it is is all a replay could do; the backend does, and counts its calls apart from the fallbacks
     (``Stats.unshared_calls``)."""
 

@@ -102,7 +102,7 @@ FAMILIES: dict[str, tuple] = {
 }
 
 #: views and casts of a value: a TOKEN value read densely through only these is recomputed from the dense inputs
-#: (passes/pack.py ``_input_derived``), so it is exact whatever the tree leaves out (passes/liveness.py)
+#: (passes/emit/pack.py ``_input_derived``), so it is exact whatever the tree leaves out (passes/analysis/liveness.py)
 CHEAP_VIEWS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
                          operator.getitem, "bool", "float", "long", "to", "int", "type_as", "double", "__getitem__"})
 
@@ -132,10 +132,10 @@ SAME_VALUE = COPIES + DETACHES
 #: the ``cast`` family and :data:`COPIES`: a value's numbers unchanged when the dtype is (the LM-head walk
 #: checks the dtype)
 CASTS_AND_COPIES = frozenset({*FAMILIES["cast"], *COPIES})
-#: method casts an integer index or group count may go through (passes/rules/moe.py): unlike the ``cast``
+#: method casts an integer index or group count may go through (passes/analysis/rules/moe.py): unlike the ``cast``
 #: family it has ``int`` / ``long`` and lacks ``half`` / ``bfloat16`` (a count in half precision is not exact)
 INDEX_CASTS = frozenset({"to", "long", "int", "float", "double", "type", "type_as"})
-#: the method ops allowed on a MoE group count (passes/split.py): :data:`INDEX_CASTS` and ``cumsum``
+#: the method ops allowed on a MoE group count (passes/emit/split.py): :data:`INDEX_CASTS` and ``cumsum``
 GROUP_COUNT_STEPS = INDEX_CASTS | {"cumsum"}
 #: methods that cast to a floating dtype (KDA's ``decay_mask.exp().float()``); unlike the ``cast`` family no
 #: ``to`` / ``type`` / ``type_as``, whose target dtype is an argument
@@ -200,7 +200,7 @@ CHECKPOINT_HOPS = (torch.ops.higher_order.tag_activation_checkpoint,)
 #: autocast region markers in a graph (enter / exit)
 AUTOCAST_REGION = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
 
-# elementwise and reducing ops (the targets of passes/rules/pointwise.py and passes/rules/reduce.py)
+# elementwise and reducing ops (the targets of passes/analysis/rules/pointwise.py and passes/analysis/rules/reduce.py)
 
 #: elementwise ops of two or more tensor operands (broadcasting)
 BINARY = (
@@ -259,7 +259,7 @@ VMAP_CONTROL = frozenset({predispatch.lazy_load_decompositions, predispatch._vma
 #: torch.vmap's data ops (a batch dim added / removed)
 VMAP_DATA = frozenset({predispatch._add_batch_dim, predispatch._remove_batch_dim})
 
-# in-place and allocating ops (passes/functionalize.py, passes/axes.py)
+# in-place and allocating ops (passes/lower/functionalize.py, passes/analysis/axes.py)
 
 #: Python's in-place operators (``x += y`` ...) and ``x[i] = y``, as Dynamo records them; the keys of
 #: :data:`OUT_OF_PLACE_OPERATORS` and ``ilshift`` / ``irshift`` / ``setitem``, which have no twin there

@@ -280,7 +280,7 @@ def assert_compiles_for_sm90(script: str) -> None:
 
 
 def grpo_needed_tokens(ids, attention_mask, completion_mask, keys_hidden: bool = True) -> int:
-    """The needed tokens of a GRPO batch, from first principles (passes/liveness.py): position t is live when
+    """The needed tokens of a GRPO batch, from first principles (passes/analysis/liveness.py): position t is live when
     the loss reads it with a nonzero weight (it predicts token t + 1: ``completion_mask[:, t + 1] != 0``);
     needed = live, or a key at or before the row's last live position (a visible key, when every attention
     hides the key-padded ones); the count is the distinct tree nodes holding a needed position."""

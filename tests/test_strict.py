@@ -78,7 +78,7 @@ def test_cannot_replay_falls_back_when_strict(monkeypatch):
 
 def test_streaming_split_internal_error(monkeypatch):
     """mode="replay": a failing split runs the packed mode (not strict) or raises (strict)."""
-    import brcompile.passes.split as replay_pass
+    import brcompile.passes.emit.split as replay_pass
 
     monkeypatch.setattr(replay_pass, "split_for_replay", _broken_rewrite)
     model, ids = _model(), _ids()

@@ -162,7 +162,7 @@ class PackedRuntime:
         self.token_outputs: tuple = tuple(TOKEN_OUTPUTS.get(gm))
         self.sequences: Optional[int] = SEQUENCES.get(gm)  # padding-free: position ids' arg
         self.rows: bool = ROWS.get(gm)  # [T, ...] tree inputs: keys [T, 1, ...] (one token a row)
-        # inputs the graph writes into (a buffer: passes/axes.py input_write_destination): restored from a
+        # inputs the graph writes into (a buffer: passes/analysis/axes.py input_write_destination): restored from a
         # snapshot when a run is not the call's only write (verify's two runs, a failed packed run)
         self.written: tuple = tuple(WRITTEN_INPUTS.get(gm))
         self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
@@ -234,7 +234,7 @@ class PackedRuntime:
         return out
 
     def _liveness(self, args: Sequence[Any], per_token: list, mask: Optional[torch.Tensor]):
-        """(needed, live) ``[B, L]`` bool masks of this call (passes/liveness.py), or (None, None) without a
+        """(needed, live) ``[B, L]`` bool masks of this call (passes/analysis/liveness.py), or (None, None) without a
         liveness plan. Read once per call from the per-call values the plan names (masks, labels)."""
         if self.liveness is None:
             return None, None

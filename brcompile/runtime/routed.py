@@ -1,4 +1,4 @@
-"""Per call of a routed graph (passes/routed.py): the representatives' pairs only, or the original graph.
+"""Per call of a routed graph (passes/emit/routed.py): the representatives' pairs only, or the original graph.
 
 For the call's flattened tokens ``x [T, ...]`` the tree over rows (``build_tree`` of ``[T, 1, ...]`` keys)
 names each token's representative ``rep[t]``: the first row bitwise equal to it. A pair ``p`` (of token

@@ -21,7 +21,7 @@ class Stats:
     streamed_calls: int = 0  # replayed calls that ran in streaming mode (prefix + tail chunks)
     fallback_calls: int = 0
     logical_tokens: int = 0
-    executed_tokens: int = 0  # the needed tokens of replayed calls (passes/liveness.py): what ran
+    executed_tokens: int = 0  # the needed tokens of replayed calls (passes/analysis/liveness.py): what ran
     live_tokens: int = 0  # of those, the tokens an output reads (the rest are keys a live query attends)
     dead_tokens: int = 0  # tree tokens no output needs: left out of the tree, computed by nobody
     compiled_graphs: int = 0
@@ -32,7 +32,7 @@ class Stats:
     #: ... and per (code, reason): the details of each code (:meth:`details`)
     fallback_details: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     # calls of graphs with nothing to share (passes/refusals.py: NothingToShare; a decode step against a KV cache,
-    # passes/decode.py), run as they are: no fallback, so fallback_calls counts real refusals only
+    # passes/analysis/decode.py), run as they are: no fallback, so fallback_calls counts real refusals only
     unshared_calls: int = 0
     unshared_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     unshared_codes: collections.Counter = dataclasses.field(default_factory=collections.Counter)

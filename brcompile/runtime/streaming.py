@@ -10,7 +10,7 @@ The packed tree is cut in two (:func:`plan_replay`):
   says where along each chunk token's path the prefix starts (for the scans).
 
 :class:`ReplayFunction` is one autograd node around the token-local part of the packed graph (the
-"trunk", split off by :mod:`brcompile.passes.split`):
+"trunk", split off by :mod:`brcompile.passes.emit.split`):
 
 forward
     run the prefix graph once with grad (its activations are the only ones kept; it also returns every
@@ -163,7 +163,7 @@ def _chunk(leaves: Tensor, psegs: Tensor, before: Tensor, anc: Tensor) -> Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class TrunkGraphs:
-    """The two compiled halves of a trunk (see brcompile.passes.split.ReplaySplit)."""
+    """The two compiled halves of a trunk (see brcompile.passes.emit.split.ReplaySplit)."""
 
     prefix: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments) -> (*frontier, *kv)
     tail: Callable  # (*ext, rep_row, position, end, valid, all_valid, segments, *cache, cache_valid,
@@ -334,7 +334,7 @@ class StreamingRuntime:
 
     mode: str  # "replay" or "auto"
     memory_budget: Optional[int]
-    bytes_per_token: int  # trunk activation bytes per packed token (passes/split.py)
+    bytes_per_token: int  # trunk activation bytes per packed token (passes/emit/split.py)
     outer: Callable  # the packed graph with its trunk replaced by ``trunk``
     trunk: Any  # brcompile.runtime.streaming.ReplayTrunk
 

@@ -29,7 +29,7 @@ the cost of computing each distinct tree node once. Only matmul-like ops and att
 flop counter does. Bytes saved for backward: distinct storages packed by ``saved_tensors_hooks`` during the
 forward, storages of inputs that require grad (parameters) excluded. A graph whose writes are all into fresh
 values (HF's ``out[:, :, i] = ...`` into a ``zeros_like``) is measured as its functionalized copy
-(passes/functionalize.py: the same values, no write); a graph that mutates its inputs in place is not re-run
+(passes/lower/functionalize.py: the same values, no write); a graph that mutates its inputs in place is not re-run
 (the measurement would apply the mutation again); its calls say so.
 """
 from __future__ import annotations
@@ -49,8 +49,8 @@ import torch.fx as fx
 from brcompile import runtime
 from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
 from brcompile.backends.read_packed import dropped_grads_unchecked
-from brcompile.passes.axes import is_inplace
-from brcompile.passes.functionalize import functionalize
+from brcompile.passes.analysis.axes import is_inplace
+from brcompile.passes.lower.functionalize import functionalize
 from brcompile.passes.refusals import CONSTRUCTS, Code as RefusalCode
 from brcompile.tools.measure import limit_flops, measure_fwd_bwd
 
@@ -559,7 +559,7 @@ class ExplainReport:
 
 
 def mutating_node(gm: fx.GraphModule) -> Optional[str]:
-    """The first node of ``gm`` that may mutate a tensor in place (:func:`brcompile.passes.axes.is_inplace`),
+    """The first node of ``gm`` that may mutate a tensor in place (:func:`brcompile.passes.analysis.axes.is_inplace`),
     formatted; None when there is none. A graph that mutates is not re-run to measure it."""
     for n in gm.graph.nodes:
         if n.op in ("call_method", "call_function") and is_inplace(n):

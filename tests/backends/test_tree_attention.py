@@ -174,9 +174,10 @@ def _inputs(n, hq, hkv, d, dtype, seed=0):
     return q, k, v
 
 
-def assert_rel_close(actual, expected, tol, what=""):
-    """Elementwise |a - e| <= tol * (|e| + max|e|): relative to the tensor's scale, with diagnostics."""
-    scale = expected.detach().abs().max().item()
+def assert_rel_close(actual, expected, tol, what="", floor: float = 0.0):
+    """Elementwise |a - e| <= tol * (|e| + max(max|e|, floor)): relative to the tensor's scale (or ``floor`` when
+    the tensor is a sum of terms that cancel to below it), with diagnostics."""
+    scale = max(expected.detach().abs().max().item(), floor)
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(scale, 1e-30), msg=lambda m: f"{what}: {m}")
 
 
@@ -297,8 +298,11 @@ def test_property_random_forests(groups, tail_len, branch_depth, kv_heads, holes
     dense = _dense_sdpa(q, k, v, tree, mask, 32**-0.5)
     assert_rel_close(outs["cpu"][0][:, tree.index].transpose(0, 1), dense, 1e-10, "cpu vs dense")
     assert_rel_close(outs["cpu"][0], outs["reference"][0], 1e-10, "cpu vs reference")
+    # a gradient that cancels analytically (dq of a query with one visible key: its softmax is 1 whatever the
+    # score) is the rounding of its terms, whose size is the other gradients': measured against the largest one
+    largest = max(b.abs().max().item() for b in outs["reference"][1])
     for name, a, b in zip("qkv", outs["cpu"][1], outs["reference"][1]):
-        assert_rel_close(a, b, 1e-10, f"d{name}")
+        assert_rel_close(a, b, 1e-10, f"d{name}", floor=largest)
 
 
 def test_schedule_covers_exactly_the_visible_pairs():

@@ -26,7 +26,7 @@ from tests.backends.test_matrix_scan import dense_matrix_recurrence  # noqa: E40
 from tests.backends.test_scan import tree_of  # noqa: E402
 from tests.helpers import KeepFloat64, assert_grads_exact, assert_replayed, transformers_or_skip  # noqa: E402
 from tests.models.test_hybrids import HYBRIDS, TINY, next_token_loss, tree_batch  # noqa: E402
-from tests.passes.test_scan_rules import packed_code  # noqa: E402
+from tests.passes.analysis.rules.test_scan_rules import packed_code  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

@@ -23,9 +23,9 @@ from brcompile.backends import scan  # noqa: E402
 from brcompile.backends.triton import scan as tscan  # noqa: E402
 from brcompile.testing import assert_exact  # noqa: E402
 from tests.backends.test_scan import dense_of, dense_recurrence, tree_of  # noqa: E402
-from tests.passes.test_linear_scans import scan_lm  # noqa: E402
+from tests.passes.canonical.scans.test_linear_scans import scan_lm  # noqa: E402
 from tests.helpers import assert_compiles_for_sm90, assert_grads_exact  # noqa: E402
-from tests.passes.test_scan_rules import grpo_like_batch, packed_code, token_loss  # noqa: E402
+from tests.passes.analysis.rules.test_scan_rules import grpo_like_batch, packed_code, token_loss  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -274,7 +274,7 @@ def test_kernels_compile_for_sm90():
 def test_backend_scan_option_runs_the_triton_kernels_exactly():
     """``brcompile.backend(scan="triton")``: the packed graph's tree_linear_scan names the triton impl and
     the loss and every gradient of a state-space LM equal eager's (float64; the scan as the higher-order op,
-    which traces fast, against the inlined scan run eagerly: tests/passes/test_linear_scans.py says why)."""
+    which traces fast, against the inlined scan run eagerly: tests/passes/canonical/scans/test_linear_scans.py says why)."""
     model = scan_lm(layers=1, form="generic")
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]

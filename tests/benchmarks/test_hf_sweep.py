@@ -88,7 +88,7 @@ def test_streaming_sweep_row_and_table(monkeypatch):
     assert row["status"] == "replayed" and row["mode"] == "replay", row
     assert row["streamed_calls"] >= 1 and row["replay_reasons"] == [], row
     packed = dict(row, arch="p", streamed_calls=0, replay_reasons=[
-        "streaming replay: a dense region is packed again (passes/repack.py): it runs on the whole [B, L] batch"])
+        "streaming replay: a dense region is packed again (passes/analysis/repack.py): it runs on the whole [B, L] batch"])
     summ = hf_sweep.summarize([row, packed])
     assert summ["streamed"] == 1 and summ["streamed_exact"] == 1
     assert summ["streaming_refusals"][0][1] == 1

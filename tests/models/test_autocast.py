@@ -171,7 +171,7 @@ def test_hf_model_call(precision, mode):
 ])
 def test_hf_eager_attention(family, precision, mode):
     """HF's eager attention (``matmul(q, k^T) * c + mask``, a float32 softmax cast back to q's dtype, ``matmul``
-    with v), canonicalised to one SDPA node (passes/canonicalize.py). Under autocast both products run in
+    with v), canonicalised to one SDPA node (passes/canonical/attention/). Under autocast both products run in
     bfloat16 while the mask (float32, as the weights) promotes the scores to float32 and q/k stay float32 after
     the rotary: tree attention computes in bfloat16, as both products did. Right-padded rows: a left-padded row's
     pad queries see no key, which eager attention makes uniform or NaN (the float64 reference's too)."""
@@ -303,11 +303,11 @@ def test_cached_attention_follows_sdpa_autocast():
 
 def test_unresolvable_attention_dtypes_fall_back():
     """q/k/v dtypes that autocast does not produce (a float64 among them, here planted in the traced
-    metadata): CannotReplay at compile time (passes/rules/attention.py) with the reason; the original
+    metadata): CannotReplay at compile time (passes/analysis/rules/attention.py) with the reason; the original
     graph runs. (At the Dynamo level: the ATen level traces the graph again and would not see the planted
     metadata.)"""
-    from brcompile.passes.axes import example_value
-    from brcompile.passes.rules.attention import SDPA, attention_dtype
+    from brcompile.passes.analysis.axes import example_value
+    from brcompile.passes.analysis.rules.attention import SDPA, attention_dtype
 
     inner = brcompile.backend(compiler="eager", level="dynamo")
     seen = []

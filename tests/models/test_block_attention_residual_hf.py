@@ -1,4 +1,4 @@
-"""HF Inkling2's block-attention residual replays as a per-token SDPA (passes/rules/attention.py
+"""HF Inkling2's block-attention residual replays as a per-token SDPA (passes/analysis/rules/attention.py
 ``per_token_attention``).
 
 Inkling2 (and Inkling2-Loop) feeds each layer's attention and MLP a learned mix of the token's block outputs: a

@@ -1,4 +1,4 @@
-"""Activation checkpointing inside the compiled graph (passes/checkpoint.py, docs/ARCHITECTURE.md §3.6).
+"""Activation checkpointing inside the compiled graph (passes/lower/checkpoint.py, docs/ARCHITECTURE.md §3.6).
 
 ``torch.utils.checkpoint.checkpoint(layer, ..., use_reentrant=False)`` and HF's ``gradient_checkpointing_enable``
 are captured as ``tag_activation_checkpoint`` calls whose bodies hold the attentions. The rewrite analyses the
@@ -80,7 +80,7 @@ def test_gpt_checkpoint_per_layer_exact(mode, compiler, level):
     rewritten, the attentions inside the bodies packed, each packed body inside its own checkpoint call.
     mode="replay": the streaming split refuses with a reason naming the checkpoints and the packed mode runs.
     Inductor (slow): the packed graph with its checkpoint calls compiles and runs exactly too. level="aten": the
-    same through the functional ATen graph (the bodies carried through the export, passes/aten.py)."""
+    same through the functional ATen graph (the bodies carried through the export, passes/lower/aten.py)."""
     model = CheckpointedGPT(GPTConfig(**CFG), seed=0).to(torch.float64)
     batch = grpo_batch()
     ref_loss, ref_grads = loss_and_grads(model, model, batch)

@@ -1,4 +1,4 @@
-"""End-to-end: the LM head's log-probs fused into brcompile::packed_logprob (passes/fuse_logprob.py).
+"""End-to-end: the LM head's log-probs fused into brcompile::packed_logprob (passes/emit/fuse_logprob.py).
 
 Every test compiles a loss through ``branch_replay`` (AOTAutograd over the packed graph), compares the
 loss and every parameter gradient with the eager dense run (and, where stated, with the unfused packed

@@ -331,7 +331,7 @@ def test_eager_left_padding_falls_back_per_call():
     """Left padding under HF's additive eager mask: a pad query sees no key and the original averages over
     the whole row (non-causal); the per-call guard runs the original. A batch without left padding through
     the same compiled function replays. (``liveness=False``: the pads are computed; by default the loss needs
-    none of them and the guard is moot: tests/passes/test_additive_mask.py.)"""
+    none of them and the guard is moot: tests/passes/canonical/test_additive_mask.py.)"""
     model = make_model("llama", "eager")
     fn = functools.partial(next_token_loss, model)
     compiled = torch.compile(fn, backend=brcompile.backend(compiler="eager", liveness=False))

@@ -69,14 +69,14 @@ def test_polar_rotary_of_positions():
     """DeepSeek-V2's complex rotary: ``freqs_cis = polar(ones_like(freqs), freqs)`` of position-only
     frequencies. torch's fake kernel of ``polar`` fixes the packed token count N to the example's, so the
     packed graph builds it as a stacked (real, imaginary) pair (rules/pointwise.py: emit_complex) and holds
-    for every N (passes/check.py). The model's grouped-mm experts run in float32 only: float32 bound."""
+    for every N (passes/emit/check.py). The model's grouped-mm experts run in float32 only: float32 bound."""
     backend = replay_arch("deepseek_v2", torch.float32)
     assert "polar" not in backend.records[0].packed_code and "view_as_complex" in backend.records[0].packed_code
 
 
 def test_setitem_of_a_mask_into_cloned_ids():
     """Gemma3's multimodal LM: ``llm_input_ids = input_ids.clone(); llm_input_ids[image_mask] = 0`` becomes
-    ``masked_fill`` (passes/functionalize.py), so the ids stay token values. HF's Gemma RMSNorm computes in
+    ``masked_fill`` (passes/lower/functionalize.py), so the ids stay token values. HF's Gemma RMSNorm computes in
     float32: gradients at the float32 bound (test_hf.py)."""
     backend = replay_arch("gemma3", torch.float64, grad_dtype=torch.float32)
     assert "setitem" not in backend.records[0].packed_code
@@ -139,14 +139,14 @@ def test_positions_expanded_over_rows():
     """Whisper's decoder: positions ``arange(L)`` broadcast over the batch rows (``[B, L]``) and its learned
     position table read at them: the broadcast dim is the row dim of the position value (rules/shape.py:
     broadcast_row), not a feature dim of extent B that the packed graph would keep (it failed the symbolic-N
-    check: passes/check.py)."""
+    check: passes/emit/check.py)."""
     replay_arch("whisper")
 
 
 def test_writes_into_views_of_the_rotary_table():
     """Qwen3.5's interleaved MRoPE: ``freqs_thw = freq[0]; freqs_thw[..., k:n:3] = freq[d, ..., k:n:3]``, strided
     writes into a view of a fresh value, become ``slice_scatter`` / ``select_scatter`` of the base read by every
-    later reader (passes/functionalize.py: _write_through_views), and its positions ``expand(3, B, -1)`` take
+    later reader (passes/lower/functionalize.py: _write_through_views), and its positions ``expand(3, B, -1)`` take
     the row dim. Its gated delta rule computes in float32 inside, where its decay gradients (``A_log``) cancel
     to rounding: run all in float64 (KeepFloat64), float64 bound."""
     backend = replay_arch("qwen3_5_text", keep_float64=True)

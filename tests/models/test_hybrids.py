@@ -4,10 +4,10 @@ Kimi-Linear (KDA: the chunked delta rule with a per-channel gate) and LFM2 (gate
 float64, one attention layer and one other layer each.
 
 The Mamba-2 mixers' chunked SSD (Bamba, Nemotron-H, Zamba2) is proved on probes to be the per-head recurrence
-and rewritten as a ``linear_scan`` (passes/ssd_scans.py): a tree scan, like Jamba's selective scan (an
-associative scan of affine maps, passes/linear_scans.py) and the causal convs (LFM2's short conv, the mixers').
+and rewritten as a ``linear_scan`` (passes/canonical/scans/ssd.py): a tree scan, like Jamba's selective scan (an
+associative scan of affine maps, passes/canonical/scans/linear.py) and the causal convs (LFM2's short conv, the mixers').
 Qwen3-Next's and Kimi-Linear's chunked gated delta rules are proved to be their matrix recurrences
-(passes/delta_rule.py) and run on the tree as ``brcompile::tree_matrix_scan``. Nothing is left as a dense region packed again (passes/repack.py
+(passes/canonical/scans/delta_rule.py) and run on the tree as ``brcompile::tree_matrix_scan``. Nothing is left as a dense region packed again (passes/analysis/repack.py
 is tested on its own); the attentions, projections and MLPs run on the tree. The batch is a three-level tree with padding on both sides: two
 prompts (left-padded) × three responses (right-padded), two responses of the first prompt sharing their
 first tokens. Loss and every parameter gradient are compared with the eager model in float64 (1e-10)
@@ -121,7 +121,7 @@ def test_delta_rule_hybrid_streams_exactly():
     scan starts each chunk root from the prefix's cached state at its parent (``tree_matrix_scan_cached``), its
     conv reads the cached taps; loss and every gradient equal eager's and the packed mode's
     (tests/runtime/test_streaming_scans.py). The gated norm's ``reshape(-1, head_dim)`` flattens the tokens
-    with the heads inside the streamed part (passes/split.py)."""
+    with the heads inside the streamed part (passes/emit/split.py)."""
     from tests.runtime.test_streaming_scans import hf_run
 
     info = hf_run("qwen3_next", chunk_tokens=4).records[-1].replay

@@ -1,4 +1,4 @@
-"""Mixture-of-experts blocks replay (passes/rules/moe.py): tiny HF Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE in
+"""Mixture-of-experts blocks replay (passes/analysis/rules/moe.py): tiny HF Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE in
 float64 with the default experts implementation (sort → grouped matmuls → inverse permutation) and the
 batched one (per-token ``bmm`` of gathered expert weights); loss and every parameter gradient against the
 same captured graph run without the rewrite, and stats showing the rewrite fired and tokens were shared.
@@ -243,7 +243,7 @@ def test_key_range_through_masked_fill():
     """ZAYA's router picks among E experts and one "skip" class (topk over E + 1), then drops the skip index E to
     0: ``masked_fill(idx, idx == E, 0)`` keeps the keys in [0, E), so histc(bins=E) counts their runs; a fill
     with another mask, or with a value >= E, widens the bound."""
-    from brcompile.passes.rules.moe import _key_range
+    from brcompile.passes.analysis.rules.moe import _key_range
 
     E = 4
 
@@ -353,7 +353,7 @@ def _jetmoe_gating(self, hidden_states):
 def test_jetmoe_routed_experts_replay(monkeypatch):
     """JetMoE's router ends in ``expert_size.tolist()``: a graph break inside the router, so its experts (the
     MLP's and the mixture-of-attention query/output projections) run in graphs that receive the routing
-    order, the gates and the counts from outside. Those graphs run routed pairs (passes/routed.py): each
+    order, the gates and the counts from outside. Those graphs run routed pairs (passes/emit/routed.py): each
     shared token's pairs once. Every graph replays or has nothing to share; loss and every gradient exact."""
     from transformers.models.jetmoe import modeling_jetmoe as jm
 

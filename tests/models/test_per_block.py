@@ -135,7 +135,7 @@ def test_modified_block_output_is_hashed_again():
 @pytest.mark.parametrize("mode", ["packed", "replay"])
 def test_mask_built_outside_the_block_replays(mode):
     """A [B, 1, L, L] causal & key-padding mask made outside the compiled blocks (as FSDP2-per-block and HF
-    per-layer setups hand it over) is read off the tensor (passes/input_masks.py): every block replays with
+    per-layer setups hand it over) is read off the tensor (passes/analysis/input_masks.py): every block replays with
     its diagonal as the key padding; the mask is checked once, and blocks after the first reuse the tree."""
     model = make_model()
     batch = make_grpo_batch(num_prompts=2, group_size=3, prompt_len=(5, 8), response_len=(2, 5),

@@ -2,7 +2,7 @@
 
 With ``config.use_associative_scan=True`` (the configs' default) the selective scan is ``torch._higher_order_ops.associative_scan``
 of the affine maps ``(discrete_A, deltaB_u)`` along the positions, which Dynamo inlines on CPU; the analysis
-recognises it (passes/linear_scans.py) and the packed graph computes the states along the tree paths with
+recognises it (passes/canonical/scans/linear.py) and the packed graph computes the states along the tree paths with
 ``brcompile::tree_linear_scan``, the causal conv with ``tree_causal_conv1d``: the whole model runs on the
 tree. With ``use_associative_scan=False`` the scan is a Python loop over the positions, unrolled
 by Dynamo (integer indexing of the positions): that part runs densely on the B·L positions, the conv and the

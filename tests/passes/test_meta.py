@@ -8,8 +8,8 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes import meta
-from brcompile.passes.axes import CONST, get_axes, set_axes
-from brcompile.passes.checkpoint import region_of
+from brcompile.passes.analysis.axes import CONST, get_axes, set_axes
+from brcompile.passes.lower.checkpoint import region_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -164,7 +164,7 @@ def test_no_sharing_falls_back_exactly(spec):
     model = make_model()
     batch = make_grpo_batch(vocab_size=61, seed=8, dtype=torch.float64, **spec)
     # one response per prompt normalises every advantage to 0, and the loss then needs no position at all
-    # (tests/passes/test_liveness.py): nonzero advantages keep the positions this test is about
+    # (tests/passes/analysis/test_liveness.py): nonzero advantages keep the positions this test is about
     batch["advantages"] = torch.linspace(0.5, 1.5, batch["advantages"].numel(), dtype=torch.float64)
     check_exact(model, grpo_loss, grpo_args(batch), backend=brcompile.backend(compiler="aot_eager", liveness=False))
     s = brcompile.stats()

@@ -160,7 +160,7 @@ def test_padding_free_replays_exactly(float64_norms, family, layout, mode):
     assert s.logical_tokens == ids.numel()
     # the distinct prefixes: 2 prompts (11 tokens) + 17 response tokens - 1 shared first response token
     assert s.executed_tokens == 27, str(s)
-    if layout == "one_row":  # the padded layout of the same rollouts: its needed tokens (passes/liveness.py),
+    if layout == "one_row":  # the padded layout of the same rollouts: its needed tokens (passes/analysis/liveness.py),
         # fewer by the 6 sequences' last tokens, which predict nothing (padding-free batches keep every token)
         assert padded_executed_tokens(model, seqs) == 27 - 6
 

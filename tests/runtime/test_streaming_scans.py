@@ -1,4 +1,4 @@
-"""Streaming replay of graphs with tree scans (docs/ARCHITECTURE.md §7; passes/split.py, backends/scan.py's
+"""Streaming replay of graphs with tree scans (docs/ARCHITECTURE.md §7; passes/emit/split.py, backends/scan.py's
 ``*_cached`` functions, ``Chunk.ancestors``).
 
 A tail chunk's scans read their tokens' ancestors outside the chunk from the prefix: a linear scan's state and
@@ -201,7 +201,7 @@ def run_modes(fn, args, params, names, chunk_tokens, guard=contextlib.nullcontex
 def test_cumsum_conv_attention_model_streams_exactly(chunk_tokens, compiler):
     """ScanGPT: cumsum positions (an integer scan), two gated short convs (width 4) and attention per block;
     compiled by inductor too (the tail graph's scans on strided chunk values)."""
-    from tests.passes.test_scan_rules import scan_model, token_loss
+    from tests.passes.analysis.rules.test_scan_rules import scan_model, token_loss
 
     model = scan_model()
     b = make_grpo_batch(vocab_size=23, seed=2, num_prompts=2, group_size=4, prompt_len=(4, 7),
@@ -245,7 +245,7 @@ class DeltaNet(torch.nn.Module):
     """A gated delta rule without attention or short conv (HF Qwen3-Next's chunked ``torch_chunk_gated_delta_rule``,
     chunks of 4), its output RMS-normed per head over the tokens flattened with the heads (Qwen3-Next's gated
     norm: ``reshape(-1, dv)``, a ``[h·N, dv]`` value inside the streamed part): rows share work only through the
-    matrix scan passes/delta_rule.py makes of it."""
+    matrix scan passes/canonical/scans/delta_rule.py makes of it."""
 
     def __init__(self, vocab=23, dim=16, heads=2, dk=4, dv=4):
         super().__init__()
@@ -282,7 +282,7 @@ def delta_rule_model():
 
 
 def test_delta_rule_without_attention_streams_exactly():
-    """No attention, no conv: the matrix scan is the graph's only scan (passes/rules/scan.py's
+    """No attention, no conv: the matrix scan is the graph's only scan (passes/analysis/rules/scan.py's
     ``scan_candidates``); its tail chunks start from the prefix's cached state."""
     model, b, names, params = delta_rule_model()
 

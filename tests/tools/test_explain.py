@@ -72,7 +72,7 @@ def lm_loss(model, ids):
 
 def test_report_of_a_replayed_graph_with_predicted_flops():
     model, batch = tiny_model(), tiny_batch()
-    # liveness=False: every trie node runs, the count of the trie oracle below (tests/passes/test_liveness.py
+    # liveness=False: every trie node runs, the count of the trie oracle below (tests/passes/analysis/test_liveness.py
     # checks the needed ones)
     report = brcompile.explain(grpo_loss, model, **batch, backend=brcompile.backend(**EAGER, liveness=False))
 

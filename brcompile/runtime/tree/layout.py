@@ -26,7 +26,7 @@ class TreeStats:
     segments: int  # S
     sequences: int = 0  # packed sequences the rows hold (build_sequence_tree); 0 for a tree over rows
     dead_tokens: int = 0  # tree nodes left out: no needed position holds them (drop_positions)
-    live_tokens: int = -1  # kept nodes some live position holds (passes/liveness.py); -1: not analysed
+    live_tokens: int = -1  # kept nodes some live position holds (passes/analysis/liveness.py); -1: not analysed
 
     def to_dict(self) -> dict:
         """The fields as a plain dict (for logs and explain()); ``sequences`` only for a sequence tree."""

@@ -61,7 +61,7 @@ def test_zoo_replays_exactly(style):
 @pytest.mark.parametrize("style", sorted(models.REPLAY))
 def test_zoo_replays_exactly_at_the_aten_level(style):
     """The same, analysed at the ATen level (``level="aten"``: the functional pre-dispatch ATen graph,
-    passes/aten.py) — every style's spelling reaches the same rewrite through its ATen ops."""
+    passes/lower/aten.py) — every style's spelling reaches the same rewrite through its ATen ops."""
     backend = brcompile.backend(compiler="eager", level="aten")
     model = models.make(models.REPLAY[style])
     ref, gref, out, gout = run(model, backend)

@@ -1,0 +1,418 @@
+"""Streaming replay, the graph side (docs/ARCHITECTURE.md §7): split a packed graph into trunk (prefix / tail) + outer.
+
+The packed graph (passes/emit/pack.py) computes every TOKEN value on the N packed tokens, then reads them
+densely through ``tree_index`` (materialize, the lazy gather, the fused log-prob). The **trunk** is the
+token-local part between the two:
+
+    trunk = descendants of the per-token tree arrays (rep_row, position, end, valid, all_valid, segments)
+            that do not depend on tree_index
+
+Every trunk value carries the token dim N exactly once (checked on a fake-tensor run with a symbolic N; a
+token dim flattened with k entries per token, ``k·N``, counts as one: the analysis's flattened layout,
+passes/analysis/axes.py ``TokenAxes.flat``, entry ``n·k + s`` of token n — a gated norm's ``reshape(-1, D)`` of its
+heads —; the outer graph reads no such value), and the only ops that mix tokens are tree attention and the
+scans along the tree paths (backends/scan.py: ``TREE_PATH_OPS``, backends/matrix_scan.py:
+``MATRIX_PATH_OPS``), both reading a token's ancestors only; so the trunk can run on any token subset whose
+ancestors it can see. :func:`split_for_replay` emits three graphs:
+
+- **prefix**: the trunk on the prefix tokens; outputs the frontier (trunk values the outer graph reads),
+  per attention its K and V, and per scan what a tail token reads of its ancestors (a linear or matrix
+  scan's state h, a cumsum's path sum — the scan's output, read at the parent —, a causal conv1d's input
+  x, read at the last W-1 ancestors): the **cached replay nodes**. None costs memory: each is kept for the
+  prefix's own backward anyway;
+- **tail**: the trunk on one chunk of tail tokens; each ``tree_attention_forward`` becomes
+  ``tree_attention_cached_forward`` that also attends the cached K/V (backends/cached.py); each scan runs
+  on the chunk's own paths (``tree_parent`` of the chunk's ``end``) plus the cached values gathered at the
+  chunk tokens' prefix ancestors (``cache_ancestors``: ``Chunk.ancestors``, brcompile/runtime/streaming.py),
+  by ``tree_linear_scan_cached`` / ``tree_cumsum_cached`` / ``tree_causal_conv1d_cached`` (backends/scan.py)
+  and ``tree_matrix_scan_cached`` (backends/matrix_scan.py, the gated delta rule's state):
+  ordinary differentiable ops around the scan, so the cached values' gradients flow back into the prefix
+  as the cached K/V's do. A chunk is made of leaf segments, whose ancestors outside the chunk are all
+  prefix tokens (never another chunk's);
+- **outer**: the packed graph with the trunk replaced by one call of ``replay_trunk`` (a
+  brcompile.runtime.streaming.ReplayTrunk submodule) that returns the frontier at all N tokens.
+
+Nothing here changes what is computed: the outer graph sees the same frontier values, the trunk the same
+per-token inputs, attention the same keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+
+from brcompile.backends.attention_features import (
+    CACHE_POSITION, CACHED_BLOCKS, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail,
+)
+from brcompile.backends.ops import attention_features
+from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
+from brcompile.backends.scan import (
+    TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
+)
+from brcompile.passes.analysis.repack import repack_tokens
+from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, op_name
+from brcompile.passes.refusals import CannotReplay, Code
+from brcompile.passes.emit.check import symbolic_run, token_positions
+from brcompile.passes.analysis.masks import descendants
+from brcompile.passes.meta import WRITTEN_INPUTS
+from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ReplaySplit", "split_for_replay"]
+
+#: Per-token tree arrays of the packed graph that the trunk reads (in the trunk graphs' order).
+_ATTENTION = torch.ops.brcompile.tree_attention_forward.default
+_CONV = torch.ops.brcompile.tree_causal_conv1d.default
+_LINEAR_SCAN = torch.ops.brcompile.tree_linear_scan.default
+_MATRIX_SCAN = torch.ops.brcompile.tree_matrix_scan.default
+_PARENT = torch.ops.brcompile.tree_parent.default
+
+
+@dataclasses.dataclass
+class ReplaySplit:
+    """The three graphs of a streaming split and what explain() shows about it."""
+
+    outer: fx.GraphModule
+    prefix: fx.GraphModule
+    tail: fx.GraphModule
+    ext_inputs: tuple[str, ...]  # outer values passed into the trunk (parameters, tables …)
+    frontier: tuple[tuple[str, int], ...]  # (trunk node, its token dim) read by the outer graph
+    cached: tuple[str, ...]  # attention nodes whose K/V the prefix caches
+    trunk_nodes: int
+    bytes_per_token: int  # bytes per packed token of the trunk's non-view values (a bound on what is saved)
+    cached_scans: tuple[str, ...] = ()  # tree scans whose prefix values the prefix caches (_scan_cache)
+    scan_depth: int = 0  # ancestors a tail token's scans read along its path (the chunks' ``ancestors`` rows)
+    cached_positions: tuple[str, ...] = ()  # attention positions other than the tree's, cached (_cached_positions)
+
+
+def _token_dims(val, n) -> list[int]:
+    """The dims of ``val`` whose size is the packed token count (``n`` = (shape env, N's symbol))."""
+    return [d for d, k in _token_factors(val, n) if k == 1]
+
+
+def _token_factors(val, n) -> list[tuple[int, int]]:
+    """``(dim, k)`` for each dim of ``val`` whose size is ``k·N`` with a constant integer ``k >= 1``: the
+    packed token dim (k = 1) or a token dim flattened with k entries per token (``n`` = (shape env, N's
+    symbol))."""
+    env, sym = n
+    sym = env.simplify(sym)
+    out = []
+    for d, s in enumerate(val.shape):
+        if isinstance(s, torch.SymInt):
+            k = sympy.simplify(env.simplify(s.node.expr) / sym)
+            if k.is_Integer and int(k) >= 1:
+                out.append((d, int(k)))
+    return out
+
+
+def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> ReplaySplit:
+    """Split a packed graph (see module docstring); ``example_args`` are its inputs for one real batch
+    (the original inputs followed by the tree arrays). Raises CannotReplay when the trunk is not a
+    token-local function of the per-token arrays."""
+    ckpt = next((n for n in packed.graph.nodes if n.op == "call_function"
+                 and n.target is torch.ops.higher_order.tag_activation_checkpoint), None)
+    if ckpt is not None:  # the trunk would have to be split inside the checkpoint bodies (not done)
+        raise CannotReplay(Code.STREAMING_CONSTRUCT,
+                           "streaming replay: activation checkpoints in the graph (the packed mode runs, "
+                           "recomputing the checkpoint bodies packed)", ckpt)
+    dense = next((n for n in packed.graph.nodes if n.op == "call_function" and n.target is repack_tokens), None)
+    if dense is not None:  # the dense region runs on every row and position: there is no per-chunk trunk before it
+        raise CannotReplay(Code.STREAMING_CONSTRUCT,
+                           "streaming replay: a dense region is packed again (passes/analysis/repack.py): it runs on the "
+                           "whole [B, L] batch, not per chunk of tokens (the packed mode runs)", dense)
+    written = WRITTEN_INPUTS.get(packed)
+    if written:  # the write would have to be placed in one of the prefix / chunk / outer graphs (not done)
+        ph = [n for n in packed.graph.nodes if n.op == "placeholder"]
+        raise CannotReplay(Code.STREAMING_CONSTRUCT,
+                           f"streaming replay: the graph writes into its input {ph[written[0]].name} in place "
+                           f"(a buffer; the packed mode runs)", ph[written[0]])
+    tree = tree_placeholders(packed)
+    tok_nodes = tree.tokens
+    n_sym = symbolic_run(packed, example_args, token_positions(packed))
+    outer_side = descendants([tree.index]) | {tree.index}
+    token_side = descendants(tok_nodes)
+    trunk = [n for n in packed.graph.nodes if n in token_side and n not in outer_side and n.op != "output"]
+    trunk_set = set(trunk)
+    frontier = [n for n in trunk if any(u not in trunk_set for u in n.users)]
+    _check_autocast_regions(packed, trunk, trunk_set, frontier)
+    scans = [n for n in trunk if n.target in TREE_PATH_OPS or n.target in MATRIX_PATH_OPS]
+    for n in scans:
+        _check_scan(n, tok_nodes)
+    bytes_per_token = 0
+    for n in trunk:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dims = _token_factors(val, n_sym)
+            if not dims and _group_counts(n, n_sym, trunk_set):  # a few numbers per call, none per token
+                continue
+            if len(dims) != 1:
+                raise CannotReplay(Code.STREAMING_FRONTIER,
+                                   f"streaming replay: {n.name} has {len(dims)} packed-token dims "
+                                   f"(shape {tuple(val.shape)}); the trunk must be token-local", n)
+            if val._is_view():  # shares its base's storage: no bytes of its own
+                continue
+            (dim, per), = dims  # k entries per token along a flattened token dim
+            for d, s in enumerate(val.shape):
+                if d != dim:
+                    per *= int(s)
+            bytes_per_token += per * val.element_size()
+    for n in frontier:
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            raise CannotReplay(Code.STREAMING_FRONTIER,
+                               f"streaming replay: the outer graph reads {n.name}, which is not a tensor", n)
+        if not _token_dims(n.meta["val"], n_sym):  # the chunks' outputs are written at their tokens' rows
+            raise CannotReplay(Code.STREAMING_FRONTIER,
+                               f"streaming replay: the outer graph reads {n.name}, whose token dim is flattened "
+                               f"(shape {tuple(n.meta['val'].shape)}) (the packed mode runs)", n)
+    ext = list(dict.fromkeys(a for n in trunk for a in n.all_input_nodes
+                             if a not in trunk_set and a not in tok_nodes))
+    attentions = [n for n in trunk if n.target is _ATTENTION]
+    for a in attentions:
+        if a.args[4] not in (tok_nodes.valid, tok_nodes.all_valid):
+            raise CannotReplay(Code.STREAMING_ATTENTION,
+                               "streaming replay: an attention's key validity is not a tree array", a)
+    dims = tuple(_token_dims(n.meta["val"], n_sym)[0] for n in frontier)
+    positions = _cached_positions(attentions, tok_nodes, trunk_set)
+    prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=False)
+    tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=True)
+    outer = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
+    return ReplaySplit(outer, prefix, tail, tuple(n.name for n in ext),
+                       tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
+                       len(trunk), bytes_per_token, tuple(n.name for n in scans),
+                       max((_scan_depth(n) for n in scans), default=0),
+                       cached_positions=tuple(p.name for p in positions))
+
+
+def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:
+    """Whether ``node`` is the group counts (or offsets) of a MoE block's sort-based dispatch, a token-local
+    region (passes/analysis/rules/moe.py): ``histc`` of the flattened sorted expert keys — one count per expert, no
+    token dim — then casts and ``cumsum`` into the offsets, read by the grouped matmuls of the same region
+    only (no outer-graph user). The analysis accepts a ``histc`` in no other role. Run on a token subset (the
+    prefix, one chunk), the region sorts, counts and multiplies that subset's entries: each entry's result is
+    the same function of its own token as on all N packed tokens, so the trunk stays token-local."""
+    if any(u not in trunk_set for u in node.users):
+        return False
+    seen = 0
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and seen < 8:
+        seen += 1
+        name = op_name(node)
+        if name == "histc":
+            keys = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            return isinstance(keys, torch.Tensor) and len(_token_factors(keys, n_sym)) == 1
+        if name not in GROUP_COUNT_STEPS:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _cached_positions(attentions: Sequence[fx.Node], tok_nodes, trunk_set) -> list[fx.Node]:
+    """The position arguments of the attentions (window, ALiBi, relative bias) that are trunk values other
+    than the tree's positions — BLOOM's ALiBi over ``count(attention_mask)`` at each token —, each once: the
+    prefix outputs them and a chunk's cross pairs read the cached keys' positions from them (the tree's own
+    positions reach the tail as ``cache_position``)."""
+    found = {}
+    for a in attentions:
+        p = attention_features(a.args)["position"]
+        if p is None or p is tok_nodes.position:
+            continue
+        if p not in trunk_set:  # not a per-token value of the trunk: the prefix could not give its cached rows
+            raise CannotReplay(Code.STREAMING_ATTENTION,
+                               f"streaming replay: the attention's positions {p.name} are not computed per token "
+                               f"from the tree arrays (the packed mode runs)", a)
+        found[p] = None
+    return list(found)
+
+
+def _autocast_nodes(packed: fx.GraphModule) -> list[fx.Node]:
+    """The ``_enter_autocast`` / ``_exit_autocast`` calls of the graph (``with torch.autocast(...)`` inside the
+    compiled function), in graph order."""
+    return [n for n in packed.graph.nodes if n.op == "call_function" and n.target in AUTOCAST_REGION]
+
+
+def _check_autocast_regions(packed: fx.GraphModule, trunk: Sequence[fx.Node], trunk_set: set,
+                            frontier: Sequence[fx.Node]) -> None:
+    """An autocast region inside the compiled function streams when the whole trunk lies in one autocast state:
+    no region starts or ends between its first and last node. The outer graph then keeps the ``replay_trunk``
+    call at the trunk's place, inside the same regions (:func:`_outer_graph` emits every autocast call after the
+    trunk's start after the call, with the frontier's readers), so prefix and chunks run in the region's state,
+    and a chunk's re-run in backward restores it (brcompile/runtime/streaming.py ``_autocast_as``). A region
+    boundary inside the trunk, or an outer value computed after such a boundary that the call would have to
+    precede (it does not read the frontier), is refused: the packed mode runs."""
+    marks = _autocast_nodes(packed)
+    if not marks or not trunk:
+        return
+    order = {n: i for i, n in enumerate(packed.graph.nodes)}
+    first, last = order[trunk[0]], order[trunk[-1]]
+    inside = next((m for m in marks if first < order[m] < last), None)
+    if inside is not None:
+        raise CannotReplay(Code.STREAMING_AUTOCAST,
+                           "streaming replay: an autocast region starts or ends inside the token-local part of the "
+                           "graph (its chunks would run in two precisions; the packed mode runs)", inside)
+    later = [m for m in marks if order[m] > last]
+    if not later:
+        return
+    after = descendants(frontier) - trunk_set
+    stray = next((n for n in packed.graph.nodes if order[n] > order[later[0]]
+                  and n.op in ("call_function", "call_method", "call_module")
+                  and n not in after and n not in trunk_set and n.target not in AUTOCAST_REGION), None)
+    if stray is not None:
+        raise CannotReplay(Code.STREAMING_AUTOCAST,
+                           f"streaming replay: {stray.name}, after an autocast region's boundary that follows the "
+                           f"token-local part, does not read it (the packed mode runs)", stray)
+
+
+def _scan_depth(scan: fx.Node) -> int:
+    """How many ancestors along its path a token's value of ``scan`` reads: the parent (the state or path
+    sum there) for a linear or matrix scan or a cumsum, the W-1 previous taps for a causal conv1d of width W."""
+    if scan.target is _CONV:
+        return int(scan.args[1].meta["val"].shape[2]) - 1
+    return 1
+
+
+def _check_scan(scan: fx.Node, tok_nodes) -> None:
+    """A scan the tail graph can run against the cache: its parents are ``tree_parent(end)`` of the tree
+    (the chunk's own ``end`` gives the chunk's local paths)."""
+    parent = scan.args[{_CONV: 3, _LINEAR_SCAN: 2, _MATRIX_SCAN: 2}.get(scan.target, 1)]
+    if not (parent.op == "call_function" and parent.target is _PARENT and parent.args[0] is tok_nodes.end):
+        raise CannotReplay(Code.STREAMING_CONSTRUCT,
+                           "streaming replay: a scan along the tree paths whose parents are not the tree's "
+                           "(the packed mode runs)", scan)
+
+
+def _cached_scan(g: fx.Graph, scan: fx.Node, env: dict, cache: fx.Node, ancestors: fx.Node) -> fx.Node:
+    """``scan`` on a chunk against its cached prefix values (backends/scan.py: ``*_cached``,
+    backends/matrix_scan.py: ``tree_matrix_scan_cached``)."""
+    args = tuple(env[a] if isinstance(a, fx.Node) else a for a in scan.args)
+    if scan.target is _CONV:
+        x, w, b, parent = args[:4]
+        impl = args[4] if len(args) > 4 else "auto"
+        return g.call_function(tree_causal_conv1d_cached, (x, w, b, parent, impl, cache, ancestors))
+    if scan.target is _LINEAR_SCAN:
+        a, b, parent, dim = args[:4]
+        impl = args[4] if len(args) > 4 else "auto"
+        return g.call_function(tree_linear_scan_cached, (a, b, parent, dim, impl, cache, ancestors))
+    if scan.target is _MATRIX_SCAN:
+        M, b, parent, dim = args[:4]
+        impl = args[4] if len(args) > 4 else "auto"
+        return g.call_function(tree_matrix_scan_cached, (M, b, parent, dim, impl, cache, ancestors))
+    x, parent, dim = args
+    return g.call_function(tree_cumsum_cached, (x, parent, dim, cache, ancestors))
+
+
+def _scan_cache(scan: fx.Node) -> fx.Node:
+    """The prefix value a scan's tail tokens read: a conv's input x (its taps), a linear or matrix scan's
+    state h or a cumsum's path sum (the scan's output at the parent; for the matrix scan ``[.., P, .., d,
+    e]``, the delta rule's per-head ``[dk, dv]`` state at every prefix token, of which a chunk reads the rows
+    at its roots' parents)."""
+    return scan.args[0] if scan.target is _CONV else scan
+
+
+def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, *,
+                 cached: bool) -> fx.GraphModule:
+    """The trunk as a graph of (*ext, *token arrays[, *cache, cache_valid, cache_all_valid, cross,
+    cache_position, cache_ancestors]); the cache is every attention's K and V, then one value per scan, then
+    the attentions' ``positions`` that are not the tree's (:func:`_cached_positions`)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in ext:
+        env[n] = g.placeholder(f"ext_{n.name}")
+    for n, name in zip(tok_nodes, TOKEN_ARRAYS):
+        env[n] = g.placeholder(f"tree_{name}")
+    if cached:
+        cache = {a: (g.placeholder(f"cache_k_{a.name}"), g.placeholder(f"cache_v_{a.name}")) for a in attentions}
+        scan_cache = {n: g.placeholder(f"cache_{n.name}") for n in scans}
+        pos_cache = {p: g.placeholder(f"cache_pos_{p.name}") for p in positions}
+        cache_valid = {tok_nodes.valid: g.placeholder("cache_valid"),
+                       tok_nodes.all_valid: g.placeholder("cache_all_valid")}
+        cross = g.placeholder("cross")
+        cache_position = g.placeholder("cache_position")
+        ancestors = g.placeholder("cache_ancestors")
+    for n in trunk:
+        if cached and n in scan_cache:
+            new = _cached_scan(g, n, env, scan_cache[n], ancestors)
+        elif cached and n.target is _ATTENTION:
+            new = _cached_attention(g, n, env, cache[n], cache_valid, cross, _cache_positions(
+                n, tok_nodes, cache_position, pos_cache))
+        else:
+            new = g.node_copy(n, lambda a: env[a])
+        new.meta.update(n.meta)
+        env[n] = new
+    outs = [env[n] for n in frontier]
+    if not cached:
+        outs += [env[x] for a in attentions for x in (a.args[1], a.args[2])]
+        outs += [env[_scan_cache(n)] for n in scans]
+        outs += [env[p] for p in positions]
+    g.output(tuple(outs))
+    g.lint()
+    gm = fx.GraphModule(packed, g, class_name="ReplayTail" if cached else "ReplayPrefix")
+    gm.recompile()
+    return gm
+
+
+def _cache_positions(n: fx.Node, tok_nodes, cache_position: fx.Node, pos_cache: dict):
+    """The cached keys' positions of the packed attention ``n`` (None without positions): the tree's
+    (``cache_position``) when it reads the tree's positions, else the prefix's value of its position node."""
+    position = attention_features(n.args)["position"]
+    if position is None:
+        return None
+    return cache_position if position is tok_nodes.position else pos_cache[position]
+
+
+def _cached_attention(g: fx.Graph, n: fx.Node, env: dict, kv_cache: tuple, cache_valid: dict, cross: fx.Node,
+                      cpos) -> fx.Node:
+    """The tail's ``tree_attention_cached_forward`` for the packed attention ``n``: the chunk's own arguments,
+    the cached K/V ``kv_cache``, its validity and cross rows, then ``n``'s features by name (the graph values
+    mapped into the tail) with the cache's positions ``cpos``, in the cached op's blocks."""
+    q, k, v, end, valid, segments, scale, impl = n.args[:FORWARD_FEATURES_AT]
+    kc, vc = kv_cache
+    args = (env[q], env[k], env[v], env[end], env[valid], env[segments], kc, vc, cache_valid[valid], cross,
+            scale, impl)
+    features = {name: env[x] if isinstance(x, fx.Node) else x for name, x in attention_features(n.args).items()}
+    features[CACHE_POSITION.name] = cpos
+    return g.call_function(torch.ops.brcompile.tree_attention_cached_forward.default,
+                           args + feature_tail(features, CACHED_FEATURES, CACHED_BLOCKS))
+
+
+def _fetch(mod: torch.nn.Module, target: str):
+    for part in target.split("."):
+        mod = getattr(mod, part)
+    return mod
+
+
+def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> fx.GraphModule:
+    """The packed graph with the trunk replaced by ``replay_trunk(*ext, *token arrays)``; nodes that
+    read the frontier are emitted after the call, all others (ext inputs among them) before it."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    after = descendants(frontier) - trunk_set
+    marks = _autocast_nodes(packed)
+    if trunk_set and marks:  # autocast boundaries after the trunk's start stay after the call (_check_autocast_regions)
+        start = next(n for n in packed.graph.nodes if n in trunk_set)
+        order = {n: i for i, n in enumerate(packed.graph.nodes)}
+        after |= {m for m in marks if order[m] > order[start]}
+    nodes = [n for n in packed.graph.nodes if n not in trunk_set and n.op != "output"]
+    for n in nodes:
+        if n not in after:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    call = g.call_module("replay_trunk", tuple(env[n] for n in ext) + tuple(env[n] for n in tok_nodes))
+    for i, n in enumerate(frontier):
+        env[n] = g.call_function(operator.getitem, (call, i))
+    for n in nodes:
+        if n in after:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    out = next(n for n in packed.graph.nodes if n.op == "output")
+    g.output(fx.node.map_arg(out.args[0], lambda a: env[a]))
+    g.lint()
+    root: dict[str, Any] = {"replay_trunk": torch.nn.Identity()}  # replaced by brcompile.runtime.streaming.ReplayTrunk
+    for n in g.nodes:
+        if n.op in ("get_attr", "call_module") and n.target != "replay_trunk":
+            root[n.target] = _fetch(packed, n.target)
+    gm = fx.GraphModule(root, g, class_name="ReplayOuter")
+    gm.recompile()
+    return gm
