@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from brcompile.passes import canonicalize as eager_attention
 from brcompile.passes import checkpoint as checkpoints
-from brcompile.passes import delta_rule, input_masks, linear_scans, masks as masks_mod, pack, ssd_scans
+from brcompile.passes import delta_rule, input_masks, linear_scans, masks as masks_mod, pack, splits, ssd_scans
 from brcompile.passes.axes import AxesContext, CannotReplay, NothingToShare, example_value, hint, propagate
 from brcompile.passes.check import check_packed_graph
 from brcompile.passes.decode import decode_against_cache
@@ -132,10 +132,12 @@ def lower(state: PipelineState) -> None:
 
 def functionalise(state: PipelineState) -> None:
     """A copy of the graph (later stages insert nodes; the user's graph stays as it is), checkpoint bodies
-    inlined and tagged (the emitter outlines them again), in-place ops and writes into views made pure."""
+    inlined and tagged (the emitter outlines them again), in-place ops and writes into views made pure, the
+    whole piece of a split read as its input (passes/splits.py)."""
     gm = copy_graph_module(state.gm)
     gm = checkpoints.inline_checkpoints(gm)
     state.gm = functionalize(gm)
+    splits.drop_identity_splits(state.gm)
 
 
 def canonicalise_attention(state: PipelineState) -> None:
