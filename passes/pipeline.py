@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from brcompile.passes import probe
 from brcompile.passes.canonical import attention as eager_attention
-from brcompile.passes.lower import checkpoint as checkpoints
+from brcompile.passes.lower import checkpoint as checkpoints, splits
 from brcompile.passes.canonical.scans import delta_rule, linear as linear_scans, ssd as ssd_scans
 from brcompile.passes.analysis import input_masks, mask_stage, masks as masks_mod
 from brcompile.passes.analysis import tree_inputs as inputs
@@ -137,10 +137,12 @@ def lower(state: PipelineState) -> None:
 
 def functionalise(state: PipelineState) -> None:
     """A copy of the graph (later stages insert nodes; the user's graph stays as it is), checkpoint bodies
-    inlined and tagged (the emitter outlines them again), in-place ops and writes into views made pure."""
+    inlined and tagged (the emitter outlines them again), in-place ops and writes into views made pure, the
+    whole piece of a split read as its input (passes/lower/splits.py)."""
     gm = copy_graph_module(state.gm)
     gm = checkpoints.inline_checkpoints(gm)
     state.gm = functionalize(gm)
+    splits.drop_identity_splits(state.gm)
 
 
 def canonicalise_attention(state: PipelineState) -> None:
