@@ -16,7 +16,7 @@ Node facts:
 * :data:`CANONICAL` — what an attention node was canonicalised from (passes/canonical/attention/).
 * :data:`SOFTCAP` — the logit soft-cap of a canonical attention (passes/canonical/attention/).
 * :data:`RELBIAS_ZERO` / :data:`RELBIAS_SOURCE` — a relative bias's zero fill and its classified source
-  (passes/canonical/attention/, passes/analysis/masks.py).
+  (passes/canonical/attention/, passes/analysis/masks/).
 * :data:`FUSED` / :data:`FUSED_COVERS` — a fused log-prob node's description and the nodes it replaces
   (passes/emit/fuse_logprob.py).
 
@@ -154,7 +154,7 @@ attention emitter when it packs the table.""")
 
 RELBIAS_SOURCE = NodeFact("br_relbias_source", """Where a relative bias comes from, as
 ``masks.classify`` found it (the proof that the bias is a function of the query-key distance). Written by
-passes/canonical/attention/; read by passes/analysis/masks.py.""")
+passes/canonical/attention/; read by passes/analysis/masks/.""")
 
 FUSED = NodeFact("br_fused", """A one-line description of a fused log-prob node (passes/emit/fuse_logprob.py);
 read by brcompile/backend.py into the explain report.""")

@@ -211,7 +211,7 @@ def tree_inputs(state: PipelineState) -> None:
 
 
 def masks(state: PipelineState) -> None:
-    """Every attention's mask classified on probes of its [B, L] keys (passes/analysis/masks.py): causal, key padding,
+    """Every attention's mask classified on probes of its [B, L] keys (passes/analysis/masks/): causal, key padding,
     padding-free sequences, windows, ALiBi; one key-padding input for all of them."""
     gm = state.gm
     # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with

@@ -329,6 +329,13 @@ RANDOM_NAME_PARTS = ("rand", "bernoulli", "normal", "multinomial", "dropout", "p
                      "cauchy", "geometric")
 
 
+#: split / chunk spellings (passes/lower/splits.py) (functions and Tensor methods) -> their kind
+SPLITS: dict[Any, str] = {
+    torch.tensor_split: "tensor_split", "tensor_split": "tensor_split",
+    torch.split: "split", torch.Tensor.split: "split", "split": "split",
+    torch.chunk: "chunk", "chunk": "chunk",
+}
+
 _FAMILY_OF: dict[Any, str] = {}
 for _family, _targets in FAMILIES.items():
     for _t in _targets:

@@ -26,15 +26,10 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from brcompile.passes.analysis.axes import example_value
+from brcompile.passes.spellings import SPLITS
 
-__all__ = ["SPLITS", "drop_identity_splits", "whole_piece"]
+__all__ = ["drop_identity_splits", "whole_piece"]
 
-#: split/chunk spellings (functions and Tensor methods) -> their kind
-SPLITS: dict[Any, str] = {
-    torch.tensor_split: "tensor_split", "tensor_split": "tensor_split",
-    torch.split: "split", torch.Tensor.split: "split", "split": "split",
-    torch.chunk: "chunk", "chunk": "chunk",
-}
 _SIZE_KWARGS = ("indices_or_sections", "indices", "sections", "tensor_indices_or_sections",
                 "split_size_or_sections", "split_size", "split_sizes", "chunks")
 

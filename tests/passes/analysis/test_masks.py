@@ -1,4 +1,4 @@
-"""Mask classification (passes/analysis/masks.py): meanings read off small probe batches, never the real B·L².
+"""Mask classification (passes/analysis/masks/): meanings read off small probe batches, never the real B·L².
 
 Every end-to-end case compares the loss and all parameter gradients with the eager original in float64
 and asserts through ``brcompile.stats()`` that the rewrite ran (or fell back with the expected reason).
@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import brcompile
+from brcompile.passes import probe
 from brcompile.passes.analysis import masks
 from brcompile.testing import assert_exact
 from tests.helpers import exact_over_batches
@@ -126,7 +127,8 @@ def test_unprobeable_constant_bounds_the_lengths_by_a_guard(monkeypatch):
     """A window constant too large to probe (rows·L² over MAX_PROBE_ELEMENTS, lowered here to 4096) bounds
     the proven lengths: the dynamic graph replays below it, and the per-call guard (O(1), a length check)
     runs the original graph above it, saying why."""
-    monkeypatch.setattr(masks, "MAX_PROBE_ELEMENTS", 4096)
+    for module in (masks.values, masks.probes, masks.meaning):  # every reader of the bound
+        monkeypatch.setattr(module, "MAX_PROBE_ELEMENTS", 4096)
     big = 70  # (70 + 2)^2 > 4096
     model = MaskLM(window=big).double()
     batches = [shared_batch(4, 6, 3, seed=1), shared_batch(4, 9, 5, seed=2), shared_batch(4, 70, 8, seed=3)]
@@ -355,7 +357,7 @@ def test_mask_that_follows_the_tokens_is_refused_by_name():
 def test_sequence_positions_are_well_formed():
     g = torch.Generator().manual_seed(0)
     for p in masks.SEQUENCE_PATTERNS:
-        pos = masks.sequence_positions(3, 17, p, g)
+        pos = probe.sequence_positions(3, 17, p, g)
         assert (pos[:, 0] == 0).all() and ((pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)).all()
 
 
@@ -417,7 +419,7 @@ def test_trainable_bias_is_refused_naming_its_kind(bias, reason):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_trainable_alibi_slopes_replay_exactly(dynamic):
     """ALiBi with learned slopes ``m[h] * (k - q)``, ``m`` a parameter: the slopes node is tree attention's
-    differentiable ``slopes`` (masks._trainable_alibi), so the loss and every gradient, the slopes' included, are
+    differentiable ``slopes`` (masks.alibi._trainable_alibi), so the loss and every gradient, the slopes' included, are
     exact, with key padding, at one length and (dynamic) at two."""
     model = BiasLM("slopes").double()
     batches = [shared_batch(3, 5, 4, right_pad=2)] + ([shared_batch(4, 7, 3, seed=2, right_pad=1)] if dynamic else [])

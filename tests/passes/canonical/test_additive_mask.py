@@ -1,4 +1,4 @@
-"""Additive float masks passed to ``F.scaled_dot_product_attention``'s ``attn_mask`` (passes/analysis/masks.py, Float masks).
+"""Additive float masks passed to ``F.scaled_dot_product_attention``'s ``attn_mask`` (passes/analysis/masks/, Float masks).
 
 A [B | 1, 1, L, L] float mask holding 0 where a key is visible and a blocking value (at most ``masks.BLOCKING``:
 ``-1e9``, ``finfo.min``, ``-inf``) elsewhere, built from a causal pattern and key padding in any order, added or

@@ -1,5 +1,5 @@
 """The canonicalisation's relative bias (passes/canonical/attention/ ``_relative_bias``) and its proof on the mask
-probes (passes/analysis/masks.py, the table a free random value), on hand-written models in float64.
+probes (passes/analysis/masks/, the table a free random value), on hand-written models in float64.
 
 A bias ``gather(T, -1, idx)`` of a per-query table ``T = linear(h)`` [B, H, L, E] of the query token:
 
