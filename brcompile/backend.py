@@ -67,7 +67,7 @@ class Options:
         (replay for a batch whose packed activations are estimated above ``memory_budget``).
     memory_budget: bytes of activations "auto" allows the packed mode (required for "auto").
     chunk_tokens: most tail tokens per replay chunk (a single longer leaf chain is a chunk of its own).
-    liveness: leave the positions no output of the graph needs out of the tree (docs/ARCHITECTURE.md §3.9):
+    liveness: leave the positions no output of the graph needs out of the tree (docs/ARCHITECTURE.md §3.8):
         a position whose loss weight is 0 (a per-call mask multiplies it, a ``where`` replaces it, a slice
         drops it) and that no live query attends is computed by nobody. The loss and every gradient equal
         the dense run's whenever the dense values at those positions are finite.

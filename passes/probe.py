@@ -3,8 +3,8 @@
 Several passes decide what a region of the analysed graph computes by running it at compile time on small
 synthetic values and comparing with what the property predicts: the mask classification (:mod:`.masks`,
 :mod:`.input_masks`), the re-packing of dense causal regions (:mod:`.repack`), the affine scans
-(:mod:`.linear_scans`), the chunked state-space scans (:mod:`.ssd_scans`) and the gated delta rule
-(:mod:`.delta_rule`). This module is the one place they share for that:
+(:mod:`.canonical.scans.linear`), the chunked state-space scans (:mod:`.canonical.scans.ssd`) and the gated delta rule
+(:mod:`.canonical.scans.delta_rule`). This module is the one place they share for that:
 
 * **regions** — :func:`ancestors` (the nodes a value depends on, stopping at a boundary) and
   :func:`region_module` (a list of nodes between given inputs and outputs copied into a graph module of its own);
@@ -68,7 +68,7 @@ def region_module(inputs: Sequence[fx.Node], nodes: Iterable[fx.Node], outputs: 
     """The region ``nodes`` (in graph order, reading only ``inputs`` and each other) as a graph module of its own:
     placeholders ``{prefix}0, {prefix}1, ...`` for ``inputs`` in their order, a copy of every node, and ``outputs``
     (a node, or a tuple or list of nodes) returned. ``transform`` may edit each copy in place (the float64 copy of
-    :mod:`.delta_rule`). The module has no attributes: a ``get_attr`` in the region fails when it runs."""
+    :mod:`.canonical.scans.delta_rule`). The module has no attributes: a ``get_attr`` in the region fails when it runs."""
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {a: sub.placeholder(f"{prefix}{i}") for i, a in enumerate(inputs)}
     for n in nodes:
@@ -291,8 +291,8 @@ class Tolerance:
         return max(rel, self.ulps * fi.eps * max(scale, fi.tiny))
 
 
-#: Relative agreement of a float64 probe of a recurrence with its formula (:mod:`.linear_scans`,
-#: :mod:`.ssd_scans`, :mod:`.delta_rule`): reassociating a short float64 recurrence moves it by ~1e-15, a
+#: Relative agreement of a float64 probe of a recurrence with its formula (:mod:`.canonical.scans.linear`,
+#: :mod:`.canonical.scans.ssd`, :mod:`.canonical.scans.delta_rule`): reassociating a short float64 recurrence moves it by ~1e-15, a
 #: different function by far more than 1e-9 of its scale (at least 1).
 RECURRENCE = Tolerance(relative=1e-9)
 #: A few rounding steps of the largest entry (:mod:`.repack`'s rolled rows, :mod:`.masks`' ALiBi fit): a row moved

@@ -3,8 +3,9 @@
 ``brcompile.backend(dump_dir="dumps")`` (or ``torch.compile(..., options={"dump_dir": "dumps"})`` with the
 entry-point backend) writes, per captured graph ``k`` (numbered per process and directory):
 
-* ``graph_k_before.py`` — the captured (Dynamo) graph's code, a header saying whether it was rewritten or
-  why it fell back, and every node's token fact (``node.meta["br_axes"]``) with its shape;
+* ``graph_k_before.py`` — the graph the analysis read (for a rewritten graph: the captured graph as the
+  pipeline's lowering and canonicalising stages left it; for a refused one: the graph of the refusing level), a
+  header saying whether it was rewritten or why it fell back, and every node's token fact (``node.meta["br_axes"]``) with its shape;
 * ``graph_k_after.py`` — the packed graph's code and, per node, the original node it came from
   (``node.meta["from_node"]``) and that node's fact (rewritten graphs only);
 * ``graph_k_before.dot`` / ``graph_k_after.dot`` — the data-flow graphs for Graphviz, nodes coloured by

@@ -365,7 +365,7 @@ def dense_fallback(ctx: AxesContext, node: fx.Node, reason: str) -> TokenAxes:
 def _register_state_changes() -> None:
     """functorch's level changes (``torch.vmap`` / ``jvp`` traced inline, as Dynamo records
     ``associative_scan``'s reference implementation) have no users but change how the ops between them
-    run: dead-code elimination (FX's and :mod:`.canonicalize`'s) must keep them."""
+    run: dead-code elimination (FX's and the canonicaliser's, passes/canonical/attention/) must keep them."""
     from torch._functorch import predispatch
 
     for name in ("_vmap_increment_nesting", "_vmap_decrement_nesting", "_jvp_increment_nesting",

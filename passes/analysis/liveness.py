@@ -1,4 +1,4 @@
-"""Live positions: which ``[B, L]`` positions a graph's outputs read, decided per call (docs/ARCHITECTURE.md §3.9).
+"""Live positions: which ``[B, L]`` positions a graph's outputs read, decided per call (docs/ARCHITECTURE.md §3.8).
 
 A position ``(b, t)`` is **live** when its packed values can reach a graph output other than through
 

@@ -1,4 +1,4 @@
-"""Dense causal regions, packed again (docs/ARCHITECTURE.md §3.4, "re-packing").
+"""Dense causal regions, packed again (docs/ARCHITECTURE.md §3.6, "Dense regions, packed again").
 
 An op with no token-axis rule hands its TOKEN operands to the dense side (:func:`axes.dense_fallback`),
 and everything computed from there on is DENSE. Before this pass, one such op (a RoBERTa ``cumsum`` of

@@ -1,4 +1,4 @@
-"""Activation checkpointing inside a captured graph (docs/ARCHITECTURE.md §3.6, "Checkpoint bodies").
+"""Activation checkpointing inside a captured graph (docs/ARCHITECTURE.md §3.1: inlined; §3.9: outlined again).
 
 ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)`` (and HF's
 ``gradient_checkpointing_enable``) is captured by Dynamo as

@@ -1,4 +1,4 @@
-"""Activation checkpointing inside the compiled graph (passes/lower/checkpoint.py, docs/ARCHITECTURE.md §3.6).
+"""Activation checkpointing inside the compiled graph (passes/lower/checkpoint.py, docs/ARCHITECTURE.md §3.1 and §3.9).
 
 ``torch.utils.checkpoint.checkpoint(layer, ..., use_reentrant=False)`` and HF's ``gradient_checkpointing_enable``
 are captured as ``tag_activation_checkpoint`` calls whose bodies hold the attentions. The rewrite analyses the

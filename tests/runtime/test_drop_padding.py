@@ -1,4 +1,4 @@
-"""Positions left out of the prefix tree (docs/ARCHITECTURE.md §4, "Left-out positions"; §3.9).
+"""Positions left out of the prefix tree (docs/ARCHITECTURE.md §4, "Left-out positions"; §3.8).
 
 Three layers:
 

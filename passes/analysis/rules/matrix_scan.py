@@ -1,11 +1,11 @@
-"""The matrix-affine recurrence along the token axis: ``matrix_scan(M, b, dim)`` (docs/ARCHITECTURE.md §3.4).
+"""The matrix-affine recurrence along the token axis: ``matrix_scan(M, b, dim)`` (docs/ARCHITECTURE.md §3.6).
 
 ``matrix_scan(M [..., d, d], b [..., d, e], dim)`` is ``h_t = M_t @ h_{t-1} + b_t`` along batch dim ``dim``
 (``h_{-1} = 0``) — what passes/canonical/scans/delta_rule.py makes of a chunked gated delta rule. Along the position dim of
 TOKEN operands the dense value at (b, t) is the recurrence over columns 0..t of row b, i.e. over the tree path
 of node ``index[b, t]`` (the rows holding a node agree on every column before it, §4): TOKEN, computed by
 ``brcompile::tree_matrix_scan(M, b, tree_parent(end), pos, impl)`` (``impl``: the backend's ``scan`` option).
-Causal and row-independent: the invariant of §3.4 holds. Anything else (another dim, operands of different
+Causal and row-independent: the invariant of docs/ARCHITECTURE.md §3.6 holds. Anything else (another dim, operands of different
 layouts, a sliced or dense operand, a padding-free batch) is a dense fallback naming what failed;
 ``drop_padding`` is refused (a kept token's path skips the padding the dense recurrence reads), as for the
 other tree scans (passes/analysis/rules/scan.py).

@@ -1,11 +1,11 @@
 """Causal scans along the token axis: ``cumsum``, the causal depthwise ``conv1d`` and the first-order linear
-recurrence ``linear_scan`` (docs/ARCHITECTURE.md §3.4).
+recurrence ``linear_scan`` (docs/ARCHITECTURE.md §3.6).
 
 A scan along the position dim of a TOKEN value reads the earlier positions of its row. A token's earlier
 positions in every row that holds it are its ancestors in the prefix tree (§4: the rows holding node k agree
 on every column before k's), so the dense scan at ``(b, t)`` is a function of the path from the root to
 ``index[b, t]`` — the same for every (b, t) of node k — and the packed graph computes it along the paths
-(``backends/scan.py``). Causal and row-independent: the invariant of §3.4 holds.
+(``backends/scan.py``). Causal and row-independent: the invariant of docs/ARCHITECTURE.md §3.6 holds.
 
 * ``cumsum(x, dim=pos)`` (any spelling; ``dtype=`` and the int64 promotion of integer inputs kept) →
   ``brcompile::tree_cumsum(x, parent, pos)``: ``out[k] = sum of x over k's ancestors-or-self``. A TOKEN

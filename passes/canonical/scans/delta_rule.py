@@ -1,4 +1,4 @@
-"""The chunked gated delta rule as one ``matrix_scan``, before the analysis (docs/ARCHITECTURE.md §3.4).
+"""The chunked gated delta rule as one ``matrix_scan``, before the analysis (docs/ARCHITECTURE.md §3.3).
 
 The gated delta rule keeps a state ``S_t [dk, dv]`` per head. With a scalar gate ``g [B, H, L]`` (Qwen3-Next's
 gated DeltaNet, Qwen3.5, OLMo-hybrid):

@@ -1,4 +1,4 @@
-"""Associative scans of affine maps as one ``linear_scan`` node, before the analysis (docs/ARCHITECTURE.md §3.4).
+"""Associative scans of affine maps as one ``linear_scan`` node, before the analysis (docs/ARCHITECTURE.md §3.3).
 
 ``torch._higher_order_ops.associative_scan(combine_fn, (a, b), dim)`` with the combine of two affine maps
 

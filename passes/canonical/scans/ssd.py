@@ -1,4 +1,4 @@
-"""Mamba-2's chunked state-space dual (SSD) as one ``linear_scan``, before the analysis (docs/ARCHITECTURE.md §3.4).
+"""Mamba-2's chunked state-space dual (SSD) as one ``linear_scan``, before the analysis (docs/ARCHITECTURE.md §3.3).
 
 A Mamba-2 mixer (HF ``mamba2_chunk_scan`` / ``Mamba2Mixer.torch_forward``, copied into Bamba, Nemotron-H,
 Zamba2, FalconH1, GraniteMoeHybrid) computes, per row, head h, head channel p and state channel n, the
