@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from brcompile.backends.ops import tree_attention
+from brcompile.backends.attention.op import tree_attention
 
 
 def prompt_tails_tree(p: int, g: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

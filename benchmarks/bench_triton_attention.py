@@ -9,7 +9,7 @@ One prompt of P tokens and G rollouts of T tokens each (GRPO-style group), Hq/Hk
           batch [G, Hq, P+T, D] (each row recomputes the prompt).
 
 FLOPs are visible-pair FLOPs: forward 4*D*Hq per visible (query, key) pair, backward 10*D*Hq (the
-formulas registered in brcompile.backends.ops). TFLOP/s of each method counts its own pairs (the tree's
+formulas registered in brcompile.backends.attention.op). TFLOP/s of each method counts its own pairs (the tree's
 for tree and flex, G*L(L+1)/2 for sdpa) and is set against a measured bf16 matmul peak. "tree speedup" is
 the method's fwd+bwd time over the tree kernel's.
 
@@ -222,7 +222,7 @@ def check_small_case(device, length: int = 700, dtypes=((torch.float32, 1e-4), (
                      variants=CHECK_VARIANTS, flex: bool = True) -> list[str]:
     """Kernels (fp32 and bf16; with and without a sliding window, soft-capping and a relative bias) and Flex's
     mask vs the float64 reference on a nested, padded tree."""
-    from brcompile.backends.reference import reference_backward, reference_forward
+    from brcompile.backends.attention.reference import reference_backward, reference_forward
     from brcompile.backends.triton import tree_attention_backward, tree_attention_forward
 
     end, valid, segments, position = small_nested_tree(device, length)

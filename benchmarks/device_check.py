@@ -178,7 +178,7 @@ def run_op(tree, impl: str, leaves: dict, options: dict, dout: torch.Tensor, dty
            backward: bool) -> dict:
     """{name: tensor}: the op's output ("out") and, with ``backward``, the gradient of every leaf, for ``impl``
     with the leaves cast to ``dtype`` (the slopes stay float64: the op reads them in its accumulation dtype)."""
-    from brcompile.backends.ops import tree_attention
+    from brcompile.backends.attention.op import tree_attention
 
     xs = {k: (v if k == "slopes" else v.to(dtype)).detach().requires_grad_(backward) for k, v in leaves.items()}
     with torch.set_grad_enabled(backward):
@@ -244,7 +244,7 @@ def grpo_tree(p: int, g: int, t: int, device: torch.device):
 
 def tree_step(impl: str, tree_arrays, q, k, v, dout) -> Callable[[], None]:
     """Forward + backward of the tree-attention op with ``impl`` on packed q [Hq, N, D], k/v [Hkv, N, D]."""
-    from brcompile.backends.ops import tree_attention
+    from brcompile.backends.attention.op import tree_attention
 
     def step():
         out = tree_attention(q, k, v, tree_arrays, impl=impl)

@@ -827,7 +827,7 @@ def main(argv=None) -> int:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as MAPPING
 
         import brcompile  # noqa: F401  (imported once, before the children fork)
-        import brcompile.backends.ops  # noqa: F401
+        import brcompile.backends.attention.op  # noqa: F401
         import brcompile.testing  # noqa: F401
         import examples.grpo  # noqa: F401
 

@@ -48,7 +48,7 @@ class Options:
 
     min_dedup: run the original graph for a batch whose logical/executed token ratio is below this.
     attention: tree-attention implementation: "auto" (triton on CUDA, cpu otherwise), "cpu",
-        "reference", "triton", "flex" (torch's FlexAttention, backends/flex.py: CUDA forward and backward; on
+        "reference", "triton", "flex" (torch's FlexAttention, backends/attention/flex.py: CUDA forward and backward; on
         CPU forward only, so a CPU graph captured with grad enabled is refused and runs as captured).
     scan: implementation of the scans along the tree paths (``brcompile::tree_linear_scan``, Mamba's
         selective scan, ``tree_causal_conv1d``, its short conv, and ``tree_matrix_scan``, the gated delta
@@ -178,7 +178,7 @@ class BranchReplayBackend:
         opts = self.options
         if options:
             opts = Options.from_dict({**dataclasses.asdict(self.options), **options})
-        import brcompile.backends.ops  # noqa: F401  (registers brcompile::tree_attention)
+        import brcompile.backends.attention.op  # noqa: F401  (registers brcompile::tree_attention)
 
         gid = len(self.records)
         original = gm.forward
@@ -327,7 +327,7 @@ class BranchReplayBackend:
     def _streaming(self, packed: fx.GraphModule, example_args, opts: Options):
         """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/emit/split.py).
         ``example_args``: the packed graph's inputs for the example batch (:func:`_packed_example_args`)."""
-        from brcompile.backends import cached  # noqa: F401  (registers tree_attention_cached_forward)
+        from brcompile.backends.attention import cached  # noqa: F401  (registers tree_attention_cached_forward)
         from brcompile.passes.emit.split import split_for_replay
         from brcompile.runtime.streaming import ReplayTrunk, TrunkGraphs
 

@@ -276,7 +276,7 @@ def emit(state: PipelineState) -> None:
     """The packed graph (passes/emit/pack.py): TOKEN values once per tree node, fused log-probs
     (passes/emit/fuse_logprob.py); positions left out of the tree as the live-position plan allows, narrowed to
     prefix-only, then to none, when an op refuses them (:func:`build_with_liveness`)."""
-    import brcompile.backends.ops  # noqa: F401  (registers the brcompile ops the packed graph calls)
+    import brcompile.backends.attention.op  # noqa: F401  (registers the brcompile ops the packed graph calls)
 
     state.packed = build_with_liveness(state.analysis, state.config)
 
@@ -414,8 +414,8 @@ def check_attention_support(packed: fx.GraphModule, example_inputs, attention: s
     attention needs (a sliding window, logit soft-capping, ALiBi, a relative bias), or, for a graph captured with
     grad enabled (``training``), a backward there (``attention="flex"`` on CPU): the original graph runs, with
     the reason. Attention sinks need no support: the op applies them around every impl."""
-    from brcompile.backends.attention_features import needs_support
-    from brcompile.backends.ops import AttentionImplError, attention_features, check_impl_supports, get_attention_impl
+    from brcompile.backends.attention.features import needs_support
+    from brcompile.backends.attention.op import AttentionImplError, attention_features, check_impl_supports, get_attention_impl
 
     device = _device_of(example_inputs)
     for n in packed.graph.nodes:

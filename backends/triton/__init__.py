@@ -1,6 +1,6 @@
 """Triton tree-attention kernels (GPU; on CPU with TRITON_INTERPRET=1). Registers impl ``"triton"``.
 
-``brcompile.backends.ops`` imports this package when ``impl="triton"`` (or ``"auto"`` on CUDA) is first
+``brcompile.backends.attention.op`` imports this package when ``impl="triton"`` (or ``"auto"`` on CUDA) is first
 requested; importing it registers ``AttentionImpl("triton", forward=tree_attention_forward,
 backward=tree_attention_backward, supports_window=True, supports_softcap=True, supports_alibi=True,
 supports_relbias=True, supports_alibi_grad=True)`` (both take a ``TreeAttentionArgs``): sliding windows over tree
@@ -20,7 +20,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "triton>=3.6); use impl='cpu' or impl='reference' without it"
     ) from e
 
-from brcompile.backends.ops import AttentionImpl, register_attention_impl
+from brcompile.backends.attention.op import AttentionImpl, register_attention_impl
 
 from .tree_attention import *  # noqa: F401,F403  (the package re-exports the module's public names)
 from .tree_attention import __all__, is_interpreter, tree_attention_backward, tree_attention_forward

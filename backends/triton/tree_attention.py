@@ -86,7 +86,7 @@ import torch
 import triton
 import triton.language as tl
 
-from brcompile.backends.ops import TreeAttentionArgs, attention_backward, attention_forward
+from brcompile.backends.attention.op import TreeAttentionArgs, attention_backward, attention_forward
 
 log = logging.getLogger(__name__)
 
@@ -1033,7 +1033,7 @@ def tree_attention_forward(a: TreeAttentionArgs, *, config: LaunchConfig | None 
     ``a.alibi`` (slopes m[Hq]) adds ``m[h] * (position[k] - position[q])`` to them, ``a.relbias`` (R [Hq, N, E])
     ``R[h, q, min(position[q] - position[k], E - 1)]``.
     Also callable as ``tree_attention_forward(q, k, v, end, valid, segments, scale, window=0, position=None,
-    softcap=0.0, *, config=None)`` (:func:`brcompile.backends.ops.attention_forward`).
+    softcap=0.0, *, config=None)`` (:func:`brcompile.backends.attention.op.attention_forward`).
     """
     _check_inputs(a)
     q, k, v, end, valid, segments = a.q, a.k, a.v, *a.tree
@@ -1156,7 +1156,7 @@ class TreeAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: q [Hq, N, D], k/v [Hkv, N, D], tree arrays -> out [Hq, N, D] (lse not differentiable).
 
     For standalone use and benchmarks; the graph rewrite calls ``torch.ops.brcompile.tree_attention``,
-    whose autograd lives in ``brcompile.backends.ops``.
+    whose autograd lives in ``brcompile.backends.attention.op``.
     """
 
     @staticmethod

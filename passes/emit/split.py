@@ -21,7 +21,7 @@ ancestors it can see. :func:`split_for_replay` emits three graphs:
   x, read at the last W-1 ancestors): the **cached replay nodes**. None costs memory: each is kept for the
   prefix's own backward anyway;
 - **tail**: the trunk on one chunk of tail tokens; each ``tree_attention_forward`` becomes
-  ``tree_attention_cached_forward`` that also attends the cached K/V (backends/cached.py); each scan runs
+  ``tree_attention_cached_forward`` that also attends the cached K/V (backends/attention/cached.py); each scan runs
   on the chunk's own paths (``tree_parent`` of the chunk's ``end``) plus the cached values gathered at the
   chunk tokens' prefix ancestors (``cache_ancestors``: ``Chunk.ancestors``, brcompile/runtime/streaming.py),
   by ``tree_linear_scan_cached`` / ``tree_cumsum_cached`` / ``tree_causal_conv1d_cached`` (backends/scan.py)
@@ -46,10 +46,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from brcompile.backends.attention_features import (
+from brcompile.backends.attention.features import (
     CACHE_POSITION, CACHED_BLOCKS, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail,
 )
-from brcompile.backends.ops import attention_features
+from brcompile.backends.attention.op import attention_features
 from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,

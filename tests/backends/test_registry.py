@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from brcompile.backends.ops import ATTENTION_IMPLS, AttentionImplError, get_attention_impl, register_attention_impl
+from brcompile.backends.attention.op import ATTENTION_IMPLS, AttentionImplError, get_attention_impl, register_attention_impl
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from brcompile.backends import ops
-from brcompile.backends.reference import reference_backward, reference_forward
+from brcompile.backends.attention import op as ops
+from brcompile.backends.attention.reference import reference_backward, reference_forward
 import triton
 import triton.language as tl
 

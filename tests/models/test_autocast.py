@@ -5,7 +5,7 @@ Under autocast the original SDPA call sees mixed dtypes (HF's and the example GP
 in float32, so q/k are float32 beside a bfloat16 v) and autocast casts them to bfloat16 (SDPA is on its
 lower-precision list). Tree attention follows the same
 policy: the packed graph casts q/k/v to the dtype the original attention computed in, and the brcompile
-attention ops carry SDPA's autocast rule (backends/ops.py: register_lower_precision_autocast).
+attention ops carry SDPA's autocast rule (backends/attention/op.py: register_lower_precision_autocast).
 
 Bound. Packed and dense runs round differently in bfloat16 (different kernels, different reduction
 orders, a shared token's gradient summed before rather than after a rounding), so they cannot be
@@ -264,7 +264,7 @@ def _tree(n):
 def test_tree_attention_follows_sdpa_autocast(dtype):
     """Mixed q/k/v dtypes inside autocast: cast like SDPA (to the region's dtype), same output and dtype;
     gradients reach the inputs in their own dtypes."""
-    from brcompile.backends.ops import tree_attention
+    from brcompile.backends.attention.op import tree_attention
 
     torch.manual_seed(0)
     n = 6
@@ -284,7 +284,7 @@ def test_tree_attention_follows_sdpa_autocast(dtype):
 
 
 def test_cached_attention_follows_sdpa_autocast():
-    from brcompile.backends.cached import tree_attention_cached
+    from brcompile.backends.attention.cached import tree_attention_cached
 
     torch.manual_seed(0)
     n, p = 3, 4

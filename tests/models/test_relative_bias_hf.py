@@ -128,7 +128,7 @@ def reference_without_relbias():
     """The "reference" attention impl registered again without ``supports_relbias``; restored after."""
     import dataclasses
 
-    from brcompile.backends.ops import get_attention_impl, register_attention_impl
+    from brcompile.backends.attention.op import get_attention_impl, register_attention_impl
 
     real = get_attention_impl("reference", torch.device("cpu"))
     register_attention_impl(dataclasses.replace(real, supports_relbias=False), override=True)

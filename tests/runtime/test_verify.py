@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import brcompile
-from brcompile.backends.ops import get_attention_impl, register_attention_impl
+from brcompile.backends.attention.op import get_attention_impl, register_attention_impl
 from brcompile.testing import assert_exact
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch

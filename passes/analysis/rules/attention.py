@@ -46,7 +46,7 @@ from brcompile.passes.analysis.axes import (
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.emit.fuse_logprob import emit_fused_gather
 from brcompile.passes.meta import RELBIAS_ZERO, SOFTCAP
-from brcompile.backends.attention_features import feature_tail, needs_position
+from brcompile.backends.attention.features import feature_tail, needs_position
 from brcompile.passes.spellings import BROADCASTS, spellings
 from brcompile.backends.read_packed import read_packed
 

@@ -8,9 +8,9 @@ token and — through sum(out * w) — the same gradients of q, k and v as the w
 import pytest
 import torch
 
-import brcompile.backends.cached  # noqa: F401  (registers the op)
-from brcompile.backends.cached import tree_attention_cached
-from brcompile.backends.ops import tree_attention
+import brcompile.backends.attention.cached  # noqa: F401  (registers the op)
+from brcompile.backends.attention.cached import tree_attention_cached
+from brcompile.backends.attention.op import tree_attention
 from brcompile.runtime.streaming import plan_replay
 from brcompile.runtime.tree import build_tree
 from tests.helpers import tree_qkv
@@ -104,7 +104,7 @@ def test_streamed_equals_whole_tree(impl, dtype, tol, pad, chunk_tokens):
 @pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
 def test_math_cross_path_with_key_blocks(pad, monkeypatch):
     """The explicit-matmul cross path (what runs off the CPU), with cache keys cut into blocks of 3."""
-    import brcompile.backends.cached as cached
+    import brcompile.backends.attention.cached as cached
 
     monkeypatch.setattr(cached, "USE_CPU_FLASH", False)
     monkeypatch.setattr(cached, "MATH_KEY_BLOCK", 3)
@@ -127,7 +127,7 @@ def test_math_cross_path_with_key_blocks(pad, monkeypatch):
 def test_streamed_with_window(window, pad, flash, monkeypatch):
     """A sliding window (HF's, over tree positions) in the prefix run, the chunk's own tree and the cross
     pairs against the cache; cross query blocks of 2 rows so the block trimming is exercised."""
-    import brcompile.backends.cached as cached
+    import brcompile.backends.attention.cached as cached
 
     monkeypatch.setattr(cached, "USE_CPU_FLASH", flash)
     orig = cached._pieces
@@ -183,7 +183,7 @@ def test_streamed_with_position_bias(kind, window, impl, monkeypatch):
     the chunk's and the cache's positions (padded batch: the positions are not the columns); cache keys cut into
     blocks of 3, so one query row's bias spans several cross pieces. Out and the gradients of q, k, v and of the
     slopes / the table equal the whole tree's."""
-    import brcompile.backends.cached as cached
+    import brcompile.backends.attention.cached as cached
 
     monkeypatch.setattr(cached, "MATH_KEY_BLOCK", 3)
     ids, mask = nested_batch(7, True)
@@ -203,7 +203,7 @@ def test_streamed_with_position_bias(kind, window, impl, monkeypatch):
 
 def test_position_bias_needs_cache_positions():
     """A position bias against a cache without its positions is a clear TreeAttentionError, not a wrong bias."""
-    from brcompile.backends.ops import TreeAttentionError
+    from brcompile.backends.attention.op import TreeAttentionError
 
     ids, mask = nested_batch(3, False)
     tree = build_tree(ids, attention_mask=mask)

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from brcompile.backends import ops
+from brcompile.backends.attention import op as ops
 from brcompile.testing import TOLERANCE
-from brcompile.backends.ops import (
+from brcompile.backends.attention.op import (
     AttentionImpl,
     AttentionImplError,
     TreeAttentionArgs,
@@ -29,8 +29,8 @@ from brcompile.backends.ops import (
     registered_attention_impls,
     tree_attention,
 )
-from brcompile.backends.reference import dense_tree_mask
-from brcompile.backends.cpu import segment_schedule
+from brcompile.backends.attention.reference import dense_tree_mask
+from brcompile.backends.attention.cpu import segment_schedule
 
 PAD = 0
 
@@ -422,8 +422,8 @@ def test_registry_accepts_new_impls(monkeypatch):
 def test_impls_take_args_or_the_ops_positional_arguments():
     """reference/cpu forward and backward: one TreeAttentionArgs, or (standalone) the op's positional
     arguments, which are checked first; both give the same numbers."""
-    from brcompile.backends.cpu import cpu_backward, cpu_forward
-    from brcompile.backends.reference import reference_backward, reference_forward
+    from brcompile.backends.attention.cpu import cpu_backward, cpu_forward
+    from brcompile.backends.attention.reference import reference_backward, reference_forward
 
     tokens, mask = CASES["one_prompt"]
     tree = toy_tree(tokens, mask)

@@ -16,9 +16,9 @@ if not torch.cuda.is_available():  # must precede the first `import triton` in t
 
 import pytest
 
-from brcompile.backends.ops import TreeAttentionError, tree_attention
+from brcompile.backends.attention.op import TreeAttentionError, tree_attention
 from brcompile.runtime.tree import build_tree
-from tests.backends.test_alibi_sink_attention import assert_cached_matches_uncached, dense_rows
+from tests.backends.attention.test_alibi_sink_attention import assert_cached_matches_uncached, dense_rows
 from tests.helpers import grouped_rows, tree_qkv
 
 SLOPES = [0.5, 0.25, 0.125, 0.0625]

@@ -1,7 +1,7 @@
 """The optional features of tree attention, one :class:`Feature` each, in the op's argument order.
 
 ``brcompile::tree_attention_forward(q, k, v, end, valid, segments, scale, impl, <features>)`` and its backward
-take the features of :data:`FEATURES` after ``impl``; ``tree_attention_cached_forward`` (backends/cached.py)
+take the features of :data:`FEATURES` after ``impl``; ``tree_attention_cached_forward`` (backends/attention/cached.py)
 takes those of :data:`CACHED_FEATURES` (the same, with the cache's positions after ``position``). Each feature
 has a neutral default that means off, so a call lists its features up to the last block of them that has one
 on (:func:`feature_tail`, blocks: :data:`FORWARD_BLOCKS`, :data:`CACHED_BLOCKS`) and a reader fills in the rest
@@ -88,7 +88,7 @@ FEATURES: tuple[Feature, ...] = (
 CACHE_POSITION = Feature("cache_position", None, "Tensor?", "the cached keys' positions [P] (window and "
                          "position biases over the cross pairs of a streamed chunk)")
 
-#: The features of ``tree_attention_cached_forward`` / ``_backward`` (backends/cached.py), in order.
+#: The features of ``tree_attention_cached_forward`` / ``_backward`` (backends/attention/cached.py), in order.
 CACHED_FEATURES: tuple[Feature, ...] = (FEATURES[0], FEATURES[1], CACHE_POSITION, *FEATURES[2:])
 
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)

@@ -1,6 +1,6 @@
-"""The "flex" tree-attention impl (backends/flex.py, torch's FlexAttention) against the reference impl.
+"""The "flex" tree-attention impl (backends/attention/flex.py, torch's FlexAttention) against the reference impl.
 
-Oracle: backends/reference.py (dense masked attention in float64), itself checked against dense per-row math in
+Oracle: backends/attention/reference.py (dense masked attention in float64), itself checked against dense per-row math in
 test_tree_attention.py. Trees come from brcompile.runtime.tree.build_tree on GRPO-like batches: shared prompts,
 a shared response prefix, left padding and mask holes, so the tree has branches, invalid keys and queries that
 see no key.
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import brcompile
-import brcompile.backends.flex as flex
-from brcompile.backends.ops import (
+import brcompile.backends.attention.flex as flex
+from brcompile.backends.attention.op import (
     AttentionImplError, TreeAttentionArgs, check_impl_supports, get_attention_impl, sink_merge, tree_attention,
 )
-from brcompile.backends.reference import reference_backward, reference_forward
+from brcompile.backends.attention.reference import reference_backward, reference_forward
 from brcompile.runtime.tree import build_tree
 from tests.helpers import grouped_rows
 

@@ -50,11 +50,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.ops import (
+from brcompile.backends.attention.op import (
     AttentionImpl, TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward,
     register_attention_impl, slopes_grad,
 )
-from brcompile.backends.reference import relative_bias, relative_bias_grad
+from brcompile.backends.attention.reference import relative_bias, relative_bias_grad
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Tree attention on ``torch.nn.attention.flex_attention`` (FlexAttention). Registered as impl ``"flex"``.
 
 The packed tokens are one sequence of N tokens ([1, Hq, N, D] for FlexAttention), and the tree is a mask over
-it. With the op's tree arrays (``backends/ops.py``), query q sees key k iff
+it. With the op's tree arrays (``backends/attention/op.py``), query q sees key k iff
 
     mask_mod(q, k) = valid[k] and k <= q < end[k]               (k an ancestor-or-self of q)
                      and position[q] - position[k] < W          (only with a sliding window W > 0)
@@ -12,7 +12,7 @@ and the scores s = scale * q.k of the visible pairs go through
                             + m[h] * (position[k] - position[q])  (ALiBi slopes m, constant or trainable)
                             + R[h, q, min(position[q] - position[k], E - 1)]   (relative bias table R)
 
-in that order (the reference's, ``backends/reference.py``). The BlockMask is built per call from the tree arrays
+in that order (the reference's, ``backends/attention/reference.py``). The BlockMask is built per call from the tree arrays
 (``create_block_mask`` over the mask_mod: blocks no query of a block can see are skipped). FlexAttention returns
 (out, lse) with the natural-log logsumexp, -inf (and out = 0) for a query that sees no key: the op's contract.
 
@@ -25,7 +25,7 @@ Where it runs (:data:`FLEX_BACKWARD_DEVICES`):
 - CPU: forward only. Inductor's CPU FlexAttention cannot return the logsumexp, so the forward runs
   FlexAttention's unfused path (it materialises the [Hq, N, N] scores: a check of the masks on small inputs,
   not a fast path), and FlexAttention has no CPU backward: the impl declares no CPU backward, so the op refuses a
-  backward on CPU with :class:`~brcompile.backends.ops.AttentionImplError`, and the backend refuses
+  backward on CPU with :class:`~brcompile.backends.attention.op.AttentionImplError`, and the backend refuses
   ``attention="flex"`` for a CPU graph captured with grad enabled (the original graph runs, with that reason).
   Under ``torch.no_grad`` (evaluation, old/ref log-probs) it replays.
 
@@ -53,7 +53,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.ops import (
+from brcompile.backends.attention.op import (
     AttentionImpl, AttentionImplError, TreeAttentionArgs, attention_backward, attention_forward,
     register_attention_impl,
 )

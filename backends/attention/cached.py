@@ -45,10 +45,10 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.attention_features import (
+from brcompile.backends.attention.features import (
     CACHE_POSITION, CACHED_FEATURES, CACHED_FEATURES_AT, call_features,
 )
-from brcompile.backends.ops import (
+from brcompile.backends.attention.op import (
     ATTENTION_IMPLS, TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, count_visible_pairs,
     feature_grads, impl_for,
     register_lower_precision_autocast, sink_grad, sink_merge,
@@ -75,7 +75,7 @@ def cross_calls(cross: Tensor, cache_valid: Tensor, max_keys: Optional[int] = No
     """The cross rows as backends.cpu.AttentionCall objects (non-causal; q range in the chunk, k range in
     the cache), each trimmed to its first..last valid cache key, optionally cut into key ranges of at most
     ``max_keys`` (each trimmed again); ranges without a valid key are dropped."""
-    from brcompile.backends.cpu import AttentionCall
+    from brcompile.backends.attention.cpu import AttentionCall
 
     cross, cache_valid = cross.cpu(), cache_valid.cpu()
     calls = []
@@ -140,7 +140,7 @@ class CachedPrefix:
 def _pieces(calls, cache_valid: Tensor, window: int, position: Optional[Tensor], cache_position: Optional[Tensor],
             block: int = 512):
     """The kernel calls of ``calls`` (see :meth:`CachedPrefix.pieces`)."""
-    from brcompile.backends.cpu import _Piece, query_blocks
+    from brcompile.backends.attention.cpu import _Piece, query_blocks
 
     for call in calls:
         if not window:
@@ -154,7 +154,7 @@ def _pieces(calls, cache_valid: Tensor, window: int, position: Optional[Tensor],
 
 def _cross_forward(a: TreeAttentionArgs, c: CachedPrefix, out: Tensor, lse: Tensor) -> None:
     """Merge every cross piece's (out_i, lse_i) into (out, lse)."""
-    from brcompile.backends.cpu import _flash_fwd, _group_kv, _merge_safe, additive_mask, math_forward
+    from brcompile.backends.attention.cpu import _flash_fwd, _group_kv, _merge_safe, additive_mask, math_forward
 
     hkv = c.k_cache.shape[0]
     g = a.q.shape[0] // hkv
@@ -180,7 +180,7 @@ def _cross_bias(a: TreeAttentionArgs, c: CachedPrefix, slopes: Optional[Tensor],
     """The position bias of cross piece ``pc`` (chunk queries against cached keys), [Hkv, g, nq, nk] in the
     accumulation dtype, or None: ALiBi ``m[h] * (cache_position[k] - position[q])`` plus the relative bias
     ``R[h, q, min(position[q] - cache_position[k], E - 1)]`` (module docstring)."""
-    from brcompile.backends.cpu import position_bias
+    from brcompile.backends.attention.cpu import position_bias
 
     if slopes is None and a.relbias is None:
         return None
@@ -193,7 +193,7 @@ def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out
     """Accumulate the cross pieces' (dq, dk_cache, dv_cache), and the position biases' gradients into ``drel``
     [Hq, n, E] and ``dslopes`` [Hq] when given, with the merged out and lse (a row that sees nothing at all gets
     lse = +inf, so every p of it is 0)."""
-    from brcompile.backends.cpu import _flash_bwd, _group_kv, accumulate_bias_grads, additive_mask, math_backward
+    from brcompile.backends.attention.cpu import _flash_bwd, _group_kv, accumulate_bias_grads, additive_mask, math_backward
 
     hkv = c.k_cache.shape[0]
     g = a.q.shape[0] // hkv
@@ -330,7 +330,7 @@ def _backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd("brcompile::tree_attention_cached_forward", _backward,
                                 setup_context=_setup_context)
-# SDPA's autocast policy (backends/ops.py): q, k, v and the cached K/V cast to the autocast dtype (the trainable
+# SDPA's autocast policy (backends/attention/op.py): q, k, v and the cached K/V cast to the autocast dtype (the trainable
 # slopes kept, as for tree_attention_forward)
 register_lower_precision_autocast("brcompile::tree_attention_cached_forward", keep=("slopes",))
 
@@ -344,7 +344,7 @@ def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor
     """Out [Hq, n, D] of a chunk's queries over its own tree (``tree``: (end, valid, segments)) and the
     cached prefix K/V through ``cross`` (see the module docstring); ``window`` > 0 with the chunk's and the
     cache's positions: HF's sliding window; ``sinks``: [Hq] sink logits; ``alibi`` / ``slopes`` / ``relbias``:
-    the position biases of :func:`brcompile.backends.ops.tree_attention` over the chunk's and the cache's
+    the position biases of :func:`brcompile.backends.attention.op.tree_attention` over the chunk's and the cache's
     positions. Differentiable in q, k, v, the cache, the sinks, the relative bias and the slopes."""
     end, valid, segments = tree
     constants = None if alibi is None else [float(m) for m in alibi]
@@ -355,7 +355,7 @@ def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor
 
 def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
     """Visible (query, cached key) pairs: per cross row, its queries times its valid cache keys."""
-    from brcompile.backends.ops import _has_data
+    from brcompile.backends.attention.op import _has_data
 
     if not (_has_data(cross) and _has_data(cache_valid)):
         return 0

@@ -68,12 +68,12 @@ sink's own gradient: with ``p_s = exp(s[h, q] - lse'[h, q])``, ``d out'[q] / d s
 summed over the queries q for a per-head [Hq] sink (:func:`sink_merge`, :func:`sink_grad`).
 
 The optional arguments after ``impl`` (window, position, soft-cap, ALiBi, sinks, relative bias, slopes) are the
-features of backends/attention_features.py, in that order; code reads them by name through that list.
+features of backends/attention/features.py, in that order; code reads them by name through that list.
 
 The op bodies gather their arguments (all but ``impl``) into one :class:`TreeAttentionArgs`, check it once
 (:meth:`TreeAttentionArgs.check`) and hand it to the implementation named ``impl``, looked up in a registry
 (``register_attention_impl``, :class:`brcompile.backends.registry.Registry`); ``"reference"``, ``"cpu"``,
-``"triton"`` and ``"flex"`` (FlexAttention, backends/flex.py) are imported lazily on first use and register
+``"triton"`` and ``"flex"`` (FlexAttention, backends/attention/flex.py) are imported lazily on first use and register
 themselves.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.attention_features import (
+from brcompile.backends.attention.features import (
     FEATURES, FORWARD_FEATURES_AT, call_features, impl_lacks, needs_position,
 )
 from brcompile.backends.registry import Impl, Registry
@@ -153,7 +153,7 @@ class TreeAttentionArgs:
     ignore it, see the module docstring); ``relbias`` ([Hq, N, E] tensor R, with ``position``): scores
     ``+ R[h, q, min(position[q] - position[k], E - 1)]``; ``slopes``: ALiBi's m as a differentiable [Hq]
     tensor instead of the constants ``alibi`` (not both). Neutral defaults (0, None, 0.0, None, None, None,
-    None) mean off. The fields after ``scale`` are the features of backends/attention_features.py
+    None) mean off. The fields after ``scale`` are the features of backends/attention/features.py
     (:data:`FEATURES`, same names, order and defaults): a new attention feature is a new entry there and a new
     field here (docs/ARCHITECTURE.md §10.3). The field order is the op's argument order (without ``impl``), so
     ``TreeAttentionArgs(q, k, v, end, valid, segments, scale, window, position, softcap, alibi, sinks, relbias,
@@ -436,7 +436,7 @@ def attention_backward(fn: Callable) -> Callable:
 
 def attention_features(args: Sequence) -> dict:
     """{name: value} of the features of a ``tree_attention_forward`` call's positional arguments (an FX node's
-    ``args``), defaults filled in (backends/attention_features.py)."""
+    ``args``), defaults filled in (backends/attention/features.py)."""
     return call_features(args, FORWARD_FEATURES_AT)
 
 
@@ -487,7 +487,7 @@ class AttentionImpl(Impl):
 
     @property
     def features(self) -> tuple[str, ...]:
-        """The names of the attention features (backends/attention_features.py) this impl can be handed on: those
+        """The names of the attention features (backends/attention/features.py) this impl can be handed on: those
         whose support flags it all sets (sinks and positions, needing none, always)."""
         return tuple(f.name for f in FEATURES if all(getattr(self, s) for s in f.support))
 
@@ -500,10 +500,10 @@ class AttentionImpl(Impl):
 
 #: The tree-attention impls; the built-ins are imported on first use and register themselves.
 ATTENTION_IMPLS = Registry("tree_attention", AttentionImpl, builtins={
-    "reference": "brcompile.backends.reference",
-    "cpu": "brcompile.backends.cpu",
+    "reference": "brcompile.backends.attention.reference",
+    "cpu": "brcompile.backends.attention.cpu",
     "triton": "brcompile.backends.triton",
-    "flex": "brcompile.backends.flex",
+    "flex": "brcompile.backends.attention.flex",
 })
 
 

@@ -8,8 +8,8 @@ gradient is checked by gradcheck in float64.
 import pytest
 import torch
 
-import brcompile.backends.cpu as cpu
-from brcompile.backends.ops import AttentionImplError, TreeAttentionError, tree_attention
+import brcompile.backends.attention.cpu as cpu
+from brcompile.backends.attention.op import AttentionImplError, TreeAttentionError, tree_attention
 from brcompile.runtime.tree import build_tree
 from tests.helpers import grouped_rows, tree_qkv
 
@@ -163,7 +163,7 @@ def test_gradcheck_slopes(impl):
 def test_trainable_slopes_need_an_impl_that_differentiates_them():
     """An impl with ALiBi but without ``supports_alibi_grad`` is refused with the missing feature named; constant
     and tensor slopes together, or slopes of the wrong shape, are contract errors."""
-    from brcompile.backends.ops import AttentionImpl, check_impl_supports
+    from brcompile.backends.attention.op import AttentionImpl, check_impl_supports
 
     ref = cpu.cpu_forward, cpu.cpu_backward
     no_grad = AttentionImpl(name="no_slope_grad", forward=ref[0], backward=ref[1], supports_alibi=True)
@@ -229,7 +229,7 @@ def assert_cached_matches_uncached(tree, q, k, v, sinks, sinks_of, alibi=None):
     chunk's sinks ``sinks_of(token ids)``, merged once after both parts (with ``alibi``: the slopes over the
     chunk's and the cache's positions on the cross pairs): values and the q, k, v and sinks gradients equal the
     whole tree's (reference impl)."""
-    from brcompile.backends.cached import tree_attention_cached
+    from brcompile.backends.attention.cached import tree_attention_cached
     from brcompile.runtime.streaming import plan_replay
 
     want = tree_attention(q, k, v, tree, scale=0.4, impl="reference", sinks=sinks, alibi=alibi)

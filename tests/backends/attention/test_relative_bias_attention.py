@@ -9,10 +9,10 @@ and without left padding and holes, with a window, a soft-cap, ALiBi and per-que
 import pytest
 import torch
 
-from brcompile.backends.ops import (
+from brcompile.backends.attention.op import (
     AttentionImpl, AttentionImplError, TreeAttentionError, check_impl_supports, tree_attention,
 )
-from brcompile.backends.reference import reference_backward, reference_forward
+from brcompile.backends.attention.reference import reference_backward, reference_forward
 from brcompile.runtime.tree import build_tree
 from tests.helpers import grouped_rows, tree_qkv
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import brcompile.backends.cpu as cpu
-from brcompile.backends.ops import tree_attention
+import brcompile.backends.attention.cpu as cpu
+from brcompile.backends.attention.op import tree_attention
 from brcompile.runtime.tree import build_tree
 from tests.helpers import grouped_rows, tree_qkv
 

@@ -1,16 +1,16 @@
-"""backends/attention_features.py: the one list of tree attention's optional features agrees with the op
+"""backends/attention/features.py: the one list of tree attention's optional features agrees with the op
 schemas, TreeAttentionArgs and the impls' support flags, and its readers and writers read them by name."""
 import dataclasses
 
 import pytest
 import torch
 
-from brcompile.backends import cached  # noqa: F401  (registers the cached ops)
-from brcompile.backends.attention_features import (
+from brcompile.backends.attention import cached  # noqa: F401  (registers the cached ops)
+from brcompile.backends.attention.features import (
     CACHED_BLOCKS, CACHED_FEATURES, CACHED_FEATURES_AT, FEATURES, FORWARD_FEATURES_AT, active, call_features, feature, feature_tail,
     impl_lacks, needs_position, needs_support,
 )
-from brcompile.backends.ops import AttentionImpl, AttentionImplError, TreeAttentionArgs, check_impl_supports
+from brcompile.backends.attention.op import AttentionImpl, AttentionImplError, TreeAttentionArgs, check_impl_supports
 
 
 def _schema_tail(op, start: int):

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.ops import (
+from brcompile.backends.attention.op import (
     AttentionImpl, TreeAttentionArgs, attention_backward, attention_forward, register_attention_impl, relative_buckets,
     slopes_grad,
 )
