@@ -37,6 +37,7 @@ from tests.helpers import assert_compiles_for_sm90
 
 # the package re-exports the function `tree_attention`, which shadows the submodule's attribute name
 ta_module = importlib.import_module("brcompile.backends.triton.tree_attention")
+kernels_module = importlib.import_module("brcompile.backends.triton.attention_kernels")
 
 pytestmark = pytest.mark.triton
 
@@ -706,7 +707,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-ta = importlib.import_module("brcompile.backends.triton.tree_attention")
+ta = importlib.import_module("brcompile.backends.triton.attention_kernels")
 POINTERS = {"KEND": "*i32", "POS": "*i64", "SLOPES": "*fp32", "TILE_PTR": "*i32", "TILE_START": "*i32",
             "TILES": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "DSLOPES": "*fp32", "DREL": "*fp32"}
 TENSORS = ("Q", "K", "V", "REL", "OUT", "DO", "DK", "DV", "DQ")  # bf16
@@ -719,9 +720,9 @@ def build(fn, constexprs):
 
 flags = dict(GROUP=2, HEAD_DIM=128, BLOCK_D=128, INPUT_PRECISION=None, HAS_WINDOW=True, HAS_SOFTCAP=True,
              HAS_ALIBI=True, HAS_RELBIAS=True)
-build(ta._tree_attn_fwd, dict(BLOCK_M=128, BLOCK_N=32, **flags))
-build(ta._tree_attn_bwd_dkdv, dict(BLOCK_M=16, BLOCK_N=128, **flags))
-ptx = build(ta._tree_attn_bwd_dq, dict(BLOCK_M=128, BLOCK_N=32, HAS_ALIBI_GRAD=True, **flags))
+build(ta.tree_attn_fwd, dict(BLOCK_M=128, BLOCK_N=32, **flags))
+build(ta.tree_attn_bwd_dkdv, dict(BLOCK_M=16, BLOCK_N=128, **flags))
+ptx = build(ta.tree_attn_bwd_dq, dict(BLOCK_M=128, BLOCK_N=32, HAS_ALIBI_GRAD=True, **flags))
 assert "atom.global" in ptx or "red.global" in ptx  # dR's near buckets
 print("compiled")
 """
@@ -905,7 +906,7 @@ def _tanh_probe(X, T, SLOPE, N, BLOCK: tl.constexpr):
     """T, SLOPE = tanh(X), 1 - tanh(X)^2 through the kernels' helper."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < N
-    t, slope = ta_module._tanh_and_slope(tl.load(X + offs, mask=inside, other=0.0))
+    t, slope = kernels_module._tanh_and_slope(tl.load(X + offs, mask=inside, other=0.0))
     tl.store(T + offs, t, mask=inside)
     tl.store(SLOPE + offs, slope, mask=inside)
 

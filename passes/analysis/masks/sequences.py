@@ -16,7 +16,6 @@ from brcompile.passes.analysis.masks.values import MaskInfo, evaluate, split_bia
 
 log = logging.getLogger(__name__)
 
-
 #: Start probabilities of the well-formed position-id patterns of :func:`sequence_meaning` (0: one sequence
 #: per row; 1: every token its own sequence).
 SEQUENCE_PATTERNS = (0.0, 0.15, 0.4, 1.0)

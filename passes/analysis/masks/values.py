@@ -17,27 +17,16 @@ from brcompile.passes.meta import CANONICAL
 
 log = logging.getLogger(__name__)
 
-
 #: Probe lengths every scalable mask is evaluated at (odd sizes, below typical windows).
 BASE_LENGTHS = (5, 12, 33)
-
-
 #: Probe row counts (two, so that a literal that only looked like the batch size is caught).
 PROBE_ROWS = (2, 3)
-
-
 #: Most mask elements (rows · L'²) one evaluation may build: at the example size or at a probe size.
 MAX_PROBE_ELEMENTS = 1 << 25
-
-
 #: Probes with more elements than this use one row and two key-padding patterns (ones, random).
 SHORT_PROBE_ELEMENTS = 1 << 16
-
-
 #: Literals within this distance of L are taken for L (``arange(L - 1)``, ``L + 1``).
 LENGTH_SLACK = 2
-
-
 #: A size at most this small is never rewritten (it cannot be told from a dim index).
 SMALL_SIZE = 4
 

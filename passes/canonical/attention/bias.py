@@ -22,7 +22,6 @@ from brcompile.passes.spellings import COPIES, GATHERS
 
 log = logging.getLogger(__name__)
 
-
 #: How far back from an additive mask operand its per-key bias is searched (:func:`_key_bias_source`).
 _KEY_BIAS_DEPTH = 12
 

@@ -17,7 +17,7 @@ from brcompile.passes.analysis.guards import BatchGuard
 from brcompile.passes.spellings import CONSTANT_FILLS, OPERATORS_NOT_INPLACE, SAME_VALUE, spellings
 
 
-#: A float mask value at or below this blocks a key (:func:`split_bias`): ``exp(v + s - m)`` underflows to exactly 0
+#: A float mask value at or below this blocks a key (passes/analysis/masks: ``split_bias``): ``exp(v + s - m)`` underflows to exactly 0
 #: for a masked score ``s`` whenever the row maximum ``m`` of the visible scores is above ``s + v + 745`` (float64;
 #: ``s + v + 104`` in float32), i.e. for scores within about ``|v| / 2 - 372`` of 0 — 4,600 at ``-1e4``, any score
 #: the softmax could take at ``-1e9`` or ``finfo.min``. Large negative constants (``-1e4``, ``-1e9``,
@@ -26,49 +26,20 @@ BLOCKING = -1e4
 
 log = logging.getLogger(__name__)
 
-
 SOFTMAX = spellings("softmax")
-
-
 MATMUL = spellings("matmul")
-
-
 TRANSPOSE = spellings("transpose", "permute")
-
-
 MUL = spellings("mul")
-
-
 DIV = spellings("div")
-
-
 ADD = spellings("add")
-
-
 CAST = spellings("cast")
-
-
 DROPOUT = spellings("dropout")
-
-
 MASKED_FILL = spellings("masked_fill")
-
-
 WHERE = spellings("where")
-
-
 EINSUM = spellings("einsum")
-
-
 RESHAPE = spellings("reshape")
-
-
 BMM = spellings("bmm")
-
-
 BADDBMM = spellings("baddbmm")
-
-
 #: How far back from a softmax an unmatched chain is searched for a q @ k^T matmul, to tell an
 #: attention that cannot be canonicalised (refuse, with the op named) from an unrelated softmax.
 SEARCH_DEPTH = 6
