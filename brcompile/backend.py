@@ -248,8 +248,7 @@ class BranchReplayBackend:
             liveness="; ".join(x for x in (None if an.liveness is None else an.liveness.describe(),
                                            an.liveness_note) if x) or None,
             level=level,
-            refusals=tuple((lv, r) for lv, r, _, _ in refusals),
-            refusal_codes=tuple(c for *_, c in refusals),
+            **_refusal_fields(refusals),
             stage_times=tuple(times),
             runtime=rt,
         )
@@ -284,9 +283,7 @@ class BranchReplayBackend:
             return None
         rt = RoutedRuntime(gm.forward, plan, strict=opts.strict)
         self.records.append(GraphRecord(gid, True, None, None, gm.code, plan.gm.code, level="dynamo",
-                                        refusals=tuple((lv, r) for lv, r, _, _ in refusals),
-                                        refusal_codes=tuple(c for *_, c in refusals),
-                                        routed=plan.describe(), runtime=rt))
+                                        **_refusal_fields(refusals), routed=plan.describe(), runtime=rt))
         runtime.record_graph(True)
         log.info("branch_replay: graph %d runs routed pairs (%d experts, %d pairs at capture)", gid,
                  len(plan.sizes), sum(plan.sizes))
@@ -306,7 +303,7 @@ class BranchReplayBackend:
         def on_stage(stage, state):
             if stage.name == "lower" and read is not None:
                 read[level] = state.gm
-            if opts.dump_dir and stage.name in _DUMPED_STAGES:
+            if opts.dump_dir and stage.rewrites:
                 _dump_stage(opts.dump_dir, level, stage, state.gm)
 
         try:
@@ -326,7 +323,7 @@ class BranchReplayBackend:
 
     def _streaming(self, packed: fx.GraphModule, example_args, opts: Options):
         """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/emit/split.py).
-        ``example_args``: the packed graph's inputs for the example batch (:func:`_packed_example_args`)."""
+        ``example_args``: the packed graph's inputs for the example batch (passes/pipeline.py: packed_example_args)."""
         from brcompile.backends.attention import cached  # noqa: F401  (registers tree_attention_cached_forward)
         from brcompile.passes.emit.split import split_for_replay
         from brcompile.runtime.streaming import ReplayTrunk, TrunkGraphs
@@ -354,10 +351,8 @@ class BranchReplayBackend:
         code) of each level tried. The dump draws ``dumped`` (the graph the refusing level read, where ``node``
         is: the ATen graph for an ATen-level refusal), gm by default."""
         rt = runtime.FallbackRuntime(gm.forward, code, reason, unshared=unshared)
-        self.records.append(GraphRecord(gid, False, reason, node, gm.code, None,
-                                        refusals=tuple((lv, r) for lv, r, _, _ in refusals), unshared=unshared,
-                                        code=code, refusal_codes=tuple(c for *_, c in refusals),
-                                        stage_times=tuple(times), runtime=rt))
+        self.records.append(GraphRecord(gid, False, reason, node, gm.code, None, unshared=unshared, code=code,
+                                        **_refusal_fields(refusals), stage_times=tuple(times), runtime=rt))
         runtime.record_graph(False, reason, code)
         self._dump(opts or self.options, gm if dumped is None else dumped, None, reason, node)
         return rt
@@ -376,8 +371,10 @@ class BranchReplayBackend:
             log.warning("branch_replay: writing graph dumps to %s failed", opts.dump_dir, exc_info=True)
 
 
-#: the stages after which ``Options.dump_dir`` gets the graph as the stage left it (those that rewrite it)
-_DUMPED_STAGES = ("functionalise", "canonicalise attention", "canonicalise scans")
+def _refusal_fields(refusals: Sequence[tuple]) -> dict:
+    """A record's ``refusals`` ((level, reason) each) and ``refusal_codes`` from the backend's (level, reason, node,
+    code) tuples of the levels tried."""
+    return dict(refusals=tuple((lv, r) for lv, r, _, _ in refusals), refusal_codes=tuple(c for *_, c in refusals))
 
 
 def _dump_stage(dump_dir: str, level: str, stage, gm: fx.GraphModule) -> None:

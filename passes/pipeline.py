@@ -108,11 +108,13 @@ class PipelineState:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One named step of the pipeline; ``skip(state)`` True leaves it out for that graph."""
+    """One named step of the pipeline; ``skip(state)`` True leaves it out for that graph. ``rewrites``: the stage
+    turns the graph into another one (the backend's ``dump_dir`` writes the graph after such a stage)."""
 
     name: str
     run: Callable[[PipelineState], None]
     skip: Callable[[PipelineState], bool] = lambda state: False
+    rewrites: bool = False
 
     @property
     def doc(self) -> str:
@@ -252,8 +254,8 @@ def guards(state: PipelineState) -> None:
     """The per-call guards (passes/analysis/guards.py) of what was proven at the example values only: canonicalisation's
     scalars, the masks' classes and lengths, the scalars masks are computed from, the rules', the lowering's;
     and the :class:`~brcompile.passes.analysis.tree_inputs.Analysis` that the emitter reads."""
-    inside = [m for a, m in zip(state.attentions, state.mask_args) if a not in state.outside]
     if state.analysis is None:  # a graph without attention has its analysis from "tree inputs"
+        inside = [m for a, m in zip(state.attentions, state.mask_args) if a not in state.outside]
         found = state.canon.guards + mask_stage.mask_guards(
             state.canon, state.attentions, state.mask_args, state.classified, state.outside, state.input_mask,
             state.sequences, state.mask_keys, state.placeholders, state.example_inputs)
@@ -299,9 +301,9 @@ def _analysed(state: PipelineState) -> bool:
 #: the pipeline, in order
 STAGES: tuple[Stage, ...] = (
     Stage("lower", lower),
-    Stage("functionalise", functionalise),
-    Stage("canonicalise attention", canonicalise_attention),
-    Stage("canonicalise scans", canonicalise_scans),
+    Stage("functionalise", functionalise, rewrites=True),
+    Stage("canonicalise attention", canonicalise_attention, rewrites=True),
+    Stage("canonicalise scans", canonicalise_scans, rewrites=True),
     Stage("tree inputs", tree_inputs),
     Stage("masks", masks, skip=_analysed),
     Stage("token axes", token_axes, skip=_analysed),
@@ -311,7 +313,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("check", check),
 )
 #: the stages that analyse, without emitting (:func:`analyse`)
-ANALYSIS_STAGES = STAGES[:STAGES.index(next(s for s in STAGES if s.name == "guards")) + 1]
+ANALYSIS_STAGES = STAGES[:[s.name for s in STAGES].index("guards") + 1]
 
 
 def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PipelineConfig,
