@@ -345,17 +345,13 @@ class ExplainReport:
         from brcompile.passes.pipeline import STAGES
 
         runs: dict[str, list[tuple[float, int]]] = {s.name: [] for s in STAGES}
-        last: dict[tuple[int, str], str] = {}
+        refused: collections.Counter = collections.Counter()  # stage -> levels whose pipeline stopped there
         for g in self.graphs:
+            last: dict[str, str] = {}  # level -> the last stage run there
             for lv, st, t in getattr(g, "stage_times", ()):
                 runs.setdefault(st, []).append((t, g.graph_id))
-                last[(g.graph_id, lv)] = st
-        refused = {}
-        for g in self.graphs:
-            for lv, _ in getattr(g, "refusals", ()):
-                st = last.get((g.graph_id, lv))
-                if st is not None:
-                    refused[st] = refused.get(st, 0) + 1
+                last[lv] = st
+            refused.update(st for lv, st in last.items() if not (g.rewritten and g.level == lv))
         rows = [[name, str(len(ts)), f"{1e3 * sum(t for t, _ in ts):.1f}",
                  f"{1e3 * max(ts)[0]:.1f} (graph {max(ts)[1]})", str(refused.get(name, 0))]
                 for name, ts in runs.items() if ts]

@@ -104,3 +104,29 @@ def test_backend_records_stage_times_explains_them_and_dumps_stages(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
     assert_grads_exact(got_grads, [p.grad for p in model.parameters()], [n for n, _ in model.named_parameters()],
                        torch.float64)
+
+
+def test_explain_counts_each_refused_level_at_the_stage_it_stopped():
+    """A bidirectional attention (no mask, not causal) is refused at every level tried: the stage table counts
+    each level once, at the last stage that ran there, and nothing where the pipeline went on."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(16, 8).double()
+
+    def bidirectional(ids):
+        h = emb(ids)[:, None]  # [B, 1, L, 8]
+        return F.scaled_dot_product_attention(h, h, h).sum()
+
+    ids = torch.randint(0, 16, (3, 6))
+    ids[:, :4] = ids[0, :4]
+    report = explain(bidirectional, ids, backend=brcompile.backend(compiler="eager"))
+    (g,) = report.graphs
+    assert not g.rewritten and g.code is not None
+    last = {}
+    for lv, st, _ in g.stage_times:
+        last[lv] = st
+    assert set(last) == {lv for lv, _ in g.refusals}
+    table = report.stage_table()
+    refused = {row[0]: int(row[4]) for row in table.rows}
+    want = {st: list(last.values()).count(st) for st in last.values()}
+    assert sum(want.values()) == len(g.refusals) >= 1
+    assert {st: n for st, n in refused.items() if n} == want
