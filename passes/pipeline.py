@@ -6,7 +6,8 @@
 stage                  what it does to the :class:`PipelineState`
 =====================  ==========================================================================================
 lower                  the graph read at the level asked: Dynamo's graph as recorded, or its functional ATen graph
-functionalise          a copy; checkpoint bodies inlined (tagged), in-place ops and writes into views made pure
+functionalise          a copy; checkpoint bodies inlined (tagged), in-place ops and writes into views made pure,
+                       splits into one whole piece read as their input
 canonicalise attention eager attention as SDPA; sinks, soft-cap, ALiBi, relative biases as op features
 canonicalise scans     affine and chunked state-space scans as ``linear_scan``, gated delta rules as ``matrix_scan``
 tree inputs            (B, L), the tree inputs, position inputs; decode steps (nothing to share); graphs without
