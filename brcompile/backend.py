@@ -42,6 +42,31 @@ def level_default() -> str:
     return os.environ.get(LEVEL_ENV, "").strip().lower() or "auto"
 
 
+class Compiled:
+    """``torch.compile(gm, backend=compiler, dynamic=True)``, made at the graph's first call.
+
+    Why at the first call: this backend builds its graphs while Dynamo converts the user's frame, and Dynamo
+    marks the code of every FX graph generated during a conversion as code never to compile (its guard against
+    compiling its own output; ``torch._dynamo.convert_frame`` patches ``torch.fx.graph_module._forward_from_src``
+    for the conversion). ``torch.compile`` of such a graph runs it uncompiled, silently. So the first call
+    regenerates the graph's code (``gm.recompile()``) — by then the conversion is over and the new code is
+    compiled like any other — and compiles it; later calls go straight to the compiled module.
+
+    The compiled graph has torch.compile's AOTAutograd semantics, as a dense ``torch.compile`` of the model
+    does: e.g. a first backward with ``retain_graph=True`` raises unless
+    ``torch._functorch.config.donated_buffer`` is False (``compiler="eager"`` has no such limit)."""
+
+    def __init__(self, gm: fx.GraphModule, compiler: str):
+        self.gm, self.compiler = gm, compiler
+        self.fn: Optional[Any] = None
+
+    def __call__(self, *args):
+        if self.fn is None:
+            self.gm.recompile()
+            self.fn = torch.compile(self.gm, backend=self.compiler, dynamic=True)
+        return self.fn(*args)
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Backend options (``torch.compile(..., options={...})`` or ``brcompile.backend(**options)``).
@@ -318,8 +343,8 @@ class BranchReplayBackend:
 
     @staticmethod
     def _compile(gm: fx.GraphModule, opts: Options):
-        """The packed (or a replay) graph as it will run: compiled once with dynamic shapes."""
-        return gm.forward if opts.compiler == "eager" else torch.compile(gm, backend=opts.compiler, dynamic=True)
+        """The packed (or a replay) graph as it will run: compiled once with dynamic shapes (:class:`Compiled`)."""
+        return gm.forward if opts.compiler == "eager" else Compiled(gm, opts.compiler)
 
     def _streaming(self, packed: fx.GraphModule, example_args, opts: Options):
         """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/emit/split.py).

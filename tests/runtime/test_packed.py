@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import brcompile
+from brcompile.backend import Compiled
 from brcompile.testing import TOLERANCE, assert_exact
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch, masked_nll_loss
@@ -152,6 +153,27 @@ def test_default_backend_two_batch_shapes(dynamic):
     s = brcompile.stats()
     assert s.replayed_calls == 2 and s.fallback_calls == 0, str(s)
     assert s.compiled_graphs == (1 if dynamic else 2), str(s)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_packed_graph_runs_compiled(compiler):
+    """The packed graph runs through the compiler it was given: after a replayed call, Dynamo holds a compiled
+    entry for the packed graph's own code. (The packed graph is built while Dynamo converts the frame, and
+    Dynamo marks FX code made then as never to compile: compiled as built, it ran uncompiled without notice,
+    and only the functions it calls were compiled, one frame each.)"""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = make_model()
+    batch = make_grpo_batch(vocab_size=61, seed=6, dtype=torch.float64, **BATCHES["one_group"])
+    args = grpo_args(batch)
+    backend = brcompile.backend(compiler=compiler)
+    loss = torch.compile(grpo_loss, backend=backend)(model, *args)
+    loss.backward()
+    assert_exact(loss.detach(), grpo_loss(model, *args).detach(), torch.float64, "loss")
+    assert_replayed()
+    runs = [r.runtime.packed for r in backend.records if r.runtime is not None]
+    assert len(runs) == 1 and isinstance(runs[0], Compiled), runs
+    assert _debug_get_cache_entry_list(runs[0].gm.forward.__code__), "the packed graph ran uncompiled"
 
 
 @pytest.mark.parametrize("spec", [dict(num_prompts=3, group_size=1, prompt_len=6, response_len=3),
