@@ -14,8 +14,11 @@ masked with an additive -inf attn_mask of q's dtype (the kernels require that dt
 every call sees at least key ka, so no call has a fully masked row; a query that sees nothing in the whole
 tree is in no call and keeps out = 0, lse = -inf and zero gradient.
 
-Each call is ``aten._scaled_dot_product_flash_attention_for_cpu`` -> (out_i, lse_i). Partial results
-merge by logsumexp:
+Each call is ``aten._scaled_dot_product_flash_attention_for_cpu`` -> (out_i, lse_i). The calls are planned
+once per tree (:func:`_plan`: the schedule, each call's pieces, which rows an earlier call wrote) and the plan
+is reused by every layer's forward and backward. (Batching the short causal calls into one padded call was
+measured slower on CPU than the separate calls: the gathers cost more than the calls' overhead.) Partial
+results merge by logsumexp:
 
     lse = logaddexp(lse_acc, lse_i),   out = out_acc * exp(lse_acc - lse) + out_i * exp(lse_i - lse)
 
@@ -43,6 +46,7 @@ block's ds summed per distance bucket into the block's query rows of dR (``relat
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -183,6 +187,7 @@ class _Piece:
     mask: Optional[Tensor]  # additive, [1 or nq, nk]
     empty_rows: Optional[Tensor]  # [nq] bool: rows that see no key of this piece (blocked pieces only)
     seen: Optional[Tensor] = None  # [nq, nk] bool visibility (blocked pieces only)
+    touched: bool = True  # (planned calls) an earlier call of the plan wrote some of its query rows
 
 
 def _pieces(call: AttentionCall, valid: Tensor, dtype: torch.dtype, window: int, position: Optional[Tensor],
@@ -292,8 +297,13 @@ def _key_mask(valid: Tensor, call: AttentionCall, dtype: torch.dtype):
 def _group_kv(t: Tensor, call, g: int) -> Tensor:
     """Keys/values of a call or piece, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0 (no copy)."""
     k0, k1 = (call.k0, call.k1) if isinstance(call, _Piece) else (call.k_start, call.k_stop)
-    kv = t[:, k0:k1]
-    return kv.unsqueeze(1).expand(kv.shape[0], g, kv.shape[1], kv.shape[2])
+    return _grouped(t[:, k0:k1], g)
+
+
+def _grouped(t: Tensor, g: int) -> Tensor:
+    """Keys/values [Hkv, N, D] -> [Hkv, g, N, D], expanded over the g query heads of each group with stride 0
+    (no copy); a call's keys are a slice of it."""
+    return t.unsqueeze(1).expand(t.shape[0], g, t.shape[1], t.shape[2])
 
 
 def _merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
@@ -320,28 +330,27 @@ def cpu_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
     out = torch.zeros((hq, n, d), dtype=acc_dtype)
     lse = torch.full((hq, n), float("-inf"), dtype=acc_dtype)
     qg = q.unflatten(0, (hkv, g))
-    touched = torch.zeros(n, dtype=torch.bool)  # rows that already hold a partial result
+    kx, vx = _grouped(k, g), _grouped(v, g)
+    outg, lseg = out.view(hkv, g, n, d), lse.view(hkv, g, n)
     slopes = a.alibi_slopes()
-    for pc in _schedule_pieces(a):
-        if _explicit_math(a):
-            o, l = math_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), _group_kv(k, pc, g).to(acc_dtype),
-                                _group_kv(v, pc, g).to(acc_dtype), pc.seen, a.scale, a.softcap,
-                                _bias(a, slopes, pc, hkv))
+    explicit = _explicit_math(a)
+    for pc in _plan(a):
+        kk, vv = kx[:, :, pc.k0 : pc.k1], vx[:, :, pc.k0 : pc.k1]
+        if explicit:
+            o, l = math_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), kk.to(acc_dtype), vv.to(acc_dtype), pc.seen,
+                                a.scale, a.softcap, _bias(a, slopes, pc, hkv))
         else:
-            o, l = _flash_fwd(qg[:, :, pc.q0 : pc.q1], _group_kv(k, pc, g), _group_kv(v, pc, g), 0.0, pc.causal,
-                              attn_mask=pc.mask, scale=a.scale)
-        o, l = o.flatten(0, 1), l.flatten(0, 1)
+            o, l = _flash_fwd(qg[:, :, pc.q0 : pc.q1], kk, vv, 0.0, pc.causal, attn_mask=pc.mask, scale=a.scale)[:2]
         rows = slice(pc.q0, pc.q1)
         if pc.empty_rows is not None and bool(pc.empty_rows.any()):  # window: rows that saw nothing here
-            o = o.masked_fill(pc.empty_rows[None, :, None], 0.0)
-            l = l.masked_fill(pc.empty_rows[None, :], float("-inf"))
-            _merge_safe(out[:, rows], lse[:, rows], o, l)
-        elif touched[rows].any():
-            _merge_into(out[:, rows], lse[:, rows], o, l)
+            o = o.masked_fill(pc.empty_rows[None, None, :, None], 0.0)
+            l = l.masked_fill(pc.empty_rows[None, None, :], float("-inf"))
+            _merge_safe(outg[:, :, rows], lseg[:, :, rows], o, l)
+        elif pc.touched:
+            _merge_into(outg[:, :, rows], lseg[:, :, rows], o, l)
         else:  # first contribution to these rows: the merge would be a copy
-            out[:, rows] = o
-            lse[:, rows] = l
-        touched[rows] = True
+            outg[:, :, rows] = o
+            lseg[:, :, rows] = l
     return out.to(q.dtype), lse
 
 
@@ -393,6 +402,40 @@ def _schedule_pieces(a: TreeAttentionArgs):
         yield from _pieces(call, valid, a.q.dtype, a.window, position, blocked=_explicit_math(a))
 
 
+_PLANS: list = []  # [(key, end, valid, segments, position, plan)], the last few trees' plans, newest first
+_PLANS_KEPT = 4
+
+
+def _plan(a: TreeAttentionArgs) -> list:
+    """The kernel calls of ``a``'s tree in order (:func:`_schedule_pieces`), each with ``touched`` set. A plan
+    depends on the tree arrays, the positions (with a window or explicit math), the dtype, the window and the
+    explicit-math choice alone, so it is kept for the last few trees and reused when all of them are equal
+    (every layer of a step, forward and backward, has the same tree)."""
+    end, valid, segments = (t.cpu() for t in a.tree)
+    position = a.position.cpu() if a.position is not None and (a.window or _explicit_math(a)) else None
+    key = (end.shape[0], segments.shape[0], a.q.dtype, a.window, _explicit_math(a), position is None)
+    for k, e, v, sg, pos, plan in _PLANS:
+        if k == key and torch.equal(e, end) and torch.equal(v, valid) and torch.equal(sg, segments) \
+                and (pos is None or torch.equal(pos, position)):
+            return plan
+    plan = _with_touched(list(_schedule_pieces(a)), end.shape[0])
+    _PLANS.insert(0, (key, end.clone(), valid.clone(), segments.clone(),
+                      None if position is None else position.clone(), plan))
+    del _PLANS[_PLANS_KEPT:]
+    return plan
+
+
+def _with_touched(items: list, n: int) -> list:
+    """The items with ``touched`` set: whether an earlier item wrote some of their query rows."""
+    written = torch.zeros(n, dtype=torch.bool)
+    out = []
+    for it in items:
+        rows = slice(it.q0, it.q1)
+        out.append(dataclasses.replace(it, touched=bool(written[rows].any())))
+        written[rows] = True
+    return out
+
+
 def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
     """_merge_into where either side may be -inf (a row that has seen nothing): weights 0 there."""
     lse_new = torch.logaddexp(lse_acc, lse_part)
@@ -427,11 +470,14 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
     drel = None if a.relbias is None else torch.zeros(a.relbias.shape, dtype=acc_dtype)
     dslopes = None if a.slopes is None else torch.zeros(hq, dtype=acc_dtype)
     pos = None if a.position is None else a.position.cpu()
-    for pc in _schedule_pieces(a):
+    kx, vx = _grouped(k, g), _grouped(v, g)
+    dqg = dq.view(hkv, g, n, d)
+    explicit = _explicit_math(a)
+    for pc in _plan(a):
         qs = slice(pc.q0, pc.q1)
         ks = slice(pc.k0, pc.k1)
-        kg, vg = _group_kv(k, pc, g), _group_kv(v, pc, g)
-        if _explicit_math(a):
+        kg, vg = kx[:, :, ks], vx[:, :, ks]
+        if explicit:
             gq, gk, gv, *ds = math_backward(gog[:, :, qs].to(acc_dtype), qg[:, :, qs].to(acc_dtype),
                                             kg.to(acc_dtype), vg.to(acc_dtype), outg[:, :, qs].to(acc_dtype),
                                             lseg[:, :, qs], pc.seen, a.scale, a.softcap, _bias(a, slopes, pc, hkv),
@@ -441,7 +487,7 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
         else:
             gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     pc.causal, attn_mask=pc.mask, scale=a.scale)
-        dq[:, qs] += gq.flatten(0, 1)
+        dqg[:, :, qs] += gq
         dk[:, ks] += gk.sum(1, dtype=acc_dtype)
         dv[:, ks] += gv.sum(1, dtype=acc_dtype)
     grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))

@@ -358,28 +358,28 @@ def test_loss_in_the_graph_reading_padding_keeps_it(loss_fn):
     assert s.replayed_calls == 1 and s.dead_tokens == 0, str(s)
 
 
-def test_model_only_logits_zero_at_padding(monkeypatch):
+def test_model_only_logits_zero_at_padding():
     """The model alone compiled (aot_eager): logits equal at valid positions and 0 at padding, gradients of a
     masked weighting exact, a gradient into a dropped position raises. The gradients are taken twice
     (``retain_graph=True``), which AOTAutograd allows without its donated buffers (as for any torch.compile)."""
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
-    model = make_model()
-    batch = padded_grpo_batch(seed=3, hole=True)
-    ids, am = batch["input_ids"], batch["attention_mask"]
-    ref = model(ids, am)
-    out = torch.compile(model, backend=brcompile.backend(compiler="aot_eager"))(ids, am)
-    valid = am.bool()
-    assert_exact(out[valid], ref[valid], torch.float64, "logits at valid positions")
-    assert bool((out[~valid] == 0).all())
-    assert_replayed_dropping(batch, model_only=True)
-    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * am[..., None]
-    params = list(model.parameters())
-    gref = torch.autograd.grad((ref * w).sum(), params, retain_graph=True)
-    gout = torch.autograd.grad((out * w).sum(), params, retain_graph=True)
-    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
-        assert_exact(a, b, torch.float64, f"grad of {name}")
-    with pytest.raises(DroppedPositionGradError, match=HINT):
-        torch.autograd.grad(out.sum(), params)
+    with torch._functorch.config.patch(donated_buffer=False):
+        model = make_model()
+        batch = padded_grpo_batch(seed=3, hole=True)
+        ids, am = batch["input_ids"], batch["attention_mask"]
+        ref = model(ids, am)
+        out = torch.compile(model, backend=brcompile.backend(compiler="aot_eager"))(ids, am)
+        valid = am.bool()
+        assert_exact(out[valid], ref[valid], torch.float64, "logits at valid positions")
+        assert bool((out[~valid] == 0).all())
+        assert_replayed_dropping(batch, model_only=True)
+        w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * am[..., None]
+        params = list(model.parameters())
+        gref = torch.autograd.grad((ref * w).sum(), params, retain_graph=True)
+        gout = torch.autograd.grad((out * w).sum(), params, retain_graph=True)
+        for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+            assert_exact(a, b, torch.float64, f"grad of {name}")
+        with pytest.raises(DroppedPositionGradError, match=HINT):
+            torch.autograd.grad(out.sum(), params)
 
 
 def test_hf_qwen2_model_path_with_dropped_padding():

@@ -480,3 +480,27 @@ def test_with_packed_tree_from_build_tree(dtype):
     assert_rel_close(out[:, tree.index].transpose(0, 1), dense, TOL[dtype], "out")
     for name, a, b in zip("qkv", grads, dense_grads):
         assert_rel_close(a, b, TOL[dtype], f"d{name}")
+
+
+def test_cpu_plan_is_reused_per_tree_and_never_across_trees():
+    """The cpu impl plans its kernel calls once per tree and reuses the plan while the tree arrays are equal
+    (each layer's forward and backward); two trees of the same sizes but other arrays (one more hole) each get
+    their own plan and match the float64 oracle."""
+    from brcompile.backends.attention import cpu
+
+    tree = toy_tree(*CASES["nested"])
+    valid = tree.valid.clone()
+    valid[int(tree.segments[0, 0]) + 2] = False  # a hole inside the first chain: same N and S, other valid[]
+    trees = [tree.arrays, (tree.end, valid, tree.segments)]
+    plans = []
+    for arrays in trees:
+        q, k, v = _inputs(arrays[0].numel(), 4, 2, 16, torch.float64, seed=3)
+        res = {}
+        for impl in ("cpu", "reference"):
+            out, lse = torch.ops.brcompile.tree_attention_forward(q, k, v, *arrays, 0.3, impl)
+            res[impl] = (out, lse, *torch.autograd.grad((out * out).sum(), (q, k, v)))
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res["cpu"], res["reference"]):
+            assert_rel_close(a, b, TOL[torch.float64], name)
+        plans.append(cpu._plan(ops.TreeAttentionArgs(q, k, v, *arrays, 0.3)))
+        assert cpu._plan(ops.TreeAttentionArgs(q, k, v, *(x.clone() for x in arrays), 0.3)) is plans[-1]
+    assert plans[0] is not plans[1]
