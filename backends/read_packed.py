@@ -123,13 +123,17 @@ def _read_packed_backward_op(grad: Tensor, index: Tensor, cols: Optional[Tensor]
                              data_shape: Sequence[int]) -> Tensor:
     """d(read_packed)/d(data) for the upstream ``grad``: checks the dropped positions, then
     ``ddata[index[i](, cols[i, j])] += grad[i(, j)]`` (accumulating: a token read by several positions
-    sums their gradients)."""
+    sums their gradients), as one ``index_add_`` over rows (with ``cols``: over the flat ``[N * V]`` entries
+    ``index * V + cols``); a dropped position adds its gradient, checked to be 0, to row 0."""
     check_dropped_grad(grad, index < 0, "read_packed backward")
     out = grad.new_zeros(data_shape)
     if out.shape[0] == 0 or grad.numel() == 0:
         return out
     _, where = _safe_indices(index, cols)
-    return out.index_put_(where, grad, accumulate=True)
+    if cols is None:
+        return out.index_add_(0, where[0].flatten(), grad.reshape((-1,) + tuple(out.shape[1:])))
+    flat = (where[0] * out.shape[1] + where[1]).flatten()
+    return out.view(-1).index_add_(0, flat, grad.flatten()).view(out.shape)
 
 
 @_read_packed_backward_op.register_fake
