@@ -10,8 +10,9 @@
   completions, ``attention_mask`` and ``logits_to_keep = C + 1``; the GRPO loss runs eagerly on its logits.
 
 For each: the loss of both runs, the largest relative gradient error over all parameters with PASS/FAIL
-(float64: 1e-10, float32: 1e-5; the Qwen2 gradients in float64 against the float32 bound 1e-5, because
-HF's RMSNorm computes in float32 -- the loss is still held to 1e-10), brcompile's statistics (logical vs
+(float64: 1e-10, float32: 1e-5; the Qwen2 loss and gradients in float64 against the float32 bound 1e-5,
+because HF's RMSNorm computes in float32: Inductor's fused norm rounds in another order, and a shared token's
+gradient is summed before the norm's float32 backward), brcompile's statistics (logical vs
 executed tokens, the dedup ratio, fallbacks and why) and the wall-clock of both runs. A run whose checked
 call did not replay (it fell back to the original graph) is a FAIL too. Exits with status 1 on any FAIL.
 ``--model both`` (the default) skips qwen2 with a note when transformers is not installed
@@ -39,10 +40,12 @@ log = logging.getLogger(__name__)
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 QWEN2_VOCAB = 512
-#: why the Qwen2 gradients are held to the float32 bound in a float64 model (the loss keeps the float64 one)
-HF_GRAD_REASON = ("HF's Qwen2RMSNorm computes in float32 even in a float64 model; a shared token's gradient "
-                  "is summed over its branches before the norm's float32 backward (dense: after it), a "
-                  "reassociation around a float32 rounding, so gradients meet the float32 bound")
+#: why the Qwen2 loss and gradients are held to the float32 bound in a float64 model
+HF_GRAD_REASON = ("HF's Qwen2RMSNorm computes in float32 even in a float64 model; Inductor's fused norm rounds "
+                  "in another order (dense torch.compile with Inductor gives the same loss to every printed "
+                  "digit), and a shared token's gradient is summed over its branches before the norm's float32 "
+                  "backward (dense: after it): reassociations around a float32 rounding, so loss and gradients "
+                  "meet the float32 bound")
 
 
 def parse_len(text: str):
@@ -177,8 +180,8 @@ def check_and_time(model, dense_fn, compiled_fn, batch, args, device: torch.devi
                    grad_tol: float, grad_reason: str | None = None) -> bool:
     """Runs ``dense_fn`` and ``compiled_fn`` (each ``fn(model, **batch)`` -> loss) forward+backward, prints the
     loss, the largest relative gradient error with PASS/FAIL, brcompile's statistics and the wall-clock of
-    both; returns True on PASS: loss within ``loss_tol``, every gradient within ``grad_tol`` (``grad_reason``
-    printed when that differs from ``loss_tol``), and -- for branch_replay -- every compiled call replayed."""
+    both; returns True on PASS: loss within ``loss_tol``, every gradient within ``grad_tol`` (``grad_reason``:
+    why they are looser than the dtype's bound, printed when given), and -- for branch_replay -- every compiled call replayed."""
     ref_loss, ref_grads = loss_and_grads(dense_fn, model, batch)
     brcompile_reset_stats(args.backend)
     loss, grads = loss_and_grads(compiled_fn, model, batch)
@@ -190,8 +193,8 @@ def check_and_time(model, dense_fn, compiled_fn, batch, args, device: torch.devi
     ok = loss_err <= loss_tol and grad_err <= grad_tol and not_replayed is None
     print(f"loss: dense eager {ref_loss.item():.12g}, {args.backend} {loss.item():.12g} "
           f"(rel err {loss_err:.2e} vs {loss_tol:.0e})")
-    if grad_reason and grad_tol != loss_tol:
-        print(f"gradients against {grad_tol:.0e}, not {loss_tol:.0e}: {grad_reason}")
+    if grad_reason:
+        print(f"loss and gradients against {grad_tol:.0e}, not {TOLERANCE[ref_loss.dtype]:.0e}: {grad_reason}")
     verdict = "PASS" if ok else "FAIL" + (f": the checked call {not_replayed}" if not_replayed else "")
     print(f"max relative grad error {grad_err:.2e} ({where}) vs {grad_tol:.0e}: {verdict}")
 
@@ -253,9 +256,8 @@ def run_qwen2(args, dtype: torch.dtype, device: torch.device) -> bool:
     def compiled(m, **b):
         return trl_grpo_loss(compiled_model, **b, completion_len=C)
 
-    tol = TOLERANCE[dtype]
-    grad_tol = max(tol, TOLERANCE[torch.float32])
-    return check_and_time(model, dense, compiled, batch, args, device, tol, grad_tol, HF_GRAD_REASON)
+    tol = max(TOLERANCE[dtype], TOLERANCE[torch.float32])
+    return check_and_time(model, dense, compiled, batch, args, device, tol, tol, HF_GRAD_REASON)
 
 
 def transformers_available() -> bool:
