@@ -1,6 +1,12 @@
-"""Exact, memory-efficient CPU tree attention: the segment-pair schedule (docs/ARCHITECTURE.md §6).
+"""Exact, memory-efficient CPU tree attention (docs/ARCHITECTURE.md §6), registered as impl ``"cpu"`` (the default
+on CPU). Two ways, one answer:
 
-Registered as impl ``"cpu"`` (the default on CPU). A segment s = [a, b) is a chain of single-child
+- the **compiled kernel** (``cpu_kernel.py``, backends/cpu/tree_attention.cpp): one call over the whole tree computing
+  exactly the visible pairs; used when the compiled CPU kernels are available and it takes the call (float32 or
+  float64, no window, soft-cap, ALiBi or relative bias: ``cpu_kernel.runs``);
+- the **segment-pair schedule** below, over torch's CPU flash kernel, for everything else.
+
+The segment-pair schedule. A segment s = [a, b) is a chain of single-child
 nodes whose descendants are exactly [b, e) (e = its subtree end), so every key of s is seen by the
 queries [k, e) and by no others. Trimmed to its valid keys [ka, kb) (ka, kb - 1: the first and last
 valid key of s; keys before ka and from kb on are padding, visible to nobody), s needs two calls:
@@ -58,6 +64,7 @@ from brcompile.backends.attention.op import (
     AttentionImpl, TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward,
     register_attention_impl, slopes_grad,
 )
+from brcompile.backends.attention import cpu_kernel
 from brcompile.backends.attention.reference import relative_bias, relative_bias_grad
 
 log = logging.getLogger(__name__)
@@ -321,9 +328,12 @@ def _merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Te
 
 @attention_forward
 def cpu_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
-    """(out [Hq, N, D] in q.dtype, lse [Hq, N]) by the segment-pair schedule with logsumexp merging."""
+    """(out [Hq, N, D] in q.dtype, lse [Hq, N]): the compiled kernel when it takes ``a``, else the segment-pair
+    schedule with logsumexp merging."""
     q, k, v = a.q, a.k, a.v
     _require_cpu(q, k, v)
+    if cpu_kernel.runs(a):
+        return cpu_kernel.forward(a)
     hq, n, d = q.shape
     hkv, g = k.shape[0], a.group
     acc_dtype = a.lse_dtype
@@ -450,9 +460,12 @@ def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Te
 def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, ...]:
     """(dq, dk, dv), and dR with a relative bias, and dslopes with trainable ``slopes``: per call, the flash backward
     with the merged out and lse; dq (and dR, dslopes) accumulates over calls, dk/dv over the calls of each key's
-    segment and over the query heads of its group (each visible pair lies in one piece)."""
+    segment and over the query heads of its group (each visible pair lies in one piece); or the compiled kernel's
+    (dq, dk, dv) when it takes ``a``."""
     q, k, v = a.q, a.k, a.v
     _require_cpu(grad_out, q, k, v, out, lse)
+    if cpu_kernel.runs(a):
+        return cpu_kernel.backward(a, grad_out, out, lse)
     hq, n, d = q.shape
     hkv, g = k.shape[0], a.group
     acc_dtype = a.lse_dtype

@@ -370,10 +370,12 @@ def relative_buckets(qpos: Tensor, kpos: Tensor, extent: int) -> Tensor:
 
 
 def _sink_rows(sinks: Tensor, lse: Tensor) -> Tensor:
-    """The sink logit of every query row, [Hq, N] in lse's dtype and device: ``s[h]`` broadcast over the
-    queries for per-head sinks, ``s[h, q]`` for per-query ones."""
+    """The sink logit of every query row, [Hq, N] in lse's dtype and device: ``s[h]`` repeated over the
+    queries for per-head sinks, ``s[h, q]`` for per-query ones. Materialised (contiguous): torch's pointwise ops
+    may round a stride-0 operand's loop differently, and a per-head sink must give the same bits as the same
+    values per query."""
     s = sinks.to(device=lse.device, dtype=lse.dtype)
-    return (s[:, None] if s.dim() == 1 else s).expand_as(lse)
+    return (s[:, None] if s.dim() == 1 else s).expand_as(lse).contiguous()
 
 
 def sink_merge(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

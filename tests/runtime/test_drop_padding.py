@@ -15,6 +15,8 @@ Three layers:
   compiled with the model keeps the pads; streaming replay on the dropped tree. One
   tiny HF Qwen2 through the model path.
 """
+import shutil
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -143,6 +145,29 @@ def test_drop_padding_matches_kept_forest(batch):
     tree = drop_padding(full)
     check_dropped_tree(tree, tokens, mask)
     assert tree.stats.executed_tokens == int(full.valid.sum())
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(padded_batches(), st.integers(0, 2**16))
+def test_compiled_and_torch_drops_agree(monkeypatch, batch, seed):
+    """drop_positions by the compiled CPU kernel and by torch ops: the same arrays and stats, bitwise, for random
+    needed and live positions (a needed position's row keeps every position a live one needs, or not: both)."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on PATH: the compiled kernels cannot be built")
+    tokens, mask = batch
+    g = torch.Generator().manual_seed(seed)
+    needed = torch.rand(tokens.shape, generator=g) < 0.6
+    live = needed & (torch.rand(tokens.shape, generator=g) < 0.7)
+    trees = {}
+    for path in ("1", "0"):
+        monkeypatch.setenv("BRCOMPILE_CPU_KERNELS", path)
+        full = build_tree(tokens, mask)
+        trees[path] = (tree_mod.drop_positions(full, needed, live), drop_padding(full))
+    for got, want in zip(trees["1"], trees["0"]):
+        for name in ("index", "parent", "end", "position", "valid", "rep_row", "segments"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert got.stats == want.stats
 
 
 @settings(max_examples=60, deadline=None)

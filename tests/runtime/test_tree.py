@@ -1,5 +1,8 @@
-"""brcompile.runtime.tree: the packed prefix tree against a brute-force Python trie (dict keyed by prefix tuples)."""
+"""brcompile.runtime.tree: the packed prefix tree against a brute-force Python trie (dict keyed by prefix tuples).
+On the CPU the compiled kernel (backends/cpu/prefix_tree.cpp) builds the trees of ``hash_fn=None``; the tests of the
+vectorised paths (hashed order, exact sort) turn it off (``torch_path``)."""
 import math
+import shutil
 import struct
 
 import pytest
@@ -12,6 +15,13 @@ from brcompile.runtime.tree import build as tree_mod  # the builder: its counter
 from brcompile.runtime.tree import PackedTree, TreeInputError, TreeStats, build_tree
 
 FIELDS = ("index", "parent", "end", "position", "valid", "rep_row", "segments")
+HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """The vectorised torch builder (the compiled CPU kernels off)."""
+    monkeypatch.setenv("BRCOMPILE_CPU_KERNELS", "0")
 
 
 def zero_hash(codes):
@@ -163,11 +173,15 @@ def test_matches_brute_force_trie(batch, hash_fn):
     check_against_trie(tree, inputs, mask)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batches())
-def test_layout_is_canonical_across_paths(batch):
-    """Hashed order, weak-hash fallback and the exact sort (large-B path) give identical tensors."""
+def test_layout_is_canonical_across_paths(monkeypatch, batch):
+    """The compiled kernel, the hashed order, the weak-hash fallback and the exact sort (large-B path) give
+    identical tensors."""
     inputs, mask = batch
+    monkeypatch.setenv("BRCOMPILE_CPU_KERNELS", "1" if HAS_COMPILER else "0")
+    compiled = build_tree(inputs, mask)
+    monkeypatch.setenv("BRCOMPILE_CPU_KERNELS", "0")
     reference = build_tree(inputs, mask)
     weak = build_tree(inputs, mask, hash_fn=zero_hash)
     saved = tree_mod.PAIRWISE_MAX_ROWS
@@ -177,8 +191,21 @@ def test_layout_is_canonical_across_paths(batch):
     finally:
         tree_mod.PAIRWISE_MAX_ROWS = saved
     for name in FIELDS:
-        torch.testing.assert_close(getattr(weak, name), getattr(reference, name), rtol=0, atol=0, msg=name)
-        torch.testing.assert_close(getattr(exact, name), getattr(reference, name), rtol=0, atol=0, msg=name)
+        for other in (compiled, weak, exact):
+            torch.testing.assert_close(getattr(other, name), getattr(reference, name), rtol=0, atol=0, msg=name)
+    assert compiled.stats == reference.stats
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on PATH: the compiled kernels cannot be built")
+def test_the_compiled_kernel_builds_cpu_trees(monkeypatch):
+    """On the CPU, without a hash_fn, the compiled kernel builds the tree (one call, no hash) where it is available."""
+    monkeypatch.setenv("BRCOMPILE_CPU_KERNELS", "1")
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 3, (9, 11), generator=g)
+    mask = torch.rand(9, 11, generator=g) < 0.7
+    tree, delta = counter_delta(lambda: build_tree([tokens, tokens % 2], mask))
+    assert delta == {"builds": 1, "compiled": 1}
+    check_against_trie(tree, [tokens, tokens % 2], mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,7 +241,7 @@ def test_weak_hash_in_sorted_order_still_exact():
     assert tree.num_tokens == 7
 
 
-def test_default_hash_takes_fast_path():
+def test_default_hash_takes_fast_path(torch_path):
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 5, (13, 37), generator=g)
     tokens[:, :20] = tokens[0, :20]
@@ -224,7 +251,7 @@ def test_default_hash_takes_fast_path():
 
 
 @pytest.mark.parametrize("B, L, path", [(41, 7, "hashed_order"), (77, 6, "exact_order")])
-def test_bushy_forests_with_many_rows(B, L, path):
+def test_bushy_forests_with_many_rows(B, L, path, torch_path):
     """Binary vocab: deep branching, many segments, long range-min / binary-lifting tables."""
     g = torch.Generator().manual_seed(B)
     tokens = torch.randint(0, 2, (B, L), generator=g)
@@ -234,7 +261,7 @@ def test_bushy_forests_with_many_rows(B, L, path):
     check_against_trie(tree, [tokens], mask)
 
 
-def test_many_rows_use_exact_sort():
+def test_many_rows_use_exact_sort(torch_path):
     B, L = tree_mod.PAIRWISE_MAX_ROWS + 7, 3
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 4, (B, L), generator=g)

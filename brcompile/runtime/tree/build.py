@@ -11,12 +11,14 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-from brcompile.runtime.tree.layout import PackedTree, assemble
+from brcompile.backends import cpu as kernels
+from brcompile.runtime.tree.layout import PackedTree, TreeStats, assemble
 
 counters: collections.Counter = collections.Counter()
-"""Event counts, asserted exactly in tests. ``builds``: calls of build_tree; ``hashed_order``: the hashed
-row order passed verification; ``hash_fallback``: it failed verification and the exact order was used;
-``exact_order``: the exact order was used directly (see _use_pairwise_search)."""
+"""Event counts, asserted exactly in tests. ``builds``: calls of build_tree; ``compiled``: the compiled CPU kernel
+built the tree (backends/cpu/prefix_tree.cpp); ``hashed_order``: the hashed row order passed verification;
+``hash_fallback``: it failed verification and the exact order was used; ``exact_order``: the exact order was
+used directly (see _use_pairwise_search)."""
 
 PAIRWISE_MAX_ROWS = 1024
 """Largest B for which the hashed pairwise search may run (its memory is O(B^2))."""
@@ -57,6 +59,9 @@ def build_tree(
     replaced by an exact sort when wrong); a weak one only costs time. Unused when the exact sort is the
     cheaper way for the batch's shape (B > 64 and B * log2(L) > 4 L, or B > PAIRWISE_MAX_ROWS).
 
+    On the CPU, without a ``hash_fn``, the compiled kernel builds the same tree in one call when the compiled CPU
+    kernels are available (backends/cpu: an exact sort of the rows, no hash; ``counters["compiled"]``).
+
     Raises TreeInputError (a ValueError) on inputs that are not one [B, L] batch with B, L >= 1.
     """
     codes, mask = _token_codes(per_token, attention_mask)
@@ -75,8 +80,24 @@ def build_tree(
 
 def _tree_of_codes(codes: tuple, mask: Optional[Tensor], hash_fn: Optional[HashFn]) -> PackedTree:
     codes = _packed_codes(codes)
+    if hash_fn is None and codes[0].device.type == "cpu" and kernels.available():
+        counters["compiled"] += 1
+        return _compiled_tree(codes, mask)
     perm, lcp = _lexicographic_row_order(codes, hash_fn)
     return assemble(perm, lcp, mask, codes[0].shape[1])
+
+
+def _compiled_tree(codes: tuple, mask: Optional[Tensor]) -> PackedTree:
+    """The tree of the codes by the compiled CPU kernel (``brcompile_cpu::prefix_tree``): rows sorted exactly
+    (stable, input 0 most significant), then the layout of :func:`assemble`, bitwise."""
+    stacked = torch.stack([x.to(torch.int64) for x in codes]) if len(codes) > 1 else codes[0].unsqueeze(0)
+    index, parent, end, position, valid, rep_row, segments = torch.ops.brcompile_cpu.prefix_tree(stacked, mask)
+    B, L = index.shape
+    n = parent.shape[0]
+    stats = TreeStats(rows=B, logical_tokens=B * L, executed_tokens=n,
+                      valid_tokens=int(mask.sum()) if mask is not None else B * L, dedup_ratio=B * L / n, depth=L,
+                      segments=segments.shape[0])
+    return PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
 
 
 def row_keys(per_token: Sequence[Tensor]) -> list[Tensor]:

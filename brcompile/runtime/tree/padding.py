@@ -11,6 +11,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
+from brcompile.backends import cpu as kernels
 from brcompile.runtime.tree.build import HashFn, PerToken, TreeInputError, build_tree, input_list
 from brcompile.runtime.tree.layout import PackedTree, TreeStats
 
@@ -42,8 +43,11 @@ def drop_positions(tree: PackedTree, needed: Optional[Tensor] = None, live: Opti
     single-child chains of the new forest (:func:`_chain_segments`). Stats: executed_tokens = N' (dedup_ratio =
     B*L / N', inf when nothing is kept), dead_tokens = N - N', depth = the most kept positions of a row; rows,
     logical_tokens, valid_tokens unchanged. A tree that keeps every token is returned as is (with its
-    live_tokens counted). Vectorised: O(B*L + N) work, two host synchronisations.
+    live_tokens counted). Vectorised: O(B*L + N) work, two host synchronisations; on the CPU the compiled kernel
+    (backends/cpu/prefix_tree.cpp, when available) does the same in one call.
     """
+    if tree.index.device.type == "cpu" and kernels.available():
+        return _compiled_drop(tree, tree.valid[tree.index] if needed is None else needed, live)
     if needed is None:
         keep = tree.valid
         live = None
@@ -86,6 +90,24 @@ def drop_positions(tree: PackedTree, needed: Optional[Tensor] = None, live: Opti
     out = PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
     log.debug("drop_positions: %d of %d packed tokens kept; %s", n_kept, tree.num_tokens, stats)
     return out
+
+
+def _compiled_drop(tree: PackedTree, needed: Tensor, live: Optional[Tensor]) -> PackedTree:
+    """:func:`drop_positions` by the compiled CPU kernel (``brcompile_cpu::drop_positions``): the same arrays and
+    stats."""
+    index, parent, end, position, valid, rep_row, segments, counts = torch.ops.brcompile_cpu.drop_positions(
+        tree.index, tree.end, tree.position, tree.valid, tree.rep_row, needed.to(torch.bool), live)
+    n_kept, depth, live_kept = counts.tolist()
+    live_tokens = live_kept if live is not None else tree.stats.live_tokens
+    if n_kept == tree.num_tokens:
+        return tree if live is None else dataclasses.replace(
+            tree, stats=dataclasses.replace(tree.stats, live_tokens=live_tokens))
+    B, L = tree.batch_shape
+    stats = dataclasses.replace(
+        tree.stats, executed_tokens=n_kept, dedup_ratio=B * L / n_kept if n_kept else float("inf"), depth=depth,
+        segments=segments.shape[0], dead_tokens=tree.num_tokens - n_kept, live_tokens=live_tokens)
+    log.debug("drop_positions: %d of %d packed tokens kept; %s", n_kept, tree.num_tokens, stats)
+    return PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
 
 
 def _kept_parent(index: Tensor, dense_keep: Tensor, rep_row: Tensor, position: Tensor) -> Tensor:

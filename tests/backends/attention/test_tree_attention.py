@@ -1,4 +1,6 @@
-"""brcompile::tree_attention: reference and cpu impls against dense per-row SDPA, opcheck, flops.
+"""brcompile::tree_attention: reference and cpu impls against dense per-row SDPA, opcheck, flops. The "cpu" impl
+runs both ways (the ``cpu_path`` fixture): its compiled kernel (backends/attention/cpu_kernel.py) and the
+segment-pair schedule.
 
 The end-to-end truth: for a dense batch of rows gathered from packed tokens through ``index``,
 packed_out[:, index[b, t]] == dense_out[b, :, t] where the dense run is F.scaled_dot_product_attention
@@ -7,12 +9,13 @@ gather, so shared tokens sum their rows' gradients) equal the op's gradients.
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -33,6 +36,16 @@ from brcompile.backends.attention.reference import dense_tree_mask
 from brcompile.backends.attention.cpu import segment_schedule
 
 PAD = 0
+
+
+@pytest.fixture(params=["kernel", "schedule"])
+def cpu_path(request, monkeypatch):
+    """The "cpu" impl's way: its compiled kernel (a failed build raises; skipped without a C++ compiler) or the
+    segment-pair schedule over torch's flash kernel."""
+    if request.param == "kernel" and shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on PATH: the cpu kernel cannot be built")
+    monkeypatch.setenv("BRCOMPILE_CPU_KERNELS", "1" if request.param == "kernel" else "0")
+    return request.param
 
 # --------------------------------------------------------------------------------------- tree helper
 
@@ -217,7 +230,7 @@ def _run_packed_and_dense(case, hq, hkv, d, dtype, impl, seed=0):
         ("no_sharing_and_duplicate", 6, 3, 48),
     ],
 )
-def test_matches_dense_sdpa(case, hq, hkv, d, dtype, impl):
+def test_matches_dense_sdpa(case, hq, hkv, d, dtype, impl, cpu_path):
     """Packed output gathered through index and all three grads equal dense per-row SDPA."""
     tree, out_p, out_d, grads_p, grads_d = _run_packed_and_dense(case, hq, hkv, d, dtype, impl)
     tol = TOL[dtype]
@@ -227,7 +240,7 @@ def test_matches_dense_sdpa(case, hq, hkv, d, dtype, impl):
         assert_rel_close(gp, gd, tol, f"{case} d{name}")
 
 
-def test_fully_masked_queries_are_zero_with_zero_grad():
+def test_fully_masked_queries_are_zero_with_zero_grad(cpu_path):
     """Left-padding queries see no key: out 0, lse -inf, no gradient into their q."""
     tokens, mask = CASES["two_groups_padded"]
     tree = toy_tree(tokens, mask)
@@ -242,7 +255,7 @@ def test_fully_masked_queries_are_zero_with_zero_grad():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_cpu_matches_reference_including_lse(dtype):
+def test_cpu_matches_reference_including_lse(dtype, cpu_path):
     """cpu forward (out, lse) and backward equal the float64 oracle, with a stride-0 grad_out."""
     tokens, mask = CASES["nested"]
     tree = toy_tree(tokens, mask)
@@ -276,7 +289,7 @@ def test_cpu_half_precision(dtype, tol):
     assert all(gr.dtype == dtype and torch.isfinite(gr).all() for gr in grads)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     groups=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4)), min_size=1, max_size=3),
     tail_len=st.integers(1, 6),
@@ -285,7 +298,7 @@ def test_cpu_half_precision(dtype, tol):
     holes=st.sampled_from([0.0, 0.2]),
     seed=st.integers(0, 10_000),
 )
-def test_property_random_forests(groups, tail_len, branch_depth, kv_heads, holes, seed):
+def test_property_random_forests(groups, tail_len, branch_depth, kv_heads, holes, seed, cpu_path):
     """Random forests (groups, nested branches, padding, holes, single rows): cpu == oracle == dense."""
     hq, hkv = kv_heads
     tokens, mask = _random_holes(*rollout_batch(seed, groups, tail_len, branch_depth, vocab=4), seed, holes)
@@ -321,7 +334,7 @@ def test_schedule_covers_exactly_the_visible_pairs():
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
-def test_opcheck(impl):
+def test_opcheck(impl, cpu_path):
     """torch.library.opcheck: schema, fake impl, autograd registration, AOT dispatch (static+dynamic)."""
     tokens, mask = CASES["two_groups_padded"]
     tree = toy_tree(tokens, mask)
@@ -364,7 +377,7 @@ def test_flop_formula_without_data_uses_the_causal_bound():
         assert count_visible_pairs(end, valid) == 28
 
 
-def test_errors_are_typed_and_clear():
+def test_errors_are_typed_and_clear(cpu_path):
     tokens, mask = CASES["one_prompt"]
     tree = toy_tree(tokens, mask)
     n = tree.end.numel()
