@@ -63,7 +63,8 @@ def _build() -> None:
     log.info("brcompile: loading the compiled CPU kernels (%s; the first time on a machine compiles them, ~20 s)",
              isa)
     cpp_extension.load(name=f"brcompile_cpu_{isa.lower()}", sources=[str(s) for s in SOURCES],
-                       extra_cflags=["-O3", "-std=c++17", *_ISA_FLAGS.get(isa, [])], is_python_module=False,
+                       extra_cflags=["-O3", "-std=c++17", "-fopenmp", *_ISA_FLAGS.get(isa, [])],
+                       extra_ldflags=["-fopenmp"], is_python_module=False,
                        verbose=log.isEnabledFor(logging.DEBUG))
 
 

@@ -34,6 +34,8 @@ void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const in
 void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc);
+// MKL (torch's BLAS on x86): one thread per call inside our own parallel loops (weak: absent with other BLAS)
+int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));  // the C interface (lowercase: Fortran)
 }
 
 namespace {
@@ -41,6 +43,7 @@ namespace {
 constexpr int64_t BQ = 64;   // queries per block, per head
 constexpr int64_t BK = 64;   // keys per block (backward)
 constexpr int64_t KC = 256;  // keys per chunk (forward)
+constexpr int64_t DQ_BUFFER_BYTES = int64_t(256) << 20;  // the backward's extra dq buffers, at most
 
 // Column-major BLAS, as the Fortran interface takes it (a row-major [r, c] matrix is a column-major [c, r] one).
 inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -132,11 +135,13 @@ std::vector<std::vector<Unit>> balance(std::vector<Unit> units, int64_t workers)
   return lists;
 }
 
-// Runs f(list) for each list, one per worker thread.
+// Runs f(list) for each list, one per worker thread; BLAS calls inside run on the calling thread alone.
 template <typename F>
 void run_lists(const std::vector<std::vector<Unit>>& lists, const F& f) {
   at::parallel_for(0, (int64_t)lists.size(), 1, [&](int64_t begin, int64_t end) {
+    const int before = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
     for (int64_t w = begin; w < end; ++w) f(w, lists[w]);
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(before);
   });
 }
 
@@ -301,7 +306,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       const int64_t b = std::min(t.stop[s], a + BK);
       for (int64_t h = 0; h < Hkv; ++h) units.push_back({h, s, a, b, (b - a) * (t.sub_end[s] - a + 8)});
     }
-  const auto lists = balance(units, workers_for(units.size()));
+  // at most DQ_BUFFER_BYTES of extra dq buffers: fewer workers for a very long tree
+  const int64_t per_buffer = Hq * N * D * (int64_t)sizeof(T);
+  const auto lists = balance(units, std::min(workers_for(units.size()), 1 + DQ_BUFFER_BYTES / per_buffer));
   const int64_t W = lists.size();
   // per-worker dq (a worker's units add into its own buffer; the buffers are summed in order afterwards)
   std::vector<T> dqbuf(W > 1 ? (W - 1) * Hq * N * D : 0, T(0));
