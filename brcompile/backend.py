@@ -170,6 +170,9 @@ class GraphRecord:
     original_code: str
     packed_code: Optional[str]
     tree_inputs: tuple[str, ...] = ()
+    #: ``name = what`` of each tree key the graph computes from its inputs, evaluated per call
+    #: (passes/canonical/keys.py: CPM-Ant's prompt joined to the ids); () when every key is an input
+    computed_keys: tuple[str, ...] = ()
     masks: tuple[str, ...] = ()
     materialisations: tuple[tuple[str, str, int, str], ...] = ()  # (node, user, numel, reason)
     lazy_gathers: tuple[str, ...] = ()
@@ -249,17 +252,21 @@ class BranchReplayBackend:
                 replay_reason, replay_code = f"internal error: {type(e).__name__}: {e}", Code.INTERNAL_ERROR
             if replay_reason is not None:
                 log.info("branch_replay: graph %d runs packed only [%s]: %s", gid, replay_code, replay_reason)
-        rt = runtime.PackedRuntime(original, run_packed, an.tree_input_positions,
-                                   an.key_padding if an.keypad is not None else None, opts.min_dedup,
-                                   eager_packed=packed.forward,
-                                   guards=an.guards,
-                                   liveness=an.liveness, streaming=streaming, strict=opts.strict,
-                                   verify=opts.verify)
+        runtime_args = (original, run_packed, an.tree_input_positions,
+                        an.key_padding if an.keypad is not None else None, opts.min_dedup)
+        runtime_kwargs = dict(eager_packed=packed.forward, guards=an.guards, liveness=an.liveness,
+                              streaming=streaming, strict=opts.strict, verify=opts.verify)
+        if an.keys is None:
+            rt = runtime.PackedRuntime(*runtime_args, **runtime_kwargs)
+        else:  # keys the graph computes from its inputs (passes/canonical/keys.py): evaluated per call
+            rt = runtime.ComputedKeysRuntime(an.keys, *runtime_args, **runtime_kwargs)
         fused_nodes = [n for n in packed.graph.nodes if FUSED.has(n)]
         covered = {name for n in fused_nodes for name in FUSED_COVERS.get(n, ())}
         rec = GraphRecord(
             gid, True, None, None, gm.code, packed.code,
             tree_inputs=tuple(p.name for p in an.tree_inputs),
+            computed_keys=() if an.keys is None else tuple(f"{n} = {w}"
+                                                           for n, w in zip(an.keys.names, an.keys.sources)),
             masks=tuple(f"{a.name}: {info}" for a, info in an.masks.items()),
             materialisations=tuple((m.node.name, m.user.name, m.numel, m.reason)
                                    for m in an.materialisations if m.node.name not in covered),

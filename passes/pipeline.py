@@ -9,6 +9,8 @@ lower                  the graph read at the level asked: Dynamo's graph as reco
 functionalise          a copy; checkpoint bodies inlined (tagged), in-place ops and writes into views made pure,
                        splits into one whole piece read as their input
 canonicalise attention eager attention as SDPA; sinks, soft-cap, ALiBi, relative biases as op features
+computed keys          token ids the graph makes along an axis no input has (a prompt joined to the ids): that
+                       axis's keys read from new inputs, computed per call by a key graph
 canonicalise scans     affine and chunked state-space scans as ``linear_scan``, gated delta rules as ``matrix_scan``
 tree inputs            (B, L), the tree inputs, position inputs; decode steps (nothing to share); graphs without
                        attention finish here (token-local or scan graphs: their own propagation)
@@ -39,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes import probe
-from brcompile.passes.canonical import attention as eager_attention
+from brcompile.passes.canonical import attention as eager_attention, keys as computed
 from brcompile.passes.lower import checkpoint as checkpoints, splits
 from brcompile.passes.canonical.scans import delta_rule, linear as linear_scans, ssd as ssd_scans
 from brcompile.passes.analysis import input_masks, mask_stage, masks as masks_mod
@@ -83,6 +85,8 @@ class PipelineState:
     config: PipelineConfig
     extra_guards: list = dataclasses.field(default_factory=list)  # the lowering's (passes/lower/aten.py)
     canon: Any = None  # eager_attention.Canonical: the canonical graph, its guards and notes
+    #: keys the graph computes from its inputs, read from placeholders after its own (passes/canonical/keys.py)
+    keys: Optional[computed.ComputedKeys] = None
     scan_notes: list[str] = dataclasses.field(default_factory=list)
     token_ids: Optional[fx.Node] = None
     placeholders: list[fx.Node] = dataclasses.field(default_factory=list)
@@ -153,6 +157,18 @@ def canonicalise_attention(state: PipelineState) -> None:
     constants; sinks, soft-cap, ALiBi and relative biases as features of the attention (passes/canonical/attention/)."""
     state.canon = eager_attention.canonicalize(state.gm, state.example_inputs)
     state.gm = state.canon.gm
+
+
+def computed_keys(state: PipelineState) -> None:
+    """Token ids the graph builds along an axis no input has (CPM-Ant's prompt ids joined to the input ids)
+    become inputs: each key of that axis is read from a new placeholder after the graph's own, and the key
+    graph that computed it runs per call (passes/canonical/keys.py); the example inputs get its values."""
+    keys = computed.lift_computed_keys(state.gm, state.example_inputs)
+    if keys is None:
+        return
+    state.keys = keys
+    state.example_inputs = [*state.example_inputs, *keys([hint(a) for a in state.example_inputs])]
+    state.canon.notes.append(f"computed tree keys: {keys.describe()}")
 
 
 def canonicalise_scans(state: PipelineState) -> None:
@@ -266,6 +282,7 @@ def guards(state: PipelineState) -> None:
                                   state.attentions, state.classified, state.placeholders, found, state.canon.notes,
                                   state.sequences, state.input_mask)
     state.analysis.guards.extend(state.extra_guards)
+    state.analysis.keys = state.keys
 
 
 def liveness(state: PipelineState) -> None:
@@ -304,6 +321,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("lower", lower),
     Stage("functionalise", functionalise, rewrites=True),
     Stage("canonicalise attention", canonicalise_attention, rewrites=True),
+    Stage("computed keys", computed_keys, rewrites=True),
     Stage("canonicalise scans", canonicalise_scans, rewrites=True),
     Stage("tree inputs", tree_inputs),
     Stage("masks", masks, skip=_analysed),

@@ -54,7 +54,8 @@ class Code(str, enum.Enum):
     NO_TOKEN_INPUT = ("no_token_input", "token input",
                       "no [B, L] integer token input that the graph's per-token work depends on")
     JOINED_TOKEN_IDS = ("joined_token_ids", "token input",
-                        "the embedding reads token ids joined in the graph with constant tokens")
+                        "the embedded token ids are built in the graph along an axis no input has, but not from "
+                        "its inputs alone")
     KEY_PADDING_INPUTS = ("key_padding_inputs", "token input", "the attentions use different key-padding inputs")
     NOTHING_PACKED = ("nothing_packed", "token input",
                       "no op computes on packed per-token values: every one went dense, nothing is shared")

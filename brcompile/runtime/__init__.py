@@ -3,15 +3,17 @@
 - ``tree``: the exact prefix tree of a batch and its packed layout (``build_tree``, ``PackedTree``);
 - ``packed``: ``PackedRuntime`` (per call: guards, tree, gate, then packed / streaming / original) and
   ``FallbackRuntime``; tree provenance between graphs;
+- ``keys``: ``ComputedKeysRuntime``, a ``PackedRuntime`` for a graph that computes its own tree keys;
 - ``streaming``: streaming replay (prefix once, tails in chunks) and ``StreamingRuntime``;
 - ``stats``: the process-wide counters (``stats()``, ``reset_stats()``).
 """
 from brcompile.runtime.packed import CallRecord, FallbackRuntime, PackedRuntime, provenance_of, tag_provenance
+from brcompile.runtime.keys import ComputedKeysRuntime
 from brcompile.runtime.stats import Stats, record_graph, reset_stats, stats
 from brcompile.runtime.streaming import StreamingRuntime
 from brcompile.runtime.tree import PackedTree, TreeStats, build_tree
 
 __all__ = [
-    "CallRecord", "FallbackRuntime", "PackedRuntime", "PackedTree", "Stats", "StreamingRuntime", "TreeStats",
+    "CallRecord", "ComputedKeysRuntime", "FallbackRuntime", "PackedRuntime", "PackedTree", "Stats", "StreamingRuntime", "TreeStats",
     "build_tree", "provenance_of", "record_graph", "reset_stats", "stats", "tag_provenance",
 ]

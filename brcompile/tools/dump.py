@@ -14,8 +14,8 @@ entry-point backend) writes, per captured graph ``k`` (numbered per process and 
   blue, brcompile ops (tree attention, packed gathers, fused read-outs) purple, materialisations
   (``packed[index]``) yellow with a red border, the node a fallback stopped at red; a legend cluster says so;
 * ``graph_k_<level>_<i>_<stage>.py`` — the graph as each pipeline stage that rewrites it left it
-  (passes/pipeline.py: functionalise, canonicalise attention, canonicalise scans), with its token facts
-  where they are known: what the analysis read, step by step;
+  (passes/pipeline.py: functionalise, canonicalise attention, computed keys, canonicalise scans), with its token
+  facts where they are known: what the analysis read, step by step;
 * ``.svg`` renderings of both when the ``dot`` binary is installed (Graphviz, e.g. ``apt-get install
   graphviz``); without it only the ``.dot`` files are written.
 

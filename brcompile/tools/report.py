@@ -246,7 +246,8 @@ class ExplainReport:
         """One graph record as a JSON-serialisable dict."""
         return {
             "graph_id": g.graph_id, "rewritten": g.rewritten, "reason": g.reason, "code": code_value(g.code),
-            "failed_node": g.failed_node, "tree_inputs": list(g.tree_inputs), "masks": list(g.masks),
+            "failed_node": g.failed_node, "tree_inputs": list(g.tree_inputs),
+            "computed_keys": list(getattr(g, "computed_keys", ())), "masks": list(g.masks),
             "materialisations": [dict(zip(("node", "user", "numel", "reason"), (n, u, int(k), r)))
                                  for n, u, k, r in g.materialisations],
             "lazy_gathers": list(g.lazy_gathers), "fused": [str(f) for f in getattr(g, "fused", ())],
@@ -298,7 +299,8 @@ class ExplainReport:
                 special = brcompile_nodes(packed_module(g))
                 status = "REWRITTEN" + (" (routed pairs)" if getattr(g, "routed", None)
                                         else " (ATen level)" if getattr(g, "level", None) == "aten" else "")
-                row = [str(g.graph_id), status, "\n".join(g.tree_inputs) or "-", _mask_summary(g.masks), mat,
+                keys = [*g.tree_inputs, *(f"({k}, computed per call)" for k in getattr(g, "computed_keys", ()))]
+                row = [str(g.graph_id), status, "\n".join(keys) or "-", _mask_summary(g.masks), mat,
                        "\n".join(g.lazy_gathers) or "-",
                        "\n".join(f"{k} x{n}" for k, n in special.items()) or "-"]
                 if has_fused:

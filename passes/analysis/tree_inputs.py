@@ -13,15 +13,15 @@ import torch.fx as fx
 from brcompile.passes import probe
 from brcompile.passes.analysis import input_masks, masks as masks_mod
 from brcompile.passes.analysis.axes import (
-    AxesContext, Materialisation, example_value, get_axes, hint, is_static_input, node_args, normalize_dim,
-    propagate, rule_for,
+    AxesContext, Materialisation, example_value, get_axes, hint, is_static_input, node_args, propagate,
+    rule_for,
 )
 from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.analysis.guards import BatchGuard
 from brcompile.passes.canonical import attention as eager_attention
 from brcompile.passes.analysis.rules import scan as scan_rules
 from brcompile.passes.spellings import (
-    CHEAP_VIEWS, EMBEDDINGS, MATRIX_RIGHT_OPERAND, VALUE_MOVES, WEIGHT_TRANSPOSES, arg, is_op, op_name,
+    CHEAP_VIEWS, EMBEDDINGS, MATRIX_RIGHT_OPERAND, VALUE_MOVES, WEIGHT_TRANSPOSES, arg, op_name,
 )
 from brcompile.runtime.tree import row_keys
 
@@ -51,6 +51,9 @@ class Analysis:
     #: the live-position plan (passes/analysis/liveness.py), set by the backend when some positions may be left out
     liveness: Optional[Any] = None
     liveness_note: Optional[str] = None  # why the backend narrowed or dropped the plan (explain)
+    #: tree keys the graph computes from its inputs (passes/canonical/keys.py: ComputedKeys), read from its last
+    #: placeholders: each call passes their values after its own inputs; None when every key is an input
+    keys: Optional[Any] = None
 
     @property
     def tree_input_positions(self) -> list[int]:
@@ -110,17 +113,11 @@ def find_token_ids(gm: fx.GraphModule) -> fx.Node:
 
 
 def refuse_without_tree_inputs(gm: fx.GraphModule, B: int, L: int) -> None:
-    """CannotReplay for a graph with attention but no tree input: its ids are joined in the graph to constant
-    tokens (:func:`ids_joined_to_constants`, named), or it has no per-token input at all."""
-    built = ids_joined_to_constants(gm)
-    if built is not None:
-        emb, ids, extra = built
-        raise CannotReplay(Code.JOINED_TOKEN_IDS, f"the embedding reads token ids joined in the graph: {extra} constant token(s) (a "
-                           f"prompt every row shares, CPM-Ant's) concatenated with the [B, L] input {ids.name} "
-                           "along the length; the prefix tree is built over the rows of the graph's inputs, and "
-                           "the attentions run over positions that are not theirs", emb)
-    raise CannotReplay(Code.NO_TOKEN_INPUT, f"no [B, L] integer token input feeding an embedding, and the attentions read no "
-                       f"per-token [B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
+    """CannotReplay for a graph with attention but no tree input: no per-token input at all (token ids the
+    graph builds along an axis of its own are inputs by now: passes/canonical/keys.py)."""
+    raise CannotReplay(Code.NO_TOKEN_INPUT,
+                       f"no [B, L] integer token input feeding an embedding, and the attentions read no per-token "
+                       f"[B={B}, L={L}, ...] input (token ids, inputs_embeds or hidden states)")
 
 
 def analyse_scans(gm: fx.GraphModule, scans: list[fx.Node], token_ids: Optional[fx.Node], placeholders: list,
@@ -391,43 +388,6 @@ def find_token_ids_or_none(gm: fx.GraphModule) -> Optional[fx.Node]:
         return find_token_ids(gm)
     except CannotReplay:
         return None
-
-
-def ids_joined_to_constants(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.Node, int]]:
-    """(embedding, ids, P) when an ``embedding`` reads integer ids the graph concatenates along the length from
-    a [B, L] integer input ``ids`` (views and casts aside) and P tokens no input's values reach (a constant
-    prefix or suffix: CPM-Ant's ``cat((arange(a, b).repeat(B, 1), input_ids), 1)``); None otherwise. Only a
-    diagnosis: such ids are not a tree input (:func:`find_token_ids`)."""
-    for n in gm.graph.nodes:
-        if not (n.op == "call_function" and n.target in EMBEDDINGS):
-            continue
-        src = _strip_views(n.args[0])
-        v = example_value(src)
-        if not (is_op(src, "cat") and isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point()):
-            continue
-        parts = src.args[0] if src.args else src.kwargs.get("tensors")
-        dim = arg(src, 1, "dim", 0)
-        if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or normalize_dim(dim, 2) != 1:
-            continue
-        ids = [p for p in parts if isinstance(p, fx.Node) and _is_int_input(_strip_views(p))]
-        rest = [p for p in parts if p not in ids]
-        if len(ids) == 1 and rest and all(_reads_no_input_values(p) for p in rest):
-            extra = sum(hint(example_value(p).shape[1]) for p in rest)
-            return n, _strip_views(ids[0]), extra
-    return None
-
-
-def _is_int_input(n: fx.Node) -> bool:
-    v = example_value(n)
-    return n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point()
-
-
-def _reads_no_input_values(n: Any) -> bool:
-    """A 2-D tensor computed without the values of any tensor input (sizes read with ``size()`` aside)."""
-    if not isinstance(n, fx.Node) or not isinstance(example_value(n), torch.Tensor) or example_value(n).dim() != 2:
-        return False
-    outside = probe.ancestors(n, lambda a: not (a.op == "call_method" and a.target == "size"))
-    return not any(a.op == "placeholder" and isinstance(example_value(a), torch.Tensor) for a in outside)
 
 
 def unmasked(attn: fx.Node) -> bool:

@@ -13,8 +13,8 @@ from brcompile.tools.explain import explain
 from examples.gpt import GPT, GPTConfig
 from tests.helpers import assert_grads_exact, capture
 
-ORDER = ("lower", "functionalise", "canonicalise attention", "canonicalise scans", "tree inputs", "masks",
-         "token axes", "guards", "liveness", "emit", "check")
+ORDER = ("lower", "functionalise", "canonicalise attention", "computed keys", "canonicalise scans", "tree inputs",
+         "masks", "token axes", "guards", "liveness", "emit", "check")
 
 
 def _model_and_batch():
@@ -65,7 +65,7 @@ def test_a_graph_without_attention_is_analysed_at_tree_inputs():
     state = run_pipeline(gm, inputs, PipelineConfig(training=True))
     ran = [name for name, _ in state.times]
     assert "masks" not in ran and "token axes" not in ran
-    assert ran[:5] == list(ORDER[:5]) and ran[-4:] == ["guards", "liveness", "emit", "check"]
+    assert ran[:6] == list(ORDER[:6]) and ran[-4:] == ["guards", "liveness", "emit", "check"]
 
 
 def test_a_refusal_names_its_stage():

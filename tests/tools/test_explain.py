@@ -304,7 +304,7 @@ def test_dump_dir_writes_python_and_coloured_dot(tmp_path):
     expected = {"graph_0_before.py", "graph_0_after.py", "graph_0_before.dot", "graph_0_after.dot",
                 # the graph as each rewriting stage of the pipeline left it (passes/pipeline.py)
                 "graph_0_dynamo_1_functionalise.py", "graph_0_dynamo_2_canonicalise_attention.py",
-                "graph_0_dynamo_3_canonicalise_scans.py"}
+                "graph_0_dynamo_3_computed_keys.py", "graph_0_dynamo_4_canonicalise_scans.py"}
     if shutil.which("dot"):
         expected |= {"graph_0_before.svg", "graph_0_after.svg"}
     assert names == expected

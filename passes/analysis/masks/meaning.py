@@ -130,16 +130,20 @@ def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Se
         info = sequence_meaning(attn, mask, inputs, trials)
         if info is not None:
             return info
-        biased = next((t for t in trials if _biases_later_keys(t.visible(mask, attn), t.bias(mask, attn))), None)
+        biased = next((t for t in trials if _blocks_by_finite_values(t.visible(mask, attn), t.bias(mask, attn))),
+                      None)
         if biased is not None:
             raise CannotReplay(Code.MASK_FLOAT_BIAS, float_bias_reason(evaluate(mask, biased.values, biased.literal),
                                                  biased.visible(mask, attn), "where a causal mask blocks (through "
                                                  "them a query sees the keys after it)"), attn) from refusal
         if any(_sees_later_keys(t.visible(mask, attn)) for t in trials):
+            bias = " and adds a bias to the scores" if any(
+                t.bias(mask, attn) is not None for t in trials) else ""
             raise CannotReplay(Code.MASK_NOT_CAUSAL,
-                               "attention mask lets a query see keys after it (bidirectional attention: an encoder, "
-                               "a masked LM such as XLM with causal=False, or a prefix-LM's prompt); a token's value "
-                               "must depend on its prefix only for the prefix tree to share it", attn) from refusal
+                               f"attention mask lets a query see keys after it{bias} (bidirectional attention: an "
+                               "encoder, a masked LM such as XLM with causal=False, or a prefix-LM's prompt); a "
+                               "token's value must depend on its prefix only for the prefix tree to share it",
+                               attn) from refusal
         x = followed_input(attn, mask, inputs, trials, Trial.visible)
         if x is not None:
             raise CannotReplay(Code.MASK_FROM_VALUES,
@@ -151,9 +155,12 @@ def _meaning(attn: fx.Node, mask: fx.Node, inputs: Sequence[fx.Node], trials: Se
         raise refusal
 
 
-def _biases_later_keys(vis: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+def _blocks_by_finite_values(vis: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     """Whether a float mask's finite nonzero values (``bias``, :func:`split_bias`) are what shows some query a key
-    after it: a value above :data:`BLOCKING` where a causal mask blocks (``masked_fill(~causal, -5)``)."""
+    after it, a block that falls short: a value above :data:`BLOCKING` where a causal mask blocks, and 0 at every
+    pair it shows on or before the diagonal (``masked_fill(~causal, -5)``). A bias at those pairs too is a bias
+    added to the scores of a mask that itself shows later keys (a relative position bias over bidirectional
+    attention, CPM-Ant's): such a mask is not causal (:func:`_sees_later_keys`), whatever its bias."""
     if bias is None or vis.dim() < 2:
         return False
     L = vis.shape[-1]
@@ -162,7 +169,8 @@ def _biases_later_keys(vis: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         v, b = torch.broadcast_tensors(vis, bias.to(vis.device))
     except RuntimeError:
         return False
-    return v.shape[-2] == L and bool((v & (b != 0) & later).any())
+    biased = v & (b != 0)
+    return v.shape[-2] == L and bool((biased & later).any()) and not bool((biased & ~later).any())
 
 
 def _sees_later_keys(vis: torch.Tensor) -> bool:

@@ -193,13 +193,20 @@ def prompt_joined(ids):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def test_ids_joined_to_constant_tokens_are_refused_by_name():
-    """Token ids built in the graph (a constant prefix joined to the input ids) are not the tree's rows: refused,
-    naming the construct and its P, not as a graph without token ids."""
-    gm, inputs = capture(prompt_joined, torch.randint(1, V, (B, L)))
-    with pytest.raises(CannotReplay, match="3 constant token\\(s\\) .* concatenated with the \\[B, L\\] input") as e:
-        analyse(gm, inputs)
-    assert e.value.code is Code.JOINED_TOKEN_IDS
+def test_ids_joined_to_constant_tokens_are_the_tree_input():
+    """Token ids built in the graph (a constant prefix joined to the input ids) are read from an input the
+    runtime computes per call (passes/canonical/keys.py): that [B, P + L] value is the token ids and the one tree
+    input, its embedding a token value over the joined positions, the input ids no longer read."""
+    ids = torch.randint(1, V, (B, L))
+    gm, inputs = capture(prompt_joined, ids)
+    an = analyse(gm, inputs)
+    (key,) = an.tree_inputs
+    assert key is an.token_ids and an.keys.names == (key.name,) and (an.ctx.B, an.ctx.L) == (B, 3 + L)
+    (x,) = an.keys(inputs)
+    assert torch.equal(x, torch.cat((torch.arange(V - 3, V).repeat(B, 1), ids), 1))
+    emb = next(n for n in an.gm.graph.nodes if n.target is F.embedding)
+    assert str(get_axes(emb)) == "token(row=0, pos=1)"
+    assert not an.placeholders[0].users  # the input ids: read by the key graph only
 
 
 # ------------------------------------------------------------------------------------------------

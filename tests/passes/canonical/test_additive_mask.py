@@ -161,7 +161,8 @@ class BiasedMaskLM(AdditiveMaskLM):
     """A float ``attn_mask`` that is not a 0 / blocking mask: ``bias="small"``, ``masked_fill(~causal, -5)`` (a
     finite value where a causal mask blocks); ``bias="threshold"``, the same with ``-5e3`` (above ``BLOCKING``);
     ``bias="random"``, a fixed random [L, L] buffer added at the visible pairs of a ``-inf`` causal mask;
-    ``bias="learned"``, a learned [H, L, L] parameter there."""
+    ``bias="learned"``, a learned [H, L, L] parameter there; ``bias="bidirectional"``, the random buffer added at
+    the visible pairs of a key-padding mask alone (every query sees every real key, later ones included)."""
 
     def __init__(self, bias, L):
         super().__init__("filled", float("-inf"))
@@ -179,6 +180,8 @@ class BiasedMaskLM(AdditiveMaskLM):
         if self.bias == "threshold":
             return torch.zeros(L, L, dtype=dtype).masked_fill(~causal, -5e3)[None, None]
         t = self.table[..., :L, :L].to(dtype)
+        if self.bias == "bidirectional":
+            return t[None, None].masked_fill(am[:, None, None, :] == 0, float("-inf"))
         return t.masked_fill(~causal, float("-inf"))[None] if t.dim() == 3 else \
             t.masked_fill(~causal, float("-inf"))[None, None]
 
@@ -203,6 +206,18 @@ def test_float_bias_is_refused_by_name(bias, reason):
     code = {"small": Code.MASK_FLOAT_BIAS, "threshold": Code.MASK_FLOAT_BIAS}.get(bias, Code.ATTENTION_BIAS)
     assert s.fallback_codes == {code: 1}, str(s)
     assert any(reason in r for r in s.fallback_reasons), str(s)  # the reason says it is a bias
+
+
+def test_bias_over_a_bidirectional_mask_is_refused_as_not_causal():
+    """A bias added at every pair a mask shows, and that mask showing later keys (a relative position bias over
+    bidirectional attention, HF CPM-Ant's): refused as not causal, the bias named, not as a block that falls short
+    (the bias is nonzero before the diagonal too)."""
+    ids, am = grouped_rows(7, pad=False)
+    torch.manual_seed(0)
+    run_exact(BiasedMaskLM("bidirectional", ids.shape[1]).double(), [(ids, am)])
+    s = brcompile.stats()
+    assert s.replayed_calls == 0 and s.fallback_codes == {Code.MASK_NOT_CAUSAL: 1}, str(s)
+    assert any("see keys after it and adds a bias" in r for r in s.fallback_reasons), str(s)
 
 
 def test_blocking_threshold():
