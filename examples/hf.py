@@ -32,9 +32,12 @@ __all__ = ["qwen2_model", "completion_width", "trl_grpo_loss"]
 
 
 def qwen2_model(config: GPTConfig, *, max_positions: int = 4096, seed: int = 0,
-                dtype: torch.dtype = torch.float64, attn_implementation: str = "sdpa"):
+                dtype: torch.dtype = torch.float64, attn_implementation: str = "sdpa", use_cache: bool = False):
     """A random ``Qwen2ForCausalLM`` with the sizes of ``config`` (hidden = dim, intermediate = hidden_dim,
-    untied LM head), ``max_positions`` rotary positions, seeded with ``seed``, in ``dtype``."""
+    untied LM head), ``max_positions`` rotary positions, seeded with ``seed``, in ``dtype``. ``use_cache``
+    False, as HF's Trainer sets it for training (``TrainingArguments.use_cache`` defaults to False; TRL's
+    trainers are Trainers): a training forward returns no K/V cache. With ``use_cache=True`` the model also
+    returns every layer's K and V, which a compiled model then reads out densely on every call."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     if max_positions < 1:
@@ -44,7 +47,8 @@ def qwen2_model(config: GPTConfig, *, max_positions: int = 4096, seed: int = 0,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
         num_key_value_heads=config.n_kv_heads, max_position_embeddings=max_positions,
         rope_theta=config.rope_theta, rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None, attn_implementation=attn_implementation)
+        pad_token_id=0, bos_token_id=None, eos_token_id=None, attn_implementation=attn_implementation,
+        use_cache=use_cache)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config).to(dtype)
     log.debug("Qwen2 model: %s", hf_config)

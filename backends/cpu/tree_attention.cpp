@@ -15,7 +15,8 @@
 //     p = e^(s - lse),  dv += p^T dout,  dp = dout v^T,  ds = p (dp - delta),  dk += scale ds^T q,  dq += scale ds k
 // dq rows are summed by several key blocks: each worker adds into its own buffer, summed at the end in a fixed
 // order, and the work is split into per-worker lists by a deterministic greedy balance, so results do not depend
-// on thread timing. Matrix products: BLAS sgemm/dgemm (the one torch links). Row passes: at::vec.
+// on thread timing. Matrix products: BLAS sgemm/dgemm (the one torch links; MKL at one thread inside our workers).
+// Row passes: at::vec.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -168,13 +169,14 @@ T row_max(const T* s, int64_t n) {
   return at::vec::reduce_all<T>([](Vec<T>& a, Vec<T>& b) { return at::vec::maximum(a, b); }, s, n);
 }
 
-// s[c] = exp(s[c] - m) for c < n; returns the sum.
+// s[c] = exp(s[c] - m) for c < n; returns the sum. exp_u20: at::vec's fast exp for float (within 20 ulp, as torch's
+// CPU flash kernel uses it), Sleef's exp for double.
 template <typename T>
 T exp_sum(T* s, int64_t n, T m) {
   int64_t c = 0;
   Vec<T> acc(T(0)), vm(m);
   for (; c + Vec<T>::size() <= n; c += Vec<T>::size()) {
-    Vec<T> x = (Vec<T>::loadu(s + c) - vm).exp();
+    Vec<T> x = (Vec<T>::loadu(s + c) - vm).exp_u20();
     x.store(s + c);
     acc = acc + x;
   }
@@ -357,7 +359,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const T L = lse_r[row], dl = delta_r[row];
           int64_t c = 0;
           for (; c + Vec<T>::size() <= lim; c += Vec<T>::size()) {
-            Vec<T> x = (Vec<T>::loadu(p + c) - Vec<T>(L)).exp();
+            Vec<T> x = (Vec<T>::loadu(p + c) - Vec<T>(L)).exp_u20();
             x.store(p + c);
             (x * (Vec<T>::loadu(dp + c) - Vec<T>(dl))).store(dp + c);
           }

@@ -167,9 +167,10 @@ class PackedRuntime:
         self.written: tuple = tuple(WRITTEN_INPUTS.get(gm))
         self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
 
-    def _log_call(self, rec: CallRecord) -> None:
+    def _log_call(self, make: Callable[[], CallRecord]) -> None:
+        """Keep the record ``make()`` builds, for the first ``max_calls_logged`` calls (built only then)."""
         if len(self.calls) < self.max_calls_logged:
-            self.calls.append(rec)
+            self.calls.append(make())
 
     def __call__(self, *args):
         if self.verify_failed is not None:
@@ -223,12 +224,12 @@ class PackedRuntime:
             _record(replayed_calls=1, streamed_calls=1, logical_tokens=st.logical_tokens,
                     executed_tokens=st.executed_tokens, live_tokens=max(st.live_tokens, 0),
                     dead_tokens=st.dead_tokens)
-            self._log_call(CallRecord(True, self._tree_record(st, per_token, source), mode="replay",
-                                      schedule=None if schedule is None else schedule.summary()))
+            self._log_call(lambda: CallRecord(True, self._tree_record(st, per_token, source), mode="replay",
+                                              schedule=None if schedule is None else schedule.summary()))
         else:
             _record(replayed_calls=1, logical_tokens=st.logical_tokens, executed_tokens=st.executed_tokens,
                     live_tokens=max(st.live_tokens, 0), dead_tokens=st.dead_tokens)
-            self._log_call(CallRecord(True, self._tree_record(st, per_token, source)))
+            self._log_call(lambda: CallRecord(True, self._tree_record(st, per_token, source)))
         log.debug("branch_replay %s call: %s (tree %s)", "streaming" if streamed else "packed", st, source)
         self._tag_outputs(out, tree)
         return out
@@ -257,7 +258,7 @@ class PackedRuntime:
         """This call runs the original graph; the refusal (``code``: the rule broken, ``reason``: how) is
         counted and logged."""
         record_original_call(code, reason)
-        self._log_call(CallRecord(False, None if st is None else st.to_dict(), reason, code=code))
+        self._log_call(lambda: CallRecord(False, None if st is None else st.to_dict(), reason, code=code))
         log.debug("branch_replay call falls back [%s]: %s", code, reason)
         return self.original(*args)
 

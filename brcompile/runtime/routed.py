@@ -45,9 +45,10 @@ class RoutedRuntime:
         self.calls: list[CallRecord] = []
         self.max_calls_logged = max_calls_logged
 
-    def _log_call(self, rec: CallRecord) -> None:
+    def _log_call(self, make: Callable[[], CallRecord]) -> None:
+        """Keep the record ``make()`` builds, for the first ``max_calls_logged`` calls (built only then)."""
         if len(self.calls) < self.max_calls_logged:
-            self.calls.append(rec)
+            self.calls.append(make())
 
     def __call__(self, *args):
         prepared = self.prepare(args)
@@ -63,13 +64,13 @@ class RoutedRuntime:
             return self._original(args, Code.INTERNAL_ERROR,
                                   f"internal error running the routed graph: {type(e).__name__}: {e}")
         _record(replayed_calls=1, logical_tokens=st["logical_tokens"], executed_tokens=st["executed_tokens"])
-        self._log_call(CallRecord(True, st, mode="routed"))
+        self._log_call(lambda: CallRecord(True, st, mode="routed"))
         return out
 
     def _original(self, args: Sequence[Any], code: Code, reason: str):
         """This call runs the original graph; the refusal (``code``, ``reason``) is counted and logged."""
         record_original_call(code, reason)
-        self._log_call(CallRecord(False, None, reason, code=code))
+        self._log_call(lambda: CallRecord(False, None, reason, code=code))
         log.debug("branch_replay routed call falls back [%s]: %s", code, reason)
         return self.original(*args)
 
