@@ -61,8 +61,9 @@ would let every token see all earlier tokens, siblings included.
 **branch_replay's run-time overhead** per step (:func:`measure_overhead`), after the timed rounds, on the case's
 own inputs: the method's ``PackedRuntime`` instances (``BranchReplayBackend.records[i].runtime``) run a few more
 steps with their pieces wrapped by timers as instance attributes (removed afterwards; nothing global changes, the
-timed rounds run unwrapped): the tree stage ``PackedRuntime._tree`` (``build_tree``: codes, hashing, row order and
-its exact verification, assembly), the guards (``PackedRuntime.guards``) and the liveness stage (``PackedRuntime._liveness``: the
+timed rounds run unwrapped): the tree stage ``PackedRuntime._tree`` (``build_tree``: codes, then on a CPU the
+compiled kernel's exact sort and layout, else hashing, row order, its exact verification and assembly; the
+positions left out), the guards (``PackedRuntime.guards``) and the liveness stage (``PackedRuntime._liveness``: the
 call's live and needed positions; the tree's narrowing to them is part of the tree stage), each
 in ms and as % of the branch_replay step, against a target of 3 % (:data:`OVERHEAD_TARGET`).
 
@@ -734,8 +735,8 @@ def make_subject(key: tuple[str, str], config: GPTConfig, seed: int, dtype: torc
 @dataclasses.dataclass
 class Overhead:
     """branch_replay's run-time overhead in one step (seconds, medians over the measured steps): the tree stage
-    (``PackedRuntime._tree``: ``build_tree``'s codes, hashing, row order and its exact verification, assembly;
-    or a tree reused by provenance), the per-call guards (``PackedRuntime.guards``) and the liveness stage
+    (``PackedRuntime._tree``: ``build_tree``'s codes, then the compiled CPU kernel's exact sort and layout, or hashing,
+    row order, its exact verification and assembly; the positions left out; or a tree reused by provenance), the per-call guards (``PackedRuntime.guards``) and the liveness stage
     (``PackedRuntime._liveness``: the call's live and needed positions, passes/analysis/liveness.py)."""
 
     tree: float
@@ -1210,7 +1211,8 @@ def result_tables(results: list[CaseResult], methods: Sequence[str]) -> list:
         Table(f"branch_replay run-time overhead per step: ms (% of its step); target <= {OVERHEAD_TARGET:.0%}",
               ["case", "step ms", "calls", "tree", "guards", "liveness", "total", f"<= {OVERHEAD_TARGET:.0%}"],
               over_rows,
-              ["calls: PackedRuntime calls per step; tree: PackedRuntime._tree (build_tree: codes, hashing, row order, exact verification, assembly); "
+              ["calls: PackedRuntime calls per step; tree: PackedRuntime._tree (build_tree: codes, row order, layout; "
+               "drop_positions); "
                "guards: PackedRuntime.guards; timed on separate steps (the timed rounds run unwrapped)."]),
         Table("bytes saved for backward (saved_tensors_hooks, parameters excluded)", ["case"] + list(methods),
               mem_rows),

@@ -195,6 +195,8 @@ CACHE_MOVES = frozenset({
     "_unsafe_view"})
 #: reads of a checkpointed region's inputs that stay outside it: indexing, ``unsqueeze``, ``size``
 CHECKPOINT_READS = (operator.getitem, "__getitem__", "unsqueeze", "size")
+#: Ops (by name, the overload dropped) that read a value's sizes or rank only, never its elements.
+SIZE_READS = frozenset({"size", "sym_size", "sym_numel", "numel", "dim"})
 #: activation-checkpoint higher-order ops, as Dynamo records them
 CHECKPOINT_HOPS = (torch.ops.higher_order.tag_activation_checkpoint,)
 #: autocast region markers in a graph (enter / exit)

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -57,11 +58,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == B && mask.size(1) == L,
                 "prefix_tree: mask must be [B, L] bool");
   }
-  // the first column where rows a and b differ (L if none)
+  // the first column where rows a and b differ (L if none): blocks of columns compared with memcmp first (rows of
+  // a group share long prompts), then the columns of the first block that differs
+  constexpr int64_t BLOCK = 64;
   auto first_difference = [&](int64_t a, int64_t b) {
-    for (int64_t t = 0; t < L; ++t)
-      for (int64_t j = 0; j < K; ++j)
-        if (c[(j * B + a) * L + t] != c[(j * B + b) * L + t]) return t;
+    for (int64_t t0 = 0; t0 < L; t0 += BLOCK) {
+      const int64_t n = std::min(BLOCK, L - t0);
+      bool same = true;
+      for (int64_t j = 0; j < K && same; ++j)
+        same = std::memcmp(c + (j * B + a) * L + t0, c + (j * B + b) * L + t0, n * sizeof(int64_t)) == 0;
+      if (same) continue;
+      for (int64_t t = t0; t < t0 + n; ++t)
+        for (int64_t j = 0; j < K; ++j)
+          if (c[(j * B + a) * L + t] != c[(j * B + b) * L + t]) return t;
+    }
     return L;
   };
   std::vector<int64_t> perm(B);

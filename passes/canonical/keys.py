@@ -45,7 +45,8 @@ import torch.fx as fx
 from brcompile.passes.analysis.axes import example_value, hint, is_inplace, is_static_input
 from brcompile.passes.analysis.tree_inputs import find_token_ids_or_none
 from brcompile.passes.refusals import CannotReplay, Code
-from brcompile.passes.spellings import EMBEDDINGS, OPERATORS_NOT_INPLACE, op_name, random_draw
+from brcompile.passes.probe import ancestors
+from brcompile.passes.spellings import EMBEDDINGS, OPERATORS_NOT_INPLACE, SIZE_READS, op_name, random_draw
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def token_axis_index(gm: fx.GraphModule) -> Optional[fx.Node]:
     if not isinstance(x, fx.Node) or x.op == "placeholder" or not _integer_2d(x):
         return None
     shape = hint(tuple(example_value(x).shape))
-    sources = [p for p in _ancestors(x) if _per_call_input(p)]
+    sources = [p for p in ancestors(x) if _per_call_input(p)]
     if not sources or any(hint(tuple(example_value(p).shape[:2])) == shape for p in sources):
         return None
     return x
@@ -110,7 +111,7 @@ def key_graph_problem(node: fx.Node, memo: Optional[dict] = None) -> Optional[tu
     parameter or a floating-point buffer, with what it does; None when it can. ``memo`` caches the answer
     per node across calls (one topological walk for a whole graph)."""
     memo = {} if memo is None else memo
-    for n in _ancestors(node):
+    for n in ancestors(node):
         if n in memo:
             continue
         memo[n] = _own_problem(n) or next((memo[a] for a in n.all_input_nodes if memo.get(a) is not None), None)
@@ -155,7 +156,7 @@ def find_computed_keys(gm: fx.GraphModule) -> list[fx.Node]:
     axis = hint(tuple(example_value(x).shape))
     on_axis = {n for n in gm.graph.nodes
                if n.op != "placeholder" and _integer_2d(n) and hint(tuple(example_value(n).shape)) == axis
-               and key_graph_problem(n, memo) is None and any(_per_call_input(p) for p in _ancestors(n))}
+               and key_graph_problem(n, memo) is None and any(_per_call_input(p) for p in ancestors(n))}
     return [n for n in gm.graph.nodes if n in on_axis and any(_needs_value(u) and u not in on_axis for u in n.users)]
 
 
@@ -181,7 +182,7 @@ def lift_computed_keys(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Opt
         names.append(p.name)
         sources.append(_source(k))
         last = p
-    _erase_unused(graph, set().union(*(_ancestors(k) for k in keys)))
+    _erase_unused(graph, set().union(*(ancestors(k) for k in keys)))
     graph.lint()
     gm.recompile()
     lifted = ComputedKeys(key_gm, len(example_inputs), tuple(names), tuple(sources))
@@ -208,26 +209,13 @@ def _per_call_input(n: fx.Node) -> bool:
 def _needs_value(user: fx.Node) -> bool:
     """``user`` reads its operand's values, not only its size (``x.size(1)``, ``sym_size``)."""
     name = op_name(user).split(".")[0] if user.op in ("call_method", "call_function") else ""
-    return name not in ("size", "sym_size", "sym_numel", "dim")
-
-
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    """``node`` and every node it depends on, in graph order (dependencies first)."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
+    return name not in SIZE_READS
 
 
 def _key_graph(gm: fx.GraphModule, keys: list[fx.Node]) -> fx.GraphModule:
     """A graph taking ``gm``'s inputs and returning ``keys``: the placeholders and the keys' ancestors only
     (no other node, e.g. no grad-mode switch around them)."""
-    needed = set().union(*(_ancestors(k) for k in keys))
+    needed = set().union(*(ancestors(k) for k in keys))
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
@@ -247,5 +235,5 @@ def _erase_unused(graph: fx.Graph, candidates: set) -> None:
 def _source(k: fx.Node) -> str:
     """What a key is, for reports: its op, its shape and the graph inputs it is computed from
     (``cat [3, 10] of l_ids_``)."""
-    inputs = ", ".join(p.name for p in _ancestors(k) if _per_call_input(p))
+    inputs = ", ".join(p.name for p in ancestors(k) if _per_call_input(p))
     return f"{op_name(k)} {list(hint(tuple(example_value(k).shape)))} of {inputs}"
