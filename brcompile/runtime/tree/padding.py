@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -46,24 +46,21 @@ def drop_positions(tree: PackedTree, needed: Optional[Tensor] = None, live: Opti
     live_tokens counted). Vectorised: O(B*L + N) work, two host synchronisations; on the CPU the compiled kernel
     (backends/cpu/prefix_tree.cpp, when available) does the same in one call.
     """
+    if needed is None:  # drop_padding: the valid tokens, no liveness
+        needed, live = tree.valid[tree.index], None
     if tree.index.device.type == "cpu" and kernels.available():
-        return _compiled_drop(tree, tree.valid[tree.index] if needed is None else needed, live)
-    if needed is None:
-        keep = tree.valid
-        live = None
-    else:
-        keep = torch.zeros(tree.num_tokens, dtype=torch.bool, device=tree.index.device)
-        keep[tree.index[needed]] = True
-    n_live = None
+        *arrays, counts = torch.ops.brcompile_cpu.drop_positions(
+            tree.index, tree.end, tree.position, tree.valid, tree.rep_row, needed.to(torch.bool), live)
+        n_kept, depth, n_live = counts.tolist()
+        return _dropped(tree, n_kept, n_live if live is not None else None, depth, arrays)
+    keep = torch.zeros(tree.num_tokens, dtype=torch.bool, device=tree.index.device)
+    keep[tree.index[needed]] = True
+    held = None
     if live is not None:
         held = torch.zeros(tree.num_tokens, dtype=torch.bool, device=tree.index.device)
         held[tree.index[live]] = True
-        n_live = held
     if bool(keep.all()):
-        if n_live is None:
-            return tree
-        return dataclasses.replace(tree, stats=dataclasses.replace(tree.stats, live_tokens=int(n_live.sum())))
-    B, L = tree.batch_shape
+        return _dropped(tree, tree.num_tokens, None if held is None else int(held.sum()))
     before = torch.zeros(tree.num_tokens + 1, dtype=torch.int64, device=keep.device)
     torch.cumsum(keep, dim=0, out=before[1:])
     kept = keep.nonzero().squeeze(1)  # old ids of the kept tokens, ascending (= new order)
@@ -74,40 +71,26 @@ def drop_positions(tree: PackedTree, needed: Optional[Tensor] = None, live: Opti
     end = before[tree.end[kept]]
     parent = _kept_parent(index, dense_keep, rep_row, position)
     segments = _chain_segments(parent, end)
-    counts = [before[-1], dense_keep.sum(dim=1).max()] + ([] if n_live is None else [(n_live & keep).sum()])
+    counts = [before[-1], dense_keep.sum(dim=1).max()] + ([] if held is None else [(held & keep).sum()])
     counts = torch.stack(counts).tolist()
-    n_kept, depth = counts[0], counts[1]
-    stats = dataclasses.replace(
-        tree.stats,
-        executed_tokens=n_kept,
-        dedup_ratio=B * L / n_kept if n_kept else float("inf"),
-        depth=depth,
-        segments=segments.shape[0],
-        dead_tokens=tree.num_tokens - n_kept,
-        live_tokens=counts[2] if n_live is not None else tree.stats.live_tokens,
-    )
-    valid = tree.valid[kept]
-    out = PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
-    log.debug("drop_positions: %d of %d packed tokens kept; %s", n_kept, tree.num_tokens, stats)
-    return out
+    return _dropped(tree, counts[0], counts[2] if held is not None else None, counts[1],
+                    (index, parent, end, position, tree.valid[kept], rep_row, segments))
 
 
-def _compiled_drop(tree: PackedTree, needed: Tensor, live: Optional[Tensor]) -> PackedTree:
-    """:func:`drop_positions` by the compiled CPU kernel (``brcompile_cpu::drop_positions``): the same arrays and
-    stats."""
-    index, parent, end, position, valid, rep_row, segments, counts = torch.ops.brcompile_cpu.drop_positions(
-        tree.index, tree.end, tree.position, tree.valid, tree.rep_row, needed.to(torch.bool), live)
-    n_kept, depth, live_kept = counts.tolist()
-    live_tokens = live_kept if live is not None else tree.stats.live_tokens
+def _dropped(tree: PackedTree, n_kept: int, live_tokens: Optional[int], depth: int = 0,
+             arrays: Optional[Sequence[Tensor]] = None) -> PackedTree:
+    """The result of :func:`drop_positions`: ``tree`` itself when it keeps every token (its ``live_tokens`` counted
+    when given), else the tree of ``arrays`` (index, parent, end, position, valid, rep_row, segments) with its stats:
+    N' = ``n_kept`` executed tokens, the rest dead, ``depth`` the most kept positions of a row."""
+    stats = tree.stats if live_tokens is None else dataclasses.replace(tree.stats, live_tokens=live_tokens)
     if n_kept == tree.num_tokens:
-        return tree if live is None else dataclasses.replace(
-            tree, stats=dataclasses.replace(tree.stats, live_tokens=live_tokens))
+        return tree if stats is tree.stats else dataclasses.replace(tree, stats=stats)
     B, L = tree.batch_shape
-    stats = dataclasses.replace(
-        tree.stats, executed_tokens=n_kept, dedup_ratio=B * L / n_kept if n_kept else float("inf"), depth=depth,
-        segments=segments.shape[0], dead_tokens=tree.num_tokens - n_kept, live_tokens=live_tokens)
+    segments = arrays[-1]
+    stats = dataclasses.replace(stats, executed_tokens=n_kept, dedup_ratio=B * L / n_kept if n_kept else float("inf"),
+                                depth=depth, segments=segments.shape[0], dead_tokens=tree.num_tokens - n_kept)
     log.debug("drop_positions: %d of %d packed tokens kept; %s", n_kept, tree.num_tokens, stats)
-    return PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
+    return PackedTree(*arrays, stats)
 
 
 def _kept_parent(index: Tensor, dense_keep: Tensor, rep_row: Tensor, position: Tensor) -> Tensor:
