@@ -77,7 +77,7 @@ inline void mm_atb_acc(int64_t M, int64_t n, int64_t D, const T* P, const T* A, 
 
 // The segments of the tree, each segment's parent segment, and which keys are invalid.
 struct Tree {
-  at::Tensor end_t, valid_t;
+  at::Tensor valid_t;
   const bool* valid = nullptr;
   std::vector<int64_t> start, stop, sub_end, parent;
   std::vector<char> all_valid;
@@ -87,9 +87,9 @@ struct Tree {
 // that no range read below leaves the tensors.
 Tree make_tree(const at::Tensor& end, const at::Tensor& valid, const at::Tensor& segments) {
   Tree t;
-  t.end_t = end.contiguous();
-  const int64_t* endp = t.end_t.data_ptr<int64_t>();
-  const int64_t N = t.end_t.size(0);
+  const at::Tensor end_c = end.contiguous();
+  const int64_t* endp = end_c.data_ptr<int64_t>();
+  const int64_t N = end_c.size(0);
   t.valid_t = valid.contiguous();
   t.valid = t.valid_t.data_ptr<bool>();
   auto segc = segments.contiguous();
@@ -121,7 +121,8 @@ struct Unit {
   int64_t head, seg, a, b, cost;
 };
 
-// The units split into `workers` lists by the greedy longest-first rule (deterministic), each list in order.
+// The units split into `workers` lists by the greedy longest-first rule: each unit, costliest first (ties in
+// their order), goes to the least loaded list (ties: the first). Deterministic: the same lists on every call.
 std::vector<std::vector<Unit>> balance(std::vector<Unit> units, int64_t workers) {
   std::vector<size_t> order(units.size());
   std::iota(order.begin(), order.end(), 0);
