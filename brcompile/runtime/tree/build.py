@@ -92,11 +92,7 @@ def _compiled_tree(codes: tuple, mask: Optional[Tensor]) -> PackedTree:
     (stable, input 0 most significant), then the layout of :func:`assemble`, bitwise."""
     stacked = torch.stack([x.to(torch.int64) for x in codes]) if len(codes) > 1 else codes[0].unsqueeze(0)
     index, parent, end, position, valid, rep_row, segments = torch.ops.brcompile_cpu.prefix_tree(stacked, mask)
-    B, L = index.shape
-    n = parent.shape[0]
-    stats = TreeStats(rows=B, logical_tokens=B * L, executed_tokens=n,
-                      valid_tokens=int(mask.sum()) if mask is not None else B * L, dedup_ratio=B * L / n, depth=L,
-                      segments=segments.shape[0])
+    stats = TreeStats.of_rows(*index.shape, parent.shape[0], segments.shape[0], mask)
     return PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
 
 

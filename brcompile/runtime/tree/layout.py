@@ -28,6 +28,14 @@ class TreeStats:
     dead_tokens: int = 0  # tree nodes left out: no needed position holds them (drop_positions)
     live_tokens: int = -1  # kept nodes some live position holds (passes/analysis/liveness.py); -1: not analysed
 
+    @classmethod
+    def of_rows(cls, B: int, L: int, n: int, segments: int, mask: Optional[Tensor]) -> "TreeStats":
+        """The stats of a tree over the B rows of a [B, L] batch with n tokens and ``segments`` segments (valid
+        tokens: the mask's nonzeros, every position without one)."""
+        return cls(rows=B, logical_tokens=B * L, executed_tokens=n,
+                   valid_tokens=int(mask.sum()) if mask is not None else B * L, dedup_ratio=B * L / n, depth=L,
+                   segments=segments)
+
     def to_dict(self) -> dict:
         """The fields as a plain dict (for logs and explain()); ``sequences`` only for a sequence tree."""
         d = dataclasses.asdict(self)
@@ -166,15 +174,7 @@ def assemble(perm: Tensor, lcp: Tensor, mask: Optional[Tensor], L: int) -> Packe
         valid = torch.ones(num_tokens, dtype=torch.bool, device=device)
     index = _dense_index(perm, seg, L)
 
-    stats = TreeStats(
-        rows=B,
-        logical_tokens=B * L,
-        executed_tokens=num_tokens,
-        valid_tokens=int(mask.sum()) if mask is not None else B * L,
-        dedup_ratio=B * L / num_tokens,
-        depth=L,
-        segments=num_segments,
-    )
+    stats = TreeStats.of_rows(B, L, num_tokens, num_segments, mask)
     segments = torch.stack([seg["start"], seg["stop"], seg["subtree_end"]], dim=1)
     return PackedTree(index, parent, end, position, valid, rep_row, segments, stats)
 
