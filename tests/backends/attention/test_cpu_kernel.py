@@ -191,7 +191,7 @@ def test_malformed_trees_raise_the_ops_typed_error():
 def test_a_failed_build_falls_back_or_raises_as_asked(monkeypatch):
     """Without the kernel (a failed build: no compiler), "auto" warns once and the schedule runs; "1" raises."""
     monkeypatch.setattr(kernels, "_STATE", {})
-    monkeypatch.setattr(kernels, "_build", lambda: (_ for _ in ()).throw(OSError("no compiler here")))
+    monkeypatch.setattr(kernels, "_build", lambda how: (_ for _ in ()).throw(OSError("no compiler here")))
     monkeypatch.setenv("BRCOMPILE_CPU_KERNELS", "auto")
     assert not kernels.available() and "no compiler here" in kernels.unavailable_reason()
     a = _args(_tree([[1, 2, 3], [1, 2, 4]]), 2, 1, 8, torch.float64)
