@@ -17,7 +17,7 @@ import torch.fx as fx
 from brcompile import runtime
 from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.pipeline import PipelineConfig, run_pipeline
-from brcompile.passes.meta import FUSED, FUSED_COVERS
+from brcompile.passes.meta import FUSED, FUSED_COVERS, ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,20 @@ class GraphRecord:
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
+def _plan(an, packed: fx.GraphModule, original, run_packed, streaming, opts: Options) -> runtime.ReplayPlan:
+    """The frozen plan a rewritten graph runs by: what the runtime needs from the analysis ``an``
+    (passes/analysis/tree_inputs.py), the packed graph's facts for the runtime (passes/meta.py) and the options,
+    read here once, so the runtime holds neither the analysis nor an FX graph."""
+    return runtime.ReplayPlan(
+        original=original, packed=run_packed, eager_packed=packed.forward,
+        tree_positions=tuple(an.tree_input_positions),
+        key_padding=an.key_padding if an.keypad is not None else None,
+        guards=tuple(an.guards), liveness=an.liveness, keys=an.keys,
+        token_outputs=tuple(TOKEN_OUTPUTS.get(packed)), sequences=SEQUENCES.get(packed), rows=bool(ROWS.get(packed)),
+        written=tuple(WRITTEN_INPUTS.get(packed)), streaming=streaming,
+        min_dedup=opts.min_dedup, strict=opts.strict, verify=opts.verify)
+
+
 class BranchReplayBackend:
     """A torch.compile backend object that keeps a record per captured graph."""
 
@@ -252,14 +266,7 @@ class BranchReplayBackend:
                 replay_reason, replay_code = f"internal error: {type(e).__name__}: {e}", Code.INTERNAL_ERROR
             if replay_reason is not None:
                 log.info("branch_replay: graph %d runs packed only [%s]: %s", gid, replay_code, replay_reason)
-        runtime_args = (original, run_packed, an.tree_input_positions,
-                        an.key_padding if an.keypad is not None else None, opts.min_dedup)
-        runtime_kwargs = dict(eager_packed=packed.forward, guards=an.guards, liveness=an.liveness,
-                              streaming=streaming, strict=opts.strict, verify=opts.verify)
-        if an.keys is None:
-            rt = runtime.PackedRuntime(*runtime_args, **runtime_kwargs)
-        else:  # keys the graph computes from its inputs (passes/canonical/keys.py): evaluated per call
-            rt = runtime.ComputedKeysRuntime(an.keys, *runtime_args, **runtime_kwargs)
+        rt = runtime.PackedRuntime(_plan(an, packed, original, run_packed, streaming, opts))
         fused_nodes = [n for n in packed.graph.nodes if FUSED.has(n)]
         covered = {name for n in fused_nodes for name in FUSED_COVERS.get(n, ())}
         rec = GraphRecord(
@@ -365,15 +372,16 @@ class BranchReplayBackend:
                              tuple(d for _, d in split.frontier),
                              2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),
                              split.scan_depth)
-        split.outer.replay_trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
+        trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
+        outer = split.build_outer(trunk)
         streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,
-                                      self._compile(split.outer, opts), split.outer.replay_trunk)
+                                             self._compile(outer, opts), trunk)
         info = dict(trunk_nodes=split.trunk_nodes, ext_inputs=split.ext_inputs,
                     frontier=tuple(f"{n} (token dim {d})" for n, d in split.frontier), cached=split.cached,
                     cached_scans=split.cached_scans, cached_positions=split.cached_positions,
                     bytes_per_token=split.bytes_per_token, chunk_tokens=opts.chunk_tokens,
                     memory_budget=opts.memory_budget, mode=opts.mode,
-                    prefix_code=split.prefix.code, tail_code=split.tail.code, outer_code=split.outer.code)
+                    prefix_code=split.prefix.code, tail_code=split.tail.code, outer_code=outer.code)
         return streaming, info
 
     def _fallback(self, gid: int, gm: fx.GraphModule, code: Code, reason: str, node: Optional[str],

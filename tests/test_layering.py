@@ -1,6 +1,7 @@
 """The layers import downwards only (docs/ARCHITECTURE.md §2): the passes and the ops never import the API
-(brcompile.backend, brcompile.tools), and no library module imports brcompile.testing (the contract's numbers
-live in brcompile.contract, which the runtime reads)."""
+(brcompile.backend, brcompile.tools); the runtime imports neither the API nor the passes (it is built from its
+frozen plan, and the refusal codes it counts live in brcompile.codes); and no library module imports
+brcompile.testing (the contract's numbers live in brcompile.contract, which the runtime reads)."""
 import ast
 import pathlib
 
@@ -44,3 +45,14 @@ def test_imports_go_downwards(package, path):
     if package in ("brcompile.passes", "brcompile.backends"):
         up = [n for n in names if _under(n, "brcompile.backend") or _under(n, "brcompile.tools")]
         assert not up, f"{path} imports the API layer: {up}"
+    if package == "brcompile" and path.relative_to(ROOT).parts[:2] == ("brcompile", "runtime"):
+        passes = [n for n in names if _under(n, "brcompile.passes")]
+        assert not passes, f"{path}: the runtime is built from its plan (runtime/plan.py) and imports no pass: {passes}"
+        up = [n for n in names if _under(n, "brcompile.backend") or _under(n, "brcompile.tools")]
+        assert not up, f"{path} imports the API layer: {up}"
+
+
+def test_the_runtime_is_checked():
+    """The runtime rule above sees the runtime's modules (a moved folder would make it vacuous)."""
+    runtime = [p for package, p in MODULES if p.relative_to(ROOT).parts[:2] == ("brcompile", "runtime")]
+    assert len(runtime) >= 6 and any(p.name == "plan.py" for p in runtime)

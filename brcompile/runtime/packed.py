@@ -11,10 +11,10 @@ import torch
 
 from torch.utils._pytree import tree_leaves
 
-from brcompile.passes.refusals import Code
-from brcompile.passes.meta import ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS
+from brcompile.codes import Code
 from brcompile.runtime import tree as tree_mod
 from brcompile.contract import TOLERANCE, rel_err
+from brcompile.runtime.plan import ReplayPlan
 from brcompile.runtime.stats import _record, record_original_call
 from brcompile.runtime.streaming import StreamingRuntime
 from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, row_keys, rows_agree
@@ -29,7 +29,7 @@ class CallRecord:
     reason: Optional[str] = None
     mode: str = "packed"  # "packed" or "replay" (streaming) for a replayed call
     schedule: Optional[dict] = None  # the streaming chunk schedule (brcompile.runtime.streaming.ReplaySchedule.summary)
-    code: Optional[Code] = None  # the refusal code of a call that ran the original graph (passes/refusals.py)
+    code: Optional[Code] = None  # the refusal code of a call that ran the original graph (brcompile/codes.py)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,47 +124,54 @@ def _describe_key(x: Any) -> str:
     return f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}"
 
 
+class _OwnInputs:
+    """The original graph called with a call's own inputs only (the computed keys after them dropped)."""
+
+    def __init__(self, original: Callable, inputs: int):
+        self.original = original
+        self.inputs = inputs
+
+    def __call__(self, *args):
+        return self.original(*args[:self.inputs])
+
+
 class PackedRuntime:
-    """The callable the backend returns for a rewritten graph (packed mode; streaming mode through its
-    :class:`StreamingRuntime` when the backend has one).
+    """The callable the backend returns for a rewritten graph, built from its :class:`ReplayPlan` (packed mode;
+    streaming mode through the plan's :class:`StreamingRuntime` when it has one).
 
     Each call checks the rewrite's per-call guards (``passes.guards``), builds the prefix tree of the tree
     inputs, and runs the packed graph when the guards hold and the batch shares enough
-    (``dedup_ratio >= min_dedup``), else the original graph, recording why. A padding-free graph (the packed
-    graph's ``br_sequences``: the position ids' argument position) gets the tree over the sequences packed
+    (``dedup_ratio >= min_dedup``), else the original graph, recording why. A padding-free graph (the plan's
+    ``sequences``: the position ids' argument position) gets the tree over the sequences packed
     into its rows (:func:`brcompile.runtime.tree.build_sequence_tree`), never one reused by provenance.
+    A graph whose keys it computes itself (the plan's ``keys``: CPM-Ant's prompt ids joined to the input ids,
+    passes/canonical/keys.py) gets them evaluated on each call's inputs and passed after them, at the
+    placeholders the analysis gave them; the original graph, on a fallback or for ``verify``, gets the call's
+    own inputs.
     """
 
-    def __init__(self, original: Callable, packed: Callable, tree_positions: list[int],
-                 key_padding: Optional[Callable[[Sequence], torch.Tensor]], min_dedup: float,
-                 max_calls_logged: int = 64,
-                 eager_packed: Optional[Callable] = None, guards: Sequence[Callable] = (),
-                 liveness=None, streaming: Optional[StreamingRuntime] = None,
-                 strict: bool = False, verify: bool = False):
-        self.original = original
-        self.verify = verify  # compare the first replayed call's outputs with the original graph's
+    def __init__(self, plan: ReplayPlan):
+        self.plan = plan
+        self.keys = plan.keys
+        self.original = plan.original if plan.keys is None else _OwnInputs(plan.original, plan.keys.inputs)
+        self.verify = plan.verify  # compare the first replayed call's outputs with the original graph's (pending)
         self.verify_failed: Optional[str] = None  # set when that comparison failed: every call runs the original
-        self.strict = strict  # re-raise a failing packed/streaming forward instead of running the original
-        self.guards = tuple(guards)  # passes.guards.BatchGuard: args -> None or the reason to fall back
-        self.packed = packed
-        self.eager_packed = eager_packed
-        self.tree_positions = tree_positions
-        self.key_padding = key_padding  # args -> the tree's [B, L] key padding (passes.pack.Analysis.key_padding)
-        self.min_dedup = min_dedup
+        self.strict = plan.strict
+        self.guards = plan.guards
+        self.packed = plan.packed  # the runner: the compiled graph, or the eager one once compiling it failed
+        self.eager_packed = plan.eager_packed
+        self.tree_positions = plan.tree_positions
+        self.key_padding = plan.key_padding
+        self.min_dedup = plan.min_dedup
         self.calls: list[CallRecord] = []
-        self.max_calls_logged = max_calls_logged
+        self.max_calls_logged = plan.max_calls_logged
         self.last_tree: Optional[PackedTree] = None
-        # passes.liveness.LivePlan: positions no output needs leave the tree (None: every position is kept)
-        self.liveness = liveness
-        self.streaming = streaming
-        # outputs that are dense reads of packed [1, N, ...] values at every (b, t): they carry the tree
-        gm = getattr(eager_packed, "__self__", None)
-        self.token_outputs: tuple = tuple(TOKEN_OUTPUTS.get(gm))
-        self.sequences: Optional[int] = SEQUENCES.get(gm)  # padding-free: position ids' arg
-        self.rows: bool = ROWS.get(gm)  # [T, ...] tree inputs: keys [T, 1, ...] (one token a row)
-        # inputs the graph writes into (a buffer: passes/analysis/axes.py input_write_destination): restored from a
-        # snapshot when a run is not the call's only write (verify's two runs, a failed packed run)
-        self.written: tuple = tuple(WRITTEN_INPUTS.get(gm))
+        self.liveness = plan.liveness
+        self.streaming: Optional[StreamingRuntime] = plan.streaming
+        self.token_outputs = plan.token_outputs
+        self.sequences = plan.sequences
+        self.rows = plan.rows
+        self.written = plan.written
         self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
 
     def _log_call(self, make: Callable[[], CallRecord]) -> None:
@@ -173,6 +180,8 @@ class PackedRuntime:
             self.calls.append(make())
 
     def __call__(self, *args):
+        if self.keys is not None:
+            args = (*args, *self.keys(args))
         if self.verify_failed is not None:
             return self._original(args, Code.VERIFY_FAILED, self.verify_failed)
         for guard in self.guards:
@@ -363,7 +372,7 @@ class FallbackRuntime:
 
     def __init__(self, original: Callable, code: Code, reason: str, unshared: bool = False):
         self.original = original
-        self.code = code  # the graph's refusal code (passes/refusals.py)
+        self.code = code  # the graph's refusal code (brcompile/codes.py)
         self.reason = reason
         self.unshared = unshared
 

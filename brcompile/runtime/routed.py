@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from brcompile.passes.refusals import Code, Refusal, refusal
+from brcompile.codes import Code, Refusal, refusal
 from brcompile.runtime.packed import CallRecord
 from brcompile.runtime.stats import _record, record_original_call
 from brcompile.runtime.tree import build_tree, row_keys

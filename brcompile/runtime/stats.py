@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Optional
 
-from brcompile.passes.refusals import CONSTRUCTS, Code
+from brcompile.codes import CONSTRUCTS, Code
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class Stats:
     compiled_graphs: int = 0
     rewritten_graphs: int = 0
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    #: fallback calls per refusal code (passes/refusals.py: the rule broken) ...
+    #: fallback calls per refusal code (brcompile/codes.py: the rule broken) ...
     fallback_codes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     #: ... and per (code, reason): the details of each code (:meth:`details`)
     fallback_details: collections.Counter = dataclasses.field(default_factory=collections.Counter)

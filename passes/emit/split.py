@@ -29,8 +29,9 @@ ancestors it can see. :func:`split_for_replay` emits three graphs:
   ordinary differentiable ops around the scan, so the cached values' gradients flow back into the prefix
   as the cached K/V's do. A chunk is made of leaf segments, whose ancestors outside the chunk are all
   prefix tokens (never another chunk's);
-- **outer**: the packed graph with the trunk replaced by one call of ``replay_trunk`` (a
-  brcompile.runtime.streaming.ReplayTrunk submodule) that returns the frontier at all N tokens.
+- **outer**: the packed graph with the trunk replaced by one call of ``replay_trunk``, which returns the
+  frontier at all N tokens; :meth:`ReplaySplit.build_outer` makes it a module around the trunk the backend built
+  from the compiled prefix and tail (brcompile.runtime.streaming.ReplayTrunk).
 
 Nothing here changes what is computed: the outer graph sees the same frontier values, the trunk the same
 per-token inputs, attention the same keys.
@@ -78,7 +79,8 @@ _PARENT = torch.ops.brcompile.tree_parent.default
 class ReplaySplit:
     """The three graphs of a streaming split and what explain() shows about it."""
 
-    outer: fx.GraphModule
+    outer_graph: fx.Graph  # the packed graph with the trunk replaced by a call of ``replay_trunk``
+    outer_attrs: dict[str, Any]  # the packed graph's attributes and submodules the outer graph reads
     prefix: fx.GraphModule
     tail: fx.GraphModule
     ext_inputs: tuple[str, ...]  # outer values passed into the trunk (parameters, tables …)
@@ -89,6 +91,13 @@ class ReplaySplit:
     cached_scans: tuple[str, ...] = ()  # tree scans whose prefix values the prefix caches (_scan_cache)
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (the chunks' ``ancestors`` rows)
     cached_positions: tuple[str, ...] = ()  # attention positions other than the tree's, cached (_cached_positions)
+
+    def build_outer(self, trunk: torch.nn.Module) -> fx.GraphModule:
+        """The outer graph as a module whose ``replay_trunk`` is ``trunk`` (brcompile.runtime.streaming.ReplayTrunk,
+        made from the compiled prefix and tail graphs): the graph that runs a streamed call."""
+        gm = fx.GraphModule({**self.outer_attrs, "replay_trunk": trunk}, self.outer_graph, class_name="ReplayOuter")
+        gm.recompile()
+        return gm
 
 
 def _token_dims(val, n) -> list[int]:
@@ -181,8 +190,8 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     positions = _cached_positions(attentions, tok_nodes, trunk_set)
     prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=False)
     tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=True)
-    outer = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
-    return ReplaySplit(outer, prefix, tail, tuple(n.name for n in ext),
+    outer, outer_attrs = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
+    return ReplaySplit(outer, outer_attrs, prefix, tail, tuple(n.name for n in ext),
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
                        max((_scan_depth(n) for n in scans), default=0),
@@ -385,9 +394,10 @@ def _fetch(mod: torch.nn.Module, target: str):
     return mod
 
 
-def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> fx.GraphModule:
+def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> tuple[fx.Graph, dict[str, Any]]:
     """The packed graph with the trunk replaced by ``replay_trunk(*ext, *token arrays)``; nodes that
-    read the frontier are emitted after the call, all others (ext inputs among them) before it."""
+    read the frontier are emitted after the call, all others (ext inputs among them) before it. Returns the
+    graph and the attributes it reads of ``packed`` (:meth:`ReplaySplit.build_outer` adds the trunk)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     after = descendants(frontier) - trunk_set
@@ -409,10 +419,6 @@ def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> fx.GraphModule:
     out = next(n for n in packed.graph.nodes if n.op == "output")
     g.output(fx.node.map_arg(out.args[0], lambda a: env[a]))
     g.lint()
-    root: dict[str, Any] = {"replay_trunk": torch.nn.Identity()}  # replaced by brcompile.runtime.streaming.ReplayTrunk
-    for n in g.nodes:
-        if n.op in ("get_attr", "call_module") and n.target != "replay_trunk":
-            root[n.target] = _fetch(packed, n.target)
-    gm = fx.GraphModule(root, g, class_name="ReplayOuter")
-    gm.recompile()
-    return gm
+    attrs = {n.target: _fetch(packed, n.target) for n in g.nodes
+             if n.op in ("get_attr", "call_module") and n.target != "replay_trunk"}
+    return g, attrs

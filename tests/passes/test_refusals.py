@@ -1,4 +1,4 @@
-"""The refusal codes (passes/refusals.py): one per rule, described, stable, and carried by every refusal."""
+"""The refusal codes (brcompile/codes.py; CannotReplay in passes/refusals.py): one per rule, described, stable, and carried by every refusal."""
 import collections
 
 import pytest
