@@ -20,8 +20,8 @@ built, with a small graph of those values (``LivePlan.values_gm``). A TOKEN valu
 model compiled without its loss) is live where the attention mask is 1 under ``drop_padding`` (the mask is
 the user's declaration of padding), else everywhere.
 
-The contract this gives (README "Limits"): the outputs equal the dense run's whenever the dense run's values
-at dead positions are finite (``0 · x = 0``). A multiplication that kills a position reads its operand
+The contract this gives (docs/guide/live-positions.md): the outputs equal the dense run's whenever the dense
+run's values at dead positions are finite (``0 · x = 0``). A multiplication that kills a position reads its operand
 through ``where(m != 0, x, 0)`` in the packed graph (:func:`safe_operand`), so a dead position's
 zero-filled packed value never turns into ``0 · inf``.
 """
