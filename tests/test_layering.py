@@ -44,3 +44,19 @@ def test_imports_go_downwards(package, path):
     if package in ("brcompile.passes", "brcompile.backends"):
         up = [n for n in names if _under(n, "brcompile.backend") or _under(n, "brcompile.tools")]
         assert not up, f"{path} imports the API layer: {up}"
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+    """The leading-underscore names an import from a brcompile module (or a relative one) in the file takes."""
+    return [f"{node.module}.{a.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("brcompile"))
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_scan_ops_share_helpers_by_public_names():
+    """The scan ops read each other's helpers through public names (backends/scan.py's ``in_layout_of`` and
+    ``prefix_rows``, which backends/matrix_scan.py reads), never a leading-underscore name. (The attention
+    modules are not covered yet: backends/attention/cached.py still reads cpu.py's and op.py's private helpers.)"""
+    found = {str(p.relative_to(ROOT)): _private_imports(p) for pkg, p in MODULES
+             if pkg == "brcompile.backends" and "scan" in p.name}
+    assert len(found) >= 3 and {k: v for k, v in found.items() if v} == {}
