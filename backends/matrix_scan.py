@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.scan import SCAN_IMPLS, ScanError, _in_layout_of, _prefix_rows, chain_parent, get_scan_impl
+from brcompile.backends.scan import SCAN_IMPLS, ScanError, chain_parent, get_scan_impl, in_layout_of, prefix_rows
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def torch_matrix_scan_backward(grad: Tensor, M: Tensor, h: Tensor, parent: Tenso
 def _tree_matrix_scan_op(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str = "auto") -> Tensor:
     """See :func:`tree_matrix_scan`."""
     d = _check(M, b, parent, dim)
-    return _in_layout_of(get_scan_impl(impl, M.device, M.dtype).matrix_scan(M, b, parent, d), b)
+    return in_layout_of(get_scan_impl(impl, M.device, M.dtype).matrix_scan(M, b, parent, d), b)
 
 
 @_tree_matrix_scan_op.register_fake
@@ -150,7 +150,7 @@ def _tree_matrix_scan_backward_op(grad: Tensor, M: Tensor, h: Tensor, parent: Te
     gb[k] @ h[parent[k]]ᵀ`` (0 at a root), ``grad_b = gb`` (``ScanImpl.matrix_scan_backward``)."""
     d = _check(M, h, parent, dim)
     gM, gb = get_scan_impl(impl, M.device, M.dtype).matrix_scan_backward(grad, M, h, parent, d)
-    return _in_layout_of(gM, M), _in_layout_of(gb, h)
+    return in_layout_of(gM, M), in_layout_of(gb, h)
 
 
 @_tree_matrix_scan_backward_op.register_fake
@@ -232,7 +232,7 @@ def tree_matrix_scan_cached(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl
     tokens with a child in a chunk) are read; the cache is the prefix scan's whole output, which its own
     backward keeps anyway."""
     d = dim % (M.dim() - 2)
-    b = b + M @ _prefix_rows(h_cache, ancestors[0], d)
+    b = b + M @ prefix_rows(h_cache, ancestors[0], d)
     return torch.ops.brcompile.tree_matrix_scan(M, b, parent, dim, impl)
 
 

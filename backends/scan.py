@@ -52,7 +52,7 @@ __all__ = ["SCAN_IMPLS", "ScanError", "ScanImpl", "get_scan_impl", "register_sca
            "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan", "ancestor_doubling",
            "path_ancestors", "TREE_PATH_OPS", "tree_linear_scan_cached", "tree_cumsum_cached",
            "tree_causal_conv1d_cached", "reference_cumsum", "reference_causal_conv1d",
-           "reference_linear_scan"]
+           "reference_linear_scan", "in_layout_of", "prefix_rows"]
 
 
 class ScanError(ValueError):
@@ -109,9 +109,9 @@ def tree_parent(end: Tensor) -> Tensor:
     return torch.ops.brcompile.tree_parent(end)
 
 
-def _in_layout_of(out: Tensor, like: Tensor) -> Tensor:
+def in_layout_of(out: Tensor, like: Tensor) -> Tensor:
     """``out`` with the strides of ``torch.empty_like(like)`` (what the ops' fake kernels promise; a compiled
-    graph checks them), copied only when they differ."""
+    graph checks them), copied only when they differ. Shared with backends/matrix_scan.py."""
     ref = torch.empty_like(like)
     return out if out.stride() == ref.stride() else ref.copy_(out)
 
@@ -277,7 +277,7 @@ def _check_cumsum(x: Tensor, parent: Tensor, dim: int) -> int:
 def _tree_cumsum_op(x: Tensor, parent: Tensor, dim: int) -> Tensor:
     """See :func:`tree_cumsum`."""
     d = _check_cumsum(x, parent, dim)
-    return _in_layout_of(path_sum(x.movedim(d, 0), parent).movedim(0, d), x)
+    return in_layout_of(path_sum(x.movedim(d, 0), parent).movedim(0, d), x)
 
 
 @_tree_cumsum_op.register_fake
@@ -290,7 +290,7 @@ def _tree_cumsum_fake(x, parent, dim):
 def _tree_cumsum_backward_op(grad: Tensor, parent: Tensor, dim: int) -> Tensor:
     """d(tree_cumsum)/dx for ``grad``: the subtree sums of ``grad`` along ``dim``."""
     d = _check_cumsum(grad, parent, dim)
-    return _in_layout_of(subtree_sum(grad.movedim(d, 0), parent).movedim(0, d), grad)
+    return in_layout_of(subtree_sum(grad.movedim(d, 0), parent).movedim(0, d), grad)
 
 
 @_tree_cumsum_backward_op.register_fake
@@ -382,7 +382,7 @@ def _tree_causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], pa
                            impl: str = "auto") -> Tensor:
     """See :func:`tree_causal_conv1d`."""
     _check_conv(x, weight, bias, parent)
-    return _in_layout_of(get_scan_impl(impl, x.device, x.dtype).causal_conv1d(x, weight, bias, parent), x)
+    return in_layout_of(get_scan_impl(impl, x.device, x.dtype).causal_conv1d(x, weight, bias, parent), x)
 
 
 @_tree_causal_conv1d_op.register_fake
@@ -398,7 +398,7 @@ def _tree_causal_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, par
     """d(tree_causal_conv1d)/d(x, weight, bias); see :func:`causal_conv1d_backward`."""
     _check_conv(x, weight, None, parent)
     dx, dw, db = get_scan_impl(impl, x.device, x.dtype).causal_conv1d_backward(grad, x, weight, parent)
-    return _in_layout_of(dx, x), _in_layout_of(dw, weight), db.contiguous()
+    return in_layout_of(dx, x), in_layout_of(dw, weight), db.contiguous()
 
 
 @_tree_causal_conv1d_backward_op.register_fake
@@ -628,8 +628,9 @@ TREE_PATH_OPS = (torch.ops.brcompile.tree_cumsum.default, torch.ops.brcompile.tr
 # flows back into the prefix like the cached K/V's.
 
 
-def _prefix_rows(cache: Tensor, ids: Tensor, dim: int) -> Tensor:
-    """``cache`` gathered along ``dim`` at the prefix-local ``ids`` (zeros where ``ids == -1``)."""
+def prefix_rows(cache: Tensor, ids: Tensor, dim: int) -> Tensor:
+    """``cache`` gathered along ``dim`` at the prefix-local ``ids`` (zeros where ``ids == -1``); the cached scans
+    here and in backends/matrix_scan.py read a chunk root's prefix state with it."""
     got = cache.index_select(dim, ids.clamp(min=0))
     keep = ids.ge(0).view([-1 if d == dim else 1 for d in range(got.dim())])
     return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
@@ -641,14 +642,14 @@ def tree_linear_scan_cached(a: Tensor, b: Tensor, parent: Tensor, dim: int, impl
     state is the prefix scan's output ``h_cache`` there. The chunk's scan with ``b[k] + a[k] *
     h_cache[p(k)]`` at those roots (``p(k) = ancestors[0, k]``; 0 added elsewhere): the root's recurrence
     step, then the local recurrence unchanged."""
-    b = b + a * _prefix_rows(h_cache, ancestors[0], dim % h_cache.dim())
+    b = b + a * prefix_rows(h_cache, ancestors[0], dim % h_cache.dim())
     return torch.ops.brcompile.tree_linear_scan(a, b, parent, dim, impl)
 
 
 def tree_cumsum_cached(x: Tensor, parent: Tensor, dim: int, out_cache: Tensor, ancestors: Tensor) -> Tensor:
     """The path sum where a chunk root's parent may be a prefix token: ``x[k] + out_cache[p(k)]`` at those
     roots (the prefix's path sum at the parent, ``p(k) = ancestors[0, k]``), then the local path sum."""
-    x = x + _prefix_rows(out_cache, ancestors[0], dim % out_cache.dim())
+    x = x + prefix_rows(out_cache, ancestors[0], dim % out_cache.dim())
     return torch.ops.brcompile.tree_cumsum(x, parent, dim)
 
 
@@ -660,7 +661,7 @@ def tree_causal_conv1d_cached(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     out = torch.ops.brcompile.tree_causal_conv1d(x, weight, bias, parent, impl)
     W = weight.shape[2]
     for i in range(1, W):  # W-1 taps (a handful), not tokens
-        out = out + weight[:, 0, W - 1 - i].view(1, -1, 1) * _prefix_rows(x_cache, ancestors[i - 1], 2)
+        out = out + weight[:, 0, W - 1 - i].view(1, -1, 1) * prefix_rows(x_cache, ancestors[i - 1], 2)
     return out
 
 

@@ -22,6 +22,11 @@ Node facts:
 
 Graph facts (attributes of the packed ``GraphModule``, written by passes/emit/pack.py, read by the runtime):
 :data:`TOKEN_OUTPUTS`, :data:`SEQUENCES`, :data:`ROWS`, :data:`WRITTEN_INPUTS`.
+
+Provenance is torch.fx's own key, not a fact of ours: ``node.meta["from_node"]`` is a list of
+:class:`torch.fx.traceback.NodeSource` (the last one the node it was made from, each holding its source's own
+provenance), which torch's tracers and passes copy, extend and read. :func:`record_origin` writes it as torch
+does (passes/emit/pack.py, passes/emit/fuse_logprob.py), :func:`origin_name` reads it (brcompile/tools/dump.py).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import logging
 from typing import Any
 
 import torch.fx as fx
+from torch.fx.traceback import NodeSource, NodeSourceAction
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +42,7 @@ __all__ = [
     "NodeFact", "GraphFact", "FactMissing", "NODE_FACTS", "GRAPH_FACTS",
     "AXES", "REPACK_AXES", "CHECKPOINT_REGION", "CHECKPOINT_BODY", "CHECKPOINT_INDEX", "CANONICAL", "SOFTCAP",
     "RELBIAS_ZERO", "RELBIAS_SOURCE", "FUSED", "FUSED_COVERS",
-    "TOKEN_OUTPUTS", "SEQUENCES", "ROWS", "WRITTEN_INPUTS",
+    "TOKEN_OUTPUTS", "SEQUENCES", "ROWS", "WRITTEN_INPUTS", "FROM_NODE", "record_origin", "has_origin", "origin_name",
 ]
 
 _MISSING = object()
@@ -185,3 +191,30 @@ passes/emit/split.py.""")
 
 #: Every graph fact, in the order above.
 GRAPH_FACTS = (TOKEN_OUTPUTS, SEQUENCES, ROWS, WRITTEN_INPUTS)
+
+
+# ----------------------------------------------------------------------------- provenance (torch.fx's key)
+
+#: torch.fx's provenance key (``torch.fx.traceback``): a list of ``NodeSource``, never anything else.
+FROM_NODE = "from_node"
+
+
+def record_origin(new: fx.Node, origin: fx.Node, pass_name: str) -> None:
+    """Record that ``new`` was made from ``origin`` by the pass ``pass_name``, as torch.fx does
+    (``torch.fx.traceback.set_current_meta``): ``new.meta["from_node"]`` becomes ``[NodeSource(origin,
+    pass_name, CREATE)]``, which keeps ``origin``'s own provenance nested inside it."""
+    new.meta[FROM_NODE] = [NodeSource(origin, pass_name, NodeSourceAction.CREATE)]
+
+
+def has_origin(node: fx.Node) -> bool:
+    """Whether ``node`` carries torch.fx's provenance key (written by us or by torch)."""
+    return FROM_NODE in node.meta
+
+
+def origin_name(node: fx.Node) -> str | None:
+    """The name of the node ``node`` was made from: the last ``NodeSource`` of its provenance; None when it
+    records none."""
+    sources = node.meta.get(FROM_NODE)
+    if not isinstance(sources, (list, tuple)) or not sources:
+        return None
+    return getattr(sources[-1], "name", None)

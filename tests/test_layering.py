@@ -56,3 +56,19 @@ def test_the_runtime_is_checked():
     """The runtime rule above sees the runtime's modules (a moved folder would make it vacuous)."""
     runtime = [p for package, p in MODULES if p.relative_to(ROOT).parts[:2] == ("brcompile", "runtime")]
     assert len(runtime) >= 6 and any(p.name == "plan.py" for p in runtime)
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+    """The leading-underscore names an import from a brcompile module (or a relative one) in the file takes."""
+    return [f"{node.module}.{a.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("brcompile"))
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_scan_ops_share_helpers_by_public_names():
+    """The scan ops read each other's helpers through public names (backends/scan.py's ``in_layout_of`` and
+    ``prefix_rows``, which backends/matrix_scan.py reads), never a leading-underscore name. (The attention
+    modules are not covered yet: backends/attention/cached.py still reads cpu.py's and op.py's private helpers.)"""
+    found = {str(p.relative_to(ROOT)): _private_imports(p) for pkg, p in MODULES
+             if pkg == "brcompile.backends" and "scan" in p.name}
+    assert len(found) >= 3 and {k: v for k, v in found.items() if v} == {}

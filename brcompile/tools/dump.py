@@ -6,8 +6,9 @@ entry-point backend) writes, per captured graph ``k`` (numbered per process and 
 * ``graph_k_before.py`` — the graph the analysis read (for a rewritten graph: the captured graph as the
   pipeline's lowering and canonicalising stages left it; for a refused one: the graph of the refusing level), a
   header saying whether it was rewritten or why it fell back, and every node's token fact (``node.meta["br_axes"]``) with its shape;
-* ``graph_k_after.py`` — the packed graph's code and, per node, the original node it came from
-  (``node.meta["from_node"]``) and that node's fact (rewritten graphs only);
+* ``graph_k_after.py`` — the packed graph's code and, per node, the original node it came from (torch.fx's
+  provenance, ``node.meta["from_node"]``: passes/meta.py ``origin_name``) and that node's fact (rewritten graphs
+  only);
 * ``graph_k_before.dot`` / ``graph_k_after.dot`` — the data-flow graphs for Graphviz, nodes coloured by
   kind: TOKEN values (per tree node: a shared prefix is computed once) green, DENSE values (the loss side,
   per row and position) orange, CONST values (parameters, sizes) grey, tree inputs of the packed graph
@@ -35,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from brcompile.passes.meta import AXES
+from brcompile.passes.meta import AXES, origin_name
 
 log = logging.getLogger(__name__)
 
@@ -115,23 +116,13 @@ def _is_brcompile(node: fx.Node) -> bool:
                                            or getattr(t, "__module__", "").startswith("brcompile"))
 
 
-def _origin_name(node: fx.Node) -> Optional[str]:
-    """The original node a packed node came from: meta["from_node"] as a name, or torch's NodeSource list."""
-    src = node.meta.get("from_node")
-    if isinstance(src, str):
-        return src
-    if isinstance(src, (list, tuple)) and src:
-        return getattr(src[-1], "name", None)
-    return None
-
-
 def packed_kind(node: fx.Node, originals: dict[str, fx.Node]) -> str:
     """The colour kind of a packed-graph node (see COLOURS)."""
     if node.op == "placeholder" and node.name.startswith("tree_"):
         return "tree"
     if _is_brcompile(node):
         return "materialise" if getattr(node.target, "__name__", "") == "materialize" else "brcompile"
-    origin = originals.get(_origin_name(node) or (node.name if node.op == "placeholder" else ""))
+    origin = originals.get(origin_name(node) or (node.name if node.op == "placeholder" else ""))
     return kind_of(_fact(origin)) if origin is not None else "unknown"
 
 
@@ -212,7 +203,7 @@ def after_source(packed: fx.GraphModule, originals: dict[str, fx.Node], header: 
     for n in packed.graph.nodes:
         if n.op == "output":
             continue
-        origin = _origin_name(n)
+        origin = origin_name(n)
         kind = kinds[n]
         rows.append(f"{n.name.ljust(width)}  <- {(origin or '-').ljust(width)}  {kind}")
     return header + "\n" + packed.code.strip("\n") + "\n\n\n" + _comment_block(

@@ -23,8 +23,6 @@ scripts of a checkout. Conventions:
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -191,18 +189,3 @@ def sync(device: torch.device) -> None:
     """Waits for the device's queued work (CUDA), so that wall-clock times include it; no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def median_seconds(step: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 1) -> float:
-    """Median wall-clock seconds of ``repeats`` calls of ``step()`` (device work included, :func:`sync`)
-    after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        step()
-    sync(device)
-    times = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)

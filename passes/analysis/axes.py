@@ -54,7 +54,8 @@ class Window:
     steps: tuple = ()
 
     @staticmethod
-    def full(B: int = 0, L: int = 0) -> "Window":
+    def full() -> "Window":
+        """The whole batch (no slicing), whatever its size."""
         return Window(())
 
     def sliced(self, which: str, s: slice) -> "Window":
@@ -312,7 +313,7 @@ class AxesContext:
         return get_axes(arg)
 
     def full_window(self) -> Window:
-        return Window.full(self.B, self.L)
+        return Window.full()
 
     def shape(self, node: Any) -> Optional[tuple[int, ...]]:
         return shape_of(node)
@@ -548,11 +549,6 @@ _target_name = target_name  # (re-exported name used by the rules' messages)
 
 def normalize_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
-
-
-def summarize(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """(node name, fact) pairs for reports."""
-    return [(n.name, str(AXES.get(n, "?"))) for n in gm.graph.nodes]
 
 
 __all__ = [

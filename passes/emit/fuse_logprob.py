@@ -43,7 +43,7 @@ from brcompile.passes.analysis.axes import (
     CONST, DENSE, AxesContext, Window, dense_fallback, example_value, get_axes, node_args, normalize_dim,
     register_rule, set_axes, shape_of,
 )
-from brcompile.passes.meta import AXES, FUSED, FUSED_COVERS
+from brcompile.passes.meta import AXES, FUSED, FUSED_COVERS, record_origin
 from brcompile.passes.spellings import CASTS_AND_COPIES, CROSS_ENTROPY, FLAT_RESHAPES, arg, spellings
 
 log = logging.getLogger(__name__)
@@ -466,7 +466,7 @@ def _emit_op(pk, m: LogprobMatch, index: fx.Node, targets: fx.Node, want_entropy
                                   bool(want_entropy), 0, "auto"))
     FUSED.set(res, m.describe(out_name))
     FUSED_COVERS.set(res, tuple(n.name for n in m.covers))
-    res.meta["from_node"] = out_name.name
+    record_origin(res, out_name, __name__)
     log.debug("fused %s", FUSED.require(res))
     return res
 

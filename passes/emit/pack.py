@@ -19,7 +19,7 @@ from brcompile.passes.lower import checkpoint as checkpoints
 from brcompile.passes.analysis.axes import Window, example_value, get_axes, hint, node_args, rule_for, shape_of
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.analysis.liveness import safe_operand
-from brcompile.passes.meta import AXES, ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS
+from brcompile.passes.meta import AXES, ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS, has_origin, record_origin
 from brcompile.passes.spellings import CHEAP_VIEWS
 from brcompile.runtime.tree import GRAPH_ARGS
 from brcompile.backends.read_packed import read_packed
@@ -211,7 +211,7 @@ class Packer:
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
                                              lambda a: mapper(a) if isinstance(a, fx.Node) else a)
         new = self.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
-        new.meta["from_node"] = node.name
+        record_origin(new, node, __name__)
         return new
 
     def _emit_killer(self, node: fx.Node, operand: fx.Node, mask: fx.Node) -> fx.Node:
@@ -222,7 +222,7 @@ class Packer:
         args = tuple(safe if a is operand else self.dense(a) if isinstance(a, fx.Node) else a for a in node.args)
         kwargs = {k: self.dense(v) if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
         new = self.graph.create_node(node.op, node.target, args, kwargs)
-        new.meta["from_node"] = node.name
+        record_origin(new, node, __name__)
         return new
 
     # --- driver -------------------------------------------------------------------------------
@@ -264,8 +264,8 @@ class Packer:
                 self.env[node] = self._emit_copy(node, self.value)
             else:
                 self.env[node] = self.copy(node)
-            if isinstance(self.env[node], fx.Node):
-                self.env[node].meta.setdefault("from_node", node.name)
+            if isinstance(self.env[node], fx.Node) and not has_origin(self.env[node]):
+                record_origin(self.env[node], node, __name__)
             if node in spans:
                 made = regions[-1][1]
                 n = last.next

@@ -73,9 +73,9 @@ def test_axes_and_checkpoint_helpers_go_through_the_accessors():
 
 
 def test_no_raw_key_reads_left():
-    """Outside passes/meta.py no code reads or writes a fact by its raw key (docs may name the keys in
-    ``literals`` and prose strings)."""
-    keys = "|".join(re.escape(f.key) for f in (*meta.NODE_FACTS, *meta.GRAPH_FACTS))
+    """Outside passes/meta.py no code reads or writes a fact, or torch.fx's provenance (``from_node``, written
+    only by ``meta.record_origin``), by its raw key (docs may name the keys in ``literals`` and prose strings)."""
+    keys = "|".join(re.escape(k) for k in (*(f.key for f in (*meta.NODE_FACTS, *meta.GRAPH_FACTS)), meta.FROM_NODE))
     raw = re.compile(rf"""(meta(\.get)?\s*[\[(]\s*["']({keys})["']|attr\([^)]*["']({keys})["']|\.({keys})\s*=)""")
     found = [f"{p.relative_to(ROOT)}:{i}" for d in ("passes", "backends", "brcompile") for p in (ROOT / d).rglob("*.py")
              if p.name != "meta.py" for i, line in enumerate(p.read_text().splitlines(), 1)

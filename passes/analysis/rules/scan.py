@@ -99,17 +99,6 @@ def _emit_parent(pk) -> fx.Node:
     return pk.graph.call_function(torch.ops.brcompile.tree_parent.default, (pk.tree("end"),))
 
 
-def _same_size(a: Any, b: Any) -> bool:
-    """Whether two sizes (ints, SymInts or FX nodes holding them) are provably equal: equal ints, or the
-    same symbolic expression."""
-    a, b = example_value(a), example_value(b)
-    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        ea = a.node.expr if isinstance(a, torch.SymInt) else a
-        eb = b.node.expr if isinstance(b, torch.SymInt) else b
-        return bool(ea == eb)
-    return isinstance(a, int) and isinstance(b, int) and a == b
-
-
 # --------------------------------------------------------------------------------------------------
 # cumsum
 

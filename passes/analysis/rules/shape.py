@@ -84,17 +84,6 @@ def map_token_dims(in_shape, out_shape, dims: Sequence[int]) -> Optional[dict[in
     return mapping
 
 
-def _view_sizes(node) -> list:
-    sizes = list(node.args[1:])
-    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple, torch.Size)):
-        sizes = list(sizes[0])
-    if "size" in node.kwargs:
-        sizes = list(node.kwargs["size"])
-    if "shape" in node.kwargs:
-        sizes = list(node.kwargs["shape"])
-    return sizes
-
-
 def emit_reshape(pk, node):
     """``reshape(x, out_shape)`` with the token dims' extents replaced by 1 (row) and N (position)."""
     ax = get_axes(node)
