@@ -6,7 +6,8 @@ once, with loss and gradients equal to the unmodified run (see README.md and doc
 Public API: ``backend(**options)`` (a backend object with options), ``branch_replay`` (the entry-point
 backend), ``stats()`` / ``reset_stats()`` (counters that prove a rewrite ran), ``explain(fn, *args)``
 (a report), ``build_tree`` / ``PackedTree`` (the prefix tree of a batch), ``CannotReplay``
-(a typed refusal: ``.code``, a ``Code``, the rule broken; ``.reason``, how);
+(a typed refusal: ``.code``, a ``Code``, the rule broken; ``.reason``, how); ``window(calls=N)`` (a cross-call
+window: the prefixes shared by N micro-batches computed once, brcompile/runtime/window.py), ``WindowError``;
 ``compile_decoder(model)`` / ``BranchReplayCallback()`` (brcompile/integrations.py: an HF model's decoder
 compiled in place, by hand or when a transformers/TRL trainer begins training; ``BranchReplayCallback`` is
 made on first access, so ``import brcompile`` needs no transformers, and is not in ``__all__``).
@@ -17,13 +18,14 @@ from brcompile.tools.explain import ExplainReport, explain
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.runtime import Stats, reset_stats, stats
 from brcompile.runtime.tree import PackedTree, TreeStats, build_tree
+from brcompile.runtime.window import WindowError, window
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BranchReplayBackend", "CannotReplay", "Code", "ExplainReport", "NoDecoderError", "Options",
     "PackedTree", "Stats", "TreeStats", "backend", "branch_replay", "build_tree", "compile_decoder", "explain",
-    "reset_stats", "stats",
+    "WindowError", "reset_stats", "stats", "window",
 ]
 
 

@@ -371,7 +371,8 @@ class BranchReplayBackend:
         graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
                              tuple(d for _, d in split.frontier),
                              2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),
-                             split.scan_depth)
+                             split.scan_depth,
+                             None if split.tail_cache is None else self._compile(split.tail_cache, opts))
         trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
         outer = split.build_outer(trunk)
         streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,

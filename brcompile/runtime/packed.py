@@ -16,6 +16,7 @@ from brcompile.runtime import tree as tree_mod
 from brcompile.contract import TOLERANCE, rel_err
 from brcompile.runtime.plan import ReplayPlan
 from brcompile.runtime.stats import _record, record_original_call
+from brcompile.runtime import window
 from brcompile.runtime.streaming import StreamingRuntime
 from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, row_keys, rows_agree
 
@@ -182,6 +183,8 @@ class PackedRuntime:
     def __call__(self, *args):
         if self.keys is not None:
             args = (*args, *self.keys(args))
+        # a cross-call window counts every grad-mode call of the graph, whatever it runs (runtime/window.py)
+        store = None if self.streaming is None else self.streaming.enter_window()
         if self.verify_failed is not None:
             return self._original(args, Code.VERIFY_FAILED, self.verify_failed)
         for guard in self.guards:
@@ -218,13 +221,21 @@ class PackedRuntime:
                 self.verify_failed = reason
                 log.warning("branch_replay [%s]: %s", Code.VERIFY_FAILED, reason)
                 return self._original(args, Code.VERIFY_FAILED, reason, st)
-        why_packed = None if self.streaming is None else self.streaming.choose(tree)
+        if store is not None and (source != "built" or self.sequences is not None or self.rows):
+            store = None  # a window matches calls by the rows' keys: a tree over packed sequences or rows is not
+        why_packed = None if self.streaming is None or store is not None else self.streaming.choose(tree)
         if why_packed is not None:
             log.debug("branch_replay call runs packed, not streamed: %s", why_packed)
         streamed = self.streaming is not None and why_packed is None
         snapshot = self._snapshot(args)
         try:
-            out = self.streaming.outer(*args, *tree_args) if streamed else self._run_packed(args, tree_args)
+            if streamed:
+                with window.call_keys(store, per_token, mask, tree):  # a window matches the call by its keys
+                    out = self.streaming.outer(*args, *tree_args)
+            else:
+                out = self._run_packed(args, tree_args)
+        except window.WindowError:
+            raise  # a window used against its contract (a parameter written mid-window): the user's to fix
         except Exception as e:
             self._restore(args, snapshot)  # the original graph makes the call's one write
             return self._failed(e, "streaming" if streamed else "packed", st, args)

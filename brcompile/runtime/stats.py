@@ -19,6 +19,8 @@ class Stats:
 
     replayed_calls: int = 0
     streamed_calls: int = 0  # replayed calls that ran in streaming mode (prefix + tail chunks)
+    window_calls: int = 0  # streamed calls inside a cross-call window (runtime/window.py)
+    window_replayed_tokens: int = 0  # packed tokens of those calls replayed from an earlier call, not recomputed
     fallback_calls: int = 0
     logical_tokens: int = 0
     executed_tokens: int = 0  # the needed tokens of replayed calls (passes/analysis/liveness.py): what ran

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from brcompile.runtime.tree import TokenArrays
+from brcompile.runtime.window import WindowFunction, active_window, current_call
 
 if TYPE_CHECKING:
     from brcompile.runtime.tree import PackedTree
@@ -171,6 +172,8 @@ class TrunkGraphs:
     frontier_dims: tuple[int, ...]  # the token dim of each frontier output
     n_cached: int  # number of cached tensors (2 per attention: K and V; 1 per tree scan; 1 per cached position)
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (Chunk.ancestors' rows)
+    #: the tail that also returns its own tokens' K/V (runtime/window.py); None: no cross-call window
+    tail_cache: Optional[Callable] = None
 
 
 def _leaf(x):
@@ -319,6 +322,9 @@ class ReplayTrunk(torch.nn.Module):
 
     @torch._dynamo.disable
     def forward(self, *args):
+        store = self.window_store(args)
+        if store is not None:
+            return WindowFunction.apply(self.graphs, store, current_call()[1:], self.n_ext, *args)
         tree = TokenArrays(*args[self.n_ext:])
         schedule = plan_replay(tree.end, tree.segments, self.chunk_tokens, self.graphs.scan_depth)
         self.last_schedule = schedule
@@ -326,6 +332,18 @@ class ReplayTrunk(torch.nn.Module):
         need_grad = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
                                                     for x in args[:self.n_ext])
         return ReplayFunction.apply(self.graphs, schedule, need_grad, self.n_ext, *args)
+
+    def window_store(self, args: Sequence) -> Optional[Any]:
+        """This call's store in the open cross-call window (runtime/window.py), as the packed runtime counted the
+        call into it, or None to stream it alone: no window, or an input that needs a gradient but is not a leaf
+        (a window returns the deferred gradients to the parameters it was built on)."""
+        call = current_call()
+        if call is None or call[0] is None:
+            return None
+        wanted = [x for x in args[:self.n_ext] if isinstance(x, Tensor) and x.requires_grad]
+        if not wanted or any(x.grad_fn is not None for x in wanted):
+            return None
+        return call[0]
 
 
 @dataclasses.dataclass
@@ -337,6 +355,14 @@ class StreamingRuntime:
     bytes_per_token: int  # trunk activation bytes per packed token (passes/emit/split.py)
     outer: Callable  # the packed graph with its trunk replaced by ``trunk``
     trunk: Any  # brcompile.runtime.streaming.ReplayTrunk
+
+    def enter_window(self) -> Optional[Any]:
+        """The open cross-call window's store for this call (counting it), if the trunk can share across calls:
+        a ``tail_cache`` graph and a call that wants gradients (runtime/window.py); else None."""
+        w = active_window()
+        if w is None or self.trunk.graphs.tail_cache is None or not torch.is_grad_enabled():
+            return None
+        return w.enter_call(self.trunk)
 
     def choose(self, tree: PackedTree) -> Optional[str]:
         """None to stream this batch, or why the packed mode runs instead."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import sympy
 import torch
@@ -91,6 +91,8 @@ class ReplaySplit:
     cached_scans: tuple[str, ...] = ()  # tree scans whose prefix values the prefix caches (_scan_cache)
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (the chunks' ``ancestors`` rows)
     cached_positions: tuple[str, ...] = ()  # attention positions other than the tree's, cached (_cached_positions)
+    #: the tail that also returns its own tokens' K/V (None with scans or cached positions): a window's call
+    tail_cache: Optional[fx.GraphModule] = None
 
     def build_outer(self, trunk: torch.nn.Module) -> fx.GraphModule:
         """The outer graph as a module whose ``replay_trunk`` is ``trunk`` (brcompile.runtime.streaming.ReplayTrunk,
@@ -190,12 +192,16 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     positions = _cached_positions(attentions, tok_nodes, trunk_set)
     prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=False)
     tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=True)
+    # a tail that keeps its own K/V for later calls (cross-call windows: brcompile/runtime/window.py); attention
+    # only: a window does not yet carry scan states or other cached positions from call to call
+    tail_cache = None if scans or positions else _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions,
+                                                              scans, positions, cached=True, emit_cache=True)
     outer, outer_attrs = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
     return ReplaySplit(outer, outer_attrs, prefix, tail, tuple(n.name for n in ext),
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
                        max((_scan_depth(n) for n in scans), default=0),
-                       cached_positions=tuple(p.name for p in positions))
+                       cached_positions=tuple(p.name for p in positions), tail_cache=tail_cache)
 
 
 def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:
@@ -323,10 +329,11 @@ def _scan_cache(scan: fx.Node) -> fx.Node:
 
 
 def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, *,
-                 cached: bool) -> fx.GraphModule:
+                 cached: bool, emit_cache: bool = False) -> fx.GraphModule:
     """The trunk as a graph of (*ext, *token arrays[, *cache, cache_valid, cache_all_valid, cross,
     cache_position, cache_ancestors]); the cache is every attention's K and V, then one value per scan, then
-    the attentions' ``positions`` that are not the tree's (:func:`_cached_positions`)."""
+    the attentions' ``positions`` that are not the tree's (:func:`_cached_positions`). It returns the frontier,
+    then (the prefix, or a tail with ``emit_cache``) its own tokens' cache values in the same order."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in ext:
@@ -353,13 +360,14 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, pos
         new.meta.update(n.meta)
         env[n] = new
     outs = [env[n] for n in frontier]
-    if not cached:
+    if not cached or emit_cache:
         outs += [env[x] for a in attentions for x in (a.args[1], a.args[2])]
         outs += [env[_scan_cache(n)] for n in scans]
         outs += [env[p] for p in positions]
     g.output(tuple(outs))
     g.lint()
-    gm = fx.GraphModule(packed, g, class_name="ReplayTail" if cached else "ReplayPrefix")
+    gm = fx.GraphModule(packed, g, class_name=("ReplayTailCache" if emit_cache else "ReplayTail") if cached
+                        else "ReplayPrefix")
     gm.recompile()
     return gm
 

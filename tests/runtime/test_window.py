@@ -1,0 +1,188 @@
+"""Cross-call windows (brcompile/runtime/window.py, docs/ARCHITECTURE.md §7.1): a GRPO batch shuffled into
+micro-batches, each its own call and its own ``loss.backward()``, inside ``brcompile.window(calls=N)``.
+
+Oracle: the same micro-batches run eagerly, float64, loss scaled by 1/N and backpropagated per micro-batch, as a
+trainer with gradient accumulation does; every parameter gradient within 1e-10. Every test asserts through
+``brcompile.stats()`` and the window's own stats that tokens were replayed from an earlier call, and that the
+window computed exactly the tokens one call over all of its rows computes (each distinct needed token once)."""
+import random
+
+import pytest
+import torch
+
+import brcompile
+from brcompile.runtime.window import WindowError, plan_window
+from examples.gpt import GPT, GPTConfig
+from examples.grpo import grpo_loss, make_grpo_batch
+from tests.helpers import assert_grads_exact, grpo_args
+
+BATCH = dict(num_prompts=2, group_size=4, prompt_len=(7, 10), response_len=(2, 6), shared_response_prefix=2, vocab_size=61)
+
+
+def gpt():
+    cfg = GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48)
+    return GPT(cfg, seed=0).double()
+
+
+def batch(seed=0, **kw):
+    b = make_grpo_batch(**{**BATCH, **kw}, seed=seed)
+    b["advantages"] = torch.randn(b["advantages"].shape, generator=torch.Generator().manual_seed(seed),
+                                  dtype=torch.float64)  # nonzero: every row needed
+    return {k: v.double() if v.is_floating_point() else v for k, v in b.items()}
+
+
+def rows(b, idx):
+    return {k: v[idx] for k, v in b.items()}
+
+
+def micro_batches(b, size, seed=0):
+    order = list(range(b["input_ids"].shape[0]))
+    random.Random(seed).shuffle(order)
+    return [rows(b, order[i:i + size]) for i in range(0, len(order), size)]
+
+
+def accumulate(model, loss_fn, mbs):
+    """Gradient accumulation as a trainer runs it: one call and one backward per micro-batch, losses / N."""
+    model.zero_grad(set_to_none=True)
+    for mb in mbs:
+        (loss_fn(model, *grpo_args(mb)) / len(mbs)).backward()
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def compiled():
+    """dynamic=True: micro-batches of different sizes reach one graph (a window shares within each graph)."""
+    return torch.compile(grpo_loss, backend=brcompile.backend(mode="replay", compiler="eager"), dynamic=True)
+
+
+def one_call_tokens(b) -> int:
+    """The tokens one call over every row of the window executes: the window's ideal."""
+    model, fn = gpt(), compiled()
+    brcompile.reset_stats()
+    fn(model, *grpo_args(b))
+    torch._dynamo.reset()
+    return brcompile.stats().executed_tokens
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_micro_batches_share_across_calls_exactly(size):
+    """Rows of one group split over calls: the window's gradients equal eager gradient accumulation, the shared
+    prompts run once (tokens replayed from the store), and the window computes the ideal token count."""
+    b = batch()
+    mbs = micro_batches(b, size)
+    model = gpt()
+    want = accumulate(model, grpo_loss, mbs)
+    ideal = one_call_tokens(b)
+    brcompile.reset_stats()
+    fn = compiled()
+    with brcompile.window(calls=len(mbs)) as w:
+        got = accumulate(model, fn, mbs)
+        st = w.stats()
+    assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
+    s = brcompile.stats()
+    assert s.fallback_calls == 0 and s.window_calls == len(mbs), str(s)
+    assert s.window_replayed_tokens > 0 and st["replayed_tokens"] == s.window_replayed_tokens
+    assert st["computed_tokens"] == ideal, (st, ideal)
+    assert not st["pending"]
+
+
+def test_without_a_window_calls_share_within_themselves_only():
+    """The same loop without a window: exact, and nothing replayed across calls (the behaviour is opt-in)."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model = gpt()
+    want = accumulate(model, grpo_loss, mbs)
+    brcompile.reset_stats()
+    got = accumulate(model, compiled(), mbs)
+    assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
+    assert brcompile.stats().window_calls == 0
+
+
+def test_calls_past_the_declared_count_share_within_themselves():
+    """A window declared too small: its calls share, the deferred backward runs in the last declared call's
+    backward, and the extra calls run alone — every gradient still exact."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model = gpt()
+    want = accumulate(model, grpo_loss, mbs)
+    brcompile.reset_stats()
+    with brcompile.window(calls=2):
+        got = accumulate(model, compiled(), mbs)
+    assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
+    assert brcompile.stats().window_calls == 2 and brcompile.stats().window_replayed_tokens > 0
+
+
+def test_a_window_ending_early_applies_its_gradients_at_the_end():
+    """Fewer calls than declared: the shared prefixes' backward runs when the window closes, into .grad."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model = gpt()
+    want = accumulate(model, grpo_loss, mbs)
+    with brcompile.window(calls=len(mbs) + 2):
+        got = accumulate(model, compiled(), mbs)
+        assert any(p.grad is None or not torch.equal(p.grad, g) for p, g in zip(model.parameters(), want)), \
+            "the shared part's gradient is still pending inside the window"
+    got = [p.grad for p in model.parameters()]
+    assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
+
+
+def test_an_optimizer_step_inside_a_pending_window_raises():
+    """optimizer.step() before the window's last backward would step on incomplete gradients: WindowError."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model, fn = gpt(), compiled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(WindowError, match="optimizer.step"):
+        with brcompile.window(calls=len(mbs)):
+            (fn(model, *grpo_args(mbs[0])) / len(mbs)).backward()
+            opt.step()
+
+
+def test_a_parameter_written_mid_window_raises():
+    """A write to a parameter between two calls of a window (its version counter): WindowError, not a silent
+    mix of two parameter versions."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model, fn = gpt(), compiled()
+    with pytest.raises(WindowError, match="parameter was written"):
+        with brcompile.window(calls=len(mbs)):
+            (fn(model, *grpo_args(mbs[0])) / len(mbs)).backward()
+            with torch.no_grad():
+                next(model.parameters()).mul_(1.0)
+            fn(model, *grpo_args(mbs[1]))
+
+
+def test_a_window_closed_before_a_backward_raises():
+    """A call's backward never ran inside the window: its shared gradients would be lost, so closing raises."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model, fn = gpt(), compiled()
+    with pytest.raises(WindowError, match="closed before the backward"):
+        with brcompile.window(calls=len(mbs)):
+            fn(model, *grpo_args(mbs[0]))
+
+
+def test_a_second_backward_through_a_window_call_raises():
+    """retain_graph=True and a second backward: refused with the reason (the shared part's backward runs once)."""
+    b = batch()
+    mbs = micro_batches(b, 4)
+    model, fn = gpt(), compiled()
+    with pytest.raises(WindowError, match="second backward"):
+        with brcompile.window(calls=len(mbs)):
+            loss = fn(model, *grpo_args(mbs[0]))
+            loss.backward(retain_graph=True)
+            loss.backward()
+
+
+def test_plan_window_cuts_segments_at_the_replayed_prefix():
+    """One chain 0..5 with two leaves, tokens 0..2 replayed: the new part of the root segment is a chunk segment
+    that sees cache keys [0, 3); each leaf sees them too (through the root's cross row)."""
+    # tree: 0-1-2-3 then leaves 4 and 5 under 3: segments (0,4,6), (4,5,5), (5,6,6)
+    end = torch.tensor([6, 6, 6, 6, 5, 6])
+    segments = torch.tensor([[0, 4, 6], [4, 5, 5], [5, 6, 6]])
+    cached = torch.tensor([True, True, True, False, False, False])
+    slots = torch.tensor([7, 8, 9, -1, -1, -1])
+    plan = plan_window(end, segments, cached, slots)
+    assert plan.new_ids.tolist() == [3, 4, 5] and plan.slots.tolist() == [7, 8, 9]
+    assert plan.segments.tolist() == [[0, 1, 3], [1, 2, 2], [2, 3, 3]]
+    assert plan.end.tolist() == [3, 2, 3]
+    assert plan.cross.tolist() == [[0, 3, 0, 3]]
