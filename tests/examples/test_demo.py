@@ -47,3 +47,4 @@ def test_demo_fallback_is_a_failure(capsys):
     assert "PASS" not in out and "FAIL: the checked call did not replay (0 replayed, 1 fell back:" in out, out
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls >= 1, str(s)
+    assert set(s.fallback_codes) == {brcompile.Code.SHARES_TOO_LITTLE}, str(s)

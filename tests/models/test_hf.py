@@ -42,12 +42,14 @@ def make_model(family: str, impl: str, dtype=None, **overrides):
     return hf_tiny_model(family, impl, dtype or DTYPE.get(impl, torch.float64), **overrides)
 
 
-def assert_fell_back(code: brcompile.Code, reason: str):
-    """No call replayed; one fell back with ``code``, a detail naming ``reason``."""
+def assert_fell_back(code: brcompile.Code, reason: str | None = None):
+    """No call replayed; one fell back with ``code``, a detail naming ``reason`` (when given: it tells apart cases
+    that share the code)."""
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_calls >= 1, str(s)
     assert code in s.fallback_codes, f"no fallback with code {code}: {s}"
-    assert any(reason in r for r in s.details(code)), f"no {code} fallback reason contains {reason!r}: {s}"
+    if reason is not None:
+        assert any(reason in r for r in s.details(code)), f"no {code} fallback reason contains {reason!r}: {s}"
 
 
 #: HF's RMSNorm runs in float32 even in a float64 model: gradients meet the float32 bound (docstring)
@@ -476,7 +478,7 @@ def test_attention_dropout_in_training_falls_back(impl):
     torch.manual_seed(11)
     out = torch.compile(fn, backend=EAGER_ONLY)(*args)
     assert_exact(out, ref, DTYPE[impl], "loss")
-    assert_fell_back(brcompile.Code.ATTENTION_DROPOUT, "attention dropout p=0.1")
+    assert_fell_back(brcompile.Code.ATTENTION_DROPOUT)
     brcompile.reset_stats()
     torch._dynamo.reset()
     run_cell(model.eval(), "loss", b, dynamic=False)

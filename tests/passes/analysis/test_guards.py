@@ -10,6 +10,7 @@ def test_integers_in_range_checks_each_version_of_the_table():
     reads the table again and names the range it found; another tensor object is read anew too."""
     table = torch.tensor([[0, 3], [2, 1]])
     guard = integers_in_range(0, 4, "the key table t")
+    assert guard.code is Code.GUARD_TABLE_RANGE
     assert guard([table]) is None
     assert guard([table]) is None  # same version: not read again (and still accepted)
     table[1, 0] = 4

@@ -205,7 +205,7 @@ def test_float_bias_is_refused_by_name(bias, reason):
     assert s.replayed_calls == 0 and s.fallback_calls == 1, str(s)
     code = {"small": Code.MASK_FLOAT_BIAS, "threshold": Code.MASK_FLOAT_BIAS}.get(bias, Code.ATTENTION_BIAS)
     assert s.fallback_codes == {code: 1}, str(s)
-    assert any(reason in r for r in s.fallback_reasons), str(s)  # the reason says it is a bias
+    assert any(reason in r for r in s.details(code)), str(s)  # the reason says which bias
 
 
 def test_bias_over_a_bidirectional_mask_is_refused_as_not_causal():
@@ -217,7 +217,7 @@ def test_bias_over_a_bidirectional_mask_is_refused_as_not_causal():
     run_exact(BiasedMaskLM("bidirectional", ids.shape[1]).double(), [(ids, am)])
     s = brcompile.stats()
     assert s.replayed_calls == 0 and s.fallback_codes == {Code.MASK_NOT_CAUSAL: 1}, str(s)
-    assert any("see keys after it and adds a bias" in r for r in s.fallback_reasons), str(s)
+    assert any("see keys after it and adds a bias" in r for r in s.details(Code.MASK_NOT_CAUSAL)), str(s)
 
 
 def test_blocking_threshold():
