@@ -48,8 +48,9 @@ class GroupedBatch:
 
     ``grouper``: the ``prefix_grouper.PrefixGrouper`` of ``group_info = [[P_g, T_g1, ..., T_gG], ...]``;
     ``input_ids``/``position_ids`` [groups, Lg] (right-padded; every response's positions restart at P_g);
-    ``response_ids`` [B, T_max] (0 past a row's end); the scatter ``logp[rows, cols] = logp_resp[rows, steps]``
-    puts response log-probs back at the dense next-token positions ``t = P_g - 1 + j``.
+    ``response_ids`` [B, T_max] (0 past a row's end, in group order); the scatter ``logp[rows, cols] =
+    logp_resp[srows, steps]`` puts response log-probs back at the dense next-token positions ``t = P_g - 1 + j``
+    (``rows``: the batch row, ``srows``: its place among the suffixes).
     """
 
     grouper: Any
@@ -59,26 +60,45 @@ class GroupedBatch:
     rows: torch.Tensor
     cols: torch.Tensor
     steps: torch.Tensor
+    srows: torch.Tensor
 
 
 def group_batch(batch: dict, group_size: int) -> GroupedBatch:
     """Regroups a ``make_grpo_batch`` batch (prompts left-aligned, responses right after, right padding) for
-    PrefixGrouper; raises :class:`PrefixGrouperError` when the rows of a group do not share their prompt."""
+    PrefixGrouper, ``group_size`` consecutive rows a group; raises :class:`PrefixGrouperError` when the rows of a
+    group do not share their prompt."""
+    B = batch["input_ids"].shape[0]
+    if B % group_size:
+        raise PrefixGrouperError(f"{B} rows are not whole groups of {group_size}")
+    return _grouped(batch, [list(range(r0, r0 + group_size)) for r0 in range(0, B, group_size)])
+
+
+def group_by_prompt(batch: dict) -> GroupedBatch:
+    """Regroups any rows of a ``make_grpo_batch`` batch (a micro-batch of shuffled rows) for PrefixGrouper: the
+    rows that share their prompt form one group, in order of first appearance (PrefixGrouper shares within a
+    call only: a prompt whose rows are in other calls is recomputed there)."""
+    ids, am, cm = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
+    groups: dict[tuple, list[int]] = {}
+    for b in range(ids.shape[0]):
+        P = int((am[b] & ~cm[b]).sum())
+        groups.setdefault(tuple(ids[b, :P].tolist()), []).append(b)
+    return _grouped(batch, list(groups.values()))
+
+
+def _grouped(batch: dict, groups: list[list[int]]) -> GroupedBatch:
+    """The rows ``groups`` (each a list of row indices sharing one prompt) in PrefixGrouper's layout."""
     PrefixGrouper = _package().PrefixGrouper
 
     ids, am, cm = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
-    B, L = ids.shape
-    if B % group_size:
-        raise PrefixGrouperError(f"{B} rows are not whole groups of {group_size}")
     prompt_mask = am & ~cm
     T_max = int(cm.sum(1).max())
-    info, grouped, positions, responses, rows, cols, steps = [], [], [], [], [], [], []
-    for g in range(B // group_size):
-        r0 = g * group_size
+    info, grouped, positions, responses, rows, srows, cols, steps = [], [], [], [], [], [], [], []
+    for g, group in enumerate(groups):
+        r0 = group[0]
         P = int(prompt_mask[r0].sum())
         prompt = ids[r0, :P]
         parts, pos, lens = [prompt], [torch.arange(P)], []
-        for b in range(r0, r0 + group_size):
+        for b in group:
             T = int(cm[b].sum())
             if (int(prompt_mask[b].sum()) != P or not bool(prompt_mask[b, :P].all())
                     or not torch.equal(ids[b, :P], prompt) or not bool(cm[b, P:P + T].all())):
@@ -88,6 +108,7 @@ def group_batch(batch: dict, group_size: int) -> GroupedBatch:
             parts.append(resp)
             pos.append(torch.arange(P, P + T))
             lens.append(T)
+            srows += [len(responses)] * T  # the row's place among PrefixGrouper's suffixes (group order)
             responses.append(F.pad(resp, (0, T_max - T)))
             rows += [b] * T
             cols += range(P - 1, P - 1 + T)
@@ -103,7 +124,7 @@ def group_batch(batch: dict, group_size: int) -> GroupedBatch:
         position_ids=torch.stack([F.pad(p, (0, Lg - len(p))) for p in positions]),
         response_ids=torch.stack(responses),
         rows=torch.tensor(rows, device=device), cols=torch.tensor(cols, device=device),
-        steps=torch.tensor(steps, device=device),
+        steps=torch.tensor(steps, device=device), srows=torch.tensor(srows, device=device),
     )
 
 
@@ -148,5 +169,5 @@ def prefix_grouper_grpo_loss(model, gb: GroupedBatch, batch: dict, clip_eps: flo
     _, _, suffix, _ = gb.grouper.split_output(logits, include_prefix_last=1)  # [B, 1 + T_max, V]
     logp_resp = torch.log_softmax(suffix[:, :-1], dim=-1).gather(-1, gb.response_ids[..., None]).squeeze(-1)
     B, L = batch["input_ids"].shape
-    logp = logp_resp.new_zeros(B, L - 1).index_put((gb.rows, gb.cols), logp_resp[gb.rows, gb.steps])
+    logp = logp_resp.new_zeros(B, L - 1).index_put((gb.rows, gb.cols), logp_resp[gb.srows, gb.steps])
     return grpo_surrogate(logp, batch["completion_mask"], batch["advantages"], batch["old_logprobs"], clip_eps)

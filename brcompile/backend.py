@@ -381,6 +381,8 @@ class BranchReplayBackend:
                     frontier=tuple(f"{n} (token dim {d})" for n, d in split.frontier), cached=split.cached,
                     cached_scans=split.cached_scans, cached_positions=split.cached_positions,
                     bytes_per_token=split.bytes_per_token, chunk_tokens=opts.chunk_tokens,
+                    window="shares across calls" if split.tail_cache is not None else
+                    "shares within each call: the trunk carries scan states or cached positions",
                     memory_budget=opts.memory_budget, mode=opts.mode,
                     prefix_code=split.prefix.code, tail_code=split.tail.code, outer_code=outer.code)
         return streaming, info

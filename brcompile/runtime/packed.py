@@ -185,6 +185,17 @@ class PackedRuntime:
             args = (*args, *self.keys(args))
         # a cross-call window counts every grad-mode call of the graph, whatever it runs (runtime/window.py)
         store = None if self.streaming is None else self.streaming.enter_window()
+        if store is None:
+            return self._call(args, None)
+        forwards = store.forwards
+        try:
+            return self._call(args, store)
+        finally:
+            if store.forwards == forwards:  # the call did not run through the window: its last call may be this
+                window.finish_if_complete(store.window)
+
+    def _call(self, args: tuple, store):
+        """One call (``store``: its cross-call window store, or None)."""
         if self.verify_failed is not None:
             return self._original(args, Code.VERIFY_FAILED, self.verify_failed)
         for guard in self.guards:
@@ -209,7 +220,7 @@ class PackedRuntime:
         if st.executed_tokens == 0:
             return self._original(args, Code.NOTHING_NEEDED, "no position of the batch is needed (every one is "
                                                              "padding or has loss weight 0)", st)
-        if st.dedup_ratio < self.min_dedup:
+        if st.dedup_ratio < self.min_dedup and store is None:  # in a window, the call shares with the others
             return self._original(args, Code.SHARES_TOO_LITTLE,
                                   f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}",
                                   st)

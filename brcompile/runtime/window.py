@@ -492,6 +492,17 @@ def _scatter_to_pieces(store: _Store, f: int, g: Tensor, slots: Tensor, dim: int
         _add(p.pending_frontier, f, part)
 
 
+def finish_if_complete(w: Window) -> None:
+    """The window's deferred backward, into ``.grad``, when its last call ran without the trunk (the original
+    graph, a batch sharing too little) and every window call's backward has arrived: no later backward carries it."""
+    if not w.complete:
+        return
+    for st in w.stores.values():
+        if st.pending:
+            _apply_to_grad(st, _deferred_backward(st))
+            st.done = True
+
+
 def _apply_to_grad(store: _Store, grads: dict[int, Tensor]) -> None:
     """Add deferred gradients (by id of the parameter) into the parameters' ``.grad`` (a window that ended
     without its last call's backward carrying them)."""

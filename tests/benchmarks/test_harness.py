@@ -120,6 +120,29 @@ def test_prefix_grouper_adapter_is_exact_on_ragged_groups():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14, msg=lambda m: f"grad of {name}: {m}")
 
 
+@pytest.mark.skipif(not HAS_PG, reason="prefix_grouper not installed (pip install prefix-grouper)")
+def test_prefix_grouper_on_a_micro_batch_of_shuffled_rows():
+    """A micro-batch of rows from several groups, out of order (benchmarks/bench_window.py): grouped by prompt,
+    PrefixGrouper's loss and gradients equal the dense loss's on those rows."""
+    from benchmarks.peer_prefix_grouper import group_by_prompt, prefix_grouper_grpo_loss
+
+    model = GPT(GPTConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=40)).double()
+    full = make_grpo_batch(num_prompts=3, group_size=3, prompt_len=(4, 9), response_len=(2, 6),
+                           shared_response_prefix=2, vocab_size=37, dtype=torch.float64, seed=5)
+    rows = torch.tensor([7, 1, 4, 0, 8])
+    batch = {k: v[rows] for k, v in full.items()}
+    params = list(model.parameters())
+    ref = grpo_loss(model, **batch)
+    gref = torch.autograd.grad(ref, params)
+    gb = group_by_prompt(batch)
+    assert gb.input_ids.shape[0] == 3  # rows 7 and 8, 1 and 0, and 4 share their prompts
+    out = prefix_grouper_grpo_loss(model, gb, batch)
+    gout = torch.autograd.grad(out, params)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=0)
+    for (name, _), a, b in zip(model.named_parameters(), gout, gref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14, msg=lambda m: f"grad of {name}: {m}")
+
+
 def test_flags_of_both_earlier_command_lines():
     """The flags of ``python -m brcompile bench`` and of the earlier two-method bench_grpo.py both parse;
     ``--quick`` only sets defaults."""

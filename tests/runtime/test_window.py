@@ -14,7 +14,7 @@ import brcompile
 from brcompile.runtime.window import WindowError, plan_window
 from examples.gpt import GPT, GPTConfig
 from examples.grpo import grpo_loss, make_grpo_batch
-from tests.helpers import assert_grads_exact, grpo_args
+from tests.helpers import KeepFloat64, assert_grads_exact, grpo_args, hf_tiny_model
 
 BATCH = dict(num_prompts=2, group_size=4, prompt_len=(7, 10), response_len=(2, 6), shared_response_prefix=2, vocab_size=61)
 
@@ -186,3 +186,61 @@ def test_plan_window_cuts_segments_at_the_replayed_prefix():
     assert plan.segments.tolist() == [[0, 1, 3], [1, 2, 2], [2, 3, 3]]
     assert plan.end.tolist() == [3, 2, 3]
     assert plan.cross.tolist() == [[0, 3, 0, 3]]
+
+
+def test_a_trunk_with_scans_shares_within_each_call_exactly():
+    """ScanGPT (cumsum positions, short convs): a window does not carry scan states yet, so its calls share within
+    themselves only — exact, never a window call, and the record says why."""
+    from tests.passes.analysis.rules.test_scan_rules import scan_model, token_loss
+
+    model = scan_model()
+    b = make_grpo_batch(vocab_size=23, seed=2, num_prompts=2, group_size=4, prompt_len=(4, 7), response_len=(4, 7),
+                        shared_response_prefix=2, left_pad_prompts=True, pad_id=0)
+    mbs = micro_batches(b, 2)
+
+    def run(loss):
+        model.zero_grad(set_to_none=True)
+        for mb in mbs:
+            (loss(model, mb["input_ids"], mb["attention_mask"], mb["completion_mask"]) / len(mbs)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = run(token_loss)
+    backend = brcompile.backend(mode="replay", compiler="eager")
+    brcompile.reset_stats()
+    with brcompile.window(calls=len(mbs)):
+        got = run(torch.compile(token_loss, backend=backend, dynamic=True))
+    assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
+    s = brcompile.stats()
+    assert s.window_calls == 0 and s.replayed_calls == len(mbs) and s.fallback_calls == 0, str(s)
+    assert backend.records[-1].replay["window"].startswith("shares within each call")
+
+
+def test_hf_qwen2_compiled_alone_shares_across_calls():
+    """A HF Qwen2 compiled alone (TRL's way: per-token log-probs from the logits outside the graph), rows of one
+    group over calls of one row: exact against eager accumulation, prompt tokens replayed."""
+    model = hf_tiny_model("qwen2")
+    b = batch(num_prompts=1, group_size=4)
+    mbs = micro_batches(b, 1)
+
+    def loss(fwd, mb):
+        logits = fwd(mb["input_ids"], mb["attention_mask"])
+        lp = logits[:, :-1].log_softmax(-1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
+        m = mb["completion_mask"][:, 1:].to(lp.dtype)
+        return -(lp * m * mb["advantages"][:, None]).sum() / m.sum()
+
+    def run(fwd):
+        model.zero_grad(set_to_none=True)
+        for mb in mbs:
+            (loss(fwd, mb) / len(mbs)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    with KeepFloat64():
+        want = run(lambda ids, am: model(input_ids=ids, attention_mask=am).logits)
+        fwd = torch.compile(lambda ids, am: model(input_ids=ids, attention_mask=am).logits,
+                            backend=brcompile.backend(mode="replay", compiler="eager"), dynamic=True)
+        brcompile.reset_stats()
+        with brcompile.window(calls=len(mbs)):
+            got = run(fwd)
+    assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
+    s = brcompile.stats()
+    assert s.fallback_calls == 0 and s.window_calls == len(mbs) and s.window_replayed_tokens > 0, str(s)
