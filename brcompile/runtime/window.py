@@ -183,29 +183,28 @@ class Window:
             raise ValueError(f"brcompile.window(calls={calls}): a window holds at least one call")
         self.calls = calls
         self.stores: dict[int, _Store] = {}
-        self.seen = 0  # calls counted so far, over every graph
         self.warned = False
 
     def enter_call(self, trunk: Any) -> Optional[_Store]:
         """Count one grad-mode call of the graph whose streaming trunk is ``trunk``; its store in this window, or
         None once the declared calls are made (the call then shares within itself only)."""
-        if self.seen >= self.calls:
-            if not self.warned:
-                self.warned = True
-                log.warning("brcompile.window: more grad-mode calls than the window's calls=%d; the extra calls "
-                            "share within themselves only", self.calls)
-            return None
         st = self.stores.get(id(trunk))
         if st is None:  # one store per graph (a recompiled graph, e.g. for another batch size, has its own)
             st = self.stores[id(trunk)] = _Store(self)
-        self.seen += 1
+        if st.seen >= self.calls:
+            if not self.warned:
+                self.warned = True
+                log.warning("brcompile.window: more grad-mode calls of a graph than the window's calls=%d; the "
+                            "extra calls share within themselves only", self.calls)
+            return None
         st.seen += 1
         return st
 
     @property
     def complete(self) -> bool:
-        """Every declared call made and every window call's backward arrived: the deferred backward may run."""
-        return self.seen >= self.calls and all(st.backwards == st.forwards for st in self.stores.values())
+        """Every graph called the declared number of times and every window call's backward arrived: the
+        deferred backward may run."""
+        return all(st.seen >= self.calls and st.backwards == st.forwards for st in self.stores.values())
 
     @property
     def pending(self) -> bool:
@@ -213,7 +212,7 @@ class Window:
 
     def stats(self) -> dict:
         """Per window: calls made, tokens replayed from the store and tokens computed (over every graph)."""
-        return {"calls": self.seen,
+        return {"calls": max((st.seen for st in self.stores.values()), default=0),
                 "replayed_tokens": sum(st.replayed_tokens for st in self.stores.values()),
                 "computed_tokens": sum(st.computed_tokens for st in self.stores.values()),
                 "pending": self.pending}
@@ -241,9 +240,14 @@ class Window:
                 "brcompile.window: the window closed before the backward of its calls: the gradients of its "
                 f"shared prefixes were never applied (declared calls={self.calls}; call loss.backward() for each "
                 "call inside the window)")
-        for st in stores:  # fewer calls than declared, or the last ran without the trunk: apply the rest here
-            log.info("brcompile.window: %d of %d declared calls made; the shared prefixes' backward runs at the "
-                     "window's end, into .grad", self.seen, self.calls)
+        if stores and torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise WindowError(
+                "brcompile.window: the window closed before its declared calls were made (calls="
+                f"{self.calls}): its shared prefixes' gradients could not run inside the last backward, where "
+                "DDP/FSDP synchronise them; declare the number of calls each compiled graph gets in the window")
+        for st in stores:  # fewer calls than declared (or a recompiled graph took some): apply the rest here
+            log.warning("brcompile.window: a graph was called %d of the declared %d times in the window; its shared "
+                        "prefixes' backward runs at the window's end, into .grad", st.seen, self.calls)
             _apply_to_grad(st, _deferred_backward(st))
             st.done = True
 
