@@ -195,6 +195,17 @@ class GraphRecord:
     runtime: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
+def _trunk_key(split) -> Optional[str]:
+    """The cross-call window key of a streaming split (runtime/window.py): a hash of its trunk graphs' code, so
+    copies of one graph that Dynamo recompiled on a guard (DDP's no_sync flag, a batch size) share one store."""
+    if split.tail_cache is None:
+        return None
+    import hashlib
+
+    code = "\0".join((split.prefix.code, split.tail.code, split.tail_cache.code, repr(split.ext_inputs)))
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
 def _plan(an, packed: fx.GraphModule, original, run_packed, streaming, opts: Options) -> runtime.ReplayPlan:
     """The frozen plan a rewritten graph runs by: what the runtime needs from the analysis ``an``
     (passes/analysis/tree_inputs.py), the packed graph's facts for the runtime (passes/meta.py) and the options,
@@ -372,7 +383,8 @@ class BranchReplayBackend:
                              tuple(d for _, d in split.frontier),
                              2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),
                              split.scan_depth,
-                             None if split.tail_cache is None else self._compile(split.tail_cache, opts))
+                             None if split.tail_cache is None else self._compile(split.tail_cache, opts),
+                             _trunk_key(split))
         trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
         outer = split.build_outer(trunk)
         streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,

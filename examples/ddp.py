@@ -23,6 +23,10 @@ GRPO loss over the union of the ranks' rows (``brcompile/data.py``). The modes:
   hashed once and reused by provenance in the next block) and the [B, 1, L, L] mask the model built
   before the blocks (read off the tensor: causal & key padding); every block replays. The graphs around
   the blocks (embedding, final norm and loss) hold no attention and run unchanged.
+- ``ddp_window``: ``ddp`` with gradient accumulation over micro-batches of one row (the rank's rows shuffled),
+  ``no_sync()`` on every micro-batch but the last, inside ``brcompile.window(calls=rows)`` (``mode="replay"``):
+  each prompt runs once per rank across its micro-batches, and the shared part's backward runs inside the last
+  micro-batch's backward, where DDP synchronises the gradients.
 
 Run: ``python examples/ddp.py [--modes ddp fsdp2] [--world-size 2]`` (spawns its own processes, loopback
 only, free port picked by the OS), or ``torchrun --standalone --nproc-per-node 2 examples/ddp.py``.
@@ -54,7 +58,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MODES", "GRPOObjective", "RolloutSpec", "make_model", "make_rollout_rows", "policy_logprobs",
            "grpo_step_loss", "rank_batch", "run_rank", "launch", "reference_step", "compare", "main"]
 
-MODES = ("ddp", "fsdp2", "ddp_model", "fsdp2_blocks")
+MODES = ("ddp", "fsdp2", "ddp_model", "fsdp2_blocks", "ddp_window")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
@@ -150,7 +154,7 @@ def _wrap(model: GPT, mode: str) -> torch.nn.Module:
     if mode == "ddp_model":
         return DistributedDataParallel(model)
     objective = GRPOObjective(model)
-    if mode == "ddp":
+    if mode in ("ddp", "ddp_window"):
         return DistributedDataParallel(objective)
     if mode == "fsdp2_blocks":
         for layer in model.layers:
@@ -158,6 +162,26 @@ def _wrap(model: GPT, mode: str) -> torch.nn.Module:
     elif mode != "fsdp2":
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
     return fully_shard(objective)
+
+
+def accumulate_in_window(ddp, compiled, batch: dict) -> torch.Tensor:
+    """Gradient accumulation over micro-batches of one row (shuffled) in one cross-call window: ``no_sync`` but
+    for the last, each micro-batch's loss / N backpropagated at once; returns the rank's loss (their sum)."""
+    import contextlib
+
+    import brcompile
+
+    order = torch.randperm(batch["input_ids"].shape[0], generator=torch.Generator().manual_seed(0)).tolist()
+    total = 0.0
+    with brcompile.window(calls=len(order)):
+        for i, row in enumerate(order):
+            mb = {k: v[row:row + 1] for k, v in batch.items()}
+            sync = contextlib.nullcontext() if i == len(order) - 1 else ddp.no_sync()
+            with sync:
+                loss = compiled(mb["input_ids"], mb["attention_mask"], mb["completion_mask"], mb["advantages"])
+                (loss / len(order)).backward()
+            total = total + loss.detach() / len(order)
+    return total
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -182,14 +206,17 @@ def run_rank(rank: int, world_size: int, modes: Sequence[str], spec: RolloutSpec
         brcompile.reset_stats()
         model = make_model(spec)
         wrapped = _wrap(model, mode)
-        backend = brcompile.backend(compiler=compiler)
-        if mode == "ddp_model":
+        backend = brcompile.backend(compiler=compiler, mode="replay" if mode == "ddp_window" else "packed")
+        if mode == "ddp_window":
+            loss = accumulate_in_window(wrapped, torch.compile(wrapped, backend=backend, dynamic=True), batch)
+        elif mode == "ddp_model":
             loss = grpo_step_loss(wrapped, batch, torch.compile(policy_logprobs, backend=backend),
                                   torch.compile(grpo_loss, backend=backend))
         else:
             loss = torch.compile(wrapped, backend=backend)(
                 batch["input_ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"])
-        loss.backward()
+        if mode != "ddp_window":
+            loss.backward()
         grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
         torch.optim.SGD(model.parameters(), lr=spec.lr).step()
         params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}

@@ -174,6 +174,9 @@ class TrunkGraphs:
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (Chunk.ancestors' rows)
     #: the tail that also returns its own tokens' K/V (runtime/window.py); None: no cross-call window
     tail_cache: Optional[Callable] = None
+    #: graphs with one key compute the same trunk (their code), so a window's calls of either share one store
+    #: (Dynamo recompiles a graph on a guard, e.g. DDP's no_sync flag, into a copy with another trunk object)
+    window_key: Optional[str] = None
 
 
 def _leaf(x):

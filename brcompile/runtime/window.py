@@ -186,11 +186,13 @@ class Window:
         self.warned = False
 
     def enter_call(self, trunk: Any) -> Optional[_Store]:
-        """Count one grad-mode call of the graph whose streaming trunk is ``trunk``; its store in this window, or
+        """Count one grad-mode call of the graph whose streaming trunk is ``trunk``; its store in this window (one
+        per trunk code, ``TrunkGraphs.window_key``: a graph Dynamo recompiled on a guard shares its copy's), or
         None once the declared calls are made (the call then shares within itself only)."""
-        st = self.stores.get(id(trunk))
-        if st is None:  # one store per graph (a recompiled graph, e.g. for another batch size, has its own)
-            st = self.stores[id(trunk)] = _Store(self)
+        key = trunk.graphs.window_key or id(trunk)  # one store per trunk code: recompiled copies share it
+        st = self.stores.get(key)
+        if st is None:
+            st = self.stores[key] = _Store(self)
         if st.seen >= self.calls:
             if not self.warned:
                 self.warned = True

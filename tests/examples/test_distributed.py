@@ -151,7 +151,7 @@ def distributed_run():
     return ddp.launch(ddp.MODES, world_size=2, spec=spec), ddp.reference_step(spec, world_size=2)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp_model", "fsdp2_blocks"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp_model", "fsdp2_blocks", "ddp_window"])
 def test_data_parallel_step_equals_single_process(distributed_run, mode):
     from examples import ddp
 
@@ -166,7 +166,10 @@ def test_data_parallel_step_equals_single_process(distributed_run, mode):
     assert err <= 1e-10, f"{mode}: loss/grads/updated params: relative error {err:.3e}"
 
     for rank, (stats, records) in enumerate(zip(res["stats"], res["records"])):
-        if mode in ("ddp", "fsdp2"):  # the wrapped objective is one graph: model and loss replay together
+        if mode == "ddp_window":  # micro-batches of one row in one window: the prompts replayed across calls
+            assert stats["window_calls"] == 6 and stats["window_replayed_tokens"] > 0, (rank, stats)
+            assert stats["fallback_calls"] == 0, (rank, stats)
+        elif mode in ("ddp", "fsdp2"):  # the wrapped objective is one graph: model and loss replay together
             assert stats["replayed_calls"] == 1 and stats["fallback_calls"] == 0, (rank, stats)
             assert stats["executed_tokens"] < stats["logical_tokens"], (rank, stats)
         elif mode == "ddp_model":
