@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +32,7 @@ if __package__ in (None, "") and str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import brcompile  # noqa: E402
+from benchmarks.bench_per_block import median_s  # noqa: E402  (median seconds after one warm-up run)
 from brcompile.contract import rel_err  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.grpo import grpo_loss, make_grpo_batch  # noqa: E402
@@ -61,17 +60,6 @@ def step(model, loss_fn, mbs: list[dict], window: bool = False) -> dict:
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs (after one warm-up run, which compiles)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run(args) -> list[dict]:
@@ -112,13 +100,13 @@ def run(args) -> list[dict]:
         step(model, loss_br, mbs)
         row["call_tokens"] = brcompile.stats().executed_tokens
         seconds = {
-            "eager": timed(lambda: step(model, grpo_loss, mbs), args.repeats),
-            "br call": timed(lambda: step(model, loss_br, mbs), args.repeats),
-            "br window": timed(lambda: step(model, loss_br, mbs, window=True), args.repeats),
-            "br one call": timed(lambda: step(model, loss_br, [batch]), args.repeats),
+            "eager": median_s(lambda: step(model, grpo_loss, mbs), args.repeats),
+            "br call": median_s(lambda: step(model, loss_br, mbs), args.repeats),
+            "br window": median_s(lambda: step(model, loss_br, mbs, window=True), args.repeats),
+            "br one call": median_s(lambda: step(model, loss_br, [batch]), args.repeats),
         }
         if pg_ok:
-            seconds["prefix_grouper"] = timed(lambda: step(model, prefix_grouper_loss, mbs), args.repeats)
+            seconds["prefix_grouper"] = median_s(lambda: step(model, prefix_grouper_loss, mbs), args.repeats)
         row["seconds"] = seconds
         results.append(row)
         print(f"  rows/call {size}: done", file=sys.stderr, flush=True)
