@@ -71,7 +71,7 @@ def run(args) -> list[dict]:
     batch = make_grpo_batch(num_prompts=args.prompts, group_size=args.group_size,
                             prompt_len=(args.prompt_len * 3 // 4, args.prompt_len),
                             response_len=(max(1, args.tail_len // 4), args.tail_len), vocab_size=args.vocab, seed=1)
-    backend = brcompile.backend(mode="replay")
+    backend = brcompile.backend(mode="replay", compiler=args.compiler)
     loss_br = torch.compile(grpo_loss, backend=backend, dynamic=True)
     try:
         from benchmarks import peer_prefix_grouper as pg
@@ -130,7 +130,8 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line (``--quick``: a tiny model, uncompiled)."""
     p = argparse.ArgumentParser(prog="bench_window.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -143,12 +144,19 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a tiny model and batch")
+    p.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager", "eager"))
+    p.add_argument("--quick", action="store_true", help="a tiny model and batch, run uncompiled (compiler eager)")
     p.add_argument("--json", type=Path, default=None, help="write the results there too")
     args = p.parse_args(argv)
     if args.quick:
         args.dim, args.layers, args.heads, args.vocab = 32, 2, 4, 61
         args.prompt_len, args.tail_len, args.group_size, args.repeats = 24, 6, 4, 1
+        args.compiler = "eager"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     results = run(args)
     print(f"GPT dim {args.dim} x {args.layers} layers, {args.prompts} prompts x G={args.group_size}, "
           f"prompts <= {args.prompt_len}, responses <= {args.tail_len}, float32, "
