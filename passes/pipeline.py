@@ -55,7 +55,7 @@ from brcompile.passes.emit.pack import PackOptions, build_packed_graph
 from brcompile.passes.analysis.tree_inputs import Analysis
 from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.analysis.rules import scan as scan_rules
-from brcompile.passes.analysis.rules.attention import PER_TOKEN, SDPA
+from brcompile.passes.analysis.rules.attention import SDPA, PerTokenAttention
 from brcompile.passes.spellings import arg, copy_graph_module
 
 log = logging.getLogger(__name__)
@@ -256,11 +256,12 @@ def token_axes(state: PipelineState) -> None:
     ctx = AxesContext(state.gm, state.B, state.L, state.tree_inputs, state.mask_nodes, training=state.config.training,
                       position_inputs=state.position_inputs, values=state.values,
                       sequences=state.sequences is not None)
-    ctx.notes.update(state.classified)
+    for a, info in state.classified.items():  # each attention's mask meaning, read by the sdpa rule
+        ctx.set_note(a, info)
     propagate(ctx)
     state.ctx = ctx
     everything = state.attentions
-    state.attentions = [a for a in everything if ctx.notes.get(a) != PER_TOKEN]
+    state.attentions = [a for a in everything if ctx.note(a, PerTokenAttention) is None]
     state.classified = {a: info for a, info in state.classified.items() if a in state.attentions}
     state.mask_args = [m for a, m in zip(everything, state.mask_args) if a in state.attentions]
     if state.sequences is not None:

@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import inspect
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.fx as fx
@@ -35,6 +35,8 @@ from brcompile.passes.refusals import CannotReplay, Code
 
 log = logging.getLogger(__name__)
 
+#: the type of a note (:meth:`AxesContext.note`)
+NoteT = TypeVar("NoteT")
 
 
 class Kind(enum.Enum):
@@ -289,7 +291,8 @@ class AxesContext:
     mask_nodes: set[fx.Node]
     training: bool = True
     materialised: dict[fx.Node, Materialisation] = dataclasses.field(default_factory=dict)
-    notes: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    #: node -> its note (:meth:`set_note`); read through :meth:`note`, :meth:`noted`, :meth:`has_note` only
+    _notes: dict[fx.Node, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
     #: in-place writes into graph inputs (``input_write_destination``): write node -> the input it writes
     input_writes: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
     # inputs shared by every row, [L, ...] or [1, L, ...]: placeholder -> its position dim (no tree key)
@@ -325,6 +328,29 @@ class AxesContext:
         refused = next(iter(self.repack_refused.items()), None)  # passes/analysis/repack.py
         again = "" if refused is None else f"; {refused[0].name} is not packed again: {refused[1]}"
         return f"{m.node.name} was made dense by {m.user.name} ({m.reason}){again}"
+
+    # --- notes: what a rule proved about one node, for its emitter and later stages ---------------
+    def set_note(self, node: fx.Node, note: Any) -> None:
+        """Note ``note`` on ``node``: a small frozen record whose type says what was proved (a
+        ``rules.attention.LazyGather``, a ``rules.scan.CausalPad``, the attention's ``masks.MaskInfo`` …; each
+        type's docstring names its writer and readers). A node has one note: a later one replaces it (a
+        per-token SDPA's replaces its mask meaning)."""
+        self._notes[node] = note
+
+    def note(self, node: fx.Node, kind: type[NoteT]) -> Optional[NoteT]:
+        """``node``'s note when it is a ``kind``, else None (no note, or one of another kind)."""
+        note = self._notes.get(node)
+        return note if isinstance(note, kind) else None
+
+    def noted(self, kind: type[NoteT]) -> dict[fx.Node, NoteT]:
+        """Every node with a ``kind`` note -> that note, in the order the nodes were first noted."""
+        return {n: v for n, v in self._notes.items() if isinstance(v, kind)}
+
+    def has_note(self, node: fx.Node) -> bool:
+        """Whether some rule noted anything on ``node``, whatever its kind: the emitter then emits ``node`` by its
+        rule even where it is dense, and never replaces it (a killing multiplication's safe operand, a
+        window's dense recomputation, a fused read-out's entropy users)."""
+        return node in self._notes
 
     def fail(self, code: Code, node: fx.Node, reason: str):
         """Refuse the graph at ``node``: CannotReplay with ``code`` (the rule broken) and ``reason``."""

@@ -20,6 +20,7 @@ from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.analysis.guards import BatchGuard
 from brcompile.passes.canonical import attention as eager_attention
 from brcompile.passes.analysis.rules import scan as scan_rules
+from brcompile.passes.analysis.rules.attention import LazyGather
 from brcompile.passes.spellings import (
     CHEAP_VIEWS, EMBEDDINGS, MATRIX_RIGHT_OPERAND, VALUE_MOVES, WEIGHT_TRANSPOSES, arg, op_name,
 )
@@ -88,7 +89,8 @@ class Analysis:
 
     @property
     def lazy_gathers(self) -> list[fx.Node]:
-        return [n for n, v in self.ctx.notes.items() if v == "lazy_gather"]
+        """The gathers read from packed values without their dense input (their ``LazyGather`` notes)."""
+        return list(self.ctx.noted(LazyGather))
 
 
 def _strip_views(n: fx.Node) -> fx.Node:

@@ -7,6 +7,7 @@ A product of two TOKEN values (``q @ k^T``) mixes positions: that is attention, 
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Optional
 
@@ -16,6 +17,16 @@ import torch.nn.functional as F
 
 from brcompile.passes.analysis.axes import AxesContext, dense_fallback, get_axes, register_rule, shape_of, token
 from brcompile.passes.spellings import BROADCASTS, SAME_VALUE, family_of, names, op_name, spellings
+
+
+@dataclasses.dataclass(frozen=True)
+class Narrow:
+    """The note (``AxesContext.note``) of a product of a TOKEN operand and a constant ``const`` broadcast along
+    output token dims (:func:`_product`): ``const``'s ``dims`` hold the same values at every index, so the
+    packed product reads it narrowed to extent 1 there (:func:`emit_product`)."""
+
+    const: fx.Node
+    dims: tuple[int, ...]
 
 
 @register_rule(spellings("linear"), local="carry")
@@ -80,8 +91,8 @@ def invariant_along(node, dim: int) -> bool:
 def _narrowed_args(pk, node):
     """``node``'s arguments on packed operands, a constant that is broadcast along an output token dim
     (:func:`_product`'s note) narrowed to its first index there: the same values, extent 1 as packed."""
-    note = pk.notes.get(node)
-    const, dims = note["narrow"] if isinstance(note, dict) and "narrow" in note else (None, ())
+    note = pk.note(node, Narrow)
+    const, dims = (note.const, note.dims) if note is not None else (None, ())
 
     def arg(a):
         v = pk.packed(a)
@@ -138,7 +149,7 @@ def _product(ctx: AxesContext, node, a, b):
                 return dense_fallback(ctx, node, "matmul with a constant that is not broadcast along a token dim")
             narrow.append(d)
     if narrow:
-        ctx.notes[node] = {"narrow": (const, tuple(narrow))}
+        ctx.set_note(node, Narrow(const, tuple(narrow)))
     return token(R, None if tok.row is None else tdims[tok.row], tdims[tok.pos], tok.window)
 
 

@@ -19,6 +19,7 @@ Otherwise the TOKEN operands are materialised and the result is DENSE (still exa
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -30,6 +31,15 @@ from brcompile.passes.analysis.axes import (
 )
 from brcompile.passes.refusals import Code
 from brcompile.passes.spellings import BINARY, NEW_FILLED, UNARY, arg, spellings
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionTables:
+    """The note (``AxesContext.note``) of an elementwise op with constant position tables among its operands
+    (module docstring; :func:`pointwise`): ``tables`` pairs each table with its position dim, along which the
+    packed op reads it at the tokens' positions (:func:`emit_pointwise`, :func:`emit_complex`)."""
+
+    tables: tuple[tuple[fx.Node, int], ...]
 
 
 def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None = None) -> object:
@@ -90,8 +100,8 @@ def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None =
 def _packed_operands(pk, node):
     """``node``'s arguments as the packed graph sees them; a position table (module docstring) is read at the
     packed tokens' positions, ``table.index_select(d, position)``."""
-    tables = pk.notes.get(node)
-    tables = tables if isinstance(tables, dict) else {}
+    note = pk.note(node, PositionTables)
+    tables = dict(note.tables) if note is not None else {}
 
     def arg(a):
         if a in tables:
@@ -103,7 +113,7 @@ def _packed_operands(pk, node):
 
 def emit_pointwise(pk, node):
     """The same op on packed operands (position tables read at the tokens' positions)."""
-    if not isinstance(pk.notes.get(node), dict):
+    if pk.note(node, PositionTables) is None:
         return pk.copy(node)
     args, kwargs = _packed_operands(pk, node)
     return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
@@ -144,7 +154,7 @@ def pointwise(ctx: AxesContext, node):
     if ax is None:
         return dense_fallback(ctx, node, "operands are not aligned on the token dims")
     if tables:
-        ctx.notes[node] = tables
+        ctx.set_note(node, PositionTables(tuple(tables.items())))
     return ax
 
 
