@@ -195,6 +195,21 @@ def shape_of(node: Any) -> Optional[tuple[int, ...]]:
 # the rule registry
 
 
+class Local(enum.Enum):
+    """What a rule knows of token-local regions (passes/analysis/rules/moe.py): operands of flattened tokens
+    (``TokenAxes.flat``), maybe in the batch's sort order (``order``), and a region's indices and group offsets
+    (``points``, ``groups``). :func:`propagate` reads it before the rule runs."""
+
+    #: nothing: a flattened operand is materialised (the result is dense), any other region operand refused
+    NONE = "none"
+    #: a per-token op whose proof holds entry by entry: its token operands' one layout (``flat``, ``order``) is
+    #: carried to its TOKEN result; operands of different layouts are refused
+    CARRY = "carry"
+    #: the rule takes region operands itself and sets its result's region fields (reshapes, indexing, sort, counts,
+    #: grouped matmuls)
+    OWN = "own"
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """How one op family propagates facts (``propagate``) and, optionally, how it is emitted into the
@@ -205,10 +220,8 @@ class Rule:
     emit: Optional[Callable] = None
     always: bool = False  # consulted whatever the operands' kinds: token sources (``arange(L)``)
     # and ops that must run packed (attention)
-    #: what the rule knows of token-local regions (passes/analysis/rules/moe.py): "" nothing (a flattened operand is
-    #: materialised, any other region operand refused), "carry" a per-token op whose proof holds entry by
-    #: entry (the operands' flat/order are carried to its result), "own" a rule that sets them itself
-    local: str = ""
+    #: what the rule knows of token-local regions (:class:`Local`)
+    local: Local = Local.NONE
 
 
 RULES: dict[Any, Rule] = {}
@@ -218,7 +231,7 @@ class RuleCollision(ValueError):
     """A rule registered for a target that already has one (without ``override=True``)."""
 
 
-def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: str = "",
+def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: Local = Local.NONE,
                   override: bool = False):
     """Decorator: register ``fn(ctx, node) -> TokenAxes`` for one target or a list of targets.
 
@@ -502,18 +515,18 @@ def propagate(ctx: AxesContext) -> None:
         rule = rule_for(node)
         local = [f for f in facts if f.is_token and f.local]
         if any(f.points is not None or f.groups is not None for f in local) and (
-                rule is None or rule.local != "own"):
+                rule is None or rule.local is not Local.OWN):
             from brcompile.passes.analysis.rules import moe as _moe
             set_axes(node, _moe.region_op(ctx, node))  # an index or group offsets: the region's own ops only
             continue
-        if local and (rule is None or not rule.local):
+        if local and (rule is None or rule.local is Local.NONE):
             if any(f.region for f in local):
                 ctx.fail(Code.TOKEN_LOCAL_REGION,
                          node, f"a value of a token-local region ({next(f for f in local if f.region)}) is used "
                                f"by {_target_name(node)}, which no token-local rule covers")
             set_axes(node, dense_fallback(ctx, node, f"{_target_name(node)} of flattened tokens"))
             continue
-        if local and rule.local == "carry":
+        if local and rule.local is Local.CARRY:
             if len({(f.flat, f.order) for f in facts if f.is_token}) != 1:
                 ctx.fail(Code.TOKEN_LOCAL_REGION,
                          node, f"{_target_name(node)} mixes values of different token-local layouts "
@@ -525,7 +538,7 @@ def propagate(ctx: AxesContext) -> None:
                 ax = DENSE
             else:
                 ax = CONST
-            if local and rule.local == "carry" and ax.is_token and not ax.local:
+            if local and rule.local is Local.CARRY and ax.is_token and not ax.local:
                 ax = dataclasses.replace(ax, flat=local[0].flat, order=local[0].order)
         elif any(f.is_token for f in facts):
             ax = dense_fallback(ctx, node, f"no token-axis rule for {_target_name(node)}")

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.analysis.axes import (
-    DENSE, AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
+    DENSE, AxesContext, Local, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
     shape_of, token,
 )
 from brcompile.passes.refusals import CannotReplay, Code
@@ -433,11 +433,11 @@ def _gather_args(node):
     return bound.get("input", bound.get("self")), bound.get("dim"), bound.get("indices", bound.get("index"))
 
 
-@register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather, local="carry")
+@register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather, local=Local.CARRY)
 def gather(ctx: AxesContext, node):
     """gather(x, dim, idx) along a non-token dim: ``out[p] = x[p with p[dim] := idx[p]]`` for every coordinate
     p of idx — every coordinate but ``dim``, the token dims among them, is kept, so each token's slice (each
-    flattened entry's row, for flattened tokens in any one layout: ``local="carry"``) of ``out`` reads only
+    flattened entry's row, for flattened tokens in any one layout: ``local=Local.CARRY``) of ``out`` reads only
     the same token's slices of x and idx: per token when idx is a TOKEN value with x's token dims, window and
     extents there (``take_along_dim`` also broadcasts the non-token dims: still per token). A dense idx (the
     shifted targets) with x [B, L, V] (row 0, position 1, dim 2) -> the lazy gather (DENSE)."""

@@ -48,7 +48,7 @@ import torch.fx as fx
 from brcompile.backends import matrix_scan as _matrix_ops
 from brcompile.backends import scan as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
 from brcompile.passes.analysis.axes import (
-    AxesContext, Window, dense_fallback, example_value, get_axes, normalize_dim,
+    AxesContext, Local, Window, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,
 )
 from brcompile.passes.refusals import CannotReplay, Code
@@ -129,7 +129,7 @@ def emit_cumsum(pk, node: fx.Node):
                                   (x, _emit_parent(pk), get_axes(node.args[0]).pos))
 
 
-@register_rule(spellings("cumsum"), emit=emit_cumsum, local="carry")
+@register_rule(spellings("cumsum"), emit=emit_cumsum, local=Local.CARRY)
 def cumsum(ctx: AxesContext, node: fx.Node):
     """``cumsum`` along the position dim of a TOKEN value: the dense value at (b, t) sums x over columns
     0..t of row b, which are the ancestors-or-self of node ``index[b, t]`` with their values (module
