@@ -98,12 +98,8 @@ class PipelineState:
     tree_inputs: list[fx.Node] = dataclasses.field(default_factory=list)
     position_inputs: dict = dataclasses.field(default_factory=dict)  # per-position input -> its position dim
     outside: dict = dataclasses.field(default_factory=dict)  # attention -> its mask from outside the graph
-    input_mask: Optional[input_masks.InputMask] = None
-    mask_keys: list[fx.Node] = dataclasses.field(default_factory=list)
-    mask_nodes: set = dataclasses.field(default_factory=set)
-    classified: dict = dataclasses.field(default_factory=dict)  # attention -> masks.MaskInfo
-    keypad: Optional[fx.Node] = None
-    sequences: Optional[fx.Node] = None
+    input_mask: Optional[input_masks.InputMask] = None  # that mask, classified (one for every such attention)
+    masks: Optional[mask_stage.Masks] = None  # the masks stage's: keys, mask-only nodes, meanings, keypad, sequences
     ctx: Optional[AxesContext] = None
     analysis: Optional[Analysis] = None  # set by "guards", or by "tree inputs" for a graph without attention
     packed: Optional[fx.GraphModule] = None
@@ -230,9 +226,9 @@ def masks(state: PipelineState) -> None:
     padding-free sequences, windows, ALiBi; one key-padding input for all of them."""
     gm = state.gm
     # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with
-    state.mask_keys = [p for p in state.tree_inputs if example_value(p).dim() == 2]
+    mask_keys = [p for p in state.tree_inputs if example_value(p).dim() == 2]
     mask_nodes = masks_mod.mask_only_nodes(gm, [s.mask for s in state.attentions if isinstance(s.mask, fx.Node)])
-    classified = mask_stage.classify_masks(state.attentions, mask_nodes, state.mask_keys, state.values,
+    classified = mask_stage.classify_masks(state.attentions, mask_nodes, mask_keys, state.values,
                                            state.input_mask, set(state.outside))
     for info in classified.values():  # trainable ALiBi slopes: computed by the packed graph for tree attention
         if info.alibi_node is not None:
@@ -240,28 +236,28 @@ def masks(state: PipelineState) -> None:
     keypads = {info.keypad for info in classified.values() if info.keypad is not None}
     if len(keypads) > 1:
         raise CannotReplay(Code.KEY_PADDING_INPUTS, "attentions use different key-padding inputs")
-    state.keypad = next(iter(keypads), None)
-    state.mask_nodes, state.classified = mask_nodes, classified
-    state.sequences = mask_stage.sequences_input([s.node for s in state.attentions if not inputs.unmasked(s.node)],
-                                                 classified)
+    sequences = mask_stage.sequences_input([s.node for s in state.attentions if not inputs.unmasked(s.node)],
+                                           classified)
+    state.masks = mask_stage.Masks(mask_keys, mask_nodes, classified, next(iter(keypads), None), sequences)
 
 
 def token_axes(state: PipelineState) -> None:
     """The token-axis fact of every node, propagated by the per-op rules (passes/analysis/axes.py, passes/analysis/rules/): TOKEN
     (one value per position, computed once per tree node), DENSE, or refused. An SDPA whose token dims are its
     batch dims is a per-token op, not a tree attention, and leaves the attention list here."""
-    ctx = AxesContext(state.gm, state.B, state.L, state.tree_inputs, state.mask_nodes, training=state.config.training,
+    masks = state.masks
+    ctx = AxesContext(state.gm, state.B, state.L, state.tree_inputs, masks.nodes, training=state.config.training,
                       position_inputs=state.position_inputs, values=state.values,
-                      sequences=state.sequences is not None)
-    for a, info in state.classified.items():  # each attention's mask meaning, read by the sdpa rule
+                      sequences=masks.sequences is not None)
+    for a, info in masks.meanings.items():  # each attention's mask meaning, read by the sdpa rule
         ctx.set_note(a, info)
     propagate(ctx)
     state.ctx = ctx
     state.attentions = [s for s in state.attentions if ctx.note(s.node, PerTokenAttention) is None]
     kept = {s.node for s in state.attentions}
-    state.classified = {a: info for a, info in state.classified.items() if a in kept}
-    if state.sequences is not None:
-        mask_stage.check_column_free(state.gm, state.mask_nodes, state.sequences)
+    state.masks = dataclasses.replace(masks, meanings={a: i for a, i in masks.meanings.items() if a in kept})
+    if masks.sequences is not None:
+        mask_stage.check_column_free(state.gm, masks.nodes, masks.sequences)
 
 
 def guards(state: PipelineState) -> None:
@@ -269,15 +265,16 @@ def guards(state: PipelineState) -> None:
     scalars, the masks' classes and lengths, the scalars masks are computed from, the rules', the lowering's;
     and the :class:`~brcompile.passes.analysis.tree_inputs.Analysis` that the emitter reads."""
     if state.analysis is None:  # a graph without attention has its analysis from "tree inputs"
+        masks = state.masks
         inside = [s for s in state.attentions if s.node not in state.outside]
         found = state.canon.guards + mask_stage.mask_guards(
-            state.canon, state.attentions, state.classified, state.outside, state.input_mask,
-            state.sequences, state.mask_keys, state.placeholders, state.example_inputs)
+            state.canon, state.attentions, masks.meanings, state.outside, state.input_mask,
+            masks.sequences, masks.keys, state.placeholders, state.example_inputs)
         found += mask_stage.mask_scalar_guards(inside, state.placeholders, state.values)
         found += state.ctx.guards
-        state.analysis = Analysis(state.gm, state.ctx, state.token_ids, state.tree_inputs, state.keypad,
-                                  [s.node for s in state.attentions], state.classified, state.placeholders, found,
-                                  state.canon.notes, state.sequences, state.input_mask)
+        state.analysis = Analysis(state.gm, state.ctx, state.token_ids, state.tree_inputs, masks.keypad,
+                                  [s.node for s in state.attentions], masks.meanings, state.placeholders, found,
+                                  state.canon.notes, masks.sequences, state.input_mask)
     state.analysis.guards.extend(state.extra_guards)
     state.analysis.keys = state.keys
 

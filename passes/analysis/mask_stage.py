@@ -2,6 +2,7 @@
 sequence inputs, and the per-call guards of what the classes assume."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -16,6 +17,22 @@ from brcompile.passes.analysis.guards import BatchGuard, scalar_equals
 from brcompile.passes.meta import AXES
 from brcompile.passes.canonical import attention as eager_attention
 from brcompile.passes.spellings import arg
+
+
+@dataclasses.dataclass(frozen=True)
+class Masks:
+    """What the masks stage found (passes/pipeline.py: ``state.masks``), read by the token-axes and guards stages."""
+
+    #: the [B, L] tree inputs (ids, attention mask, position ids) the masks are probed and length-guarded with
+    keys: list[fx.Node]
+    #: the nodes that only build masks (``masks.mask_only_nodes``): no token facts, not emitted
+    nodes: set[fx.Node]
+    #: each tree attention -> its mask's meaning (an attention without a mask nor ``is_causal`` has none)
+    meanings: dict[fx.Node, masks_mod.MaskInfo]
+    #: the one key-padding input of every attention (``Analysis.keypad``), None without key padding
+    keypad: Optional[fx.Node] = None
+    #: a padding-free graph's position-id input (:func:`sequences_input`), None otherwise
+    sequences: Optional[fx.Node] = None
 
 
 def classify_masks(sites: Sequence[AttentionSite], mask_nodes, mask_keys, values, input_mask, outside: set) -> dict:
