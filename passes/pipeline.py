@@ -52,11 +52,11 @@ from brcompile.passes.analysis.decode import decode_against_cache
 from brcompile.passes.lower.functionalize import functionalize
 from brcompile.passes.analysis.liveness import analyse_liveness
 from brcompile.passes.emit.pack import PackOptions, build_packed_graph
-from brcompile.passes.analysis.tree_inputs import Analysis
+from brcompile.passes.analysis.tree_inputs import Analysis, AttentionSite
 from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.analysis.rules import scan as scan_rules
-from brcompile.passes.analysis.rules.attention import PER_TOKEN, SDPA
-from brcompile.passes.spellings import arg, copy_graph_module
+from brcompile.passes.analysis.rules.attention import SDPA, PerTokenAttention
+from brcompile.passes.spellings import copy_graph_module
 
 log = logging.getLogger(__name__)
 
@@ -91,19 +91,15 @@ class PipelineState:
     token_ids: Optional[fx.Node] = None
     placeholders: list[fx.Node] = dataclasses.field(default_factory=list)
     values: dict = dataclasses.field(default_factory=dict)  # placeholder -> its example value (SymInts as ints)
-    attentions: list[fx.Node] = dataclasses.field(default_factory=list)
-    mask_args: list = dataclasses.field(default_factory=list)  # attn_mask of each attention (None without)
+    #: every tree attention and its mask (per-token SDPAs leave at "token axes")
+    attentions: list[AttentionSite] = dataclasses.field(default_factory=list)
     B: int = 0
     L: int = 0
     tree_inputs: list[fx.Node] = dataclasses.field(default_factory=list)
     position_inputs: dict = dataclasses.field(default_factory=dict)  # per-position input -> its position dim
     outside: dict = dataclasses.field(default_factory=dict)  # attention -> its mask from outside the graph
-    input_mask: Optional[input_masks.InputMask] = None
-    mask_keys: list[fx.Node] = dataclasses.field(default_factory=list)
-    mask_nodes: set = dataclasses.field(default_factory=set)
-    classified: dict = dataclasses.field(default_factory=dict)  # attention -> masks.MaskInfo
-    keypad: Optional[fx.Node] = None
-    sequences: Optional[fx.Node] = None
+    input_mask: Optional[input_masks.InputMask] = None  # that mask, classified (one for every such attention)
+    masks: Optional[mask_stage.Masks] = None  # the masks stage's: keys, mask-only nodes, meanings, keypad, sequences
     ctx: Optional[AxesContext] = None
     analysis: Optional[Analysis] = None  # set by "guards", or by "tree inputs" for a graph without attention
     packed: Optional[fx.GraphModule] = None
@@ -201,8 +197,7 @@ def tree_inputs(state: PipelineState) -> None:
         state.analysis = _without_attention(state)
         return
     token_ids, placeholders = state.token_ids, state.placeholders
-    state.attentions = attentions
-    state.mask_args = [arg(a, 3, "attn_mask") for a in attentions]
+    state.attentions = [AttentionSite.of(a) for a in attentions]
     if token_ids is not None:
         B, L = hint(tuple(example_value(token_ids).shape))
     else:
@@ -211,9 +206,8 @@ def tree_inputs(state: PipelineState) -> None:
     decode = decode_against_cache(attentions, inputs.captured_length(token_ids, attentions), B)
     if decode is not None:  # one token per row against a KV cache (passes/analysis/decode.py)
         raise NothingToShare(Code.DECODE_STEP, decode[1], decode[0])
-    needed, needed_qkv = inputs.attention_inputs(attentions, state.mask_args)
-    state.outside = {a: m for a, m in zip(attentions, state.mask_args)
-                     if input_masks.input_mask_source(m) is not None}
+    needed, needed_qkv = inputs.attention_inputs(state.attentions)
+    state.outside = {s.node: s.mask for s in state.attentions if input_masks.input_mask_source(s.mask) is not None}
     outside_sources = {input_masks.input_mask_source(m) for m in state.outside.values()}
     tree = [p for p in placeholders if p in needed and inputs.is_token_shaped(p, B, L) and p not in outside_sources]
     if token_ids is not None and token_ids not in tree:
@@ -223,9 +217,7 @@ def tree_inputs(state: PipelineState) -> None:
     state.tree_inputs = tree
     state.position_inputs = {p: d for p in placeholders if p in needed_qkv and p not in tree
                              for d in [inputs.position_dim(p, B, L)] if d is not None}
-    inside = [a for a in attentions if a not in state.outside]
-    inputs.check_masks_are_computed(inside, [m for a, m in zip(attentions, state.mask_args) if a not in state.outside],
-                                  tree, B, L)
+    inputs.check_masks_are_computed([s for s in state.attentions if s.node not in state.outside], tree, B, L)
     state.input_mask = mask_stage.outside_input_mask(state.outside, placeholders, state.example_inputs)
 
 
@@ -234,37 +226,38 @@ def masks(state: PipelineState) -> None:
     padding-free sequences, windows, ALiBi; one key-padding input for all of them."""
     gm = state.gm
     # the [B, L] keys (ids, attention mask, position ids): what masks are probed and length-guarded with
-    state.mask_keys = [p for p in state.tree_inputs if example_value(p).dim() == 2]
-    mask_nodes = masks_mod.mask_only_nodes(gm, [m for m in state.mask_args if isinstance(m, fx.Node)])
-    classified = mask_stage.classify_masks(state.attentions, state.mask_args, mask_nodes, state.mask_keys, state.values,
-                                     state.input_mask, set(state.outside))
+    mask_keys = [p for p in state.tree_inputs if example_value(p).dim() == 2]
+    mask_nodes = masks_mod.mask_only_nodes(gm, [s.mask for s in state.attentions if isinstance(s.mask, fx.Node)])
+    classified = mask_stage.classify_masks(state.attentions, mask_nodes, mask_keys, state.values,
+                                           state.input_mask, set(state.outside))
     for info in classified.values():  # trainable ALiBi slopes: computed by the packed graph for tree attention
         if info.alibi_node is not None:
             mask_nodes -= set(probe.ancestors(info.alibi_node))
     keypads = {info.keypad for info in classified.values() if info.keypad is not None}
     if len(keypads) > 1:
         raise CannotReplay(Code.KEY_PADDING_INPUTS, "attentions use different key-padding inputs")
-    state.keypad = next(iter(keypads), None)
-    state.mask_nodes, state.classified = mask_nodes, classified
-    state.sequences = mask_stage.sequences_input([a for a in state.attentions if not inputs.unmasked(a)], classified)
+    sequences = mask_stage.sequences_input([s.node for s in state.attentions if not inputs.unmasked(s.node)],
+                                           classified)
+    state.masks = mask_stage.Masks(mask_keys, mask_nodes, classified, next(iter(keypads), None), sequences)
 
 
 def token_axes(state: PipelineState) -> None:
     """The token-axis fact of every node, propagated by the per-op rules (passes/analysis/axes.py, passes/analysis/rules/): TOKEN
     (one value per position, computed once per tree node), DENSE, or refused. An SDPA whose token dims are its
     batch dims is a per-token op, not a tree attention, and leaves the attention list here."""
-    ctx = AxesContext(state.gm, state.B, state.L, state.tree_inputs, state.mask_nodes, training=state.config.training,
+    masks = state.masks
+    ctx = AxesContext(state.gm, state.B, state.L, state.tree_inputs, masks.nodes, training=state.config.training,
                       position_inputs=state.position_inputs, values=state.values,
-                      sequences=state.sequences is not None)
-    ctx.notes.update(state.classified)
+                      sequences=masks.sequences is not None)
+    for a, info in masks.meanings.items():  # each attention's mask meaning, read by the sdpa rule
+        ctx.set_note(a, info)
     propagate(ctx)
     state.ctx = ctx
-    everything = state.attentions
-    state.attentions = [a for a in everything if ctx.notes.get(a) != PER_TOKEN]
-    state.classified = {a: info for a, info in state.classified.items() if a in state.attentions}
-    state.mask_args = [m for a, m in zip(everything, state.mask_args) if a in state.attentions]
-    if state.sequences is not None:
-        mask_stage.check_column_free(state.gm, state.mask_nodes, state.sequences)
+    state.attentions = [s for s in state.attentions if ctx.note(s.node, PerTokenAttention) is None]
+    kept = {s.node for s in state.attentions}
+    state.masks = dataclasses.replace(masks, meanings={a: i for a, i in masks.meanings.items() if a in kept})
+    if masks.sequences is not None:
+        mask_stage.check_column_free(state.gm, masks.nodes, masks.sequences)
 
 
 def guards(state: PipelineState) -> None:
@@ -272,15 +265,16 @@ def guards(state: PipelineState) -> None:
     scalars, the masks' classes and lengths, the scalars masks are computed from, the rules', the lowering's;
     and the :class:`~brcompile.passes.analysis.tree_inputs.Analysis` that the emitter reads."""
     if state.analysis is None:  # a graph without attention has its analysis from "tree inputs"
-        inside = [m for a, m in zip(state.attentions, state.mask_args) if a not in state.outside]
+        masks = state.masks
+        inside = [s for s in state.attentions if s.node not in state.outside]
         found = state.canon.guards + mask_stage.mask_guards(
-            state.canon, state.attentions, state.mask_args, state.classified, state.outside, state.input_mask,
-            state.sequences, state.mask_keys, state.placeholders, state.example_inputs)
+            state.canon, state.attentions, masks.meanings, state.outside, state.input_mask,
+            masks.sequences, masks.keys, state.placeholders, state.example_inputs)
         found += mask_stage.mask_scalar_guards(inside, state.placeholders, state.values)
         found += state.ctx.guards
-        state.analysis = Analysis(state.gm, state.ctx, state.token_ids, state.tree_inputs, state.keypad,
-                                  state.attentions, state.classified, state.placeholders, found, state.canon.notes,
-                                  state.sequences, state.input_mask)
+        state.analysis = Analysis(state.gm, state.ctx, state.token_ids, state.tree_inputs, masks.keypad,
+                                  [s.node for s in state.attentions], masks.meanings, state.placeholders, found,
+                                  state.canon.notes, masks.sequences, state.input_mask)
     state.analysis.guards.extend(state.extra_guards)
     state.analysis.keys = state.keys
 

@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import inspect
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.fx as fx
@@ -35,6 +35,8 @@ from brcompile.passes.refusals import CannotReplay, Code
 
 log = logging.getLogger(__name__)
 
+#: the type of a note (:meth:`AxesContext.note`)
+NoteT = TypeVar("NoteT")
 
 
 class Kind(enum.Enum):
@@ -193,6 +195,21 @@ def shape_of(node: Any) -> Optional[tuple[int, ...]]:
 # the rule registry
 
 
+class Local(enum.Enum):
+    """What a rule knows of token-local regions (passes/analysis/rules/moe.py): operands of flattened tokens
+    (``TokenAxes.flat``), maybe in the batch's sort order (``order``), and a region's indices and group offsets
+    (``points``, ``groups``). :func:`propagate` reads it before the rule runs."""
+
+    #: nothing: a flattened operand is materialised (the result is dense), any other region operand refused
+    NONE = "none"
+    #: a per-token op whose proof holds entry by entry: its token operands' one layout (``flat``, ``order``) is
+    #: carried to its TOKEN result; operands of different layouts are refused
+    CARRY = "carry"
+    #: the rule takes region operands itself and sets its result's region fields (reshapes, indexing, sort, counts,
+    #: grouped matmuls)
+    OWN = "own"
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """How one op family propagates facts (``propagate``) and, optionally, how it is emitted into the
@@ -203,10 +220,8 @@ class Rule:
     emit: Optional[Callable] = None
     always: bool = False  # consulted whatever the operands' kinds: token sources (``arange(L)``)
     # and ops that must run packed (attention)
-    #: what the rule knows of token-local regions (passes/analysis/rules/moe.py): "" nothing (a flattened operand is
-    #: materialised, any other region operand refused), "carry" a per-token op whose proof holds entry by
-    #: entry (the operands' flat/order are carried to its result), "own" a rule that sets them itself
-    local: str = ""
+    #: what the rule knows of token-local regions (:class:`Local`)
+    local: Local = Local.NONE
 
 
 RULES: dict[Any, Rule] = {}
@@ -216,7 +231,7 @@ class RuleCollision(ValueError):
     """A rule registered for a target that already has one (without ``override=True``)."""
 
 
-def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: str = "",
+def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: Local = Local.NONE,
                   override: bool = False):
     """Decorator: register ``fn(ctx, node) -> TokenAxes`` for one target or a list of targets.
 
@@ -289,7 +304,8 @@ class AxesContext:
     mask_nodes: set[fx.Node]
     training: bool = True
     materialised: dict[fx.Node, Materialisation] = dataclasses.field(default_factory=dict)
-    notes: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    #: node -> its note (:meth:`set_note`); read through :meth:`note`, :meth:`noted`, :meth:`has_note` only
+    _notes: dict[fx.Node, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
     #: in-place writes into graph inputs (``input_write_destination``): write node -> the input it writes
     input_writes: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
     # inputs shared by every row, [L, ...] or [1, L, ...]: placeholder -> its position dim (no tree key)
@@ -325,6 +341,29 @@ class AxesContext:
         refused = next(iter(self.repack_refused.items()), None)  # passes/analysis/repack.py
         again = "" if refused is None else f"; {refused[0].name} is not packed again: {refused[1]}"
         return f"{m.node.name} was made dense by {m.user.name} ({m.reason}){again}"
+
+    # --- notes: what a rule proved about one node, for its emitter and later stages ---------------
+    def set_note(self, node: fx.Node, note: Any) -> None:
+        """Note ``note`` on ``node``: a small frozen record whose type says what was proved (a
+        ``rules.attention.LazyGather``, a ``rules.scan.CausalPad``, the attention's ``masks.MaskInfo`` …; each
+        type's docstring names its writer and readers). A node has one note: a later one replaces it (a
+        per-token SDPA's replaces its mask meaning)."""
+        self._notes[node] = note
+
+    def note(self, node: fx.Node, kind: type[NoteT]) -> Optional[NoteT]:
+        """``node``'s note when it is a ``kind``, else None (no note, or one of another kind)."""
+        note = self._notes.get(node)
+        return note if isinstance(note, kind) else None
+
+    def noted(self, kind: type[NoteT]) -> dict[fx.Node, NoteT]:
+        """Every node with a ``kind`` note -> that note, in the order the nodes were first noted."""
+        return {n: v for n, v in self._notes.items() if isinstance(v, kind)}
+
+    def has_note(self, node: fx.Node) -> bool:
+        """Whether some rule noted anything on ``node``, whatever its kind: the emitter then emits ``node`` by its
+        rule even where it is dense, and never replaces it (a killing multiplication's safe operand, a
+        window's dense recomputation, a fused read-out's entropy users)."""
+        return node in self._notes
 
     def fail(self, code: Code, node: fx.Node, reason: str):
         """Refuse the graph at ``node``: CannotReplay with ``code`` (the rule broken) and ``reason``."""
@@ -476,18 +515,18 @@ def propagate(ctx: AxesContext) -> None:
         rule = rule_for(node)
         local = [f for f in facts if f.is_token and f.local]
         if any(f.points is not None or f.groups is not None for f in local) and (
-                rule is None or rule.local != "own"):
+                rule is None or rule.local is not Local.OWN):
             from brcompile.passes.analysis.rules import moe as _moe
             set_axes(node, _moe.region_op(ctx, node))  # an index or group offsets: the region's own ops only
             continue
-        if local and (rule is None or not rule.local):
+        if local and (rule is None or rule.local is Local.NONE):
             if any(f.region for f in local):
                 ctx.fail(Code.TOKEN_LOCAL_REGION,
                          node, f"a value of a token-local region ({next(f for f in local if f.region)}) is used "
                                f"by {_target_name(node)}, which no token-local rule covers")
             set_axes(node, dense_fallback(ctx, node, f"{_target_name(node)} of flattened tokens"))
             continue
-        if local and rule.local == "carry":
+        if local and rule.local is Local.CARRY:
             if len({(f.flat, f.order) for f in facts if f.is_token}) != 1:
                 ctx.fail(Code.TOKEN_LOCAL_REGION,
                          node, f"{_target_name(node)} mixes values of different token-local layouts "
@@ -499,7 +538,7 @@ def propagate(ctx: AxesContext) -> None:
                 ax = DENSE
             else:
                 ax = CONST
-            if local and rule.local == "carry" and ax.is_token and not ax.local:
+            if local and rule.local is Local.CARRY and ax.is_token and not ax.local:
                 ax = dataclasses.replace(ax, flat=local[0].flat, order=local[0].order)
         elif any(f.is_token for f in facts):
             ax = dense_fallback(ctx, node, f"no token-axis rule for {_target_name(node)}")

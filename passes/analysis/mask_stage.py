@@ -2,6 +2,7 @@
 sequence inputs, and the per-call guards of what the classes assume."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -10,6 +11,7 @@ import torch.fx as fx
 from brcompile.passes import probe
 from brcompile.passes.analysis import input_masks, masks as masks_mod
 from brcompile.passes.analysis.axes import is_static_input
+from brcompile.passes.analysis.tree_inputs import AttentionSite
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.analysis.guards import BatchGuard, scalar_equals
 from brcompile.passes.meta import AXES
@@ -17,12 +19,29 @@ from brcompile.passes.canonical import attention as eager_attention
 from brcompile.passes.spellings import arg
 
 
-def classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_mask, outside: set) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Masks:
+    """What the masks stage found (passes/pipeline.py: ``state.masks``), read by the token-axes and guards stages."""
+
+    #: the [B, L] tree inputs (ids, attention mask, position ids) the masks are probed and length-guarded with
+    keys: list[fx.Node]
+    #: the nodes that only build masks (``masks.mask_only_nodes``): no token facts, not emitted
+    nodes: set[fx.Node]
+    #: each tree attention -> its mask's meaning (an attention without a mask nor ``is_causal`` has none)
+    meanings: dict[fx.Node, masks_mod.MaskInfo]
+    #: the one key-padding input of every attention (``Analysis.keypad``), None without key padding
+    keypad: Optional[fx.Node] = None
+    #: a padding-free graph's position-id input (:func:`sequences_input`), None otherwise
+    sequences: Optional[fx.Node] = None
+
+
+def classify_masks(sites: Sequence[AttentionSite], mask_nodes, mask_keys, values, input_mask, outside: set) -> dict:
     """Every causal attention's :class:`.masks.MaskInfo`: ``is_causal`` alone is causal; a mask from outside the
     graph means what :mod:`.input_masks` read off it; any other mask is probed (:func:`.masks.classify`).
     Attentions without a mask and without ``is_causal`` are left out (the sdpa rule names them)."""
     classified: dict[fx.Node, masks_mod.MaskInfo] = {}
-    for a, m in zip(attentions, mask_args):
+    for site in sites:
+        a, m = site.node, site.mask
         is_causal = arg(a, 5, "is_causal", False)
         if m is None:
             if is_causal:
@@ -43,8 +62,8 @@ def classify_masks(attentions, mask_args, mask_nodes, mask_keys, values, input_m
     return classified
 
 
-def mask_guards(canon, attentions, mask_args, classified, outside, input_mask, sequences, mask_keys,
-                 placeholders, example_inputs) -> list[BatchGuard]:
+def mask_guards(canon, sites: Sequence[AttentionSite], classified, outside, input_mask, sequences, mask_keys,
+                placeholders, example_inputs) -> list[BatchGuard]:
     """The per-call guards of what the mask classification assumed: no query without keys (eager additive
     masks), the mask from outside the graph still causal & key padding, well-formed packed sequences, the
     length a probed meaning is proven for."""
@@ -53,11 +72,11 @@ def mask_guards(canon, attentions, mask_args, classified, outside, input_mask, s
     if input_mask is not None:
         guards.append(input_mask.guard())
     if sequences is not None:
-        guards.append(masks_mod.sequences_guard(classified[attentions[0]], placeholders))
+        guards.append(masks_mod.sequences_guard(classified[sites[0].node], placeholders))
     raw = dict(zip(placeholders, example_inputs))
-    for m in dict.fromkeys(m for a, m in zip(attentions, mask_args)
-                           if a in classified and a not in outside and isinstance(m, fx.Node)):
-        a = next(a for a, mm in zip(attentions, mask_args) if mm is m)
+    for m in dict.fromkeys(s.mask for s in sites
+                           if s.node in classified and s.node not in outside and isinstance(s.mask, fx.Node)):
+        a = next(s.node for s in sites if s.mask is m)
         g = masks_mod.meaning_guard(a, m, classified[a], mask_keys, placeholders, raw)
         if g is not None:  # a dynamic-length graph whose mask is proven up to a length only: O(1) length guard
             guards.append(g)
@@ -110,12 +129,13 @@ def check_column_free(gm: fx.GraphModule, mask_nodes: set, sequences: fx.Node) -
                 f"sequence; pass position ids instead", n)
 
 
-def mask_scalar_guards(mask_args, placeholders: list, values: dict) -> list:
-    """A per-call ``scalar_equals`` guard for every 0-dim tensor input a mask is computed from (a float module
-    attribute Dynamo lifts under ``dynamic=True``, e.g. an embedding's ``norm_type`` on the way to a per-key
-    bias projected from the hidden states): the mask's meaning is proven at its example value only."""
+def mask_scalar_guards(sites: Sequence[AttentionSite], placeholders: list, values: dict) -> list:
+    """A per-call ``scalar_equals`` guard for every 0-dim tensor input the mask of one of ``sites`` is computed
+    from (a float module attribute Dynamo lifts under ``dynamic=True``, e.g. an embedding's ``norm_type`` on the
+    way to a per-key bias projected from the hidden states): the mask's meaning is proven at its example value
+    only."""
     seen, guards = set(), []
-    for m in mask_args:
+    for m in (s.mask for s in sites):
         if not isinstance(m, fx.Node):
             continue
         for n in probe.ancestors(m):

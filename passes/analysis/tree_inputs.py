@@ -20,12 +20,27 @@ from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.analysis.guards import BatchGuard
 from brcompile.passes.canonical import attention as eager_attention
 from brcompile.passes.analysis.rules import scan as scan_rules
+from brcompile.passes.analysis.rules.attention import LazyGather
 from brcompile.passes.spellings import (
     CHEAP_VIEWS, EMBEDDINGS, MATRIX_RIGHT_OPERAND, VALUE_MOVES, WEIGHT_TRANSPOSES, arg, op_name,
 )
 from brcompile.runtime.tree import row_keys
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSite:
+    """One attention of the graph (an SDPA node) and its ``attn_mask`` argument: a node (computed in the graph, or
+    a mask from outside it), or None without a mask."""
+
+    node: fx.Node
+    mask: Optional[fx.Node]
+
+    @staticmethod
+    def of(attention: fx.Node) -> "AttentionSite":
+        """The site of SDPA node ``attention``, its mask read off its arguments."""
+        return AttentionSite(attention, arg(attention, 3, "attn_mask"))
 
 
 @dataclasses.dataclass
@@ -88,7 +103,8 @@ class Analysis:
 
     @property
     def lazy_gathers(self) -> list[fx.Node]:
-        return [n for n, v in self.ctx.notes.items() if v == "lazy_gather"]
+        """The gathers read from packed values without their dense input (their ``LazyGather`` notes)."""
+        return list(self.ctx.noted(LazyGather))
 
 
 def _strip_views(n: fx.Node) -> fx.Node:
@@ -347,15 +363,15 @@ def _computes_packed(n: fx.Node) -> bool:
     return n.op in ("call_function", "call_method") and n.target not in CHEAP_VIEWS and get_axes(n).is_token
 
 
-def attention_inputs(attentions: list, mask_args: list) -> tuple[set, set]:
+def attention_inputs(sites: Sequence[AttentionSite]) -> tuple[set, set]:
     """(everything the attentions read, masks included; everything their queries, keys and values read)."""
     needed: set[fx.Node] = set()
     needed_qkv: set[fx.Node] = set()
-    for a, m in zip(attentions, mask_args):
-        for operand in node_args(a):
+    for site in sites:
+        for operand in node_args(site.node):
             anc = probe.ancestors(operand)
             needed.update(anc)
-            if operand is not m:
+            if operand is not site.mask:
                 needed_qkv.update(anc)
     return needed, needed_qkv
 
@@ -416,12 +432,13 @@ def attention_batch_dims(attn: fx.Node) -> tuple[int, int]:
     return hint(q.shape[0]), hint(q.shape[-2])
 
 
-def check_masks_are_computed(attentions, mask_args, tree_inputs, B: int, L: int) -> None:
+def check_masks_are_computed(sites: Sequence[AttentionSite], tree_inputs, B: int, L: int) -> None:
     """An attention mask must be computed inside the graph from [B, L] tree inputs (or be absent, with
     ``is_causal``): a mask that is itself a graph input, or is built from one (a [B, 1, L, L] mask made
     before a per-block graph), cannot be classified from inside the graph; nor can one computed from a
     per-row input of another length (:func:`_other_axis_reason`)."""
-    for a, m in zip(attentions, mask_args):
+    for site in sites:
+        a, m = site.node, site.mask
         if not isinstance(m, fx.Node):
             continue
         for n in probe.ancestors(m):

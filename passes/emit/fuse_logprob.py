@@ -89,7 +89,8 @@ class Head:
 
 @dataclasses.dataclass(frozen=True)
 class LogprobMatch:
-    """A fusable read-out: ``head`` -> log-softmax -> read at ``window`` for ``targets``."""
+    """A fusable read-out: ``head`` -> log-softmax -> read at ``window`` for ``targets``. The note
+    (``AxesContext.note``) of a fusable ``cross_entropy`` (:func:`cross_entropy`, read by :func:`emit_cross_entropy`)."""
 
     kind: str  # "gather" | "cross_entropy"
     head: Head
@@ -492,7 +493,7 @@ def _entropy_users(pk, m: LogprobMatch) -> Optional[list]:
     if ent in pk._dense or get_axes(ent).window != m.window:
         return None
     closure = _token_closure(ent)
-    if any(n in pk.env or n in pk.notes for n in closure):
+    if any(n in pk.env or pk.has_note(n) for n in closure):
         return None
     return closure
 
@@ -531,9 +532,9 @@ def emit_fused_gather(pk, node: fx.Node) -> Optional[fx.Node]:
 def emit_cross_entropy(pk, node: fx.Node):
     """cross_entropy over a fused head: ``nll = -logp`` (0 where target == ignore_index), then the
     reduction (``mean`` divides by the number of non-ignored targets, as torch does)."""
-    m = pk.notes.get(node)
+    m = pk.note(node, LogprobMatch)
     g = pk.graph
-    if not isinstance(m, LogprobMatch) or not _enabled(pk):
+    if m is None or not _enabled(pk):
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
                                              lambda a: pk.dense(a) if isinstance(a, fx.Node) else a)
         return g.create_node(node.op, node.target, tuple(args), dict(kwargs))
@@ -564,5 +565,5 @@ def cross_entropy(ctx: AxesContext, node: fx.Node):
         return CONST
     m = match_cross_entropy(node)
     if m is not None:
-        ctx.notes[node] = m
+        ctx.set_note(node, m)
     return DENSE

@@ -16,7 +16,9 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.lower import checkpoint as checkpoints
-from brcompile.passes.analysis.axes import Window, example_value, get_axes, hint, node_args, rule_for, shape_of
+from brcompile.passes.analysis.axes import (
+    NoteT, Window, example_value, get_axes, hint, node_args, rule_for, shape_of,
+)
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.analysis.liveness import safe_operand
 from brcompile.passes.meta import AXES, ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS, has_origin, record_origin
@@ -88,7 +90,6 @@ class Packer:
     def __init__(self, an: Analysis, options: PackOptions):
         self.an = an
         self.options = options
-        self.notes = an.ctx.notes
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}  # CONST/DENSE value, or packed data for TOKEN
         self._dense: dict[fx.Node, Any] = {}
@@ -97,6 +98,14 @@ class Packer:
         self._N: Optional[fx.Node] = None
 
     # --- helpers used by rule emitters -----------------------------------------------------------
+    def note(self, node: fx.Node, kind: type[NoteT]) -> Optional[NoteT]:
+        """The rules' note of kind ``kind`` on ``node`` (``AxesContext.note``), None without one."""
+        return self.an.ctx.note(node, kind)
+
+    def has_note(self, node: fx.Node) -> bool:
+        """Whether a rule noted anything on ``node`` (``AxesContext.has_note``)."""
+        return self.an.ctx.has_note(node)
+
     def tree(self, name: str) -> fx.Node:
         return self._tree[name]
 
@@ -183,7 +192,7 @@ class Packer:
         dense values, so exact — and the packed ``n`` becomes dead code unless something else needs it."""
         # with positions left out (drop_padding) the inputs read 0 there, so n's dense value there is n of zeros
         # (0 for a bias-free LM head); a gradient reaching them is still checked where the inputs are read
-        if n.op not in ("call_function", "call_method") or n in self.notes:
+        if n.op not in ("call_function", "call_method") or self.has_note(n):
             return False
         ax = get_axes(n)
         if ax.window is None or ax.window.is_whole:
@@ -250,10 +259,10 @@ class Packer:
                 last = next(iter(reversed(self.graph.nodes)))
             ax = get_axes(node)
             rule = rule_for(node)
-            if node in self._killers and node not in self.notes:
+            if node in self._killers and not self.has_note(node):
                 self.env[node] = self._emit_killer(node, *self._killers[node])
             elif ax.is_dense:
-                if rule is not None and rule.emit is not None and node in self.notes:
+                if rule is not None and rule.emit is not None and self.has_note(node):
                     self.env[node] = rule.emit(self, node)
                 else:
                     self.env[node] = self._emit_copy(node, self.dense)

@@ -109,7 +109,7 @@ def test_multi_query_attention_heads():
 
 def test_gather_of_flattened_tokens():
     """MiniMax-M2's router: ``gather(scores, 1, topk_idx)`` of flattened tokens ``[B·L, E]`` along the experts
-    is per entry, so it carries the flattened layout (rules/attention.py: gather, ``local="carry"``) instead of
+    is per entry, so it carries the flattened layout (rules/attention.py: gather, ``local=Local.CARRY``) instead of
     materialising the router scores. Its grouped-mm experts run in float32 only: float32 bound."""
     backend = replay_arch("minimax_m2", torch.float32)
     reasons = [reason for *_, reason in backend.records[0].materialisations]

@@ -33,6 +33,7 @@ operands and is none of the graph's tree attentions.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -40,10 +41,11 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.analysis.axes import (
-    DENSE, AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
+    DENSE, AxesContext, Local, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
     shape_of, token,
 )
 from brcompile.passes.refusals import CannotReplay, Code
+from brcompile.passes.analysis.masks.values import MaskInfo
 from brcompile.passes.emit.fuse_logprob import emit_fused_gather
 from brcompile.passes.meta import RELBIAS_ZERO, SOFTCAP
 from brcompile.backends.attention.features import feature_tail, needs_position
@@ -51,6 +53,20 @@ from brcompile.passes.spellings import BROADCASTS, spellings
 from brcompile.backends.read_packed import read_packed
 
 SDPA = list(spellings("sdpa"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTokenAttention:
+    """The note (``AxesContext.note``) of an SDPA that is a per-token op (:func:`per_token_attention`), not a tree
+    attention: written by :func:`sdpa` in place of the attention's ``MaskInfo``, read by :func:`emit_sdpa` (the
+    same SDPA on packed operands) and by the pipeline's token-axes stage, which takes it off the attention list."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyGather:
+    """The note of ``gather(x, 2, idx)`` of a TOKEN ``x`` [B, L, V] by a dense index (:func:`gather`): DENSE, yet
+    emitted as :func:`packed_gather` (or a fused read-out) without the dense [B, L, V] value. Read by
+    :func:`emit_gather` and by ``Analysis.lazy_gathers`` (explain's graphs table)."""
 
 
 def sdpa_args(node):
@@ -94,14 +110,14 @@ def attention_dtype(node) -> tuple[torch.dtype | None, str | None]:
 
 
 def emit_sdpa(pk, node):
-    """A per-token SDPA (:data:`PER_TOKEN`): :func:`emit_per_token_sdpa`. Otherwise q, k, v [1, H, N, D] -> brcompile::tree_attention on [H, N, D] -> [1, H, N, D]. Under autocast q, k,
+    """A per-token SDPA (:class:`PerTokenAttention`): :func:`emit_per_token_sdpa`. Otherwise q, k, v [1, H, N, D] -> brcompile::tree_attention on [H, N, D] -> [1, H, N, D]. Under autocast q, k,
     v are cast to the dtype the original attention computed in (:func:`attention_dtype`) explicitly, so
     the packed graph does not depend on the autocast state it runs under (a streaming tail re-run in
     backward) and the cached K/V of streaming replay have that dtype."""
-    if pk.notes.get(node) == PER_TOKEN:
+    if pk.note(node, PerTokenAttention) is not None:
         return emit_per_token_sdpa(pk, node)
     a = sdpa_args(node)
-    info = pk.notes[node]
+    info = pk.note(node, MaskInfo)  # the masks stage's meaning (the sdpa rule refused an attention without one)
     q, k, v = (pk.graph.call_method("squeeze", (pk.packed(a[n]), 0)) for n in ("query", "key", "value"))
     k, v = broadcast_heads(pk, node, k, v)
     cast, why = attention_dtype(node)
@@ -115,8 +131,8 @@ def emit_sdpa(pk, node):
     valid = pk.tree("valid") if info.keypad is not None else pk.tree("all_valid")
     args = (q, k, v, pk.tree("end"), valid, pk.tree("segments"), float(scale), pk.options.attention)
     softcap = float(SOFTCAP.get(node, 0.0))  # Gemma2's logit soft-capping (eager canonicalisation)
-    alibi = getattr(info, "alibi", None)
-    slopes = getattr(info, "alibi_node", None)  # trainable ALiBi slopes (:mod:`..masks`)
+    alibi = info.alibi
+    slopes = info.alibi_node  # trainable ALiBi slopes (:mod:`..masks`)
     sinks = a.get("br_sinks")  # attention sinks (eager canonicalisation)
     rel = a.get("br_relbias")  # relative bias (canonicalisation)
     features = dict(window=info.window, softcap=softcap, alibi=list(alibi) if alibi and slopes is None else None,
@@ -192,10 +208,10 @@ def pad_head_dims(pk, q, k, v, dk: int, dv: int):
     return q, k, pad(v, dk - dv), dv
 
 
-def _positions(pk, info):
+def _positions(pk, info: MaskInfo):
     """The [N] positions of a window or ALiBi: the tree's, or for ALiBi over ``count(X)`` the running count
     of ``X != 0`` along the row read at each token's (rep_row, position)."""
-    X = getattr(info, "alibi_count", None)
+    X = info.alibi_count
     if X is None:
         return pk.tree("position")
     g = pk.graph
@@ -204,8 +220,6 @@ def _positions(pk, info):
     return g.call_function(operator.getitem, (count, (pk.tree("rep_row"), pk.tree("position"))))
 
 
-#: ``ctx.notes`` of an SDPA that is a per-token op (:func:`per_token_attention`), not a tree attention
-PER_TOKEN = "per_token_attention"
 _QKV = ("query", "key", "value")
 
 
@@ -291,7 +305,7 @@ def sdpa(ctx: AxesContext, node):
     _, why = attention_dtype(node)
     per_token = per_token_attention(ctx, node) if why is None else None
     if per_token is not None:
-        ctx.notes[node] = PER_TOKEN
+        ctx.set_note(node, PerTokenAttention())
         return per_token
     facts = [get_axes(a[n]) for n in ("query", "key", "value")]
     if not all(f.is_token for f in facts):
@@ -304,7 +318,7 @@ def sdpa(ctx: AxesContext, node):
     _, why = attention_dtype(node)
     if why is not None:
         ctx.fail(Code.ATTENTION_DTYPE, node, why)
-    if node not in ctx.notes:
+    if ctx.note(node, MaskInfo) is None:
         if a["attn_mask"] is None and not a["is_causal"]:
             ctx.fail(Code.MASK_NOT_CAUSAL, node, "bidirectional attention (is_causal=False and no mask) is not causal")
         ctx.fail(Code.MASK_UNPROVEN, node, "attention mask was not classified")
@@ -358,7 +372,8 @@ def _check_relbias(ctx: AxesContext, node, table) -> None:
         ctx.fail(Code.RELATIVE_BIAS,
                  node, f"relative-bias table is a token value {f} of shape {shape}, not a [B, H, L, E] table "
                  "along the queries' token axis")
-    if getattr(ctx.notes.get(node), "alibi_count", None) is not None:
+    info = ctx.note(node, MaskInfo)
+    if info is not None and info.alibi_count is not None:
         ctx.fail(Code.RELATIVE_BIAS,
                  node, "relative bias beside ALiBi over attention-mask counts (two position spaces)")
 
@@ -395,8 +410,9 @@ def broadcast_heads(pk, node, k, v):
 
 
 def emit_gather(pk, node):
-    note = pk.notes.get(node)
-    if note != "lazy_gather":
+    """A lazy gather (:class:`LazyGather`) as a fused read-out when it is one, else :func:`packed_gather`; any
+    other gather as the same op on packed operands."""
+    if pk.note(node, LazyGather) is None:
         return pk.copy(node)
     fused = emit_fused_gather(pk, node)  # head -> log_softmax -> gather as brcompile::packed_logprob
     if fused is not None:
@@ -417,11 +433,11 @@ def _gather_args(node):
     return bound.get("input", bound.get("self")), bound.get("dim"), bound.get("indices", bound.get("index"))
 
 
-@register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather, local="carry")
+@register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather, local=Local.CARRY)
 def gather(ctx: AxesContext, node):
     """gather(x, dim, idx) along a non-token dim: ``out[p] = x[p with p[dim] := idx[p]]`` for every coordinate
     p of idx — every coordinate but ``dim``, the token dims among them, is kept, so each token's slice (each
-    flattened entry's row, for flattened tokens in any one layout: ``local="carry"``) of ``out`` reads only
+    flattened entry's row, for flattened tokens in any one layout: ``local=Local.CARRY``) of ``out`` reads only
     the same token's slices of x and idx: per token when idx is a TOKEN value with x's token dims, window and
     extents there (``take_along_dim`` also broadcasts the non-token dims: still per token). A dense idx (the
     shifted targets) with x [B, L, V] (row 0, position 1, dim 2) -> the lazy gather (DENSE)."""
@@ -442,7 +458,7 @@ def gather(ctx: AxesContext, node):
             and not fx_.local:
         if fi.is_token:
             ctx.materialise(idx, node, "gather index with a different window")
-        ctx.notes[node] = "lazy_gather"
+        ctx.set_note(node, LazyGather())
         return DENSE
     return dense_fallback(ctx, node, "gather with an index that is not aligned")
 

@@ -7,6 +7,7 @@ A product of two TOKEN values (``q @ k^T``) mixes positions: that is attention, 
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Optional
 
@@ -14,11 +15,21 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from brcompile.passes.analysis.axes import AxesContext, dense_fallback, get_axes, register_rule, shape_of, token
+from brcompile.passes.analysis.axes import AxesContext, Local, dense_fallback, get_axes, register_rule, shape_of, token
 from brcompile.passes.spellings import BROADCASTS, SAME_VALUE, family_of, names, op_name, spellings
 
 
-@register_rule(spellings("linear"), local="carry")
+@dataclasses.dataclass(frozen=True)
+class Narrow:
+    """The note (``AxesContext.note``) of a product of a TOKEN operand and a constant ``const`` broadcast along
+    output token dims (:func:`_product`): ``const``'s ``dims`` hold the same values at every index, so the
+    packed product reads it narrowed to extent 1 there (:func:`emit_product`)."""
+
+    const: fx.Node
+    dims: tuple[int, ...]
+
+
+@register_rule(spellings("linear"), local=Local.CARRY)
 def linear(ctx: AxesContext, node):
     """linear(x, W, b): token dims of x must not be its last (contracted) dim; W, b constant."""
     x = node.args[0]
@@ -80,8 +91,8 @@ def invariant_along(node, dim: int) -> bool:
 def _narrowed_args(pk, node):
     """``node``'s arguments on packed operands, a constant that is broadcast along an output token dim
     (:func:`_product`'s note) narrowed to its first index there: the same values, extent 1 as packed."""
-    note = pk.notes.get(node)
-    const, dims = note["narrow"] if isinstance(note, dict) and "narrow" in note else (None, ())
+    note = pk.note(node, Narrow)
+    const, dims = (note.const, note.dims) if note is not None else (None, ())
 
     def arg(a):
         v = pk.packed(a)
@@ -99,7 +110,7 @@ def emit_product(pk, node):
     return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
 
 
-@register_rule([*spellings("matmul", "bmm", "mm")], emit=emit_product, local="carry")
+@register_rule([*spellings("matmul", "bmm", "mm")], emit=emit_product, local=Local.CARRY)
 def matmul(ctx: AxesContext, node):
     """matmul/bmm/mm of one TOKEN operand and one constant, in either order: ``out[..., i, j] = sum_k a[..., i,
     k] b[..., k, j]``. Each output element reads one row of ``a`` and one column of ``b`` at the same
@@ -138,7 +149,7 @@ def _product(ctx: AxesContext, node, a, b):
                 return dense_fallback(ctx, node, "matmul with a constant that is not broadcast along a token dim")
             narrow.append(d)
     if narrow:
-        ctx.notes[node] = {"narrow": (const, tuple(narrow))}
+        ctx.set_note(node, Narrow(const, tuple(narrow)))
     return token(R, None if tok.row is None else tdims[tok.row], tdims[tok.pos], tok.window)
 
 
@@ -172,7 +183,7 @@ def emit_addmm(pk, node):
     return g.call_function(operator.add, (c, prod))
 
 
-@register_rule(spellings("addmm", "baddbmm"), emit=emit_addmm, local="carry")
+@register_rule(spellings("addmm", "baddbmm"), emit=emit_addmm, local=Local.CARRY)
 def addmm(ctx: AxesContext, node):
     """``addmm(c, a, b, beta=β, alpha=α) = β·c + α·(a @ b)`` (GPT-2's ``Conv1D``: ``addmm(bias, x.view(-1, D),
     W)`` of flattened tokens) and its batched twin ``baddbmm`` (RecurrentGemma's block-diagonal gates:
@@ -230,7 +241,7 @@ def _einsum_operands(node):
     return eq, ops
 
 
-@register_rule(spellings("einsum"), local="carry")
+@register_rule(spellings("einsum"), local=Local.CARRY)
 def einsum(ctx: AxesContext, node):
     """einsum with an explicit output (``"i , j -> i j"``, ``"bld,od->blo"``): an output element is a sum
     over the contracted letters of products of operand elements at the output's coordinates. When every

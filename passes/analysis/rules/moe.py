@@ -46,7 +46,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.analysis.axes import (
-    AxesContext, dense_fallback, example_value, get_axes, normalize_dim, register_rule, shape_of, token,
+    AxesContext, Local, dense_fallback, example_value, get_axes, normalize_dim, register_rule, shape_of, token,
 )
 from brcompile.passes.refusals import Code
 from brcompile.passes.analysis.guards import integers_in_range
@@ -64,7 +64,7 @@ def _dim(node, pos: int, default=None):
 # per-token ops on the expert dim
 
 
-@register_rule([torch.topk, "topk"], local="carry")
+@register_rule([torch.topk, "topk"], local=Local.CARRY)
 def topk(ctx: AxesContext, node):
     """``topk(x, k, dim)`` along a non-token dim (the experts): the k largest of one token's scores and their
     indices — both outputs keep x's token dims (the tuple's fact is its elements' fact). Along a token dim it
@@ -76,14 +76,14 @@ def topk(ctx: AxesContext, node):
     return ax
 
 
-@register_rule([F.one_hot], local="carry")
+@register_rule([F.one_hot], local=Local.CARRY)
 def one_hot(ctx: AxesContext, node):
     """``one_hot(ids, E)``: a new last dim of extent E, each element a function of one id: token dims stay."""
     ax = get_axes(node.args[0])
     return token(ax.ndim + 1, ax.row, ax.pos, ax.window)
 
 
-@register_rule([torch.scatter, "scatter", torch.scatter_add, "scatter_add"], local="carry")
+@register_rule([torch.scatter, "scatter", torch.scatter_add, "scatter_add"], local=Local.CARRY)
 def scatter(ctx: AxesContext, node):
     """``x.scatter(dim, idx, src)`` along a non-token dim (group-limited routing: ``zeros_like(group_scores)
     .scatter(1, group_idx, 1)``): ``out`` is x with ``out[p with p[dim] := idx[p]] = src[p]`` (``+=`` for
@@ -92,7 +92,7 @@ def scatter(ctx: AxesContext, node):
     a per-token op when x, idx and a tensor src are TOKEN values with the same token dims (and the same
     extents there, so no token's slice of x is left out of the writes in one layout and not in the other).
     Along a token dim it would move values between tokens: materialised. The proof holds entry by entry for
-    flattened tokens in one layout (``local="carry"``; a router's scatter mask is read back by
+    flattened tokens in one layout (``local=Local.CARRY``; a router's scatter mask is read back by
     ``gather(scores, 1, topk_indices)``, which carries them too: rules/attention.py)."""
     x = node.args[0] if node.args else node.kwargs.get("input")
     dim = _dim(node, 1)
@@ -113,7 +113,7 @@ def scatter(ctx: AxesContext, node):
     return ax
 
 
-@register_rule([torch.argmax, torch.argmin, "argmax", "argmin"], local="carry")
+@register_rule([torch.argmax, torch.argmin, "argmax", "argmin"], local=Local.CARRY)
 def argmax(ctx: AxesContext, node):
     """argmax/argmin over a non-token dim (a top-1 router): a reduction over that dim."""
     if _dim(node, 1) is None:
@@ -125,7 +125,7 @@ def argmax(ctx: AxesContext, node):
 # sort: along the expert dim (per token) or along the flattened tokens (a token-local region)
 
 
-@register_rule([torch.sort, "sort", torch.argsort, "argsort"], local="own")
+@register_rule([torch.sort, "sort", torch.argsort, "argsort"], local=Local.OWN)
 def sort(ctx: AxesContext, node):
     """``sort``/``argsort`` along a non-token dim: per token (its facts stay). Along the flattened tokens of a
     1-D key in natural order: the start of a token-local region (module docstring) — the sorted keys are in
@@ -330,7 +330,7 @@ def _masked_fill_range(node: fx.Node, depth: int, tables: Optional[list] = None)
     return max(E, v + 1)
 
 
-@register_rule([torch.histc, "histc"], local="own")
+@register_rule([torch.histc, "histc"], local=Local.OWN)
 def histc(ctx: AxesContext, node):
     """``histc(sorted keys, bins=E, min=0, max=E-1)`` of integer keys in ``[0, E)``: bin ``b`` counts the key
     value b (``floor(v·E/(E-1)) = v`` for ``v < E-1``, the top value falls in the last bin), i.e. the size
@@ -359,7 +359,7 @@ def histc(ctx: AxesContext, node):
     return token(1, None, None, ax.window, groups=("counts", srt, bins))
 
 
-@register_rule(GROUPED_MM, local="own")
+@register_rule(GROUPED_MM, local=Local.OWN)
 def grouped_mm(ctx: AxesContext, node):
     """``grouped_mm(x, W, offs)`` with ``x`` the rows of flattened entries in a sort's order and ``offs`` the
     offsets of that sort's keys: row i lies in the run of its key, so it is multiplied by ``W[key(P(i))]``

@@ -19,6 +19,7 @@ Otherwise the TOKEN operands are materialised and the result is DENSE (still exa
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -26,10 +27,19 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.analysis.axes import (
-    DENSE, AxesContext, dense_fallback, get_axes, register_rule, shape_of, token,
+    DENSE, AxesContext, Local, dense_fallback, get_axes, register_rule, shape_of, token,
 )
 from brcompile.passes.refusals import Code
 from brcompile.passes.spellings import BINARY, NEW_FILLED, UNARY, arg, spellings
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionTables:
+    """The note (``AxesContext.note``) of an elementwise op with constant position tables among its operands
+    (module docstring; :func:`pointwise`): ``tables`` pairs each table with its position dim, along which the
+    packed op reads it at the tokens' positions (:func:`emit_pointwise`, :func:`emit_complex`)."""
+
+    tables: tuple[tuple[fx.Node, int], ...]
 
 
 def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None = None) -> object:
@@ -90,8 +100,8 @@ def broadcast_token_axes(ctx: AxesContext, node, operands, tables: dict | None =
 def _packed_operands(pk, node):
     """``node``'s arguments as the packed graph sees them; a position table (module docstring) is read at the
     packed tokens' positions, ``table.index_select(d, position)``."""
-    tables = pk.notes.get(node)
-    tables = tables if isinstance(tables, dict) else {}
+    note = pk.note(node, PositionTables)
+    tables = dict(note.tables) if note is not None else {}
 
     def arg(a):
         if a in tables:
@@ -103,7 +113,7 @@ def _packed_operands(pk, node):
 
 def emit_pointwise(pk, node):
     """The same op on packed operands (position tables read at the tokens' positions)."""
-    if not isinstance(pk.notes.get(node), dict):
+    if pk.note(node, PositionTables) is None:
         return pk.copy(node)
     args, kwargs = _packed_operands(pk, node)
     return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
@@ -126,7 +136,7 @@ def emit_complex(pk, node):
     return g.call_function(torch.view_as_complex, (pair,))
 
 
-@register_rule(BINARY + UNARY, emit=emit_pointwise, local="carry")
+@register_rule(BINARY + UNARY, emit=emit_pointwise, local=Local.CARRY)
 def pointwise(ctx: AxesContext, node):
     """Elementwise ops: the output element is f of the operands' elements at the same coordinates; a
     constant position table is read at each token's position (module docstring)."""
@@ -144,11 +154,11 @@ def pointwise(ctx: AxesContext, node):
     if ax is None:
         return dense_fallback(ctx, node, "operands are not aligned on the token dims")
     if tables:
-        ctx.notes[node] = tables
+        ctx.set_note(node, PositionTables(tuple(tables.items())))
     return ax
 
 
-@register_rule([torch.polar, torch.complex], emit=emit_complex, local="carry")
+@register_rule([torch.polar, torch.complex], emit=emit_complex, local=Local.CARRY)
 def complex_pair(ctx: AxesContext, node):
     """``complex(re, im)`` and ``polar(r, θ) = r·cos θ + i·r·sin θ`` (a complex rotary table of positions):
     elementwise, as any pointwise op (its proof); emitted as a stacked (real, imaginary) pair (emit_complex)."""
@@ -163,7 +173,7 @@ def _is_dtype_cast(node) -> bool:
                for a in rest)
 
 
-@register_rule([*spellings("dropout"), F.alpha_dropout], local="carry")
+@register_rule([*spellings("dropout"), F.alpha_dropout], local=Local.CARRY)
 def dropout(ctx: AxesContext, node):
     """Dropout: the identity when ``p == 0`` or not training; otherwise its random mask is drawn per
     dense element, which a packed run cannot reproduce — refuse."""
@@ -176,7 +186,7 @@ def dropout(ctx: AxesContext, node):
 
 
 
-@register_rule([torch.ones_like, torch.zeros_like, torch.full_like], local="carry")
+@register_rule([torch.ones_like, torch.zeros_like, torch.full_like], local=Local.CARRY)
 def filled_like(ctx: AxesContext, node):
     """``ones_like(x)`` / ``zeros_like(x)`` / ``full_like(x, v)``: x's shape filled with a constant. Every element
     is the same constant wherever it sits, so the packed op on packed x is the packing of the dense result: the
@@ -209,7 +219,7 @@ def emit_new_filled(pk, node):
     return pk.graph.call_method(node.target, (pk.packed(node.args[0]), sizes, *rest), kwargs)
 
 
-@register_rule(NEW_FILLED, emit=emit_new_filled, local="carry")
+@register_rule(NEW_FILLED, emit=emit_new_filled, local=Local.CARRY)
 def new_filled(ctx: AxesContext, node):
     """``x.new_zeros(size)`` / ``new_ones`` / ``new_full(size, v)`` in the shape of a token value ``x`` at its
     token dims (HF Inkling2's ``inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, D)``, an empty stack of

@@ -11,7 +11,7 @@ import operator
 import torch
 
 from brcompile.passes.analysis.axes import (
-    CONST, AxesContext, example_value, get_axes, hint, normalize_dim, register_rule, token,
+    CONST, AxesContext, Local, example_value, get_axes, hint, normalize_dim, register_rule, token,
 )
 
 
@@ -72,7 +72,7 @@ def _emit_dim_size(pk, x, ax, d):
     return pk.graph.call_method("size", (pk.packed(x), d))
 
 
-@register_rule(["size", torch.ops.aten.sym_size.int], emit=emit_size, local="own")
+@register_rule(["size", torch.ops.aten.sym_size.int], emit=emit_size, local=Local.OWN)
 def size(ctx: AxesContext, node):
     """x.size(d): an int; x.size(): the dense shape (a tuple, its token dims read from the index)."""
     return CONST

@@ -48,10 +48,11 @@ import torch.fx as fx
 from brcompile.backends import matrix_scan as _matrix_ops
 from brcompile.backends import scan as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
 from brcompile.passes.analysis.axes import (
-    AxesContext, Window, dense_fallback, example_value, get_axes, normalize_dim,
+    AxesContext, Local, Window, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,
 )
 from brcompile.passes.refusals import CannotReplay, Code
+from brcompile.passes.analysis.masks.values import MaskInfo
 from brcompile.passes.analysis.rules import reduce
 from brcompile.passes.analysis.rules.shape import _normalize_index
 from brcompile.passes.spellings import arg, is_op, spellings
@@ -65,11 +66,10 @@ log = logging.getLogger(__name__)
 
 def _sequences_input(ctx: AxesContext) -> Optional[fx.Node]:
     """The position-id input of a padding-free graph (its attentions are causal within packed sequences),
-    read off the mask meanings in ``ctx.notes``; None otherwise."""
-    for v in ctx.notes.values():
-        seqs = getattr(v, "sequences", None)
-        if isinstance(seqs, fx.Node):
-            return seqs
+    read off the attentions' mask meanings (their ``MaskInfo`` notes); None otherwise."""
+    for info in ctx.noted(MaskInfo).values():
+        if isinstance(info.sequences, fx.Node):
+            return info.sequences
     return None
 
 
@@ -129,7 +129,7 @@ def emit_cumsum(pk, node: fx.Node):
                                   (x, _emit_parent(pk), get_axes(node.args[0]).pos))
 
 
-@register_rule(spellings("cumsum"), emit=emit_cumsum, local="carry")
+@register_rule(spellings("cumsum"), emit=emit_cumsum, local=Local.CARRY)
 def cumsum(ctx: AxesContext, node: fx.Node):
     """``cumsum`` along the position dim of a TOKEN value: the dense value at (b, t) sums x over columns
     0..t of row b, which are the ancestors-or-self of node ``index[b, t]`` with their values (module
@@ -150,6 +150,21 @@ def cumsum(ctx: AxesContext, node: fx.Node):
 
 # --------------------------------------------------------------------------------------------------
 # causal depthwise conv1d
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalConv1d:
+    """The note (``AxesContext.note``) of a depthwise conv1d proved causal along the positions (:func:`conv1d`):
+    emitted as ``tree_causal_conv1d`` on the unpadded packed input (:func:`emit_conv1d`), one of the tree scans
+    (:func:`is_tree_scan`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalPad:
+    """The note of ``F.pad(x, (P, 0))`` of the positions proved to feed only causal conv1ds of kernel P + 1
+    (:func:`pad`): no value of the packed graph (:func:`emit_pad`); the conv rule reads it as its proved input."""
+
+    P: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +268,7 @@ def emit_conv1d(pk, node: fx.Node):
     """``tree_causal_conv1d(x, weight, bias, tree_parent(end), impl)`` on the packed ``[1, C, N]`` input (the
     unpadded one: a left pad of W-1 is the tree path's own zeros before the root); ``impl`` is the backend's
     ``scan`` option."""
-    if node not in pk.notes:
+    if pk.note(node, CausalConv1d) is None:
         return pk.copy(node)
     _refuse_dropped_padding(pk, node, "causal conv1d")
     a = _conv_args(node)
@@ -274,9 +289,8 @@ def conv1d(ctx: AxesContext, node: fx.Node):
     a = _conv_args(node)
     x = a["input"]
     x_ax = get_axes(x)
-    padded = ctx.notes.get(x)
-    if isinstance(padded, tuple) and padded[0] == "causal_pad":  # proved by the pad rule, with this conv
-        ctx.notes[node] = "tree_causal_conv1d"
+    if ctx.note(x, CausalPad) is not None:  # proved by the pad rule, with this conv
+        ctx.set_note(node, CausalConv1d())
         base = get_axes(x).window.base
         return token(3, 0, 2, base)
     if not x_ax.is_token:
@@ -288,7 +302,7 @@ def conv1d(ctx: AxesContext, node: fx.Node):
     problem = problem or _slice_users_problem(node, length, W - 1)
     if problem:
         return dense_fallback(ctx, node, problem)
-    ctx.notes[node] = "tree_causal_conv1d"
+    ctx.set_note(node, CausalConv1d())
     return token(3, 0, 2, PaddedWindow(base=x_ax.window, length=length, pad=W - 1))
 
 
@@ -309,7 +323,7 @@ def _padded_dims(pad, ndim: int) -> dict:
 def emit_pad(pk, node: fx.Node):
     """A pad of non-token dims runs as is; the causal pad of a proved conv is no value of the packed graph
     (the conv reads the unpadded input): the packed input stands in for it, read by nothing else."""
-    if node in pk.notes:
+    if pk.note(node, CausalPad) is not None:
         return pk.packed(node.args[0])
     return pk.copy(node)
 
@@ -352,7 +366,7 @@ def pad(ctx: AxesContext, node: fx.Node):
     problem = problem or _path_problem(ctx, "causal conv1d")
     if problem:
         return dense_fallback(ctx, node, problem)
-    ctx.notes[node] = ("causal_pad", P)
+    ctx.set_note(node, CausalPad(P))
     return token(3, 0, 2, PaddedWindow(base=ax.window, length=_length_key(x), pad=P))
 
 
@@ -451,5 +465,5 @@ def is_tree_scan(ctx: AxesContext, node: fx.Node) -> bool:
     if is_op(node, "cumsum"):
         return _is_tree_scan(node)
     if is_op(node, "conv1d"):
-        return ctx.notes.get(node) == "tree_causal_conv1d"
+        return ctx.note(node, CausalConv1d) is not None
     return node.target in (_scan_ops.linear_scan, _matrix_ops.matrix_scan)

@@ -344,10 +344,12 @@ def test_padding_free_graph_keeps_scans_dense():
     gm = graphs["gm"]
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ids_node, pos_node = (next(n for n in ph if n.name.endswith(s)) for s in ("ids_", "pos_"))
+    outs_node = next(n for n in gm.graph.nodes if n.op == "output")
     for sequences, want in ((None, "token"), (pos_node, "dense")):
         ctx = AxesContext(gm, 2, 6, [ids_node, pos_node], set())
         if sequences is not None:
-            ctx.notes["attention"] = MaskInfo("causal+sequences", sequences=sequences)
+            # the meaning the masks stage notes on an attention (this graph has none: any node carries it)
+            ctx.set_note(outs_node, MaskInfo("causal+sequences", sequences=sequences))
         propagate(ctx)
         outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         assert [get_axes(o).kind.value for o in outs] == [want, want], [m.reason for m in ctx.materialised.values()]
