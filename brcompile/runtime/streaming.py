@@ -84,7 +84,7 @@ class ReplaySchedule:
                 "cross_calls": sum(int(c.cross.shape[0]) for c in self.chunks)}
 
 
-def _count_before(mask: Tensor) -> Tensor:
+def count_before(mask: Tensor) -> Tensor:
     """c[i] = number of True in mask[:i], for i in 0..len(mask)."""
     c = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
     c[1:] = mask.long().cumsum(0)
@@ -109,7 +109,7 @@ def plan_replay(end: Tensor, segments: Tensor, chunk_tokens: int, depth: int = 0
     leaf = s1 == e
     seg_len = s1 - s0
     in_prefix = torch.repeat_interleave(~leaf, seg_len, output_size=n)
-    before = _count_before(in_prefix)
+    before = count_before(in_prefix)
     prefix_ids = in_prefix.nonzero().flatten()
     psegs = segments[~leaf]
     prefix_segments = torch.stack([before[psegs[:, 0]], before[psegs[:, 1]], before[psegs[:, 2]]], 1)

@@ -70,13 +70,6 @@ class WindowPlan:
     ancestors: Tensor  # [0, n]: no scans in a window's trunk
 
 
-def _count_before(mask: Tensor) -> Tensor:
-    """c[i] = number of True in mask[:i], for i in 0..len(mask)."""
-    c = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
-    c[1:] = mask.long().cumsum(0)
-    return c
-
-
 def plan_window(end: Tensor, segments: Tensor, cached: Tensor, slots: Tensor) -> WindowPlan:
     """Cut a call's tree into its replayed part ``cached`` (bool [N], ancestor-closed: within each segment a
     prefix ``[s0, c)``) and the chunk of the rest, as streaming cuts prefix and tails (runtime/streaming.py
@@ -84,8 +77,10 @@ def plan_window(end: Tensor, segments: Tensor, cached: Tensor, slots: Tensor) ->
     ``bn`` = chunk-local ids: a segment's new part ``[c, s1)`` is the chunk segment ``(bn[c], bn[s1], bn[e])``;
     its replayed part ``[s0, c)`` is an ancestor chain of every chunk token in ``[c, e)``: the cross row
     ``(bn[c], bn[e], b[s0], b[c])``. ``slots``: the store slot of every token (-1 for new ones)."""
+    from brcompile.runtime.streaming import count_before  # streaming imports this module
+
     end, segments, cached = end.cpu(), segments.cpu(), cached.cpu()
-    before, bn = _count_before(cached), _count_before(~cached)
+    before, bn = count_before(cached), count_before(~cached)
     s0, s1, e = segments[:, 0], segments[:, 1], segments[:, 2]
     c = s0 + (before[s1] - before[s0])
     if bool(((bn[s1] - bn[c]) != (s1 - c)).any()):
