@@ -384,7 +384,7 @@ class BranchReplayBackend:
                              2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),
                              split.scan_depth,
                              None if split.tail_cache is None else self._compile(split.tail_cache, opts),
-                             _trunk_key(split))
+                             _trunk_key(split), split.recompute)
         trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
         outer = split.build_outer(trunk)
         streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,
@@ -396,6 +396,9 @@ class BranchReplayBackend:
                     window="shares across calls" if split.tail_cache is not None else
                     "shares within each call: the trunk carries scan states or cached positions",
                     memory_budget=opts.memory_budget, mode=opts.mode,
+                    recompute="the model's activation checkpoints: the kept prefix (a window's pieces) keeps its "
+                              "inputs and outputs and recomputes its activations in backward" if split.recompute
+                    else None,
                     prefix_code=split.prefix.code, tail_code=split.tail.code, outer_code=outer.code)
         return streaming, info
 

@@ -5,7 +5,8 @@
   prefill and decode steps) then runs through the backend. The decoder is ``model.get_decoder()`` (transformers'
   lookup), else the submodule named by ``model.base_model_prefix``.
 - ``BranchReplayCallback()``: a ``transformers.TrainerCallback`` that calls ``compile_decoder`` on the trainer's
-  model at ``on_train_begin``: ``GRPOTrainer(..., callbacks=[BranchReplayCallback()])`` (any ``Trainer``).
+  model at ``on_train_begin``: ``GRPOTrainer(..., callbacks=[BranchReplayCallback()])`` (any ``Trainer``); with
+  gradient accumulation it makes each optimizer step a cross-call window (brcompile/runtime/window.py).
 
 Why not ``GRPOConfig(torch_compile_backend="branch_replay")``: transformers hands that name to accelerate,
 whose ``DynamoBackend`` enum admits its own members only (``'BRANCH_REPLAY' is not a valid DynamoBackend``).
@@ -22,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NoDecoderError", "compile_decoder", "find_decoder", "keep_one_input_grad_hook"]  # and BranchReplayCallback, made on first access
+__all__ = ["NoDecoderError", "accelerate_sync_gradients", "compile_decoder", "find_decoder", "keep_one_input_grad_hook"]  # and BranchReplayCallback, made on first access
 
 #: attribute set on a decoder compiled by :func:`compile_decoder` (the backend it was compiled with)
 _COMPILED_WITH = "_brcompile_backend"
@@ -98,6 +99,14 @@ def compile_decoder(model: torch.nn.Module, backend: Any = "branch_replay", **co
     return decoder
 
 
+def accelerate_sync_gradients() -> bool:
+    """accelerate's ``GradientState().sync_gradients``: true during the last micro-batch of an optimizer step
+    (HF's Trainer sets it before each micro-batch's forward); a cross-call window ends at that call."""
+    from accelerate.state import GradientState
+
+    return bool(GradientState().sync_gradients)
+
+
 def _callback_class() -> type:
     """``BranchReplayCallback``, a ``transformers.TrainerCallback`` subclass (transformers imported here)."""
     from transformers import TrainerCallback
@@ -105,16 +114,53 @@ def _callback_class() -> type:
     class BranchReplayCallback(TrainerCallback):
         """Compiles the trainer's model's decoder with ``branch_replay`` (:func:`compile_decoder`) when training
         begins: ``GRPOTrainer(..., callbacks=[BranchReplayCallback()])``. ``backend``: the backend name or a
-        ``brcompile.backend(...)`` object; ``compile_kwargs`` go to ``nn.Module.compile``."""
+        ``brcompile.backend(...)`` object; ``compile_kwargs`` go to ``nn.Module.compile``.
 
-        def __init__(self, backend: Any = "branch_replay", **compile_kwargs):
+        With gradient accumulation (``gradient_accumulation_steps > 1``) and ``windows=True``, each optimizer
+        step's micro-batches are one cross-call window (brcompile/runtime/window.py): opened when the step begins,
+        ended by the call during which accelerate's ``GradientState().sync_gradients`` is true (the Trainer sets it
+        for the step's last micro-batch before its forward), closed when the step ends. A prefix the step's rows
+        share is then computed once, whichever micro-batches its rows land in. Windows need the streaming split:
+        the default backend becomes ``brcompile.backend(mode="replay")`` then; a backend object of yours is used
+        as it is (``mode="packed"`` shares within each call only)."""
+
+        def __init__(self, backend: Any = "branch_replay", windows: bool = True, **compile_kwargs):
             self.backend = backend
+            self.windows = windows
             self.compile_kwargs = compile_kwargs
+            self._use_windows = False
+            self._window = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if model is None:
                 raise NoDecoderError("the trainer passed no model to on_train_begin: nothing to compile")
-            compile_decoder(model, self.backend, **self.compile_kwargs)
+            self._use_windows = self.windows and getattr(args, "gradient_accumulation_steps", 1) > 1
+            backend = self.backend
+            if self._use_windows and backend == "branch_replay":
+                import brcompile
+
+                backend = self.backend = brcompile.backend(mode="replay")
+            compile_decoder(model, backend, **self.compile_kwargs)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not self._use_windows:
+                return
+            from brcompile.runtime.window import Window
+
+            self._close()  # a step that raised before its end left its window open: drop it
+            self._window = Window(last=accelerate_sync_gradients)
+            self._window.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._close()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._close()
+
+        def _close(self):
+            w, self._window = self._window, None
+            if w is not None:
+                w.__exit__(None, None, None)
 
     BranchReplayCallback.__module__ = __name__
     BranchReplayCallback.__qualname__ = "BranchReplayCallback"

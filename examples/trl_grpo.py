@@ -125,7 +125,9 @@ class RunResult:
 
 def train(backend=None, *, steps: int = 3, seed: int = 0, num_generations: int = 4, prompts_per_step: int = 2,
           max_completion_length: int = 6, num_iterations: int = 1, learning_rate: float = 0.05,
-          dtype: torch.dtype = torch.float64, gradient_checkpointing: bool = True) -> RunResult:
+          dtype: torch.dtype = torch.float64, gradient_checkpointing: bool = True,
+          per_device_train_batch_size: Optional[int] = None, gradient_accumulation_steps: int = 1,
+          windows: bool = True) -> RunResult:
     """Runs ``GRPOTrainer`` for ``steps`` optimizer steps (plain SGD, so parameter changes are gradient
     differences, not Adam's normalised ones) and records losses, gradients (a ``TrainerCallback`` at
     ``on_pre_optimizer_step``), parameters and, per backend call, whether it replayed and whether it ran
@@ -133,7 +135,10 @@ def train(backend=None, *, steps: int = 3, seed: int = 0, num_generations: int =
 
     ``backend``: None (eager) or a ``brcompile.BranchReplayBackend`` (``brcompile.backend(...)``), applied
     by ``brcompile.BranchReplayCallback(backend)`` among the trainer's callbacks (the decoder compiled in place
-    when training begins). ``gradient_checkpointing``: GRPOConfig's (TRL's default, True, or False)."""
+    when training begins). ``gradient_checkpointing``: GRPOConfig's (TRL's default, True, or False).
+    ``per_device_train_batch_size`` (default: one step's rows, ``prompts_per_step * num_generations``) and
+    ``gradient_accumulation_steps``: GRPOConfig's; a step's micro-batches hold that many shuffled rows each, and
+    with ``windows`` they are one cross-call window (``BranchReplayCallback(windows=...)``)."""
     import brcompile
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -148,7 +153,7 @@ def train(backend=None, *, steps: int = 3, seed: int = 0, num_generations: int =
         grad_modes.append(torch.is_grad_enabled())
         return backend(gm, example_inputs)
 
-    callbacks = [] if backend is None else [brcompile.BranchReplayCallback(recording_backend)]
+    callbacks = [] if backend is None else [brcompile.BranchReplayCallback(recording_backend, windows=windows)]
     grads: list[dict[str, torch.Tensor]] = []
 
     class GradSnapshot(TrainerCallback):
@@ -157,7 +162,8 @@ def train(backend=None, *, steps: int = 3, seed: int = 0, num_generations: int =
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=prompts_per_step * num_generations,
+            output_dir=out, gradient_accumulation_steps=gradient_accumulation_steps,
+            per_device_train_batch_size=per_device_train_batch_size or prompts_per_step * num_generations,
             num_generations=num_generations, max_completion_length=max_completion_length, max_steps=steps,
             num_iterations=num_iterations, learning_rate=learning_rate, optim="sgd", lr_scheduler_type="constant",
             gradient_checkpointing=gradient_checkpointing, bf16=False, use_cpu=True, seed=seed, logging_steps=1, report_to=[],

@@ -21,6 +21,8 @@ class Stats:
     streamed_calls: int = 0  # replayed calls that ran in streaming mode (prefix + tail chunks)
     window_calls: int = 0  # streamed calls inside a cross-call window (runtime/window.py)
     window_replayed_tokens: int = 0  # packed tokens of those calls replayed from an earlier call, not recomputed
+    windows: int = 0  # cross-call windows whose deferred backward ran
+    window_recomputed_tokens: int = 0  # window tokens that kept only their outputs and re-ran forward in backward
     fallback_calls: int = 0
     logical_tokens: int = 0
     executed_tokens: int = 0  # the needed tokens of replayed calls (passes/analysis/liveness.py): what ran
@@ -44,6 +46,11 @@ class Stats:
     def dedup_ratio(self) -> float:
         return self.logical_tokens / self.executed_tokens if self.executed_tokens else 1.0
 
+    @property
+    def computed_tokens(self) -> int:
+        """Executed tokens less those a cross-call window replayed from an earlier call: what ran forward."""
+        return self.executed_tokens - self.window_replayed_tokens
+
     def details(self, code: Code, unshared: bool = False) -> collections.Counter:
         """The reasons counted under ``code`` (fallback calls, or with ``unshared`` the unshared calls)."""
         per = self.unshared_details if unshared else self.fallback_details
@@ -59,6 +66,7 @@ class Stats:
             d[f"{kind}_codes"] = {c.value: n for c, n in codes.items()}
             d[f"{kind}_details"] = {c.value: dict(self.details(c, kind == "unshared")) for c in codes}
         d["dedup_ratio"] = self.dedup_ratio
+        d["computed_tokens"] = self.computed_tokens
         return d
 
     def _code_lines(self, kind: str) -> list[str]:
@@ -78,6 +86,12 @@ class Stats:
         if self.dead_tokens or self.live_tokens:
             lines.append(f"  needed {self.executed_tokens} (live {self.live_tokens}), dead {self.dead_tokens} "
                          f"(left out of the tree)")
+        if self.window_calls:
+            dedup = self.logical_tokens / self.computed_tokens if self.computed_tokens else 1.0
+            lines.append(f"  cross-call windows {self.windows} ({self.window_calls} calls): "
+                         f"{self.window_replayed_tokens} replayed from an earlier call, computed {self.computed_tokens} "
+                         f"(dedup {dedup:.2f}x)" + (f", {self.window_recomputed_tokens} recomputed in backward"
+                                                    if self.window_recomputed_tokens else ""))
         lines += self._code_lines("fallback")
         if self.unshared_calls:
             lines.append(f"calls with nothing to share (run as they are) {self.unshared_calls}")

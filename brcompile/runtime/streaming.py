@@ -177,6 +177,17 @@ class TrunkGraphs:
     #: graphs with one key compute the same trunk (their code), so a window's calls of either share one store
     #: (Dynamo recompiles a graph on a guard, e.g. DDP's no_sync flag, into a copy with another trunk object)
     window_key: Optional[str] = None
+    #: the model checkpointed its layers (their bodies are inlined into these graphs): a prefix, or a window's
+    #: piece, run with grad keeps only its inputs and outputs and recomputes its activations in backward
+    recompute: bool = False
+
+    def run_kept(self, graph: Callable, *args) -> tuple:
+        """``graph(*args)`` with grad, its activations kept for backward, or with :attr:`recompute` under
+        non-reentrant activation checkpointing (recomputed in backward under the forward's autocast and RNG
+        state, as the model's own checkpoints would: the same values, so the same gradients)."""
+        if self.recompute and torch.is_grad_enabled():
+            return tuple(torch.utils.checkpoint.checkpoint(graph, *args, use_reentrant=False))
+        return tuple(graph(*args))
 
 
 def _leaf(x):
@@ -203,7 +214,7 @@ class ReplayFunction(torch.autograd.Function):
         pid = schedule.prefix_ids.to(dev)
         pre_valid, pre_position = _take(valid, pid), _take(position, pid)
         with torch.set_grad_enabled(need_grad):
-            pre = graphs.prefix(*leaves, *TokenArrays(
+            pre = graphs.run_kept(graphs.prefix, *leaves, *TokenArrays(
                 rep_row=_take(rep_row, pid), position=pre_position, end=schedule.prefix_end.to(dev),
                 valid=pre_valid, all_valid=torch.ones_like(pre_valid), segments=schedule.prefix_segments.to(dev)))
         nf = len(graphs.frontier_dims)

@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -123,7 +123,6 @@ class _Store:
 
     def __init__(self, window: "Window"):
         self.window = window
-        self.calls = window.calls
         self.keys: list[list[Tensor]] = []  # per call: its tree keys [B, L, ...]
         self.masks: list[Tensor] = []  # per call: its key padding [B, L] (all True without one)
         self.rows = 0
@@ -132,6 +131,7 @@ class _Store:
         self.pieces: list[_Piece] = []
         self.versions: dict[int, tuple] = {}  # id(input) -> (the tensor, its version when first read)
         self.seen = 0  # calls of the graph in the window (streamed or not: a call may run the original graph)
+        self.final = False  # the window's last call of this graph was made (calls reached, or ``last()`` said so)
         self.forwards = 0  # of those, calls whose trunk ran through the window
         self.backwards = 0  # ... and whose backward has arrived
         self.done = False
@@ -160,7 +160,7 @@ class _Store:
                     raise WindowError(
                         "brcompile.window: a parameter was written while the window's shared prefixes still wait "
                         "for their backward; run optimizer.step() (or change parameters) only after the backward "
-                        f"of the window's last call (the window was declared with calls={self.calls})")
+                        f"of the window's last call (the window ends {self.window.declared})")
 
 
 # ------------------------------------------------------------------------------------------------------ the window
@@ -171,37 +171,48 @@ _HOOK = None
 
 
 class Window:
-    """``calls`` grad-mode calls of each streamed graph that share their prefixes (:func:`window`)."""
+    """The grad-mode calls of each streamed graph, up to an optimizer step, that share their prefixes
+    (:func:`window`): ``calls`` of them, or up to the call during which ``last()`` returns True."""
 
-    def __init__(self, calls: int):
-        if calls < 1:
+    def __init__(self, calls: Optional[int] = None, last: Optional[Callable[[], bool]] = None):
+        if calls is None and last is None:
+            raise ValueError("brcompile.window(): say where the window ends: calls=N (the micro-batches of one "
+                             "optimizer step) or last=<callable true during the last micro-batch>")
+        if calls is not None and calls < 1:
             raise ValueError(f"brcompile.window(calls={calls}): a window holds at least one call")
         self.calls = calls
+        self.last = last
         self.stores: dict[int, _Store] = {}
         self.warned = False
+
+    @property
+    def declared(self) -> str:
+        """Where the window ends, in the user's terms (for messages)."""
+        return f"after calls={self.calls}" if self.calls is not None else "at the call during which last() is true"
 
     def enter_call(self, trunk: Any) -> Optional[_Store]:
         """Count one grad-mode call of the graph whose streaming trunk is ``trunk``; its store in this window (one
         per trunk code, ``TrunkGraphs.window_key``: a graph Dynamo recompiled on a guard shares its copy's), or
-        None once the declared calls are made (the call then shares within itself only)."""
+        None once the window's last call of the graph was made (the call then shares within itself only)."""
         key = trunk.graphs.window_key or id(trunk)  # one store per trunk code: recompiled copies share it
         st = self.stores.get(key)
         if st is None:
             st = self.stores[key] = _Store(self)
-        if st.seen >= self.calls:
+        if st.final:
             if not self.warned:
                 self.warned = True
-                log.warning("brcompile.window: more grad-mode calls of a graph than the window's calls=%d; the "
-                            "extra calls share within themselves only", self.calls)
+                log.warning("brcompile.window: a grad-mode call of a graph after the window's last one (the window "
+                            "ends %s); the extra calls share within themselves only", self.declared)
             return None
         st.seen += 1
+        st.final = (self.calls is not None and st.seen >= self.calls) or (self.last is not None and bool(self.last()))
         return st
 
     @property
     def complete(self) -> bool:
-        """Every graph called the declared number of times and every window call's backward arrived: the
-        deferred backward may run."""
-        return all(st.seen >= self.calls and st.backwards == st.forwards for st in self.stores.values())
+        """Every graph made its last call of the window and every window call's backward arrived: the deferred
+        backward may run."""
+        return all(st.final and st.backwards == st.forwards for st in self.stores.values())
 
     @property
     def pending(self) -> bool:
@@ -235,23 +246,27 @@ class Window:
         if missing:
             raise WindowError(
                 "brcompile.window: the window closed before the backward of its calls: the gradients of its "
-                f"shared prefixes were never applied (declared calls={self.calls}; call loss.backward() for each "
+                f"shared prefixes were never applied (the window ends {self.declared}; call loss.backward() for each "
                 "call inside the window)")
         if stores and torch.distributed.is_available() and torch.distributed.is_initialized():
             raise WindowError(
-                "brcompile.window: the window closed before its declared calls were made (calls="
-                f"{self.calls}): its shared prefixes' gradients could not run inside the last backward, where "
+                "brcompile.window: the window closed before its last call was made (the window ends "
+                f"{self.declared}): its shared prefixes' gradients could not run inside the last backward, where "
                 "DDP/FSDP synchronise them; declare the number of calls each compiled graph gets in the window")
+        if stores:
+            _record(windows=1)
         for st in stores:  # fewer calls than declared (or a recompiled graph took some): apply the rest here
-            log.warning("brcompile.window: a graph was called %d of the declared %d times in the window; its shared "
-                        "prefixes' backward runs at the window's end, into .grad", st.seen, self.calls)
+            log.warning("brcompile.window: a graph was called %d times in the window, which ends %s; its shared "
+                        "prefixes' backward runs at the window's end, into .grad", st.seen, self.declared)
             _apply_to_grad(st, _deferred_backward(st))
             st.done = True
 
 
-def window(calls: int) -> Window:
-    """Declare a cross-call window: the next ``calls`` grad-mode calls of each compiled graph, e.g. the
-    micro-batches of one optimizer step::
+def window(calls: Optional[int] = None, *, last: Optional[Callable[[], bool]] = None) -> Window:
+    """Declare a cross-call window: the grad-mode calls of each compiled graph up to an optimizer step, e.g. the
+    micro-batches of one step. Its end is ``calls`` (the number of calls each graph gets) or ``last`` (a callable
+    that is true during the window's last call, read at each call: HF's Trainer and accelerate set
+    ``GradientState().sync_gradients`` so)::
 
         with brcompile.window(calls=len(micro_batches)):
             for mb in micro_batches:
@@ -260,7 +275,7 @@ def window(calls: int) -> Window:
 
     Shared prefixes are computed once, forward and backward, across those calls (graphs compiled with
     ``mode="replay"`` or ``"auto"``); the shared part's backward runs inside the last call's backward."""
-    return Window(calls)
+    return Window(calls, last)
 
 
 def active_window() -> Optional[Window]:
@@ -282,7 +297,7 @@ def _refuse_pending_step(optimizer, args, kwargs) -> None:
     if w is not None and w.pending:
         raise WindowError("brcompile.window: optimizer.step() while the window's shared prefixes still wait for their "
                           "backward (it runs in the backward of the window's last call); step after the last "
-                          f"call's backward (the window was declared with calls={w.calls})")
+                          f"call's backward (the window ends {w.declared})")
 
 
 # ------------------------------------------------------------------------------------------------- one call's run
@@ -395,6 +410,7 @@ class WindowFunction(torch.autograd.Function):
                               "torch.autograd.grad twice) is not supported; compile with mode='packed'")
         ctx.used = True
         store, plan, dims = ctx.store, ctx.plan, ctx.dims
+        _check_accumulates(store, ctx.ext_ids)
         for f, (g, d) in enumerate(zip(grads, dims)):
             if g is None:
                 continue
@@ -408,6 +424,7 @@ class WindowFunction(torch.autograd.Function):
         if not w.complete:
             return (None, None, None, None, *([None] * n_in), *([None] * len(TokenArrays._fields)))
         grads_by_id: dict[int, Tensor] = {}
+        _record(windows=1)
         for st in w.stores.values():  # every graph's store of the window, in this last backward
             if st.pending:
                 for key, g in _deferred_backward(st).items():
@@ -417,6 +434,32 @@ class WindowFunction(torch.autograd.Function):
         for st in w.stores.values():  # parameters this call does not read (another graph's): into .grad
             _apply_to_grad(st, {k: grads_by_id.pop(k) for k in list(grads_by_id) if k in st.versions})
         return (None, None, None, None, *out, *([None] * len(TokenArrays._fields)))
+
+
+def _check_accumulates(store: _Store, ext_ids: Sequence[int]) -> None:
+    """WindowError unless this backward accumulates into the ``.grad`` of every parameter the call read.
+
+    A window defers the shared prefixes' parameter gradients to the backward of its last call, which puts them in
+    ``.grad``: a ``torch.autograd.grad`` over a window call (or ``backward(inputs=...)`` leaving a parameter out)
+    would return that call's gradients without them, a silently partial gradient. The engine says whether it will
+    run a leaf's ``AccumulateGrad`` (torch.autograd.graph's own test for multi-grad hooks); under
+    ``torch.autograd.grad`` it refuses to say, which is the answer too."""
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_run is None:
+        return
+    for key in ext_ids:
+        seen = store.versions.get(key)
+        if seen is None or seen[0].grad_fn is not None:
+            continue
+        try:
+            runs = will_run(torch.autograd.graph.get_gradient_edge(seen[0]).node)
+        except RuntimeError:  # "... currently running autograd.grad()"
+            runs = False
+        if not runs:
+            raise WindowError(
+                "brcompile.window: torch.autograd.grad (or backward(inputs=...) without every parameter) over a "
+                "call of a window: the shared prefixes' gradients reach .grad only, in the backward of the window's "
+                "last call; call loss.backward() for each call, or run this loop outside brcompile.window")
 
 
 def _check_closed(end: Tensor, cached: Tensor) -> None:
@@ -438,7 +481,7 @@ def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequenc
     nf = len(graphs.frontier_dims)
     with torch.enable_grad():
         if not plan.cached_ids.numel():
-            out = graphs.prefix(*leaves, *tree)
+            out = graphs.run_kept(graphs.prefix, *leaves, *tree)
         else:
             cache = [_stored(store.pieces, lambda p, j=j: p.kv_leaf[j], plan.slots, _KV_DIM)
                      for j in range(graphs.n_cached)]
@@ -447,8 +490,8 @@ def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequenc
             dev = tree.position.device
             chunk = TokenArrays(rep_row=_take(tree.rep_row, new), position=position, end=plan.end.to(dev),
                                 valid=valid, all_valid=torch.ones_like(valid), segments=plan.segments.to(dev))
-            out = graphs.tail_cache(*leaves, *chunk, *cache, pre_valid, torch.ones_like(pre_valid),
-                                    plan.cross.to(dev), pre_position, plan.ancestors.to(dev))
+            out = graphs.run_kept(graphs.tail_cache, *leaves, *chunk, *cache, pre_valid, torch.ones_like(pre_valid),
+                                  plan.cross.to(dev), pre_position, plan.ancestors.to(dev))
     out = tuple(out)
     frontier, kv = out[:nf], out[nf:]
     return _Piece(frontier=frontier, kv=kv, kv_leaf=tuple(x.detach().requires_grad_(x.requires_grad) for x in kv),
@@ -496,8 +539,9 @@ def _scatter_to_pieces(store: _Store, f: int, g: Tensor, slots: Tensor, dim: int
 def finish_if_complete(w: Window) -> None:
     """The window's deferred backward, into ``.grad``, when its last call ran without the trunk (the original
     graph, a batch sharing too little) and every window call's backward has arrived: no later backward carries it."""
-    if not w.complete:
+    if not w.complete or not w.pending:
         return
+    _record(windows=1)
     for st in w.stores.values():
         if st.pending:
             _apply_to_grad(st, _deferred_backward(st))

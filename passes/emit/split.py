@@ -59,6 +59,7 @@ from brcompile.passes.analysis.repack import repack_tokens
 from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, op_name
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.emit.check import symbolic_run, token_positions
+from brcompile.passes.lower.checkpoint import inline_checkpoints, is_checkpoint
 from brcompile.passes.analysis.masks import descendants
 from brcompile.passes.meta import WRITTEN_INPUTS
 from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
@@ -93,6 +94,9 @@ class ReplaySplit:
     cached_positions: tuple[str, ...] = ()  # attention positions other than the tree's, cached (_cached_positions)
     #: the tail that also returns its own tokens' K/V (None with scans or cached positions): a window's call
     tail_cache: Optional[fx.GraphModule] = None
+    #: the packed graph checkpointed its layers (passes/lower/checkpoint.py): their bodies are inlined into the
+    #: trunk graphs, and the runtime runs the kept prefix under activation checkpointing as a whole
+    recompute: bool = False
 
     def build_outer(self, trunk: torch.nn.Module) -> fx.GraphModule:
         """The outer graph as a module whose ``replay_trunk`` is ``trunk`` (brcompile.runtime.streaming.ReplayTrunk,
@@ -126,12 +130,6 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
     """Split a packed graph (see module docstring); ``example_args`` are its inputs for one real batch
     (the original inputs followed by the tree arrays). Raises CannotReplay when the trunk is not a
     token-local function of the per-token arrays."""
-    ckpt = next((n for n in packed.graph.nodes if n.op == "call_function"
-                 and n.target is torch.ops.higher_order.tag_activation_checkpoint), None)
-    if ckpt is not None:  # the trunk would have to be split inside the checkpoint bodies (not done)
-        raise CannotReplay(Code.STREAMING_CONSTRUCT,
-                           "streaming replay: activation checkpoints in the graph (the packed mode runs, "
-                           "recomputing the checkpoint bodies packed)", ckpt)
     dense = next((n for n in packed.graph.nodes if n.op == "call_function" and n.target is repack_tokens), None)
     if dense is not None:  # the dense region runs on every row and position: there is no per-chunk trunk before it
         raise CannotReplay(Code.STREAMING_CONSTRUCT,
@@ -143,6 +141,9 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
         raise CannotReplay(Code.STREAMING_CONSTRUCT,
                            f"streaming replay: the graph writes into its input {ph[written[0]].name} in place "
                            f"(a buffer; the packed mode runs)", ph[written[0]])
+    recompute = any(is_checkpoint(n) for n in packed.graph.nodes)
+    if recompute:  # the model checkpoints its layers: the trunk runs them inline, under one checkpoint per piece
+        packed = inline_checkpoints(packed)
     tree = tree_placeholders(packed)
     tok_nodes = tree.tokens
     n_sym = symbolic_run(packed, example_args, token_positions(packed))
@@ -201,7 +202,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
                        max((_scan_depth(n) for n in scans), default=0),
-                       cached_positions=tuple(p.name for p in positions), tail_cache=tail_cache)
+                       cached_positions=tuple(p.name for p in positions), tail_cache=tail_cache, recompute=recompute)
 
 
 def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:

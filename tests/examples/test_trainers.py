@@ -229,3 +229,32 @@ def test_trl_grpo_trainer_matches_eager(gradient_checkpointing):
     assert s.replayed_calls == len(training) + len(no_grad_replays), str(s)
     assert s.fallback_calls == 0 and s.unshared_calls > 0, str(s)
     assert s.executed_tokens < s.logical_tokens, str(s)
+
+
+@pytest.mark.parametrize("per_device,accumulation,gradient_checkpointing", [
+    (2, 4, True), pytest.param(1, 8, False, marks=pytest.mark.slow)], ids=["2x4_checkpointing", "1x8"])
+def test_trl_grpo_gradient_accumulation_is_one_window_per_step(per_device, accumulation, gradient_checkpointing):
+    """TRL's GRPOTrainer with gradient accumulation: each step's generation batch (2 prompts x 4 completions)
+    shuffled into micro-batches of ``per_device`` rows. ``BranchReplayCallback`` makes each optimizer step a
+    cross-call window (ended by accelerate's ``sync_gradients``): every training call runs through it, prompt
+    tokens are replayed from earlier micro-batches, and the losses, every step's gradients and the final
+    parameters equal the eager run's (float32 bound: HF's RMSNorm computes in float32). With TRL's default
+    gradient checkpointing the training graph's trunk recomputes its pieces in backward (its record says so)."""
+    from examples import trl_grpo
+
+    steps = 2
+    kw = dict(steps=steps, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+              gradient_checkpointing=gradient_checkpointing)
+    want = trl_grpo.train(None, **kw)
+    backend = brcompile.backend(mode="replay", **BACKEND_OPTIONS)
+    got = trl_grpo.train(backend, **kw)
+    err = trl_grpo.compare_runs(got, want)
+    assert max(err["loss"] + err["grads"] + [err["params"]]) <= trl_grpo.TOL, err
+    s = got.stats
+    assert s.fallback_calls == 0, str(s)
+    assert s.windows == steps and s.window_calls == steps * accumulation, str(s)
+    assert s.window_replayed_tokens > 0 and s.computed_tokens < s.executed_tokens, str(s)
+    replays = [r.replay for r in backend.records if r.replay is not None]
+    assert replays and all(r["window"] == "shares across calls" for r in replays)
+    # TRL turns checkpointing off around generation: only the training graph's trunk recomputes
+    assert any(r["recompute"] is not None for r in replays) == gradient_checkpointing, replays

@@ -78,7 +78,8 @@ def loss_and_grads(model, fn, batch):
 def test_gpt_checkpoint_per_layer_exact(mode, compiler, level):
     """checkpoint(layer) per layer, padded GRPO batch (mask built outside the bodies and passed in): one graph,
     rewritten, the attentions inside the bodies packed, each packed body inside its own checkpoint call.
-    mode="replay": the streaming split refuses with a reason naming the checkpoints and the packed mode runs.
+    mode="replay": the streaming split inlines the bodies into its trunk and runs the kept prefix under one
+    checkpoint (the record says so), streamed.
     Inductor (slow): the packed graph with its checkpoint calls compiles and runs exactly too. level="aten": the
     same through the functional ATen graph (the bodies carried through the export, passes/lower/aten.py)."""
     model = CheckpointedGPT(GPTConfig(**CFG), seed=0).to(torch.float64)
@@ -95,7 +96,8 @@ def test_gpt_checkpoint_per_layer_exact(mode, compiler, level):
     assert rec.level == ("aten" if level == "aten" else "dynamo")
     assert "tree_attention" not in rec.packed_code.split("def forward")[1].split("tag_activation_checkpoint")[0]
     if mode == "replay":
-        assert rec.replay_code is brcompile.Code.STREAMING_CONSTRUCT and "activation checkpoints" in rec.replay_reason
+        assert rec.replay is not None and rec.replay["recompute"] is not None, rec.replay_reason
+        assert brcompile.stats().streamed_calls == 1
 
 
 def test_checkpoint_packed_body_holds_the_attention():
@@ -185,3 +187,26 @@ def test_checkpoint_saves_fewer_bytes_packed():
     assert sizes["eager", True] < sizes["eager", False]
     assert sizes["packed", True] < sizes["packed", False]
     assert sizes["packed", True] < sizes["eager", True]
+
+
+def test_checkpoint_saves_fewer_bytes_streaming():
+    """mode="replay": the streaming prefix of a checkpointed model is run under activation checkpointing (its
+    activations recomputed in backward), so it saves fewer bytes for backward than the same model without
+    checkpoints, and the gradients stay exact."""
+    cfg = dict(CFG, n_layers=4, dim=64, hidden_dim=96)
+    model = CheckpointedGPT(GPTConfig(**cfg), seed=0).to(torch.float64)
+    batch = grpo_batch(group_size=8, prompt_len=24, response_len=(4, 8))
+    sizes, grads = {}, {}
+    for checkpointing in (False, True):
+        model.checkpointing = checkpointing
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        brcompile.reset_stats()
+        sizes[checkpointing] = saved_bytes(model, torch.compile(model, backend=brcompile.backend(
+            mode="replay", **BACKEND_OPTIONS)), batch)
+        assert brcompile.stats().streamed_calls == 1, str(brcompile.stats())
+        grads[checkpointing] = [p.grad.clone() for p in model.parameters()]
+    print("bytes saved for backward (streaming):", sizes)
+    assert sizes[True] < sizes[False]
+    for (name, _), a, b in zip(model.named_parameters(), grads[True], grads[False]):
+        assert_exact(a, b, torch.float64, f"grad of {name}")

@@ -173,6 +173,38 @@ def test_a_second_backward_through_a_window_call_raises():
             loss.backward()
 
 
+def test_autograd_grad_over_a_window_call_raises():
+    """torch.autograd.grad over a window call would return its gradients without the shared prefix's (deferred to
+    the last call's backward, into .grad): refused with the fix, never a silently partial gradient."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model, fn = gpt(), compiled()
+    with pytest.raises(WindowError, match="torch.autograd.grad"):
+        with brcompile.window(calls=len(mbs)):
+            torch.autograd.grad(fn(model, *grpo_args(mbs[0])), list(model.parameters()))
+
+
+def test_a_window_ended_by_a_predicate_matches_eager():
+    """``window(last=...)``: no call count, the window ends at the call during which ``last()`` is true (HF's
+    Trainer sets accelerate's ``sync_gradients`` so): the deferred backward runs in that call's backward, exact."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model = gpt()
+    want = accumulate(model, grpo_loss, mbs)
+    fn, state = compiled(), {"i": 0}
+    model.zero_grad(set_to_none=True)
+    brcompile.reset_stats()
+    with brcompile.window(last=lambda: state["i"] == len(mbs) - 1) as w:
+        for i, mb in enumerate(mbs):
+            state["i"] = i
+            (fn(model, *grpo_args(mb)) / len(mbs)).backward()
+            assert w.pending == (i < len(mbs) - 1)
+    got = [p.grad for p in model.parameters()]
+    assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
+    s = brcompile.stats()
+    assert s.window_calls == len(mbs) and s.window_replayed_tokens > 0, str(s)
+
+
 def test_plan_window_cuts_segments_at_the_replayed_prefix():
     """One chain 0..5 with two leaves, tokens 0..2 replayed: the new part of the root segment is a chunk segment
     that sees cache keys [0, 3); each leaf sees them too (through the root's cross row)."""
