@@ -384,7 +384,7 @@ class BranchReplayBackend:
                              2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),
                              split.scan_depth,
                              None if split.tail_cache is None else self._compile(split.tail_cache, opts),
-                             _trunk_key(split), split.recompute)
+                             _trunk_key(split), split.recompute, split.bytes_per_token)
         trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
         outer = split.build_outer(trunk)
         streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,

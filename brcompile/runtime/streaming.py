@@ -180,12 +180,13 @@ class TrunkGraphs:
     #: the model checkpointed its layers (their bodies are inlined into these graphs): a prefix, or a window's
     #: piece, run with grad keeps only its inputs and outputs and recomputes its activations in backward
     recompute: bool = False
+    bytes_per_token: int = 0  # trunk activation bytes per packed token (passes/emit/split.py)
 
-    def run_kept(self, graph: Callable, *args) -> tuple:
-        """``graph(*args)`` with grad, its activations kept for backward, or with :attr:`recompute` under
-        non-reentrant activation checkpointing (recomputed in backward under the forward's autocast and RNG
-        state, as the model's own checkpoints would: the same values, so the same gradients)."""
-        if self.recompute and torch.is_grad_enabled():
+    def run_kept(self, graph: Callable, *args, recompute: bool = False) -> tuple:
+        """``graph(*args)`` with grad, its activations kept for backward, or with :attr:`recompute` (or
+        ``recompute``) under non-reentrant activation checkpointing (recomputed in backward under the forward's
+        autocast and RNG state, as the model's own checkpoints would: the same values, so the same gradients)."""
+        if (recompute or self.recompute) and torch.is_grad_enabled():
             return tuple(torch.utils.checkpoint.checkpoint(graph, *args, use_reentrant=False))
         return tuple(graph(*args))
 

@@ -112,6 +112,7 @@ class _Piece:
     start: int  # first store slot
     pending_frontier: list
     pending_kv: list
+    kept_bytes: int = 0  # outputs, plus activations unless recomputed (Window.kept_bytes)
 
     @property
     def size(self) -> int:
@@ -137,6 +138,7 @@ class _Store:
         self.done = False
         self.replayed_tokens = 0
         self.computed_tokens = 0
+        self.recomputed_tokens = 0  # of the computed, those whose piece recomputes its activations in backward
 
     @property
     def slots(self) -> int:
@@ -174,7 +176,8 @@ class Window:
     """The grad-mode calls of each streamed graph, up to an optimizer step, that share their prefixes
     (:func:`window`): ``calls`` of them, or up to the call during which ``last()`` returns True."""
 
-    def __init__(self, calls: Optional[int] = None, last: Optional[Callable[[], bool]] = None):
+    def __init__(self, calls: Optional[int] = None, last: Optional[Callable[[], bool]] = None,
+                 max_bytes: Optional[int] = None):
         if calls is None and last is None:
             raise ValueError("brcompile.window(): say where the window ends: calls=N (the micro-batches of one "
                              "optimizer step) or last=<callable true during the last micro-batch>")
@@ -182,6 +185,7 @@ class Window:
             raise ValueError(f"brcompile.window(calls={calls}): a window holds at least one call")
         self.calls = calls
         self.last = last
+        self.max_bytes = max_bytes
         self.stores: dict[int, _Store] = {}
         self.warned = False
 
@@ -218,12 +222,22 @@ class Window:
     def pending(self) -> bool:
         return any(st.pending for st in self.stores.values())
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes the window's pending pieces keep: their outputs (frontier, K/V) and, unless recomputed, their
+        activations (the trunk's bytes per token times their tokens)."""
+        return sum(p.kept_bytes for st in self.stores.values() if st.pending for p in st.pieces)
+
     def stats(self) -> dict:
-        """Per window: calls made, tokens replayed from the store and tokens computed (over every graph)."""
-        return {"calls": max((st.seen for st in self.stores.values()), default=0),
-                "replayed_tokens": sum(st.replayed_tokens for st in self.stores.values()),
-                "computed_tokens": sum(st.computed_tokens for st in self.stores.values()),
-                "pending": self.pending}
+        """Per window: calls and rows seen, tokens replayed from the store, computed and recomputed (over every
+        graph), whether a backward is pending and the bytes kept for it."""
+        sts = self.stores.values()
+        return {"calls": max((st.seen for st in sts), default=0),
+                "rows": sum(st.rows for st in sts),
+                "replayed_tokens": sum(st.replayed_tokens for st in sts),
+                "computed_tokens": sum(st.computed_tokens for st in sts),
+                "recomputed_tokens": sum(st.recomputed_tokens for st in sts),
+                "pending": self.pending, "kept_bytes": self.kept_bytes}
 
     def __enter__(self) -> "Window":
         global _ACTIVE
@@ -262,7 +276,8 @@ class Window:
             st.done = True
 
 
-def window(calls: Optional[int] = None, *, last: Optional[Callable[[], bool]] = None) -> Window:
+def window(calls: Optional[int] = None, *, last: Optional[Callable[[], bool]] = None,
+           max_bytes: Optional[int] = None) -> Window:
     """Declare a cross-call window: the grad-mode calls of each compiled graph up to an optimizer step, e.g. the
     micro-batches of one step. Its end is ``calls`` (the number of calls each graph gets) or ``last`` (a callable
     that is true during the window's last call, read at each call: HF's Trainer and accelerate set
@@ -274,8 +289,13 @@ def window(calls: Optional[int] = None, *, last: Optional[Callable[[], bool]] = 
         optimizer.step()
 
     Shared prefixes are computed once, forward and backward, across those calls (graphs compiled with
-    ``mode="replay"`` or ``"auto"``); the shared part's backward runs inside the last call's backward."""
-    return Window(calls, last)
+    ``mode="replay"`` or ``"auto"``); the shared part's backward runs inside the last call's backward.
+
+    ``max_bytes`` bounds what the window keeps for that backward: a call whose new tokens' activations would take
+    the kept bytes past it keeps only their outputs (frontier and K/V) and recomputes their forward, with grad, in
+    the deferred backward (exact: the same values; one more forward of those tokens). ``stats()`` reports the
+    recomputed tokens."""
+    return Window(calls, last, max_bytes)
 
 
 def active_window() -> Optional[Window]:
@@ -479,9 +499,12 @@ def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequenc
     against the replayed tokens' K/V (``tail_cache``); their outputs become a piece of the store."""
     valid, position = _take(tree.valid, new), _take(tree.position, new)
     nf = len(graphs.frontier_dims)
+    w = store.window
+    activations = graphs.bytes_per_token * int(new.numel())
+    recompute = graphs.recompute or (w.max_bytes is not None and w.kept_bytes + activations > w.max_bytes)
     with torch.enable_grad():
         if not plan.cached_ids.numel():
-            out = graphs.run_kept(graphs.prefix, *leaves, *tree)
+            out = graphs.run_kept(graphs.prefix, *leaves, *tree, recompute=recompute)
         else:
             cache = [_stored(store.pieces, lambda p, j=j: p.kv_leaf[j], plan.slots, _KV_DIM)
                      for j in range(graphs.n_cached)]
@@ -491,12 +514,17 @@ def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequenc
             chunk = TokenArrays(rep_row=_take(tree.rep_row, new), position=position, end=plan.end.to(dev),
                                 valid=valid, all_valid=torch.ones_like(valid), segments=plan.segments.to(dev))
             out = graphs.run_kept(graphs.tail_cache, *leaves, *chunk, *cache, pre_valid, torch.ones_like(pre_valid),
-                                  plan.cross.to(dev), pre_position, plan.ancestors.to(dev))
+                                  plan.cross.to(dev), pre_position, plan.ancestors.to(dev), recompute=recompute)
     out = tuple(out)
     frontier, kv = out[:nf], out[nf:]
+    if recompute:
+        store.recomputed_tokens += int(new.numel())
+        _record(window_recomputed_tokens=int(new.numel()))
+    outputs = sum(x.nbytes for x in out if isinstance(x, Tensor))
     return _Piece(frontier=frontier, kv=kv, kv_leaf=tuple(x.detach().requires_grad_(x.requires_grad) for x in kv),
                   leaves=leaves, ext_ids=[id(x) for x in ext], valid=valid.detach(), position=position.detach(),
-                  start=store.slots, pending_frontier=[None] * nf, pending_kv=[None] * len(kv))
+                  start=store.slots, pending_frontier=[None] * nf, pending_kv=[None] * len(kv),
+                  kept_bytes=outputs + (0 if recompute else activations))
 
 
 def _assemble(store: _Store, plan: WindowPlan, piece: Optional[_Piece], tree: TokenArrays, dims, dev) -> list:

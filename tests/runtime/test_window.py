@@ -205,6 +205,35 @@ def test_a_window_ended_by_a_predicate_matches_eager():
     assert s.window_calls == len(mbs) and s.window_replayed_tokens > 0, str(s)
 
 
+def test_a_memory_bound_recomputes_pieces_exactly():
+    """``window(max_bytes=...)``: past the bound a call keeps only its new tokens' outputs and recomputes their
+    forward in the deferred backward. With 0 every piece recomputes: gradients still exact, the window keeps
+    fewer bytes while pending than without the bound, and the recomputed tokens are reported."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model = gpt()
+    want = accumulate(model, grpo_loss, mbs)
+    kept = {}
+    for bound in (None, 0):
+        fn = compiled()
+        brcompile.reset_stats()
+        model.zero_grad(set_to_none=True)
+        with brcompile.window(calls=len(mbs), max_bytes=bound) as w:
+            for i, mb in enumerate(mbs):
+                (fn(model, *grpo_args(mb)) / len(mbs)).backward()
+                if i == len(mbs) - 2:
+                    kept[bound] = w.stats()["kept_bytes"]
+            st = w.stats()
+        got = [p.grad for p in model.parameters()]
+        assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
+        s = brcompile.stats()
+        assert s.window_replayed_tokens > 0 and s.windows == 1, str(s)
+        assert st["recomputed_tokens"] == (st["computed_tokens"] if bound == 0 else 0), st
+        assert s.window_recomputed_tokens == st["recomputed_tokens"]
+        torch._dynamo.reset()
+    assert 0 < kept[0] < kept[None], kept
+
+
 def test_plan_window_cuts_segments_at_the_replayed_prefix():
     """One chain 0..5 with two leaves, tokens 0..2 replayed: the new part of the root segment is a chunk segment
     that sees cache keys [0, 3); each leaf sees them too (through the root's cross row)."""
