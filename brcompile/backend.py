@@ -17,6 +17,7 @@ import torch.fx as fx
 from brcompile import runtime
 from brcompile.passes.refusals import CannotReplay, Code, NothingToShare
 from brcompile.passes.pipeline import PipelineConfig, run_pipeline
+from brcompile.runtime.tree import GRAPH_ARGS
 from brcompile.passes.meta import FUSED, FUSED_COVERS, ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,26 @@ def _trunk_key(split) -> Optional[str]:
         return None
     import hashlib
 
-    code = "\0".join((split.prefix.code, split.tail.code, split.tail_cache.code, repr(split.ext_inputs)))
+    attrs = sorted({a for e in split.ext_sources for a in e.attrs})  # the graph's own tensors: by identity
+    code = "\0".join((split.prefix.code, split.tail.code, split.tail_cache.code, repr(split.ext_inputs),
+                      repr([(a, id(split.outer_attrs.get(a))) for a in attrs])))
     return hashlib.sha256(code.encode()).hexdigest()
+
+
+def _window_inputs(split, packed: fx.GraphModule, per_token: Sequence[int]) -> tuple[tuple[int, ...], Optional[str]]:
+    """(the graph inputs a cross-call window compares call to call, why the trunk cannot share across calls or
+    None). A token replayed from an earlier call is what that call's trunk computed: the trunk's inputs other
+    than the per-token ones (matched by key) must be the same — parameters, buffers and tables by identity and
+    version, numbers by value (runtime/window.py ``call_identity``). A trunk input computed from a statistic of
+    the batch (a length, a sum over tokens) differs from call to call: such a trunk shares within each call."""
+    if split.tail_cache is None:
+        return (), "shares within each call: the trunk carries scan states or cached positions"
+    batch = next((e for e in split.ext_sources if e.batch_node is not None), None)
+    if batch is not None:
+        return (), (f"shares within each call: the trunk reads {batch.name}, computed from the batch through "
+                    f"{batch.batch_node} (a statistic of the call, not of each token's keys)")
+    keyed = set(per_token)
+    return tuple(sorted({i for e in split.ext_sources for i in e.inputs if i not in keyed})), None
 
 
 def _plan(an, packed: fx.GraphModule, original, run_packed, streaming, opts: Options) -> runtime.ReplayPlan:
@@ -267,7 +286,8 @@ class BranchReplayBackend:
         streaming, replay_info, replay_reason, replay_code = None, None, None, None
         if opts.mode != "packed":
             try:
-                streaming, replay_info = self._streaming(packed, example_args, opts)
+                streaming, replay_info = self._streaming(packed, example_args, opts, an.tree_input_positions,
+                                                         len(an.placeholders))
             except CannotReplay as e:
                 replay_reason, replay_code = str(e), e.code
             except Exception as e:  # never worse than the packed mode
@@ -371,14 +391,21 @@ class BranchReplayBackend:
         """The packed (or a replay) graph as it will run: compiled once with dynamic shapes (:class:`Compiled`)."""
         return gm.forward if opts.compiler == "eager" else Compiled(gm, opts.compiler)
 
-    def _streaming(self, packed: fx.GraphModule, example_args, opts: Options):
+    def _streaming(self, packed: fx.GraphModule, example_args, opts: Options, tree_positions: Sequence[int] = (),
+                   n_inputs: Optional[int] = None):
         """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/emit/split.py).
         ``example_args``: the packed graph's inputs for the example batch (passes/pipeline.py: packed_example_args)."""
         from brcompile.backends.attention import cached  # noqa: F401  (registers tree_attention_cached_forward)
         from brcompile.passes.emit.split import split_for_replay
         from brcompile.runtime.streaming import ReplayTrunk, TrunkGraphs
 
-        split = split_for_replay(packed, example_args)
+        n_holders = sum(1 for n in packed.graph.nodes if n.op == "placeholder")
+        first_tree = n_holders - len(GRAPH_ARGS)  # computed tree keys sit between the inputs and the tree arrays
+        # per-token inputs, matched by key across calls: the tree inputs, the computed keys, the tree's [B, L] index
+        per_token = sorted({*tree_positions, *range(first_tree if n_inputs is None else n_inputs, first_tree),
+                            first_tree})
+        split = split_for_replay(packed, example_args, per_token)
+        window_inputs, window_refusal = _window_inputs(split, packed, per_token)
         graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
                              tuple(d for _, d in split.frontier),
                              2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),
@@ -388,13 +415,12 @@ class BranchReplayBackend:
         trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
         outer = split.build_outer(trunk)
         streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,
-                                             self._compile(outer, opts), trunk)
+                                             self._compile(outer, opts), trunk, window_inputs, window_refusal)
         info = dict(trunk_nodes=split.trunk_nodes, ext_inputs=split.ext_inputs,
                     frontier=tuple(f"{n} (token dim {d})" for n, d in split.frontier), cached=split.cached,
                     cached_scans=split.cached_scans, cached_positions=split.cached_positions,
                     bytes_per_token=split.bytes_per_token, chunk_tokens=opts.chunk_tokens,
-                    window="shares across calls" if split.tail_cache is not None else
-                    "shares within each call: the trunk carries scan states or cached positions",
+                    window=window_refusal or "shares across calls",
                     memory_budget=opts.memory_budget, mode=opts.mode,
                     recompute="the model's activation checkpoints: the kept prefix (a window's pieces) keeps its "
                               "inputs and outputs and recomputes its activations in backward" if split.recompute

@@ -19,7 +19,8 @@ class Stats:
 
     replayed_calls: int = 0
     streamed_calls: int = 0  # replayed calls that ran in streaming mode (prefix + tail chunks)
-    window_calls: int = 0  # streamed calls inside a cross-call window (runtime/window.py)
+    window_calls: int = 0  # streamed grad-mode calls inside a cross-call window (runtime/window.py)
+    window_no_grad_calls: int = 0  # ... and no-grad ones (forward shared across the window's no-grad calls)
     window_replayed_tokens: int = 0  # packed tokens of those calls replayed from an earlier call, not recomputed
     windows: int = 0  # cross-call windows whose deferred backward ran
     window_recomputed_tokens: int = 0  # window tokens that kept only their outputs and re-ran forward in backward
@@ -86,9 +87,10 @@ class Stats:
         if self.dead_tokens or self.live_tokens:
             lines.append(f"  needed {self.executed_tokens} (live {self.live_tokens}), dead {self.dead_tokens} "
                          f"(left out of the tree)")
-        if self.window_calls:
+        if self.window_calls or self.window_no_grad_calls:
             dedup = self.logical_tokens / self.computed_tokens if self.computed_tokens else 1.0
-            lines.append(f"  cross-call windows {self.windows} ({self.window_calls} calls): "
+            lines.append(f"  cross-call windows {self.windows} ({self.window_calls} calls, "
+                         f"{self.window_no_grad_calls} no-grad): "
                          f"{self.window_replayed_tokens} replayed from an earlier call, computed {self.computed_tokens} "
                          f"(dedup {dedup:.2f}x)" + (f", {self.window_recomputed_tokens} recomputed in backward"
                                                     if self.window_recomputed_tokens else ""))

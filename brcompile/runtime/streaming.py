@@ -355,6 +355,8 @@ class ReplayTrunk(torch.nn.Module):
         call = current_call()
         if call is None or call[0] is None:
             return None
+        if not call[0].grad:  # a no-grad call: forward only, nothing returned to the inputs
+            return call[0]
         wanted = [x for x in args[:self.n_ext] if isinstance(x, Tensor) and x.requires_grad]
         if not wanted or any(x.grad_fn is not None for x in wanted):
             return None
@@ -370,14 +372,18 @@ class StreamingRuntime:
     bytes_per_token: int  # trunk activation bytes per packed token (passes/emit/split.py)
     outer: Callable  # the packed graph with its trunk replaced by ``trunk``
     trunk: Any  # brcompile.runtime.streaming.ReplayTrunk
+    #: the graph inputs (besides the per-token ones) the trunk reads: a window shares between calls that agree
+    #: on them (brcompile/backend.py ``_window_inputs``)
+    window_inputs: tuple[int, ...] = ()
+    window_refusal: Optional[str] = None  # why the trunk shares within each call only (None: it shares across)
 
-    def enter_window(self) -> Optional[Any]:
-        """The open cross-call window's store for this call (counting it), if the trunk can share across calls:
-        a ``tail_cache`` graph and a call that wants gradients (runtime/window.py); else None."""
+    def enter_window(self, args: Sequence) -> Optional[Any]:
+        """The open cross-call window's store for this call (counting it), if the trunk can share across calls
+        (runtime/window.py); else None."""
         w = active_window()
-        if w is None or self.trunk.graphs.tail_cache is None or not torch.is_grad_enabled():
+        if w is None or self.window_refusal is not None or self.trunk.graphs.tail_cache is None:
             return None
-        return w.enter_call(self.trunk)
+        return w.enter_call(self.trunk, torch.is_grad_enabled(), [args[i] for i in self.window_inputs])
 
     def choose(self, tree: PackedTree) -> Optional[str]:
         """None to stream this batch, or why the packed mode runs instead."""

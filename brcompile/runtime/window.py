@@ -113,6 +113,18 @@ class _Piece:
     pending_frontier: list
     pending_kv: list
     kept_bytes: int = 0  # outputs, plus activations unless recomputed (Window.kept_bytes)
+    leaf_state: tuple = ()  # (version, storage bytes) of each tensor leaf when the piece was computed
+
+    def check_leaves(self) -> None:
+        """WindowError if a tensor this piece's graph was built on was written or freed since (a sharded
+        data-parallel wrapper that frees or reuses its unsharded parameters between calls): its backward would
+        read other values than its forward did."""
+        for x, state in zip(self.leaves, self.leaf_state):
+            if state is not None and _leaf_state(x) != state:
+                raise WindowError(
+                    "brcompile.window: a parameter an earlier call of the window computed with was written or freed "
+                    "before the window's deferred backward (e.g. FSDP resharding: its unsharded parameters do not "
+                    "live across calls); keep the parameters unsharded across the window, or run without a window")
 
     @property
     def size(self) -> int:
@@ -122,8 +134,9 @@ class _Piece:
 class _Store:
     """One graph's part of a window: the rows it saw, the pieces it computed, which calls are done."""
 
-    def __init__(self, window: "Window"):
+    def __init__(self, window: "Window", grad: bool = True):
         self.window = window
+        self.grad = grad  # grad-mode calls (pieces keep their graphs for the deferred backward), or no-grad ones
         self.keys: list[list[Tensor]] = []  # per call: its tree keys [B, L, ...]
         self.masks: list[Tensor] = []  # per call: its key padding [B, L] (all True without one)
         self.rows = 0
@@ -147,14 +160,24 @@ class _Store:
     @property
     def pending(self) -> bool:
         """Whether some call of this window still waits for the deferred backward."""
-        return bool(self.pieces) and not self.done
+        return self.grad and bool(self.pieces) and not self.done
+
+    def reset(self) -> None:
+        """Forget every row and piece (a no-grad store whose parameters changed: its values are stale)."""
+        self.keys, self.masks, self.slot_row, self.slot_t, self.pieces = [], [], [], [], []
+        self.rows = 0
+        self.versions.clear()
 
 
     def check_versions(self, ext: Sequence) -> None:
         """WindowError if an input the pieces were computed from was written since (an optimizer step, a
         parameter update by hand) while their backward is pending."""
+        if not self.grad and any(isinstance(x, Tensor) and id(x) in self.versions
+                                 and self.versions[id(x)] != (x, x._version) for x in ext):
+            log.debug("brcompile.window: a parameter changed between no-grad calls; their store starts over")
+            self.reset()
         for x in ext:
-            if isinstance(x, Tensor) and x.requires_grad:
+            if isinstance(x, Tensor) and (x.requires_grad or not self.grad):
                 seen = self.versions.get(id(x))
                 if seen is None:
                     self.versions[id(x)] = (x, x._version)
@@ -166,6 +189,32 @@ class _Store:
 
 
 # ------------------------------------------------------------------------------------------------------ the window
+
+#: CPU tensors up to this many elements are compared by value (the numbers Dynamo wraps as 0-d tensors per call)
+_BY_VALUE = 64
+
+
+def _unversioned(ident: tuple) -> tuple:
+    """A :func:`call_identity` without the tensors' version counters."""
+    return tuple(x[:2] if x[0] == "t" else x for x in ident)
+
+
+def call_identity(inputs: Sequence) -> tuple:
+    """What a window compares, call to call, of the trunk's inputs besides the tree keys: a tensor (a parameter,
+    a buffer, a table) by identity and version counter (a write makes another store), a small CPU tensor and
+    anything else (a number Dynamo passed in) by value. Conservative: a large table recomputed each call is
+    another tensor, so such calls share within themselves only."""
+    out = []
+    for x in inputs:
+        if isinstance(x, Tensor):
+            if x.device.type == "cpu" and x.numel() <= _BY_VALUE:
+                out.append(("v", x.dtype, tuple(x.shape), tuple(x.detach().flatten().tolist())))
+            else:
+                out.append(("t", id(x), x._version))
+        else:
+            out.append(("v", repr(x)))
+    return tuple(out)
+
 
 _ACTIVE: Optional["Window"] = None
 _ACTIVE_LOCK = threading.Lock()
@@ -194,14 +243,25 @@ class Window:
         """Where the window ends, in the user's terms (for messages)."""
         return f"after calls={self.calls}" if self.calls is not None else "at the call during which last() is true"
 
-    def enter_call(self, trunk: Any) -> Optional[_Store]:
-        """Count one grad-mode call of the graph whose streaming trunk is ``trunk``; its store in this window (one
-        per trunk code, ``TrunkGraphs.window_key``: a graph Dynamo recompiled on a guard shares its copy's), or
-        None once the window's last call of the graph was made (the call then shares within itself only)."""
-        key = trunk.graphs.window_key or id(trunk)  # one store per trunk code: recompiled copies share it
+    def enter_call(self, trunk: Any, grad: bool = True, inputs: Sequence = ()) -> Optional[_Store]:
+        """Count one call of the graph whose streaming trunk is ``trunk``; its store in this window (one per trunk
+        code, ``TrunkGraphs.window_key``: a graph Dynamo recompiled on a guard shares its copy's; and per grad
+        mode), or None once the window's last grad-mode call of the graph was made (the call then shares within
+        itself only). No-grad calls (old and reference log-probs) share forward across the whole window: they
+        neither count towards its end nor wait for a backward. ``inputs``: what the trunk reads besides the tree
+        keys (:func:`call_identity`): calls that differ in them (another model of the same code, a buffer written
+        in between) never share a store."""
+        # one store per trunk code (recompiled copies share it), grad mode and trunk inputs
+        ident = call_identity(inputs)
+        key = (trunk.graphs.window_key or id(trunk), grad, ident)
         st = self.stores.get(key)
         if st is None:
-            st = self.stores[key] = _Store(self)
+            self._written(key)
+            st = self.stores[key] = _Store(self, grad)
+            st.pinned = [x for x in inputs if isinstance(x, Tensor)]  # their ids stay theirs while the window lives
+        if not grad:
+            st.seen += 1
+            return st
         if st.final:
             if not self.warned:
                 self.warned = True
@@ -212,11 +272,24 @@ class Window:
         st.final = (self.calls is not None and st.seen >= self.calls) or (self.last is not None and bool(self.last()))
         return st
 
+    def _written(self, key: tuple) -> None:
+        """A store for the same trunk inputs at other versions (a parameter or buffer written since): WindowError
+        while that store's backward is pending; a stale no-grad store is dropped."""
+        unversioned = _unversioned(key[2])
+        for other in [k for k in self.stores if k[:2] == key[:2] and _unversioned(k[2]) == unversioned]:
+            if self.stores[other].pending:
+                raise WindowError(
+                    "brcompile.window: a parameter was written while the window's shared prefixes still wait for "
+                    "their backward; run optimizer.step() (or change parameters) only after the backward of the "
+                    f"window's last call (the window ends {self.declared})")
+            if not key[1]:
+                del self.stores[other]
+
     @property
     def complete(self) -> bool:
         """Every graph made its last call of the window and every window call's backward arrived: the deferred
         backward may run."""
-        return all(st.final and st.backwards == st.forwards for st in self.stores.values())
+        return all(st.final and st.backwards == st.forwards for st in self.stores.values() if st.grad)
 
     @property
     def pending(self) -> bool:
@@ -224,15 +297,16 @@ class Window:
 
     @property
     def kept_bytes(self) -> int:
-        """Bytes the window's pending pieces keep: their outputs (frontier, K/V) and, unless recomputed, their
-        activations (the trunk's bytes per token times their tokens)."""
-        return sum(p.kept_bytes for st in self.stores.values() if st.pending for p in st.pieces)
+        """Bytes the window's pieces keep: their outputs (frontier, K/V) and, for a pending grad-mode piece not
+        recomputed, its activations (the trunk's bytes per token times its tokens)."""
+        return sum(p.kept_bytes for st in self.stores.values() if not st.done for p in st.pieces)
 
     def stats(self) -> dict:
         """Per window: calls and rows seen, tokens replayed from the store, computed and recomputed (over every
         graph), whether a backward is pending and the bytes kept for it."""
         sts = self.stores.values()
-        return {"calls": max((st.seen for st in sts), default=0),
+        return {"calls": max((st.seen for st in sts if st.grad), default=0),
+                "no_grad_calls": max((st.seen for st in sts if not st.grad), default=0),
                 "rows": sum(st.rows for st in sts),
                 "replayed_tokens": sum(st.replayed_tokens for st in sts),
                 "computed_tokens": sum(st.computed_tokens for st in sts),
@@ -417,7 +491,8 @@ class WindowFunction(torch.autograd.Function):
         store.forwards += 1
         store.replayed_tokens += int(plan.cached_ids.numel())
         store.computed_tokens += int(new.numel())
-        _record(window_calls=1, window_replayed_tokens=int(plan.cached_ids.numel()))
+        _record(window_replayed_tokens=int(plan.cached_ids.numel()),
+                **{"window_calls" if store.grad else "window_no_grad_calls": 1})
         ctx.store, ctx.plan, ctx.dims, ctx.piece = store, plan, dims, piece
         ctx.ext_ids = [id(x) for x in ext]
         ctx.used = False
@@ -482,6 +557,11 @@ def _check_accumulates(store: _Store, ext_ids: Sequence[int]) -> None:
                 "last call; call loss.backward() for each call, or run this loop outside brcompile.window")
 
 
+def _leaf_state(x) -> Optional[tuple]:
+    """(version, storage bytes) of a tensor, None for anything else (Piece.check_leaves)."""
+    return (x._version, x.untyped_storage().nbytes()) if isinstance(x, Tensor) else None
+
+
 def _check_closed(end: Tensor, cached: Tensor) -> None:
     """WindowError unless the replayed tokens are closed under ancestors (every stored token's ancestors were
     computed by the call that stored it, or earlier)."""
@@ -501,8 +581,9 @@ def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequenc
     nf = len(graphs.frontier_dims)
     w = store.window
     activations = graphs.bytes_per_token * int(new.numel())
-    recompute = graphs.recompute or (w.max_bytes is not None and w.kept_bytes + activations > w.max_bytes)
-    with torch.enable_grad():
+    recompute = store.grad and (graphs.recompute or (w.max_bytes is not None
+                                                     and w.kept_bytes + activations > w.max_bytes))
+    with torch.set_grad_enabled(store.grad):
         if not plan.cached_ids.numel():
             out = graphs.run_kept(graphs.prefix, *leaves, *tree, recompute=recompute)
         else:
@@ -524,7 +605,8 @@ def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequenc
     return _Piece(frontier=frontier, kv=kv, kv_leaf=tuple(x.detach().requires_grad_(x.requires_grad) for x in kv),
                   leaves=leaves, ext_ids=[id(x) for x in ext], valid=valid.detach(), position=position.detach(),
                   start=store.slots, pending_frontier=[None] * nf, pending_kv=[None] * len(kv),
-                  kept_bytes=outputs + (0 if recompute else activations))
+                  kept_bytes=outputs + (0 if recompute or not store.grad else activations),
+                  leaf_state=tuple(_leaf_state(x) for x in leaves))
 
 
 def _assemble(store: _Store, plan: WindowPlan, piece: Optional[_Piece], tree: TokenArrays, dims, dev) -> list:
@@ -590,6 +672,8 @@ def _deferred_backward(store: _Store) -> dict[int, Tensor]:
     real input)."""
     grads: dict[int, Tensor] = {}
     pieces = store.pieces
+    for p in pieces:
+        p.check_leaves()
     for i in range(len(pieces) - 1, -1, -1):
         p = pieces[i]
         outs, gouts = [], []

@@ -66,7 +66,7 @@ from brcompile.runtime.tree import TOKEN_ARRAYS, tree_placeholders
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReplaySplit", "split_for_replay"]
+__all__ = ["ExtSource", "ReplaySplit", "ext_sources", "split_for_replay"]
 
 #: Per-token tree arrays of the packed graph that the trunk reads (in the trunk graphs' order).
 _ATTENTION = torch.ops.brcompile.tree_attention_forward.default
@@ -94,6 +94,8 @@ class ReplaySplit:
     cached_positions: tuple[str, ...] = ()  # attention positions other than the tree's, cached (_cached_positions)
     #: the tail that also returns its own tokens' K/V (None with scans or cached positions): a window's call
     tail_cache: Optional[fx.GraphModule] = None
+    #: what each of the trunk's outer inputs is computed from (:func:`ext_sources`)
+    ext_sources: tuple["ExtSource", ...] = ()
     #: the packed graph checkpointed its layers (passes/lower/checkpoint.py): their bodies are inlined into the
     #: trunk graphs, and the runtime runs the kept prefix under activation checkpointing as a whole
     recompute: bool = False
@@ -126,10 +128,11 @@ def _token_factors(val, n) -> list[tuple[int, int]]:
     return out
 
 
-def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> ReplaySplit:
+def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any],
+                     per_token: Sequence[int] = ()) -> ReplaySplit:
     """Split a packed graph (see module docstring); ``example_args`` are its inputs for one real batch
-    (the original inputs followed by the tree arrays). Raises CannotReplay when the trunk is not a
-    token-local function of the per-token arrays."""
+    (the original inputs followed by the tree arrays); ``per_token``: the indices of its per-token inputs (the
+    tree keys). Raises CannotReplay when the trunk is not a token-local function of the per-token arrays."""
     dense = next((n for n in packed.graph.nodes if n.op == "call_function" and n.target is repack_tokens), None)
     if dense is not None:  # the dense region runs on every row and position: there is no per-chunk trunk before it
         raise CannotReplay(Code.STREAMING_CONSTRUCT,
@@ -202,7 +205,86 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any]) -> Rep
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
                        max((_scan_depth(n) for n in scans), default=0),
-                       cached_positions=tuple(p.name for p in positions), tail_cache=tail_cache, recompute=recompute)
+                       cached_positions=tuple(p.name for p in positions), tail_cache=tail_cache, recompute=recompute,
+                       ext_sources=ext_sources(packed, ext, per_token))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtSource:
+    """What one outer value the trunk reads is computed from (:func:`ext_sources`)."""
+
+    name: str
+    inputs: tuple[int, ...]  # the packed graph's input indices it reads (itself, when it is an input)
+    attrs: tuple[str, ...]  # the graph attributes it reads
+    #: a node between a per-token input and this value that is not per-token (a batch or row statistic: a sum, a
+    #: max, a length): the value is one of the call, not of each token's key path; None when there is none
+    batch_node: Optional[str] = None
+
+
+def ext_sources(packed: fx.GraphModule, ext: Sequence[fx.Node], per_token: Sequence[int]) -> tuple[ExtSource, ...]:
+    """For each outer value the trunk reads, what it is computed from. A cross-call window replays a token an
+    earlier call computed, so whatever the trunk reads besides the tree keys must be the same in both calls: the
+    runtime compares the inputs named here, call to call (brcompile/runtime/window.py), and refuses to share a
+    trunk that reads a statistic of the call's batch. ``per_token``: the input indices of the per-token inputs
+    (``[B, L, ...]``, matched by key); a value computed from one must keep its ``[B, L]`` leading dims at every
+    step (elementwise, casts), else its ``batch_node`` names the step that does not."""
+    holders = [n for n in packed.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(holders)}
+    tokens = {holders[i] for i in per_token}
+    packed_arrays = set(tree_placeholders(packed).tokens)
+    lead: dict[fx.Node, Any] = {}  # per-token-derived node -> its source's [B, L] sizes
+
+    def token_lead(n: fx.Node):
+        """The [B, L] sizes of the per-token input ``n`` derives from (None: it derives from none), or raises
+        _Batch at a step that drops them."""
+        if n in lead:
+            return lead[n]
+        if n in tokens:
+            val = n.meta.get("val")
+            lead[n] = tuple(val.shape[:2]) if isinstance(val, torch.Tensor) and val.dim() >= 2 else ("?",)
+            return lead[n]
+        if n in packed_arrays:
+            raise _Batch(n)
+        if n.op in ("placeholder", "get_attr"):
+            lead[n] = None
+            return None
+        got = [x for x in (token_lead(a) for a in n.all_input_nodes) if x is not None]
+        if not got:
+            lead[n] = None
+            return None
+        val = n.meta.get("val")
+        if got[0] == ("?",) or not isinstance(val, torch.Tensor) or tuple(val.shape[:2]) != got[0]:
+            raise _Batch(n)
+        lead[n] = got[0]
+        return got[0]
+
+    out = []
+    for e in ext:
+        seen, stack, inputs, attrs = set(), [e], set(), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                inputs.add(index[n])
+            elif n.op == "get_attr":
+                attrs.add(str(n.target))
+            else:
+                stack.extend(n.all_input_nodes)
+        try:
+            token_lead(e)
+            batch = None
+        except _Batch as b:
+            batch = b.node.name
+        out.append(ExtSource(e.name, tuple(sorted(inputs)), tuple(sorted(attrs)), batch))
+    return tuple(out)
+
+
+class _Batch(Exception):
+    def __init__(self, node: fx.Node):
+        super().__init__(node.name)
+        self.node = node
 
 
 def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:

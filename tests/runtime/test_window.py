@@ -234,6 +234,93 @@ def test_a_memory_bound_recomputes_pieces_exactly():
     assert 0 < kept[0] < kept[None], kept
 
 
+def test_no_grad_calls_share_forward_across_the_window():
+    """No-grad calls inside a window (old / reference log-probs computed in micro-batches) share forward across
+    calls: outputs equal eager, prompt tokens replayed from an earlier no-grad call, no backward waits; after a
+    parameter write the no-grad store starts over (never a stale value)."""
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model = gpt()
+    fn = compiled()
+    with torch.no_grad():
+        want = [grpo_loss(model, *grpo_args(mb)) for mb in mbs]
+    brcompile.reset_stats()
+    with brcompile.window(calls=1) as w:
+        with torch.no_grad():
+            got = [fn(model, *grpo_args(mb)) for mb in mbs]
+        assert not w.pending and w.stats()["no_grad_calls"] == len(mbs)
+        s = brcompile.stats()
+        assert s.window_no_grad_calls == len(mbs) and s.window_replayed_tokens > 0 and s.window_calls == 0, str(s)
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+            want2 = grpo_loss(model, *grpo_args(mbs[1]))
+            got2 = fn(model, *grpo_args(mbs[1]))
+        torch.testing.assert_close(got2, want2, rtol=1e-10, atol=1e-12)
+        assert brcompile.stats().window_replayed_tokens == s.window_replayed_tokens  # nothing stale replayed
+
+
+def test_dpo_chosen_and_rejected_in_separate_calls():
+    """DPO with chosen and rejected rows in two calls of one window (one backward of the pair loss) and the frozen
+    reference (the same code, other weights) under no_grad in the same window: the rejected call replays the
+    prompts the chosen call computed; the reference never replays the policy's tokens (a window compares the
+    trunk's inputs: other parameters, another store). Loss and every gradient equal eager."""
+    from examples import dpo
+
+    policy = gpt()
+    reference = dpo.make_reference(policy, seed=1)
+    b = dpo.make_dpo_batch(num_pairs=3, prompt_len=(6, 10), response_len=(2, 5), vocab_size=61, seed=2)
+    P = 3
+    halves = [{k: v[:P] for k, v in b.items()}, {k: v[P:] for k, v in b.items()}]
+
+    def step(logps_fn):
+        args = [(h["input_ids"], h["attention_mask"], h["completion_mask"]) for h in halves]
+        pol = [logps_fn(policy, *a) for a in args]
+        with torch.no_grad():
+            ref = [logps_fn(reference, *a) for a in args]
+        return dpo.dpo_loss(pol[0], pol[1], ref[0], ref[1], beta=0.5)
+
+    params = list(policy.parameters())
+    want_loss = step(dpo.sequence_logprobs)
+    want = torch.autograd.grad(want_loss, params)
+    fn = torch.compile(dpo.sequence_logprobs, backend=brcompile.backend(mode="replay", compiler="eager"),
+                       dynamic=True)
+    brcompile.reset_stats()
+    with brcompile.window(calls=2):
+        loss = step(fn)
+        loss.backward()
+    torch.testing.assert_close(loss.detach(), want_loss.detach(), rtol=1e-10, atol=1e-12)
+    assert_grads_exact([p.grad for p in params], list(want), [n for n, _ in policy.named_parameters()], torch.float64)
+    s = brcompile.stats()
+    assert s.window_calls == 2 and s.window_no_grad_calls == 2 and s.windows == 1, str(s)
+    assert s.window_replayed_tokens > 0 and s.fallback_calls == 0, str(s)
+
+
+def test_two_models_of_one_code_never_share_a_store():
+    """Two models of the same architecture (other weights) through one compiled function inside one window, both
+    with grad: each shares with its own calls only; every gradient of both equals eager."""
+    a, c = gpt(), GPT(GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48),
+                      seed=5).double()
+    b = batch()
+    mbs = micro_batches(b, 4)
+    want = {id(m): accumulate(m, grpo_loss, mbs) for m in (a, c)}
+    fn = compiled()
+    for m in (a, c):
+        m.zero_grad(set_to_none=True)
+    brcompile.reset_stats()
+    with brcompile.window(calls=2 * len(mbs)):
+        for mb in mbs:
+            for m in (a, c):
+                (fn(m, *grpo_args(mb)) / len(mbs)).backward()
+    for m in (a, c):
+        assert_grads_exact([p.grad for p in m.parameters()], want[id(m)], [n for n, _ in m.named_parameters()],
+                           torch.float64)
+    s = brcompile.stats()
+    assert s.window_calls == 2 * len(mbs) and s.window_replayed_tokens > 0, str(s)
+
+
 def test_plan_window_cuts_segments_at_the_replayed_prefix():
     """One chain 0..5 with two leaves, tokens 0..2 replayed: the new part of the root segment is a chunk segment
     that sees cache keys [0, 3); each leaf sees them too (through the root's cross row)."""
