@@ -7,7 +7,7 @@ Public API: ``backend(**options)`` (a backend object with options), ``branch_rep
 backend), ``stats()`` / ``reset_stats()`` (counters that prove a rewrite ran), ``explain(fn, *args)``
 (a report), ``build_tree`` / ``PackedTree`` (the prefix tree of a batch), ``CannotReplay``
 (a typed refusal: ``.code``, a ``Code``, the rule broken; ``.reason``, how); ``window(calls=N)`` (a cross-call
-window: the prefixes shared by N micro-batches computed once, brcompile/runtime/window.py), ``WindowError``;
+window: the prefixes shared by N micro-batches computed once, brcompile/runtime/window/), ``WindowError``;
 ``compile_decoder(model)`` / ``BranchReplayCallback()`` (brcompile/integrations.py: an HF model's decoder
 compiled in place, by hand or when a transformers/TRL trainer begins training; ``BranchReplayCallback`` is
 made on first access, so ``import brcompile`` needs no transformers, and is not in ``__all__``).

@@ -197,7 +197,7 @@ class GraphRecord:
 
 
 def _trunk_key(split) -> Optional[str]:
-    """The cross-call window key of a streaming split (runtime/window.py): a hash of its trunk graphs' code, so
+    """The cross-call window key of a streaming split (runtime/window/): a hash of its trunk graphs' code, so
     copies of one graph that Dynamo recompiled on a guard (DDP's no_sync flag, a batch size) share one store."""
     if split.tail_cache is None:
         return None
@@ -213,7 +213,7 @@ def _window_inputs(split, packed: fx.GraphModule, per_token: Sequence[int]) -> t
     """(the graph inputs a cross-call window compares call to call, why the trunk cannot share across calls or
     None). A token replayed from an earlier call is what that call's trunk computed: the trunk's inputs other
     than the per-token ones (matched by key) must be the same — parameters, buffers and tables by identity and
-    version, numbers by value (runtime/window.py ``call_identity``). A trunk input computed from a statistic of
+    version, numbers by value (runtime/window/ ``call_identity``). A trunk input computed from a statistic of
     the batch (a length, a sum over tokens) differs from call to call: such a trunk shares within each call."""
     if split.tail_cache is None:
         return (), "shares within each call: the trunk carries scan states or cached positions"

@@ -6,7 +6,7 @@
   lookup), else the submodule named by ``model.base_model_prefix``.
 - ``BranchReplayCallback()``: a ``transformers.TrainerCallback`` that calls ``compile_decoder`` on the trainer's
   model at ``on_train_begin``: ``GRPOTrainer(..., callbacks=[BranchReplayCallback()])`` (any ``Trainer``); with
-  gradient accumulation it makes each optimizer step a cross-call window (brcompile/runtime/window.py).
+  gradient accumulation it makes each optimizer step a cross-call window (brcompile/runtime/window/).
 
 Why not ``GRPOConfig(torch_compile_backend="branch_replay")``: transformers hands that name to accelerate,
 whose ``DynamoBackend`` enum admits its own members only (``'BRANCH_REPLAY' is not a valid DynamoBackend``).
@@ -117,7 +117,7 @@ def _callback_class() -> type:
         ``brcompile.backend(...)`` object; ``compile_kwargs`` go to ``nn.Module.compile``.
 
         With gradient accumulation (``gradient_accumulation_steps > 1``) and ``windows=True``, each optimizer
-        step's micro-batches are one cross-call window (brcompile/runtime/window.py): opened when the step begins,
+        step's micro-batches are one cross-call window (brcompile/runtime/window/): opened when the step begins,
         ended by the call during which accelerate's ``GradientState().sync_gradients`` is true (the Trainer sets it
         for the step's last micro-batch before its forward), closed when the step ends. A prefix the step's rows
         share is then computed once, whichever micro-batches its rows land in. Windows need the streaming split:

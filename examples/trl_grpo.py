@@ -106,6 +106,8 @@ class CallInfo:
     grad: bool  # compiled for grad mode on: the training forward (off: generation, old log-probs)
     rows: int  # rows of the batch (0 when no tree was built)
     reason: Optional[str]
+    logical: int = 0  # the call's logical tokens (0 when no tree was built)
+    executed: int = 0  # ... and the tokens its tree executes (replayed from a window's earlier call included)
 
 
 @dataclasses.dataclass
@@ -176,7 +178,9 @@ def train(backend=None, *, steps: int = 3, seed: int = 0, num_generations: int =
     if backend is not None:
         for rec, grad in zip(backend.records, grad_modes):
             for c in getattr(rec.runtime, "calls", ()):
-                calls.append(CallInfo(c.replayed, grad, (c.tree_stats or {}).get("rows", 0), c.reason or rec.reason))
+                t = c.tree_stats or {}
+                calls.append(CallInfo(c.replayed, grad, t.get("rows", 0), c.reason or rec.reason,
+                                      t.get("logical_tokens", 0), t.get("executed_tokens", 0)))
     return RunResult(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()},
                      brcompile.stats() if backend is not None else None, calls)
 

@@ -183,7 +183,7 @@ class PackedRuntime:
     def __call__(self, *args):
         if self.keys is not None:
             args = (*args, *self.keys(args))
-        # a cross-call window counts every grad-mode call of the graph, whatever it runs (runtime/window.py)
+        # a cross-call window counts every grad-mode call of the graph, whatever it runs (runtime/window/)
         store = None if self.streaming is None else self.streaming.enter_window(args)
         if store is None:
             return self._call(args, None)

@@ -19,7 +19,7 @@ class Stats:
 
     replayed_calls: int = 0
     streamed_calls: int = 0  # replayed calls that ran in streaming mode (prefix + tail chunks)
-    window_calls: int = 0  # streamed grad-mode calls inside a cross-call window (runtime/window.py)
+    window_calls: int = 0  # streamed grad-mode calls inside a cross-call window (runtime/window/)
     window_no_grad_calls: int = 0  # ... and no-grad ones (forward shared across the window's no-grad calls)
     window_replayed_tokens: int = 0  # packed tokens of those calls replayed from an earlier call, not recomputed
     windows: int = 0  # cross-call windows whose deferred backward ran

@@ -172,7 +172,7 @@ class TrunkGraphs:
     frontier_dims: tuple[int, ...]  # the token dim of each frontier output
     n_cached: int  # number of cached tensors (2 per attention: K and V; 1 per tree scan; 1 per cached position)
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (Chunk.ancestors' rows)
-    #: the tail that also returns its own tokens' K/V (runtime/window.py); None: no cross-call window
+    #: the tail that also returns its own tokens' K/V (runtime/window/); None: no cross-call window
     tail_cache: Optional[Callable] = None
     #: graphs with one key compute the same trunk (their code), so a window's calls of either share one store
     #: (Dynamo recompiles a graph on a guard, e.g. DDP's no_sync flag, into a copy with another trunk object)
@@ -349,7 +349,7 @@ class ReplayTrunk(torch.nn.Module):
         return ReplayFunction.apply(self.graphs, schedule, need_grad, self.n_ext, *args)
 
     def window_store(self, args: Sequence) -> Optional[Any]:
-        """This call's store in the open cross-call window (runtime/window.py), as the packed runtime counted the
+        """This call's store in the open cross-call window (runtime/window/), as the packed runtime counted the
         call into it, or None to stream it alone: no window, or an input that needs a gradient but is not a leaf
         (a window returns the deferred gradients to the parameters it was built on)."""
         call = current_call()
@@ -379,7 +379,7 @@ class StreamingRuntime:
 
     def enter_window(self, args: Sequence) -> Optional[Any]:
         """The open cross-call window's store for this call (counting it), if the trunk can share across calls
-        (runtime/window.py); else None."""
+        (runtime/window/); else None."""
         w = active_window()
         if w is None or self.window_refusal is not None or self.trunk.graphs.tail_cache is None:
             return None

@@ -196,7 +196,7 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any],
     positions = _cached_positions(attentions, tok_nodes, trunk_set)
     prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=False)
     tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=True)
-    # a tail that keeps its own K/V for later calls (cross-call windows: brcompile/runtime/window.py); attention
+    # a tail that keeps its own K/V for later calls (cross-call windows: brcompile/runtime/window/); attention
     # only: a window does not yet carry scan states or other cached positions from call to call
     tail_cache = None if scans or positions else _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions,
                                                               scans, positions, cached=True, emit_cache=True)
@@ -224,7 +224,7 @@ class ExtSource:
 def ext_sources(packed: fx.GraphModule, ext: Sequence[fx.Node], per_token: Sequence[int]) -> tuple[ExtSource, ...]:
     """For each outer value the trunk reads, what it is computed from. A cross-call window replays a token an
     earlier call computed, so whatever the trunk reads besides the tree keys must be the same in both calls: the
-    runtime compares the inputs named here, call to call (brcompile/runtime/window.py), and refuses to share a
+    runtime compares the inputs named here, call to call (brcompile/runtime/window/), and refuses to share a
     trunk that reads a statistic of the call's batch. ``per_token``: the input indices of the per-token inputs
     (``[B, L, ...]``, matched by key); a value computed from one must keep its ``[B, L]`` leading dims at every
     step (elementwise, casts), else its ``batch_node`` names the step that does not."""

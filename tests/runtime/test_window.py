@@ -1,4 +1,4 @@
-"""Cross-call windows (brcompile/runtime/window.py, docs/ARCHITECTURE.md §7.1): a GRPO batch shuffled into
+"""Cross-call windows (brcompile/runtime/window/, docs/ARCHITECTURE.md §7.1): a GRPO batch shuffled into
 micro-batches, each its own call and its own ``loss.backward()``, inside ``brcompile.window(calls=N)``.
 
 Oracle: the same micro-batches run eagerly, float64, loss scaled by 1/N and backpropagated per micro-batch, as a

@@ -1,37 +1,6 @@
-"""Cross-call windows (docs/ARCHITECTURE.md §7.1): a prefix shared by calls of one window is computed once, forward
-and backward, whichever calls its rows arrive in.
-
-A **window** is ``calls`` grad-mode calls of each streamed graph between two optimizer steps, declared by
-:func:`window` (``with brcompile.window(calls=N):`` around a gradient-accumulation loop). Inside it, each call of
-a graph with a streaming split (``mode="replay"``/``"auto"``, passes/emit/split.py, attention-only trunk) runs its
-trunk through :class:`WindowFunction` instead of :class:`~brcompile.runtime.streaming.ReplayFunction`:
-
-forward
-    The call's packed tokens are matched against every token an earlier call of the window computed: two tokens
-    are the same node iff their rows agree on every tree key up to them (one exact prefix tree over all the
-    window's rows so far, ``build_tree``). The matched ones (an ancestor-closed set: a prefix of the call's tree)
-    are **replayed** from the window's store: their frontier values and their K/V, gathered, never recomputed.
-    The others run once, with grad, as one chunk against that cache (``tail_cache``: the tail graph that also
-    returns its own K/V); the first call of a window runs the prefix graph on all of its tokens. What they
-    compute (their graph, frontier and K/V) becomes a new **piece** of the store, which later calls read.
-backward
-    A call's backward only accumulates the gradients that reach its trunk outputs into the pieces that produced
-    them (its own new tokens', and the replayed ones' pieces). When the backward of the window's last call
-    arrives, the pieces' own backward runs once, newest piece first: each piece's graph is pulled with (its
-    accumulated frontier gradients, its accumulated K/V gradients), which adds the K/V gradients of the older
-    pieces it attended and the parameter gradients; those are returned as that call's input gradients, so they
-    land in ``.grad`` inside that backward, as one dense backward of all the window's rows would put them.
-
-Exactness: each node is a function of its key path and the parameters only, so every row's trunk outputs are the
-ones its own dense run computes; every gradient contribution is computed once and summed (reassociation only).
-Parameters must not change inside a window: a write to one (its version counter) or an optimizer step while a
-window's backward is pending raises :class:`WindowError`, which names the fix — never a silently missing gradient.
-Memory: every piece's activations stay until the window's last backward (the window's distinct tokens, not its
-rows).
-"""
+"""The window, its per-graph stores and their pieces, and the deferred backward (package docstring)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -41,58 +10,14 @@ import torch
 from torch import Tensor
 
 from brcompile.runtime.stats import _record
-from brcompile.runtime.tree import TokenArrays, build_tree
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Window", "WindowError", "WindowFunction", "active_window", "plan_window", "window"]
-
-#: the K/V token dim of tree attention's [H, N, D] operands
-_KV_DIM = -2
+__all__ = ["Window", "WindowError", "active_window", "call_identity", "window"]
 
 
 class WindowError(RuntimeError):
     """A window whose deferred backward cannot run as declared (the message names the fix)."""
-
-
-# ------------------------------------------------------------------------------------------------------- the plan
-
-@dataclasses.dataclass(frozen=True)
-class WindowPlan:
-    """One call's split into replayed tokens (``cached_ids``, their store slots) and a chunk of new ones."""
-
-    cached_ids: Tensor  # [C] packed ids (of the call's tree) replayed from the store, ascending
-    slots: Tensor  # [C] their store slots
-    new_ids: Tensor  # [n] packed ids computed by this call, ascending
-    end: Tensor  # [n] chunk-local subtree ends
-    segments: Tensor  # [s, 3] chunk-local segments
-    cross: Tensor  # [X, 4] (q_start, q_stop, k_start, k_stop): chunk queries x cache-local keys
-    ancestors: Tensor  # [0, n]: no scans in a window's trunk
-
-
-def plan_window(end: Tensor, segments: Tensor, cached: Tensor, slots: Tensor) -> WindowPlan:
-    """Cut a call's tree into its replayed part ``cached`` (bool [N], ancestor-closed: within each segment a
-    prefix ``[s0, c)``) and the chunk of the rest, as streaming cuts prefix and tails (runtime/streaming.py
-    ``plan_replay``), but at any token. With ``b`` = cache-local ids (``before[k]`` replayed tokens before k) and
-    ``bn`` = chunk-local ids: a segment's new part ``[c, s1)`` is the chunk segment ``(bn[c], bn[s1], bn[e])``;
-    its replayed part ``[s0, c)`` is an ancestor chain of every chunk token in ``[c, e)``: the cross row
-    ``(bn[c], bn[e], b[s0], b[c])``. ``slots``: the store slot of every token (-1 for new ones)."""
-    from brcompile.runtime.streaming import count_before  # streaming imports this module
-
-    end, segments, cached = end.cpu(), segments.cpu(), cached.cpu()
-    before, bn = count_before(cached), count_before(~cached)
-    s0, s1, e = segments[:, 0], segments[:, 1], segments[:, 2]
-    c = s0 + (before[s1] - before[s0])
-    if bool(((bn[s1] - bn[c]) != (s1 - c)).any()):
-        raise WindowError("internal: the replayed tokens are not a prefix of each segment")
-    new_ids = (~cached).nonzero().flatten()
-    part = c < s1
-    seg = torch.stack([bn[c[part]], bn[s1[part]], bn[e[part]]], 1)
-    rows = (c > s0) & (bn[e] > bn[c])
-    cross = torch.stack([bn[c[rows]], bn[e[rows]], before[s0[rows]], before[c[rows]]], 1)
-    cached_ids = cached.nonzero().flatten()
-    return WindowPlan(cached_ids, slots.cpu()[cached_ids], new_ids, bn[end[new_ids]], seg, cross,
-                      torch.empty(0, new_ids.shape[0], dtype=torch.int64))
 
 
 # ------------------------------------------------------------------------------------------------------ the store
@@ -394,268 +319,14 @@ def _refuse_pending_step(optimizer, args, kwargs) -> None:
                           f"call's backward (the window ends {w.declared})")
 
 
-# ------------------------------------------------------------------------------------------------- one call's run
-
-#: the call's store and tree keys, set by the packed runtime around a streamed call (runtime/packed.py)
-_CALL = threading.local()
-
-
-@contextlib.contextmanager
-def call_keys(store: _Store, per_token: Sequence[Tensor], mask: Optional[Tensor], tree) -> Any:
-    """Let the trunk of this call see its window store, tree keys, key padding and packed tree (for matching)."""
-    _CALL.value = (store, per_token, mask, tree)
-    try:
-        yield
-    finally:
-        _CALL.value = None
-
-
-def current_call() -> Optional[tuple]:
-    return getattr(_CALL, "value", None)
-
-
-def _padded(x: Tensor, L: int, fill=0) -> Tensor:
-    """``x`` [B, l, ...] padded with ``fill`` to [B, L, ...]."""
-    if x.shape[1] == L:
-        return x
-    pad = x.new_full((x.shape[0], L - x.shape[1], *x.shape[2:]), fill)
-    return torch.cat([x, pad], 1)
-
-
-def match(store: _Store, per_token: Sequence[Tensor], mask: Optional[Tensor], tree) -> tuple[Tensor, Tensor, Tensor]:
-    """(cached [N] bool, slots [N], reps [N]) for the call's packed tokens: which were computed by an earlier call
-    of the window (and where they are stored); ``reps`` the flat (b·L + t) representative of each token. One exact
-    prefix tree over the window's rows so far and the call's (``build_tree``): equal node <=> equal key path."""
-    B, L = int(per_token[0].shape[0]), int(per_token[0].shape[1])
-    m = torch.ones(B, L, dtype=torch.bool, device=per_token[0].device) if mask is None else mask.to(torch.bool)
-    flat = tree.index.reshape(-1)
-    keep = flat >= 0
-    reps = torch.empty(tree.num_tokens, dtype=torch.int64, device=flat.device)
-    reps[flat[keep]] = torch.arange(flat.numel(), device=flat.device)[keep]
-    n = tree.num_tokens
-    if not store.pieces:
-        return torch.zeros(n, dtype=torch.bool), torch.full((n,), -1, dtype=torch.int64), reps
-    Lw = max([L] + [k[0].shape[1] for k in store.keys])
-    keys = [torch.cat([_padded(k[i], Lw) for k in store.keys] + [_padded(per_token[i], Lw)])
-            for i in range(len(per_token))]
-    masks = torch.cat([_padded(x, Lw, False) for x in store.masks] + [_padded(m, Lw, False)])
-    combined = build_tree(keys, attention_mask=masks)
-    slot_of = torch.full((combined.num_tokens,), -1, dtype=torch.int64)
-    stored = combined.index[torch.cat(store.slot_row), torch.cat(store.slot_t)].cpu()
-    slot_of[stored] = torch.arange(stored.shape[0])
-    b, t = (reps // L).cpu(), (reps % L).cpu()
-    slots = slot_of[combined.index[store.rows + b, t].cpu()]
-    return slots >= 0, slots, reps
-
-
-def _take(x: Tensor, ids: Tensor, dim: int = 0) -> Tensor:
-    return x.index_select(dim, ids.to(x.device))
-
-
-def _stored(pieces: Sequence[_Piece], get, slots: Tensor, dim: int) -> Tensor:
-    """The store's values ``get(piece)`` at ``slots`` (pieces concatenated along ``dim`` in slot order)."""
-    parts = [get(p) for p in pieces]
-    whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-    return _take(whole, slots, dim)
-
-
-class WindowFunction(torch.autograd.Function):
-    """A window call's trunk: replayed tokens from the store, new ones computed once (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, graphs, store: _Store, call: tuple, n_ext: int, *inputs):
-        ext, tree = inputs[:n_ext], TokenArrays(*inputs[n_ext:])
-        per_token, mask, packed_tree = call
-        store.check_versions(ext)
-        cached, slots, reps = match(store, per_token, mask, packed_tree)
-        _check_closed(tree.end, cached)
-        plan = plan_window(tree.end, tree.segments, cached, slots)
-        dev = tree.position.device
-        dims = graphs.frontier_dims
-        leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in ext]
-        new = plan.new_ids.to(dev)
-        piece = None
-        if new.numel():
-            piece = _compute(graphs, store, plan, leaves, ext, tree, new)
-        outs = _assemble(store, plan, piece, tree, dims, dev)
-        if piece is not None:
-            b = torch.div(_take(reps, new), per_token[0].shape[1], rounding_mode="floor") + store.rows
-            store.slot_row.append(b.cpu())
-            store.slot_t.append((_take(reps, new) % per_token[0].shape[1]).cpu())
-            store.pieces.append(piece)
-        store.keys.append([k.detach() for k in per_token])
-        B, L = per_token[0].shape[:2]
-        store.masks.append(torch.ones(B, L, dtype=torch.bool, device=per_token[0].device) if mask is None
-                           else mask.to(torch.bool))
-        store.rows += int(B)
-        store.forwards += 1
-        store.replayed_tokens += int(plan.cached_ids.numel())
-        store.computed_tokens += int(new.numel())
-        _record(window_replayed_tokens=int(plan.cached_ids.numel()),
-                **{"window_calls" if store.grad else "window_no_grad_calls": 1})
-        ctx.store, ctx.plan, ctx.dims, ctx.piece = store, plan, dims, piece
-        ctx.ext_ids = [id(x) for x in ext]
-        ctx.used = False
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if ctx.used:
-            raise WindowError("brcompile.window: a second backward through a window call (retain_graph=True or "
-                              "torch.autograd.grad twice) is not supported; compile with mode='packed'")
-        ctx.used = True
-        store, plan, dims = ctx.store, ctx.plan, ctx.dims
-        _check_accumulates(store, ctx.ext_ids)
-        for f, (g, d) in enumerate(zip(grads, dims)):
-            if g is None:
-                continue
-            if ctx.piece is not None:
-                _add(ctx.piece.pending_frontier, f, g.index_select(d, plan.new_ids.to(g.device)))
-            if plan.cached_ids.numel():
-                _scatter_to_pieces(store, f, g.index_select(d, plan.cached_ids.to(g.device)), plan.slots, d)
-        store.backwards += 1
-        n_in = len(ctx.ext_ids)
-        w = store.window
-        if not w.complete:
-            return (None, None, None, None, *([None] * n_in), *([None] * len(TokenArrays._fields)))
-        grads_by_id: dict[int, Tensor] = {}
-        _record(windows=1)
-        for st in w.stores.values():  # every graph's store of the window, in this last backward
-            if st.pending:
-                for key, g in _deferred_backward(st).items():
-                    grads_by_id[key] = g if key not in grads_by_id else grads_by_id[key] + g
-                st.done = True
-        out = [grads_by_id.pop(i, None) for i in ctx.ext_ids]
-        for st in w.stores.values():  # parameters this call does not read (another graph's): into .grad
-            _apply_to_grad(st, {k: grads_by_id.pop(k) for k in list(grads_by_id) if k in st.versions})
-        return (None, None, None, None, *out, *([None] * len(TokenArrays._fields)))
-
-
-def _check_accumulates(store: _Store, ext_ids: Sequence[int]) -> None:
-    """WindowError unless this backward accumulates into the ``.grad`` of every parameter the call read.
-
-    A window defers the shared prefixes' parameter gradients to the backward of its last call, which puts them in
-    ``.grad``: a ``torch.autograd.grad`` over a window call (or ``backward(inputs=...)`` leaving a parameter out)
-    would return that call's gradients without them, a silently partial gradient. The engine says whether it will
-    run a leaf's ``AccumulateGrad`` (torch.autograd.graph's own test for multi-grad hooks); under
-    ``torch.autograd.grad`` it refuses to say, which is the answer too."""
-    will_run = getattr(torch._C, "_will_engine_execute_node", None)
-    if will_run is None:
-        return
-    for key in ext_ids:
-        seen = store.versions.get(key)
-        if seen is None or seen[0].grad_fn is not None:
-            continue
-        try:
-            runs = will_run(torch.autograd.graph.get_gradient_edge(seen[0]).node)
-        except RuntimeError:  # "... currently running autograd.grad()"
-            runs = False
-        if not runs:
-            raise WindowError(
-                "brcompile.window: torch.autograd.grad (or backward(inputs=...) without every parameter) over a "
-                "call of a window: the shared prefixes' gradients reach .grad only, in the backward of the window's "
-                "last call; call loss.backward() for each call, or run this loop outside brcompile.window")
-
-
 def _leaf_state(x) -> Optional[tuple]:
     """(version, storage bytes) of a tensor, None for anything else (Piece.check_leaves)."""
     return (x._version, x.untyped_storage().nbytes()) if isinstance(x, Tensor) else None
 
 
-def _check_closed(end: Tensor, cached: Tensor) -> None:
-    """WindowError unless the replayed tokens are closed under ancestors (every stored token's ancestors were
-    computed by the call that stored it, or earlier)."""
-    from brcompile.backends.scan import parent_from_end
-
-    parent = parent_from_end(end.cpu())
-    has = parent >= 0
-    if bool((cached[has] & ~cached[parent[has]]).any()):
-        raise WindowError("internal: a replayed token's ancestor was never computed")
-
-
-def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequence, tree: TokenArrays,
-             new: Tensor) -> _Piece:
-    """Run the call's new tokens once with grad: the prefix graph when nothing is replayed, else the chunk
-    against the replayed tokens' K/V (``tail_cache``); their outputs become a piece of the store."""
-    valid, position = _take(tree.valid, new), _take(tree.position, new)
-    nf = len(graphs.frontier_dims)
-    w = store.window
-    activations = graphs.bytes_per_token * int(new.numel())
-    recompute = store.grad and (graphs.recompute or (w.max_bytes is not None
-                                                     and w.kept_bytes + activations > w.max_bytes))
-    with torch.set_grad_enabled(store.grad):
-        if not plan.cached_ids.numel():
-            out = graphs.run_kept(graphs.prefix, *leaves, *tree, recompute=recompute)
-        else:
-            cache = [_stored(store.pieces, lambda p, j=j: p.kv_leaf[j], plan.slots, _KV_DIM)
-                     for j in range(graphs.n_cached)]
-            pre_valid = _stored(store.pieces, lambda p: p.valid, plan.slots, 0)
-            pre_position = _stored(store.pieces, lambda p: p.position, plan.slots, 0)
-            dev = tree.position.device
-            chunk = TokenArrays(rep_row=_take(tree.rep_row, new), position=position, end=plan.end.to(dev),
-                                valid=valid, all_valid=torch.ones_like(valid), segments=plan.segments.to(dev))
-            out = graphs.run_kept(graphs.tail_cache, *leaves, *chunk, *cache, pre_valid, torch.ones_like(pre_valid),
-                                  plan.cross.to(dev), pre_position, plan.ancestors.to(dev), recompute=recompute)
-    out = tuple(out)
-    frontier, kv = out[:nf], out[nf:]
-    if recompute:
-        store.recomputed_tokens += int(new.numel())
-        _record(window_recomputed_tokens=int(new.numel()))
-    outputs = sum(x.nbytes for x in out if isinstance(x, Tensor))
-    return _Piece(frontier=frontier, kv=kv, kv_leaf=tuple(x.detach().requires_grad_(x.requires_grad) for x in kv),
-                  leaves=leaves, ext_ids=[id(x) for x in ext], valid=valid.detach(), position=position.detach(),
-                  start=store.slots, pending_frontier=[None] * nf, pending_kv=[None] * len(kv),
-                  kept_bytes=outputs + (0 if recompute or not store.grad else activations),
-                  leaf_state=tuple(_leaf_state(x) for x in leaves))
-
-
-def _assemble(store: _Store, plan: WindowPlan, piece: Optional[_Piece], tree: TokenArrays, dims, dev) -> list:
-    """The frontier at the call's N tokens: its new tokens' from ``piece``, the replayed ones' from the store."""
-    n = tree.end.shape[0]
-    outs = []
-    for f, d in enumerate(dims):
-        like = piece.frontier[f] if piece is not None else store.pieces[0].frontier[f]
-        shape = list(like.shape)
-        shape[d] = n
-        o = like.new_empty(shape)
-        if piece is not None:
-            o.index_copy_(d, plan.new_ids.to(dev), piece.frontier[f].detach())
-        if plan.cached_ids.numel():
-            o.index_copy_(d, plan.cached_ids.to(dev),
-                          _stored(store.pieces, lambda p, f=f: p.frontier[f].detach(), plan.slots, d))
-        outs.append(o)
-    return outs
-
-
 def _add(acc: list, i: int, g: Optional[Tensor]) -> None:
     if g is not None:
         acc[i] = g if acc[i] is None else acc[i] + g
-
-
-def _scatter_to_pieces(store: _Store, f: int, g: Tensor, slots: Tensor, dim: int) -> None:
-    """Add ``g`` (gradients at store ``slots`` along ``dim``) into each owning piece's pending frontier ``f``."""
-    slots = slots.to(g.device)
-    for p in store.pieces:
-        hit = (slots >= p.start) & (slots < p.start + p.size)
-        if not bool(hit.any()):
-            continue
-        sel = hit.nonzero().flatten()
-        shape = list(g.shape)
-        shape[dim] = p.size
-        part = g.new_zeros(shape).index_add_(dim, slots[sel] - p.start, g.index_select(dim, sel))
-        _add(p.pending_frontier, f, part)
-
-
-def finish_if_complete(w: Window) -> None:
-    """The window's deferred backward, into ``.grad``, when its last call ran without the trunk (the original
-    graph, a batch sharing too little) and every window call's backward has arrived: no later backward carries it."""
-    if not w.complete or not w.pending:
-        return
-    _record(windows=1)
-    for st in w.stores.values():
-        if st.pending:
-            _apply_to_grad(st, _deferred_backward(st))
-            st.done = True
 
 
 def _apply_to_grad(store: _Store, grads: dict[int, Tensor]) -> None:
