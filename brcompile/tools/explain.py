@@ -48,6 +48,7 @@ from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
 from brcompile.backends.read_packed import dropped_grads_unchecked
 from brcompile.passes.analysis.axes import is_inplace
 from brcompile.passes.lower.functionalize import functionalize
+from brcompile.runtime.window import HISTORY, closed_windows
 from brcompile.tools.measure import limit_flops, measure_fwd_bwd
 from brcompile.tools.report import (  # re-exported: the report's tables and renderers are read from here too
     LIMIT_FORMULA, MAX_CALL_ROWS, Code, ExplainReport, Table, code_value, fmt_bytes, fmt_count, fmt_flops, fmt_int,
@@ -187,6 +188,7 @@ class RecordingBackend:
         self.left_alone: collections.Counter = collections.Counter()
         self.dropped_options: list[str] = []
         self._stats_before = runtime.stats()
+        self._windows_before = closed_windows()
 
     def __call__(self, gm: fx.GraphModule, example_inputs, options: Optional[dict] = None):
         return self.compile_with(self.backend, gm, example_inputs, options)
@@ -229,7 +231,7 @@ class RecordingBackend:
         notes += [f"Inductor settings dropped (the graph compiled with branch_replay): {d}"
                   for d in self.dropped_options]
         return ExplainReport(list(self.graphs), list(self.calls), stats_delta(self._stats_before, runtime.stats()),
-                             result, notes)
+                             result, notes, [w for w in HISTORY if w["closed"] > self._windows_before])
 
 
 def stats_delta(before: runtime.Stats, after: runtime.Stats) -> runtime.Stats:

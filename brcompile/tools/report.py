@@ -227,6 +227,8 @@ class ExplainReport:
     stats: runtime.Stats
     result: Any = dataclasses.field(default=None, repr=False)
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: the cross-call windows closed during the run (``Window.summary()``, brcompile/runtime/window/)
+    windows: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def rewritten(self) -> list[GraphRecord]:
@@ -271,6 +273,7 @@ class ExplainReport:
             "graphs": [self.graph_dict(g) for g in self.graphs],
             "calls": self.calls,
             "stats": self.stats.to_dict(),
+            "windows": list(self.windows),
             "notes": list(self.notes),
             "limit_formula": LIMIT_FORMULA,
         }
@@ -391,11 +394,12 @@ class ExplainReport:
                                    + [f"prefix values of {s}" for s in r.get("cached_scans", ())]
                                    + [f"positions {p}" for p in r.get("cached_positions", ())]),
                          "\n".join(r["frontier"]),
-                         fmt_bytes(r["bytes_per_token"]), str(r["chunk_tokens"]), budget])
+                         fmt_bytes(r["bytes_per_token"]), str(r["chunk_tokens"]), budget,
+                         _wrap(r.get("window") or "-", 40)])
         tables = [Table("streaming replay: prefix graph (shared segments, records the cached K/V and scan values) + tail graph "
                         "(one chunk of leaf chains against the cache)",
                         ["graph", "mode", "trunk nodes", "cached K/V, scan values (replay nodes)", "frontier (read by the loss)",
-                         "activations/token", "chunk_tokens", "memory_budget"], rows, notes)]
+                         "activations/token", "chunk_tokens", "memory_budget", "cross-call windows"], rows, notes)]
         srows = []
         for i, c in list(enumerate(self.calls))[:max_calls]:
             sch = c.get("schedule")
@@ -411,6 +415,17 @@ class ExplainReport:
                                 ["call", "graph", "tokens N", "prefix tokens", "prefix segments", "chunks",
                                  "chunk sizes", "cross calls"], srows))
         return tables
+
+    def window_table(self) -> Table:
+        """One row per cross-call window closed during the run: where it ended, its calls and rows, the tokens it
+        replayed from an earlier call, computed and recomputed, and the most bytes it kept for its backward."""
+        rows = [[str(w["closed"]), w["ends"], str(w["calls"]), str(w["no_grad_calls"]), str(w["rows"]),
+                 fmt_int(w["replayed_tokens"]), fmt_int(w["computed_tokens"]), fmt_int(w["recomputed_tokens"]),
+                 fmt_bytes(w["peak_bytes"]), "yes" if w["pending"] else "no"] for w in self.windows]
+        return Table("cross-call windows (brcompile.window / BranchReplayCallback): each distinct token of the "
+                     "window's rows computed once", ["window", "ends", "calls", "no-grad calls", "rows",
+                                                     "replayed", "computed", "recomputed in backward",
+                                                     "peak kept", "pending at close"], rows)
 
     def call_tables(self, max_calls: int = MAX_CALL_ROWS) -> list[Table]:
         shown = list(enumerate(self.calls))[:max_calls]
@@ -478,6 +493,8 @@ class ExplainReport:
             out.append(self.repack_table())
         out += self.call_tables(max_calls)
         out += self.streaming_tables(max_calls)
+        if self.windows:
+            out.append(self.window_table())
         if code:
             out += [Code(f"graph {g.graph_id}: packed graph", g.packed_code or "") for g in self.rewritten]
             for g in self.rewritten:

@@ -392,3 +392,24 @@ def test_hf_qwen2_compiled_alone_shares_across_calls():
     assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
     s = brcompile.stats()
     assert s.fallback_calls == 0 and s.window_calls == len(mbs) and s.window_replayed_tokens > 0, str(s)
+
+
+def test_explain_shows_each_window():
+    """explain()'s report has one row per window its run closed: calls, rows, tokens replayed and computed, peak
+    bytes kept; the streaming table says the graph shares across calls."""
+    from brcompile.tools.explain import recording
+
+    b = batch()
+    mbs = micro_batches(b, 2)
+    model = gpt()
+    with recording(brcompile.backend(mode="replay", compiler="eager"), measure=False) as rec:
+        fn = torch.compile(grpo_loss, backend="branch_replay", dynamic=True)
+        for _ in range(2):
+            with brcompile.window(calls=len(mbs)):
+                accumulate(model, fn, mbs)
+    report = rec.report()
+    assert [w["calls"] for w in report.windows] == [len(mbs)] * 2, report.windows
+    assert all(w["replayed_tokens"] > 0 and w["computed_tokens"] > 0 and w["peak_bytes"] > 0 and not w["pending"]
+               for w in report.windows), report.windows
+    text = report.render_text(code=False)
+    assert "cross-call windows (brcompile.window" in text and "shares across calls" in text

@@ -38,7 +38,9 @@ from brcompile.runtime.window.function import (
     WindowFunction, call_keys, current_call, finish_if_complete,
 )
 from brcompile.runtime.window.plan import WindowPlan, match, plan_window
-from brcompile.runtime.window.store import Window, WindowError, active_window, call_identity, window
+from brcompile.runtime.window.store import (
+    HISTORY, Window, WindowError, active_window, call_identity, closed_windows, window,
+)
 
-__all__ = ["Window", "WindowError", "WindowFunction", "WindowPlan", "active_window", "call_identity", "call_keys",
-           "current_call", "finish_if_complete", "match", "plan_window", "window"]
+__all__ = ["HISTORY", "Window", "WindowError", "WindowFunction", "WindowPlan", "active_window", "call_identity",
+           "call_keys", "closed_windows", "current_call", "finish_if_complete", "match", "plan_window", "window"]

@@ -66,6 +66,7 @@ class WindowFunction(torch.autograd.Function):
             store.slot_row.append(b.cpu())
             store.slot_t.append((_take(reps, new) % per_token[0].shape[1]).cpu())
             store.pieces.append(piece)
+            store.window.peak_bytes = max(store.window.peak_bytes, store.window.kept_bytes)
         store.keys.append([k.detach() for k in per_token])
         B, L = per_token[0].shape[:2]
         store.masks.append(torch.ones(B, L, dtype=torch.bool, device=per_token[0].device) if mask is None

@@ -1,6 +1,7 @@
 """The window, its per-graph stores and their pieces, and the deferred backward (package docstring)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -13,7 +14,7 @@ from brcompile.runtime.stats import _record
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Window", "WindowError", "active_window", "call_identity", "window"]
+__all__ = ["HISTORY", "Window", "WindowError", "active_window", "call_identity", "closed_windows", "window"]
 
 
 class WindowError(RuntimeError):
@@ -141,6 +142,11 @@ def call_identity(inputs: Sequence) -> tuple:
     return tuple(out)
 
 
+#: the summaries (:meth:`Window.summary`) of the last windows closed, oldest first, each with its number
+#: (``closed``): explain() shows those its run closed
+HISTORY: collections.deque = collections.deque(maxlen=64)
+_CLOSED = [0]
+
 _ACTIVE: Optional["Window"] = None
 _ACTIVE_LOCK = threading.Lock()
 _HOOK = None
@@ -160,6 +166,7 @@ class Window:
         self.calls = calls
         self.last = last
         self.max_bytes = max_bytes
+        self.peak_bytes = 0  # the most bytes the window kept at once (:attr:`kept_bytes` after each new piece)
         self.stores: dict[int, _Store] = {}
         self.warned = False
 
@@ -247,10 +254,17 @@ class Window:
         _install_step_hook()
         return self
 
+    def summary(self) -> dict:
+        """What the window did, for explain(): where it ends, :meth:`stats` and the peak bytes it kept."""
+        return {"ends": self.declared, **self.stats(), "peak_bytes": self.peak_bytes}
+
     def __exit__(self, kind, value, tb) -> None:
         global _ACTIVE
         with _ACTIVE_LOCK:
             _ACTIVE = None
+        if self.stores:
+            _CLOSED[0] += 1
+            HISTORY.append({"closed": _CLOSED[0], **self.summary()})
         stores = [st for st in self.stores.values() if st.pending]
         self.stores.clear()  # never hold a window's activations past its end
         if kind is not None:
@@ -295,6 +309,11 @@ def window(calls: Optional[int] = None, *, last: Optional[Callable[[], bool]] = 
     the deferred backward (exact: the same values; one more forward of those tokens). ``stats()`` reports the
     recomputed tokens."""
     return Window(calls, last, max_bytes)
+
+
+def closed_windows() -> int:
+    """How many windows that saw a call have closed in this process (the last ``closed`` in :data:`HISTORY`)."""
+    return _CLOSED[0]
 
 
 def active_window() -> Optional[Window]:
