@@ -94,7 +94,7 @@ class WindowFunction(torch.autograd.Function):
             if g is None:
                 continue
             if ctx.piece is not None:
-                _add(ctx.piece.pending_frontier, f, g.index_select(d, plan.new_ids.to(g.device)))
+                _add(ctx.piece.pending_frontier, f, g.index_select(d, plan.new_ids.to(g.device)), owned=True)
             if plan.cached_ids.numel():
                 _scatter_to_pieces(store, f, g.index_select(d, plan.cached_ids.to(g.device)), plan.slots, d)
         store.backwards += 1
@@ -214,10 +214,11 @@ def _scatter_to_pieces(store: _Store, f: int, g: Tensor, slots: Tensor, dim: int
         if not bool(hit.any()):
             continue
         sel = hit.nonzero().flatten()
-        shape = list(g.shape)
-        shape[dim] = p.size
-        part = g.new_zeros(shape).index_add_(dim, slots[sel] - p.start, g.index_select(dim, sel))
-        _add(p.pending_frontier, f, part)
+        if p.pending_frontier[f] is None:
+            shape = list(g.shape)
+            shape[dim] = p.size
+            p.pending_frontier[f] = g.new_zeros(shape)
+        p.pending_frontier[f].index_add_(dim, slots[sel] - p.start, g.index_select(dim, sel))
 
 
 def finish_if_complete(w: Window) -> None:

@@ -343,9 +343,15 @@ def _leaf_state(x) -> Optional[tuple]:
     return (x._version, x.untyped_storage().nbytes()) if isinstance(x, Tensor) else None
 
 
-def _add(acc: list, i: int, g: Optional[Tensor]) -> None:
-    if g is not None:
-        acc[i] = g if acc[i] is None else acc[i] + g
+def _add(acc: list, i: int, g: Optional[Tensor], owned: bool = False) -> None:
+    """``acc[i] += g`` in place into a buffer the accumulator owns (``g`` itself when ``owned``: a tensor nothing
+    else holds; else a copy of the first gradient, which the engine may share)."""
+    if g is None:
+        return
+    if acc[i] is None:
+        acc[i] = g if owned else g.clone()
+    else:
+        acc[i].add_(g)
 
 
 def _apply_to_grad(store: _Store, grads: dict[int, Tensor]) -> None:
