@@ -126,9 +126,9 @@ class CachedPrefix:
         return self
 
     def pieces(self, a: TreeAttentionArgs) -> list:
-        """The cross calls as kernel calls (backends.cpu._Piece, never causal), cut into key ranges of at
+        """The cross calls as kernel calls (cpu.py's _Piece, never causal), cut into key ranges of at
         most MATH_KEY_BLOCK where they run as explicit math; with a window, query blocks whose keys are
-        trimmed to the reachable positions and masked by the window (backends.cpu.query_blocks, with the
+        trimmed to the reachable positions and masked by the window (cpu.py's query_blocks, with the
         chunk's positions for the queries and the cache's for the keys)."""
         cv = self.cache_valid.cpu()
         pos = None if a.position is None else a.position.cpu()

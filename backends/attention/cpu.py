@@ -1,7 +1,7 @@
 """Exact, memory-efficient CPU tree attention (docs/ARCHITECTURE.md §6), registered as impl ``"cpu"`` (the default
 on CPU). Two ways, one answer:
 
-- the **compiled kernel** (``cpu_kernel.py``, backends/cpu/tree_attention.cpp): one call over the whole tree computing
+- the **compiled kernel** (``cpu_kernel.py``, common/cpu/tree_attention.cpp): one call over the whole tree computing
   exactly the visible pairs; used when the compiled CPU kernels are available and it takes the call (float32 or
   float64, no window, soft-cap, ALiBi or relative bias: ``cpu_kernel.runs``);
 - the **segment-pair schedule** below, over torch's CPU flash kernel, for everything else.

@@ -72,7 +72,7 @@ features of backends/attention/features.py, in that order; code reads them by na
 
 The op bodies gather their arguments (all but ``impl``) into one :class:`TreeAttentionArgs`, check it once
 (:meth:`TreeAttentionArgs.check`) and hand it to the implementation named ``impl``, looked up in a registry
-(``register_attention_impl``, :class:`brcompile.backends.registry.Registry`); ``"reference"``, ``"cpu"``,
+(``register_attention_impl``, :class:`brcompile.backends.common.registry.Registry`); ``"reference"``, ``"cpu"``,
 ``"triton"`` and ``"flex"`` (FlexAttention, backends/attention/flex.py) are imported lazily on first use and register
 themselves.
 """
@@ -93,7 +93,7 @@ from torch.utils.flop_counter import register_flop_formula
 from brcompile.backends.attention.features import (
     FEATURES, FORWARD_FEATURES_AT, call_features, impl_lacks, needs_position,
 )
-from brcompile.backends.registry import Impl, Registry
+from brcompile.backends.common.registry import Impl, Registry
 
 log = logging.getLogger(__name__)
 
@@ -504,7 +504,7 @@ class AttentionImpl(Impl):
 ATTENTION_IMPLS = Registry("tree_attention", AttentionImpl, builtins={
     "reference": "brcompile.backends.attention.reference",
     "cpu": "brcompile.backends.attention.cpu",
-    "triton": "brcompile.backends.triton",
+    "triton": "brcompile.backends.attention.triton",
     "flex": "brcompile.backends.attention.flex",
 })
 

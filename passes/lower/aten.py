@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from brcompile.backends.scan import linear_scan
+from brcompile.backends.scan.op import linear_scan
 from brcompile.passes.lower import checkpoint as checkpoints
 from brcompile.passes.canonical.scans import linear as linear_scans
 from brcompile.passes.analysis.axes import example_value

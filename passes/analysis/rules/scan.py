@@ -45,8 +45,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from brcompile.backends import matrix_scan as _matrix_ops
-from brcompile.backends import scan as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
+from brcompile.backends.scan import matrix as _matrix_ops
+from brcompile.backends.scan import op as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
 from brcompile.passes.analysis.axes import (
     AxesContext, Local, Window, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,

@@ -4,13 +4,13 @@
 ``M [..., d, d]`` and ``b [..., d, e]`` and the tokens along batch dim ``dim`` — the state recurrence of a
 linear-attention layer: the gated delta rule ``S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``
 (Qwen3-Next's gated DeltaNet, passes/canonical/scans/delta_rule.py) is ``M_t = exp(g_t) (I - β_t k_t k_tᵀ)``, ``b_t = β_t k_t
-v_tᵀ`` (Kimi-Linear's per-channel KDA: ``M_t = (I - β_t k_t k_tᵀ) diag(exp g_t)``). The matrix counterpart of ``tree_linear_scan`` (backends/scan.py), where ``a`` is elementwise.
+v_tᵀ`` (Kimi-Linear's per-channel KDA: ``M_t = (I - β_t k_t k_tᵀ) diag(exp g_t)``). The matrix counterpart of ``tree_linear_scan`` (op.py), where ``a`` is elementwise.
 
 In the prefix tree (§4) a token's earlier positions in every row that holds it are its ancestors, so the dense
 recurrence ``h_t = M_t h_{t-1} + b_t`` along a row (``h_{-1} = 0``) is this one along the token's path.
 
 The op and its backward take an ``impl`` name (last, default ``"auto"``; the emitter passes the backend's
-``scan`` option) looked up in the tree scans' ``SCAN_IMPLS`` (backends/scan.py, ``ScanImpl.matrix_scan`` /
+``scan`` option) looked up in the tree scans' ``SCAN_IMPLS`` (backends/scan/op.py, ``ScanImpl.matrix_scan`` /
 ``matrix_scan_backward``): ``"auto"`` is triton on CUDA, torch elsewhere.
 
 * ``"torch"`` (here, any device and dtype). Forward by pointer doubling of affine maps
@@ -20,7 +20,7 @@ The op and its backward take an ``impl`` name (last, default ``"auto"``; the emi
   over tokens. Backward (its own op, :func:`subtree_matrix_scan`): with ``g = dL/dh``, ``gb[k] = g[k] + sum
   over the children c of k of M[c]ᵀ gb[c]`` (the transposed rounds: scatter-adds to the 2^r-th ancestor),
   ``dL/dM[k] = gb[k] h[parent[k]]ᵀ`` (0 at a root), ``dL/db = gb``.
-* ``"triton"`` (backends/triton/scan.py): the same recurrences token by token, one program per (batch entry,
+* ``"triton"`` (backends/scan/triton.py): the same recurrences token by token, one program per (batch entry,
   block of e columns) walking the tokens in preorder (forward) or reverse preorder (backward): O(N·d²·e), one
   launch each.
 
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.scan import SCAN_IMPLS, ScanError, chain_parent, get_scan_impl, in_layout_of, prefix_rows
+from brcompile.backends.scan.op import SCAN_IMPLS, ScanError, chain_parent, get_scan_impl, in_layout_of, prefix_rows
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _check(M: Tensor, b: Tensor, parent: Tensor, dim: int) -> int:
 
 
 def torch_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, d: int) -> Tensor:
-    """:func:`path_matrix_scan` along batch dim ``d`` (the torch ``ScanImpl.matrix_scan``, backends/scan.py)."""
+    """:func:`path_matrix_scan` along batch dim ``d`` (the torch ``ScanImpl.matrix_scan``, backends/scan/op.py)."""
     return path_matrix_scan(M.movedim(d, 0), b.movedim(d, 0), parent).movedim(0, d).contiguous()
 
 
@@ -179,7 +179,7 @@ torch.library.register_autograd("brcompile::tree_matrix_scan", _grad, setup_cont
 def tree_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str = "auto") -> Tensor:
     """``brcompile::tree_matrix_scan``: ``h[k] = M[k] @ h[parent[k]] + b[k]`` (``h = b`` at a root) along the
     batch dim ``dim`` of ``M [..., d, d]`` and ``b [..., d, e]`` (module docstring). ``impl`` names a
-    :class:`~brcompile.backends.scan.ScanImpl` in ``SCAN_IMPLS`` (``"auto"``: triton on CUDA, torch
+    :class:`~brcompile.backends.scan.op.ScanImpl` in ``SCAN_IMPLS`` (``"auto"``: triton on CUDA, torch
     elsewhere)."""
     return torch.ops.brcompile.tree_matrix_scan(M, b, parent, dim, impl)
 
@@ -224,7 +224,7 @@ def tree_matrix_scan_cached(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl
     (``[..., P, ..., d, e]``, the prefix tokens along ``dim``) there. The chunk's scan with ``b[k] + M[k] @
     h_cache[p(k)]`` at those roots (``p(k) = ancestors[0, k]``, the prefix-local id of k's parent, -1 when it
     is no prefix token: a zero state, so nothing is added): the root's recurrence step, then the local
-    recurrence unchanged (backends/scan.py's ``*_cached`` layout of ``ancestors``).
+    recurrence unchanged (backends/scan/op.py's ``*_cached`` layout of ``ancestors``).
 
     Ordinary differentiable ops around ``tree_matrix_scan``: ``dL/dh_cache[p] = sum over the chunk roots k
     below p of M[k]ᵀ gb[k]`` (the transposed step) reaches the prefix graph as the cached K/V's gradients do,

@@ -1,19 +1,19 @@
-"""brcompile::tree_matrix_scan (backends/matrix_scan.py) against the dense matrix recurrence per row.
+"""brcompile::tree_matrix_scan (backends/scan/matrix.py) against the dense matrix recurrence per row.
 
 The truth: for a dense batch whose rows are read from packed tokens through the tree's ``index`` (rows sharing
 a prefix share its values), the op's packed output read back through ``index`` equals the sequential
 ``h_t = M_t @ h_{t-1} + b_t`` along each row, and the gradients w.r.t. the packed inputs (through the gather, so
-a shared token sums its rows) equal the loop's. Multi-level random trees (tests/backends/test_scan.py), float64.
+a shared token sums its rows) equal the loop's. Multi-level random trees (tests/backends/scan/test_scan.py), float64.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from brcompile.backends import matrix_scan as ms
-from brcompile.backends.scan import ScanError, chain_parent
+from brcompile.backends.scan import matrix as ms
+from brcompile.backends.scan.op import ScanError, chain_parent
 from brcompile.testing import assert_exact
-from tests.backends.test_scan import tree_of
+from tests.backends.scan.test_scan import tree_of
 
 F64 = torch.float64
 #: the ops multiply the loop's factors in another grouping: float64 reassociation only

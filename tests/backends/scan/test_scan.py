@@ -1,4 +1,4 @@
-"""brcompile::tree_cumsum / tree_causal_conv1d / tree_linear_scan / tree_parent (backends/scan.py) against the
+"""brcompile::tree_cumsum / tree_causal_conv1d / tree_linear_scan / tree_parent (backends/scan/op.py) against the
 dense ops per row.
 
 The truth: for a dense batch whose rows are read from packed tokens through the tree's ``index`` (so rows
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from brcompile.backends import scan
+from brcompile.backends.scan import op as scan
 from brcompile.runtime.tree import build_tree, drop_padding
 from brcompile.testing import assert_exact
 

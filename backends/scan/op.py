@@ -25,10 +25,10 @@ doubling loops (path / subtree sums, the linear scan and its transpose) are one,
 with a direction and an optional multiplier.
 
 These are the ``"torch"`` implementations (any device, any floating dtype). ``tree_linear_scan``,
-``tree_causal_conv1d``, ``tree_matrix_scan`` (backends/matrix_scan.py) and their backwards take an ``impl``
+``tree_causal_conv1d``, ``tree_matrix_scan`` (backends/scan/matrix.py) and their backwards take an ``impl``
 name (default ``"auto"``) looked up in
-:data:`SCAN_IMPLS`, a :class:`~brcompile.backends.registry.Registry` of :class:`ScanImpl`: ``"torch"`` (here)
-and ``"triton"`` (``backends/triton/scan.py``, imported on first use); ``"auto"`` is triton on CUDA, torch
+:data:`SCAN_IMPLS`, a :class:`~brcompile.backends.common.registry.Registry` of :class:`ScanImpl`: ``"torch"`` (here)
+and ``"triton"`` (``backends/scan/triton.py``, imported on first use); ``"auto"`` is triton on CUDA, torch
 elsewhere. ``tree_cumsum`` (integer position ids, mostly: a handful of features) runs here only.
 
 ``parent`` is not a tree array of the packed graph; ``tree_parent(end)`` derives it from the subtree ends
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.registry import Impl, Registry
+from brcompile.backends.common.registry import Impl, Registry
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def tree_parent(end: Tensor) -> Tensor:
 
 def in_layout_of(out: Tensor, like: Tensor) -> Tensor:
     """``out`` with the strides of ``torch.empty_like(like)`` (what the ops' fake kernels promise; a compiled
-    graph checks them), copied only when they differ. Shared with backends/matrix_scan.py."""
+    graph checks them), copied only when they differ. Shared with backends/scan/matrix.py."""
     ref = torch.empty_like(like)
     return out if out.stride() == ref.stride() else ref.copy_(out)
 
@@ -141,7 +141,7 @@ def path_ancestors(parent: Tensor, width: int) -> Tensor:
 @dataclasses.dataclass(frozen=True)
 class ScanImpl(Impl):
     """An implementation of the tree scans ``tree_linear_scan``, ``tree_causal_conv1d`` and
-    ``tree_matrix_scan`` (backends/matrix_scan.py) and their backwards (the ops check the arguments first).
+    ``tree_matrix_scan`` (backends/scan/matrix.py) and their backwards (the ops check the arguments first).
 
     linear_scan(a, b, parent, d) -> h
         ``h[k] = a[k] * h[parent[k]] + b[k]`` along dim ``d`` of the broadcast shape of ``a`` and ``b``
@@ -180,7 +180,7 @@ def _triton_on_cuda_else_torch(device: torch.device) -> tuple[str, ...]:
 
 
 #: The tree scan impls: torch (registered below, after the op bodies) and triton (imported on first use).
-SCAN_IMPLS = Registry("tree scan", ScanImpl, builtins={"triton": "brcompile.backends.triton.scan"},
+SCAN_IMPLS = Registry("tree scan", ScanImpl, builtins={"triton": "brcompile.backends.scan.triton"},
                       auto=_triton_on_cuda_else_torch)
 
 
@@ -488,16 +488,16 @@ def _torch_linear_scan_backward(grad: Tensor, a: Tensor, h: Tensor, parent: Tens
 
 
 def _torch_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, d: int) -> Tensor:
-    """``path_matrix_scan`` of backends/matrix_scan.py on the token-first layout (``ScanImpl.matrix_scan``;
+    """``path_matrix_scan`` of backends/scan/matrix.py on the token-first layout (``ScanImpl.matrix_scan``;
     imported when called: that module imports this one)."""
-    from brcompile.backends.matrix_scan import torch_matrix_scan
+    from brcompile.backends.scan.matrix import torch_matrix_scan
 
     return torch_matrix_scan(M, b, parent, d)
 
 
 def _torch_matrix_scan_backward(grad: Tensor, M: Tensor, h: Tensor, parent: Tensor, d: int) -> tuple[Tensor, Tensor]:
-    """``subtree_matrix_scan`` of backends/matrix_scan.py and ``grad_M`` (``ScanImpl.matrix_scan_backward``)."""
-    from brcompile.backends.matrix_scan import torch_matrix_scan_backward
+    """``subtree_matrix_scan`` of backends/scan/matrix.py and ``grad_M`` (``ScanImpl.matrix_scan_backward``)."""
+    from brcompile.backends.scan.matrix import torch_matrix_scan_backward
 
     return torch_matrix_scan_backward(grad, M, h, parent, d)
 
@@ -630,7 +630,7 @@ TREE_PATH_OPS = (torch.ops.brcompile.tree_cumsum.default, torch.ops.brcompile.tr
 
 def prefix_rows(cache: Tensor, ids: Tensor, dim: int) -> Tensor:
     """``cache`` gathered along ``dim`` at the prefix-local ``ids`` (zeros where ``ids == -1``); the cached scans
-    here and in backends/matrix_scan.py read a chunk root's prefix state with it."""
+    here and in backends/scan/matrix.py read a chunk root's prefix state with it."""
     got = cache.index_select(dim, ids.clamp(min=0))
     keep = ids.ge(0).view([-1 if d == dim else 1 for d in range(got.dim())])
     return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
