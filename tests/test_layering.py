@@ -66,8 +66,8 @@ def _private_imports(path: pathlib.Path) -> list[str]:
 
 
 def test_scan_ops_share_helpers_by_public_names():
-    """The scan ops read each other's helpers through public names (backends/scan/op.py's ``in_layout_of`` and
-    ``prefix_rows``, which backends/scan/matrix.py reads), never a leading-underscore name. (The attention
+    """The scan ops read each other's helpers through public names (backends/scan/paths.py's ``in_layout_of``,
+    ``prefix_rows``, ``jump``, which op.py and matrix.py read), never a leading-underscore name. (The attention
     modules are not covered yet: backends/attention/cached.py still reads cpu.py's and op.py's private helpers.)"""
     found = {str(p.relative_to(ROOT)): _private_imports(p) for pkg, p in MODULES
              if pkg == "brcompile.backends" and "scan" in p.relative_to(ROOT).parts}

@@ -36,22 +36,15 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.scan.op import SCAN_IMPLS, ScanError, chain_parent, get_scan_impl, in_layout_of, prefix_rows
+from brcompile.backends.scan.op import SCAN_IMPLS, get_scan_impl
+from brcompile.backends.scan.paths import (
+    ScanError, broadcast_rows, chain_parent, check_tree_array, in_layout_of, jump, prefix_rows,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["tree_matrix_scan", "matrix_scan", "path_matrix_scan", "subtree_matrix_scan", "torch_matrix_scan",
-           "torch_matrix_scan_backward", "reference_matrix_scan", "tree_matrix_scan_cached", "MATRIX_PATH_OPS"]
-
-
-def _jump(anc: Tensor, parent_like: Tensor) -> Tensor:
-    """``parent_like[anc]`` where ``anc >= 0``, -1 elsewhere (stepping up from a root leaves the tree)."""
-    return torch.where(anc >= 0, parent_like[anc.clamp(min=0)], -1)
-
-
-def _rows(mask: Tensor, like: Tensor) -> Tensor:
-    """A ``[N]`` mask shaped to broadcast against ``like`` ``[N, ...]``."""
-    return mask.reshape(mask.shape + (1,) * (like.dim() - 1))
+           "torch_matrix_scan_backward", "tree_matrix_scan_cached", "MATRIX_PATH_OPS"]
 
 
 def path_matrix_scan(M: Tensor, b: Tensor, parent: Tensor) -> Tensor:
@@ -70,7 +63,7 @@ def path_matrix_scan(M: Tensor, b: Tensor, parent: Tensor) -> Tensor:
         A_src = A[src]
         B = B.index_copy(0, src, A_src @ B[at] + B[src])
         A = A.index_copy(0, src, A_src @ A[at])
-        anc = _jump(anc, anc)
+        anc = jump(anc, anc)
     return B
 
 
@@ -91,14 +84,13 @@ def subtree_matrix_scan(g: Tensor, M: Tensor, parent: Tensor) -> Tensor:
         at = anc[src]
         S = S.index_add(0, at, W[src].transpose(-1, -2) @ S[src])
         W = W.index_copy(0, src, W[src] @ W[at])
-        anc = _jump(anc, anc)
+        anc = jump(anc, anc)
     return S
 
 
 def _check(M: Tensor, b: Tensor, parent: Tensor, dim: int) -> int:
     """The token dim (normalised, counted among the batch dims); raises ScanError on bad arguments."""
-    if parent.dim() != 1 or parent.dtype != torch.int64:
-        raise ScanError(f"parent must be a 1-D int64 tensor, got {tuple(parent.shape)} {parent.dtype}")
+    check_tree_array(parent, "parent")
     if M.dtype != b.dtype or not M.is_floating_point():
         raise ScanError(f"tree_matrix_scan: M and b must be floating point of one dtype, got {M.dtype}, {b.dtype}")
     if M.dim() < 3 or M.dim() != b.dim() or M.shape[:-2] != b.shape[:-2] or M.shape[-1] != M.shape[-2] \
@@ -124,7 +116,7 @@ def torch_matrix_scan_backward(grad: Tensor, M: Tensor, h: Tensor, parent: Tenso
     a root), ``grad_b = gb`` (the torch ``ScanImpl.matrix_scan_backward``)."""
     gb = subtree_matrix_scan(grad.movedim(d, 0), M.movedim(d, 0), parent)
     hp = h.movedim(d, 0)[parent.clamp(min=0)]
-    gM = torch.where(_rows(parent >= 0, gb[..., :1]), gb @ hp.transpose(-1, -2),
+    gM = torch.where(broadcast_rows(parent >= 0, gb[..., :1]), gb @ hp.transpose(-1, -2),
                      torch.zeros((), dtype=gb.dtype, device=gb.device))
     return gM.movedim(0, d).contiguous(), gb.movedim(0, d).contiguous()
 
@@ -234,17 +226,3 @@ def tree_matrix_scan_cached(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl
     d = dim % (M.dim() - 2)
     b = b + M @ prefix_rows(h_cache, ancestors[0], d)
     return torch.ops.brcompile.tree_matrix_scan(M, b, parent, dim, impl)
-
-
-# ------------------------------------------------------------------------------------------- oracle
-
-
-def reference_matrix_scan(M: Tensor, b: Tensor, end: Tensor, dim: int) -> Tensor:
-    """Oracle: token by token in preorder (a parent comes before its children), ``h[k] = M[k] @ h[p] + b[k]``
-    with p the deepest proper ancestor of k (``j < k < end[j]``), ``h[k] = b[k]`` at a root."""
-    Mm, bm = M.movedim(dim, 0), b.movedim(dim, 0)
-    h: list[Tensor] = []
-    for k in range(end.shape[0]):
-        anc = [j for j in range(k) if int(end[j]) > k]
-        h.append(Mm[k] @ h[anc[-1]] + bm[k] if anc else bm[k])
-    return torch.stack(h).movedim(0, dim)

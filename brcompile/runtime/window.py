@@ -422,7 +422,7 @@ class WindowFunction(torch.autograd.Function):
 def _check_closed(end: Tensor, cached: Tensor) -> None:
     """WindowError unless the replayed tokens are closed under ancestors (every stored token's ancestors were
     computed by the call that stored it, or earlier)."""
-    from brcompile.backends.scan.op import parent_from_end
+    from brcompile.backends.scan.paths import parent_from_end
 
     parent = parent_from_end(end.cpu())
     has = parent >= 0

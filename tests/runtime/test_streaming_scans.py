@@ -24,9 +24,10 @@ import torch
 import brcompile
 from brcompile.backends.scan.matrix import tree_matrix_scan, tree_matrix_scan_cached
 from brcompile.backends.scan.op import (
-    parent_from_end, tree_causal_conv1d, tree_causal_conv1d_cached, tree_cumsum, tree_cumsum_cached,
-    tree_linear_scan, tree_linear_scan_cached,
+    tree_causal_conv1d, tree_causal_conv1d_cached, tree_cumsum, tree_cumsum_cached, tree_linear_scan,
+    tree_linear_scan_cached,
 )
+from brcompile.backends.scan.paths import parent_from_end
 from brcompile.runtime.streaming import plan_replay
 from brcompile.runtime.tree import build_tree
 from brcompile.testing import TOLERANCE, assert_exact, rel_err

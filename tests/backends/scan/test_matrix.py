@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from brcompile.backends.scan import matrix as ms
-from brcompile.backends.scan.op import ScanError, chain_parent
+from brcompile.backends.scan import matrix as ms, reference
+from brcompile.backends.scan.paths import ScanError, chain_parent
 from brcompile.testing import assert_exact
 from tests.backends.scan.test_scan import tree_of
 
@@ -47,7 +47,7 @@ def test_forward_backward_vs_dense_rows(seed):
     out = ms.tree_matrix_scan(M, b, tree.parent, 0)
     ref = dense_matrix_recurrence(M[tree.index], b[tree.index])
     assert_exact(out[tree.index], ref, EXACT, "tree_matrix_scan")
-    assert_exact(out, ms.reference_matrix_scan(M, b, tree.end, 0), EXACT, "vs oracle")
+    assert_exact(out, reference.reference_matrix_scan(M, b, tree.end, 0), EXACT, "vs oracle")
     w = torch.randn(ref.shape, dtype=F64, generator=torch.Generator().manual_seed(seed))
     got = torch.autograd.grad((out[tree.index] * w).sum(), (M, b))
     want = torch.autograd.grad((ref * w).sum(), (M, b))
