@@ -48,10 +48,11 @@ from torch.utils.flop_counter import register_flop_formula
 from brcompile.backends.attention.features import (
     CACHE_POSITION, CACHED_FEATURES, CACHED_FEATURES_AT, call_features,
 )
+from brcompile.backends.attention.args import (
+    TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, sink_grad, sink_merge,
+)
 from brcompile.backends.attention.op import (
-    ATTENTION_IMPLS, TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, count_visible_pairs,
-    feature_grads, impl_for,
-    register_lower_precision_autocast, sink_grad, sink_merge,
+    ATTENTION_IMPLS, count_visible_pairs, feature_grads, impl_for, register_lower_precision_autocast,
 )
 
 log = logging.getLogger(__name__)

@@ -60,10 +60,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.attention.op import (
-    AttentionImpl, TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward,
-    register_attention_impl, slopes_grad,
+from brcompile.backends.attention.args import (
+    TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward, slopes_grad,
 )
+from brcompile.backends.attention.op import AttentionImpl, register_attention_impl
 from brcompile.backends.attention import cpu_kernel
 from brcompile.backends.attention.reference import relative_bias, relative_bias_grad
 

@@ -63,7 +63,7 @@ class _typed_errors:
 
     def __exit__(self, kind, exc, tb):
         if kind is not None and issubclass(kind, RuntimeError) and "tree attention kernel: " in str(exc):
-            from brcompile.backends.attention.op import TreeAttentionError
+            from brcompile.backends.attention.args import TreeAttentionError
 
             line = next(x for x in str(exc).splitlines() if "tree attention kernel: " in x)
             raise TreeAttentionError("tree_attention: " + line.split("tree attention kernel: ", 1)[1]) from None

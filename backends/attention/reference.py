@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.attention.op import (
-    AttentionImpl, TreeAttentionArgs, attention_backward, attention_forward, register_attention_impl, relative_buckets,
-    slopes_grad,
+from brcompile.backends.attention.args import (
+    TreeAttentionArgs, attention_backward, attention_forward, relative_buckets, slopes_grad,
 )
+from brcompile.backends.attention.op import AttentionImpl, register_attention_impl
 
 log = logging.getLogger(__name__)
 
