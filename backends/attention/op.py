@@ -435,7 +435,7 @@ register_lower_precision_autocast("brcompile::tree_attention_forward", keep=("sl
 # ------------------------------------------------------------------------------------------- flops
 
 
-def _has_data(t: Tensor) -> bool:
+def has_data(t: Tensor) -> bool:
     """Whether t's values can be read (not a meta / fake tensor)."""
     from torch._subclasses.fake_tensor import is_fake
 
@@ -449,7 +449,7 @@ def count_visible_pairs(end: Tensor, valid: Tensor, window: int = 0, position: O
     On tensors without data (fake/meta, e.g. during tracing) returns the dense causal bound N(N+1)/2.
     """
     n = end.shape[0]
-    if not (_has_data(end) and _has_data(valid)) or (window and not _has_data(position)):
+    if not (has_data(end) and has_data(valid)) or (window and not has_data(position)):
         log.debug("tree_attention flops: tree arrays have no data; counting the causal bound over N=%s", n)
         return n * (n + 1) // 2
     idx = torch.arange(n, device=end.device, dtype=end.dtype)
