@@ -37,7 +37,6 @@ the chunk part's plus the cross part's, both from the merged out and lse.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,8 +53,6 @@ from brcompile.backends.attention.args import (
 from brcompile.backends.attention.op import (
     ATTENTION_IMPLS, count_visible_pairs, feature_grads, impl_for, register_lower_precision_autocast,
 )
-
-log = logging.getLogger(__name__)
 
 __all__ = ["CachedPrefix", "cross_calls", "tree_attention_cached"]
 

@@ -22,7 +22,6 @@ and lse):
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -32,8 +31,6 @@ from brcompile.backends.attention.args import (
     TreeAttentionArgs, attention_backward, attention_forward, relative_buckets, slopes_grad,
 )
 from brcompile.backends.attention.op import AttentionImpl, register_attention_impl
-
-log = logging.getLogger(__name__)
 
 __all__ = ["alibi_bias", "dense_tree_mask", "reference_backward", "reference_forward", "relative_bias"]
 

@@ -53,7 +53,6 @@ matmuls are shared (:func:`logprob_forward`, :func:`logprob_backward`). ``"cpu"`
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Callable, Optional
 
@@ -64,8 +63,6 @@ from torch.utils.flop_counter import register_flop_formula
 
 from brcompile.backends.read_packed.op import check_dropped_grad
 from brcompile.backends.common.registry import Impl, Registry
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_BYTES",

@@ -22,15 +22,12 @@ float64 is left to impl "cpu".
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from brcompile.backends.logprob.op import LogprobImpl, register_logprob_impl, softcap_logits
-
-log = logging.getLogger(__name__)
 
 __all__ = ["RowConfig", "is_interpreter", "row_forward", "row_grad", "row_stats"]
 

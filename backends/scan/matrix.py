@@ -30,7 +30,6 @@ and the rule of passes/analysis/rules/matrix_scan.py makes the tree op.
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 from torch import Tensor
@@ -40,8 +39,6 @@ from brcompile.backends.scan.op import SCAN_IMPLS, get_scan_impl
 from brcompile.backends.scan.paths import (
     ScanError, broadcast_rows, chain_parent, check_tree_array, in_layout_of, jump, prefix_rows,
 )
-
-log = logging.getLogger(__name__)
 
 __all__ = ["tree_matrix_scan", "matrix_scan", "path_matrix_scan", "subtree_matrix_scan", "torch_matrix_scan",
            "torch_matrix_scan_backward", "tree_matrix_scan_cached", "MATRIX_PATH_OPS"]

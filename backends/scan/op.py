@@ -37,7 +37,6 @@ elsewhere. ``tree_cumsum`` (integer position ids, mostly: a handful of features)
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable, Optional
 
 import torch
@@ -49,8 +48,6 @@ from brcompile.backends.scan.paths import (
     PATH, SUBTREE, ScanError, ancestor_doubling, broadcast_rows, chain_parent, check_tree_array, in_layout_of,
     parent_from_end, path_ancestors, path_sum, prefix_rows, subtree_sum,
 )
-
-log = logging.getLogger(__name__)
 
 __all__ = ["SCAN_IMPLS", "ScanError", "ScanImpl", "get_scan_impl", "register_scan_impl", "tree_parent",
            "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan", "TREE_PATH_OPS",

@@ -60,7 +60,6 @@ Triton tutorial style: ``@triton.jit`` kernels, a small launcher, strides passed
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Optional
 
 import torch
@@ -68,8 +67,6 @@ import triton
 import triton.language as tl
 
 from brcompile.backends.scan.op import ScanImpl, register_scan_impl
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ConvConfig", "MatrixScanConfig", "ScanConfig", "causal_conv1d", "causal_conv1d_backward",
            "is_interpreter", "linear_scan", "linear_scan_backward", "matrix_scan", "matrix_scan_backward",
