@@ -71,3 +71,11 @@ def test_ops_share_helpers_by_public_names():
     runs), never a leading-underscore name."""
     found = {str(p.relative_to(ROOT)): _private_imports(p) for pkg, p in MODULES if pkg == "brcompile.backends"}
     assert len(found) >= 20 and {k: v for k, v in found.items() if v} == {}
+
+
+def test_backends_modules_stay_small():
+    """No module of backends/ is over 700 lines (docs/ARCHITECTURE.md §2: one that outgrows it is split by meaning
+    inside its op's folder)."""
+    long = {str(p.relative_to(ROOT)): n for pkg, p in MODULES if pkg == "brcompile.backends"
+            for n in [len(p.read_text().splitlines())] if n > 700}
+    assert long == {}
