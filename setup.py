@@ -1,7 +1,7 @@
 """The compiled CPU kernels, built when the package is installed (everything else is in pyproject.toml).
 
 torch must be importable while building, so install with ``pip install --no-build-isolation`` into an environment
-that has torch (README): the library is then built against that very torch, and ``backends/cpu/build.py`` writes
+that has torch (README): the library is then built against that very torch, and ``backends/common/cpu/build.py`` writes
 beside it the record a process checks before loading it. Without torch, or without a working C++ compiler, the
 package installs without the library and builds it just in time on first use instead (or runs the torch paths).
 """
@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _build_module():
-    """backends/cpu/build.py, loaded by path (the package is not importable before it is installed)."""
-    spec = importlib.util.spec_from_file_location("_brcompile_cpu_build", ROOT / "backends" / "cpu" / "build.py")
+    """backends/common/cpu/build.py, loaded by path (the package is not importable before it is installed)."""
+    spec = importlib.util.spec_from_file_location(
+        "_brcompile_cpu_build", ROOT / "backends" / "common" / "cpu" / "build.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
@@ -30,7 +31,8 @@ def _skip(why: str) -> dict:
 
 
 def kernel_extension() -> dict:
-    """setup() arguments that build backends/cpu's kernels as ``brcompile.backends.cpu._kernels`` ({} if not here)."""
+    """setup() arguments that build backends/common/cpu's kernels as ``brcompile.backends.common.cpu._kernels``
+    ({} if not here)."""
     try:
         import torch  # noqa: F401
         from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -59,7 +61,7 @@ def kernel_extension() -> dict:
                 if Path(inplace).is_file():
                     build.write_prebuilt_record(Path(inplace), spec)
 
-    ext = CppExtension(f"brcompile.backends.cpu.{build.PREBUILT_NAME}",
+    ext = CppExtension(f"brcompile.backends.common.cpu.{build.PREBUILT_NAME}",
                        sources=[str(s.relative_to(ROOT)) for s in spec.sources],
                        extra_compile_args=list(spec.cflags), extra_link_args=list(spec.ldflags))
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildKernels}}

@@ -74,7 +74,7 @@ def unfused(h, W, index, targets):
 
 
 def fused(h, W, index, targets):
-    from brcompile.backends.logprob import packed_logprob
+    from brcompile.backends.logprob.op import packed_logprob
 
     return packed_logprob(h, W, index, targets)[0]
 

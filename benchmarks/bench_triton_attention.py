@@ -130,7 +130,7 @@ def _fwd_bwd(run, inputs, grad):
 
 
 def tree_method(end, valid, segments, scale):
-    from brcompile.backends.triton import tree_attention
+    from brcompile.backends.attention.triton import tree_attention
 
     def run(q, k, v):
         return tree_attention(q, k, v, end, valid, segments, scale)[0]
@@ -223,7 +223,7 @@ def check_small_case(device, length: int = 700, dtypes=((torch.float32, 1e-4), (
     """Kernels (fp32 and bf16; with and without a sliding window, soft-capping and a relative bias) and Flex's
     mask vs the float64 reference on a nested, padded tree."""
     from brcompile.backends.attention.reference import reference_backward, reference_forward
-    from brcompile.backends.triton import tree_attention_backward, tree_attention_forward
+    from brcompile.backends.attention.triton import tree_attention_backward, tree_attention_forward
 
     end, valid, segments, position = small_nested_tree(device, length)
     n = end.numel()
@@ -304,7 +304,7 @@ def run_benchmark(args) -> list[Result]:
         n = end.numel()
         tree_pairs = visible_pairs(end, valid)
         dense_pairs = g * (p + t) * (p + t + 1) // 2
-        from brcompile.backends.triton import build_key_tiles, default_launch_config
+        from brcompile.backends.attention.triton import build_key_tiles, default_launch_config
 
         cfg = default_launch_config(D, torch.bfloat16, device)
         torch.cuda.synchronize()
@@ -417,7 +417,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_triton_attention: needs a CUDA GPU (none found); nothing measured. "
-              "The kernels' CPU checks are tests/backends/test_triton_attention.py (TRITON_INTERPRET=1).")
+              "The kernels' CPU checks are tests/backends/attention/test_triton_attention.py (TRITON_INTERPRET=1).")
         return 0
     try:
         import triton  # noqa: F401

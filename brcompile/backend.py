@@ -79,7 +79,7 @@ class Options:
     scan: implementation of the scans along the tree paths (``brcompile::tree_linear_scan``, Mamba's
         selective scan, ``tree_causal_conv1d``, its short conv, and ``tree_matrix_scan``, the gated delta
         rule): "auto" (triton on CUDA, torch
-        otherwise), "torch" (pointer doubling and gathers, any device), "triton" (backends/triton/scan.py).
+        otherwise), "torch" (pointer doubling and gathers, any device), "triton" (backends/scan/triton.py).
     compiler: how the packed graph runs: "inductor" (compiled once with dynamic shapes: one compile
         serves every batch), "aot_eager" (AOTAutograd, no codegen), or "eager" (the FX graph as is).
     fuse_logprob: compute next-token log-probs (log_softmax -> gather, cross_entropy, and the entropy)

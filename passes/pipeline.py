@@ -450,7 +450,8 @@ def check_scan_support(packed: fx.GraphModule, example_inputs, scan: str) -> Non
     """CannotReplay when the packed graph has a linear or matrix scan or a causal conv along the tree paths and
     the scan impl ``scan`` does not run on the inputs' device (``scan="triton"`` without triton or a GPU): the
     original graph runs, with the reason."""
-    from brcompile.backends.scan import ScanError, get_scan_impl
+    from brcompile.backends.scan.op import get_scan_impl
+    from brcompile.backends.scan.paths import ScanError
 
     ops = (torch.ops.brcompile.tree_linear_scan.default, torch.ops.brcompile.tree_causal_conv1d.default,
            torch.ops.brcompile.tree_matrix_scan.default)

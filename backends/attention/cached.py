@@ -37,7 +37,6 @@ the chunk part's plus the cross part's, both from the merged out and lse.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,13 +47,12 @@ from torch.utils.flop_counter import register_flop_formula
 from brcompile.backends.attention.features import (
     CACHE_POSITION, CACHED_FEATURES, CACHED_FEATURES_AT, call_features,
 )
-from brcompile.backends.attention.op import (
-    ATTENTION_IMPLS, TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, count_visible_pairs,
-    feature_grads, impl_for,
-    register_lower_precision_autocast, sink_grad, sink_merge,
+from brcompile.backends.attention.args import (
+    TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, sink_grad, sink_merge,
 )
-
-log = logging.getLogger(__name__)
+from brcompile.backends.attention.op import (
+    ATTENTION_IMPLS, count_visible_pairs, feature_grads, impl_for, register_lower_precision_autocast,
+)
 
 __all__ = ["CachedPrefix", "cross_calls", "tree_attention_cached"]
 
@@ -126,9 +124,9 @@ class CachedPrefix:
         return self
 
     def pieces(self, a: TreeAttentionArgs) -> list:
-        """The cross calls as kernel calls (backends.cpu._Piece, never causal), cut into key ranges of at
+        """The cross calls as kernel calls (cpu.py's Piece, never causal), cut into key ranges of at
         most MATH_KEY_BLOCK where they run as explicit math; with a window, query blocks whose keys are
-        trimmed to the reachable positions and masked by the window (backends.cpu.query_blocks, with the
+        trimmed to the reachable positions and masked by the window (cpu.py's query_blocks, with the
         chunk's positions for the queries and the cache's for the keys)."""
         cv = self.cache_valid.cpu()
         pos = None if a.position is None else a.position.cpu()
@@ -140,21 +138,21 @@ class CachedPrefix:
 def _pieces(calls, cache_valid: Tensor, window: int, position: Optional[Tensor], cache_position: Optional[Tensor],
             block: int = 512):
     """The kernel calls of ``calls`` (see :meth:`CachedPrefix.pieces`)."""
-    from brcompile.backends.attention.cpu import _Piece, query_blocks
+    from brcompile.backends.attention.cpu import Piece, query_blocks
 
     for call in calls:
         if not window:
             seen = cache_valid[None, call.k_start:call.k_stop] if call.holes else None
-            yield _Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, False, None, None, seen)
+            yield Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, False, None, None, seen)
             continue
         for q0, q1, k0, k1, seen in query_blocks(call.q_start, call.q_stop, call.k_start, call.k_stop, position,
                                                  cache_position, cache_valid, window, block):
-            yield _Piece(q0, q1, k0, k1, False, None, ~seen.any(1), seen)
+            yield Piece(q0, q1, k0, k1, False, None, ~seen.any(1), seen)
 
 
 def _cross_forward(a: TreeAttentionArgs, c: CachedPrefix, out: Tensor, lse: Tensor) -> None:
     """Merge every cross piece's (out_i, lse_i) into (out, lse)."""
-    from brcompile.backends.attention.cpu import _flash_fwd, _group_kv, _merge_safe, additive_mask, math_forward
+    from brcompile.backends.attention.cpu import flash_fwd, group_kv, merge_safe, additive_mask, math_forward
 
     hkv = c.k_cache.shape[0]
     g = a.q.shape[0] // hkv
@@ -162,9 +160,9 @@ def _cross_forward(a: TreeAttentionArgs, c: CachedPrefix, out: Tensor, lse: Tens
     slopes = a.alibi_slopes()
     for pc in c.pieces(a):
         qs = slice(pc.q0, pc.q1)
-        kg, vg = _group_kv(c.k_cache, pc, g), _group_kv(c.v_cache, pc, g)
+        kg, vg = group_kv(c.k_cache, pc, g), group_kv(c.v_cache, pc, g)
         if _flash(a):
-            o, l = _flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=additive_mask(pc.seen, a.q.dtype),
+            o, l = flash_fwd(qg[:, :, qs], kg, vg, 0.0, False, attn_mask=additive_mask(pc.seen, a.q.dtype),
                               scale=a.scale)
         else:
             o, l = math_forward(qg[:, :, qs].to(lse.dtype), kg.to(lse.dtype), vg.to(lse.dtype), pc.seen, a.scale,
@@ -173,7 +171,7 @@ def _cross_forward(a: TreeAttentionArgs, c: CachedPrefix, out: Tensor, lse: Tens
         if pc.empty_rows is not None:
             e = pc.empty_rows.to(o.device)
             o, l = o.masked_fill(e[None, :, None], 0.0), l.masked_fill(e[None, :], float("-inf"))
-        _merge_safe(out[:, qs], lse[:, qs], o, l)
+        merge_safe(out[:, qs], lse[:, qs], o, l)
 
 
 def _cross_bias(a: TreeAttentionArgs, c: CachedPrefix, slopes: Optional[Tensor], pc, hkv: int) -> Optional[Tensor]:
@@ -193,7 +191,9 @@ def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out
     """Accumulate the cross pieces' (dq, dk_cache, dv_cache), and the position biases' gradients into ``drel``
     [Hq, n, E] and ``dslopes`` [Hq] when given, with the merged out and lse (a row that sees nothing at all gets
     lse = +inf, so every p of it is 0)."""
-    from brcompile.backends.attention.cpu import _flash_bwd, _group_kv, accumulate_bias_grads, additive_mask, math_backward
+    from brcompile.backends.attention.cpu import (
+        accumulate_bias_grads, additive_mask, flash_bwd, group_kv, math_backward,
+    )
 
     hkv = c.k_cache.shape[0]
     g = a.q.shape[0] // hkv
@@ -202,9 +202,9 @@ def _cross_backward(a: TreeAttentionArgs, c: CachedPrefix, grad_out: Tensor, out
     slopes = a.alibi_slopes()
     for pc in c.pieces(a):
         qs, ks = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
-        kg, vg = _group_kv(c.k_cache, pc, g), _group_kv(c.v_cache, pc, g)
+        kg, vg = group_kv(c.k_cache, pc, g), group_kv(c.v_cache, pc, g)
         if _flash(a):
-            gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
+            gq, gk, gv = flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     False, attn_mask=additive_mask(pc.seen, a.q.dtype), scale=a.scale)
         else:
             acc = lse.dtype
@@ -355,9 +355,9 @@ def tree_attention_cached(q: Tensor, k: Tensor, v: Tensor, tree, k_cache: Tensor
 
 def _cross_pairs(cross: Tensor, cache_valid: Tensor) -> int:
     """Visible (query, cached key) pairs: per cross row, its queries times its valid cache keys."""
-    from brcompile.backends.attention.op import _has_data
+    from brcompile.backends.attention.op import has_data
 
-    if not (_has_data(cross) and _has_data(cache_valid)):
+    if not (has_data(cross) and has_data(cache_valid)):
         return 0
     before = torch.zeros(cache_valid.shape[0] + 1, dtype=torch.int64, device=cache_valid.device)
     before[1:] = cache_valid.cumsum(0)

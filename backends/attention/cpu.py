@@ -1,7 +1,7 @@
 """Exact, memory-efficient CPU tree attention (docs/ARCHITECTURE.md §6), registered as impl ``"cpu"`` (the default
 on CPU). Two ways, one answer:
 
-- the **compiled kernel** (``cpu_kernel.py``, backends/cpu/tree_attention.cpp): one call over the whole tree computing
+- the **compiled kernel** (``cpu_kernel.py``, common/cpu/tree_attention.cpp): one call over the whole tree computing
   exactly the visible pairs; used when the compiled CPU kernels are available and it takes the call (float32 or
   float64, no window, soft-cap, ALiBi or relative bias: ``cpu_kernel.runs``);
 - the **segment-pair schedule** below, over torch's CPU flash kernel, for everything else.
@@ -60,10 +60,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.attention.op import (
-    AttentionImpl, TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward,
-    register_attention_impl, slopes_grad,
+from brcompile.backends.attention.args import (
+    TreeAttentionArgs, TreeAttentionError, attention_backward, attention_forward, slopes_grad,
 )
+from brcompile.backends.attention.op import AttentionImpl, register_attention_impl
 from brcompile.backends.attention import cpu_kernel
 from brcompile.backends.attention.reference import relative_bias, relative_bias_grad
 
@@ -71,8 +71,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AttentionCall", "cpu_backward", "cpu_forward", "segment_schedule"]
 
-_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+#: ATen's CPU flash-attention kernels, forward and backward (cached.py runs them too)
+flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ WINDOW_QUERY_BLOCK = 512
 
 
 @dataclass(frozen=True)
-class _Piece:
+class Piece:
     """One kernel call: queries [q0, q1) x keys [k0, k1), causal or with an explicit mask."""
 
     q0: int
@@ -202,13 +203,13 @@ def _pieces(call: AttentionCall, valid: Tensor, dtype: torch.dtype, window: int,
     """The kernel calls of one schedule call: itself, or (with a window, or ``blocked``) its query blocks
     with an explicit [nq, nk] visibility (module docstring)."""
     if not (window or blocked):
-        yield _Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, call.causal,
+        yield Piece(call.q_start, call.q_stop, call.k_start, call.k_stop, call.causal,
                      _key_mask(valid, call, dtype), None)
         return
     blocks = query_blocks(call.q_start, call.q_stop, call.k_start, call.k_stop, position, position, valid, window,
                           WINDOW_QUERY_BLOCK, call.causal)
     for q0, q1, k0, k1, seen in blocks:
-        yield _Piece(q0, q1, k0, k1, False, additive_mask(seen, dtype), ~seen.any(1), seen)
+        yield Piece(q0, q1, k0, k1, False, additive_mask(seen, dtype), ~seen.any(1), seen)
 
 
 def query_blocks(q_start: int, q_stop: int, k_start: int, k_stop: int, qpos: Optional[Tensor],
@@ -301,9 +302,9 @@ def _key_mask(valid: Tensor, call: AttentionCall, dtype: torch.dtype):
     return additive_mask(valid[None, call.k_start : call.k_stop], dtype)
 
 
-def _group_kv(t: Tensor, call, g: int) -> Tensor:
+def group_kv(t: Tensor, call, g: int) -> Tensor:
     """Keys/values of a call or piece, [Hkv, Lk, D] -> [Hkv, g, Lk, D] expanded with stride 0 (no copy)."""
-    k0, k1 = (call.k0, call.k1) if isinstance(call, _Piece) else (call.k_start, call.k_stop)
+    k0, k1 = (call.k0, call.k1) if isinstance(call, Piece) else (call.k_start, call.k_stop)
     return _grouped(t[:, k0:k1], g)
 
 
@@ -350,12 +351,12 @@ def cpu_forward(a: TreeAttentionArgs) -> tuple[Tensor, Tensor]:
             o, l = math_forward(qg[:, :, pc.q0 : pc.q1].to(acc_dtype), kk.to(acc_dtype), vv.to(acc_dtype), pc.seen,
                                 a.scale, a.softcap, _bias(a, slopes, pc, hkv))
         else:
-            o, l = _flash_fwd(qg[:, :, pc.q0 : pc.q1], kk, vv, 0.0, pc.causal, attn_mask=pc.mask, scale=a.scale)[:2]
+            o, l = flash_fwd(qg[:, :, pc.q0 : pc.q1], kk, vv, 0.0, pc.causal, attn_mask=pc.mask, scale=a.scale)[:2]
         rows = slice(pc.q0, pc.q1)
         if pc.empty_rows is not None and bool(pc.empty_rows.any()):  # window: rows that saw nothing here
             o = o.masked_fill(pc.empty_rows[None, None, :, None], 0.0)
             l = l.masked_fill(pc.empty_rows[None, None, :], float("-inf"))
-            _merge_safe(outg[:, :, rows], lseg[:, :, rows], o, l)
+            merge_safe(outg[:, :, rows], lseg[:, :, rows], o, l)
         elif pc.touched:
             _merge_into(outg[:, :, rows], lseg[:, :, rows], o, l)
         else:  # first contribution to these rows: the merge would be a copy
@@ -370,7 +371,7 @@ def _explicit_math(a: TreeAttentionArgs) -> bool:
     return bool(a.softcap or a.has_alibi or a.relbias is not None)
 
 
-def _bias(a: TreeAttentionArgs, slopes: Optional[Tensor], pc: "_Piece", hkv: int) -> Optional[Tensor]:
+def _bias(a: TreeAttentionArgs, slopes: Optional[Tensor], pc: "Piece", hkv: int) -> Optional[Tensor]:
     """The ALiBi bias plus the relative bias of piece ``pc`` (queries and keys both of ``a``'s tree),
     [Hkv, g, nq, nk] in the accumulation dtype, or None."""
     if slopes is None and a.relbias is None:
@@ -446,7 +447,7 @@ def _with_touched(items: list, n: int) -> list:
     return out
 
 
-def _merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
+def merge_safe(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
     """_merge_into where either side may be -inf (a row that has seen nothing): weights 0 there."""
     lse_new = torch.logaddexp(lse_acc, lse_part)
     none = torch.isneginf(lse_new)
@@ -498,7 +499,7 @@ def cpu_backward(a: TreeAttentionArgs, grad_out: Tensor, out: Tensor, lse: Tenso
             if ds:
                 accumulate_bias_grads(ds[0].flatten(0, 1), qs, pos[qs], pos[ks], drel, dslopes)
         else:
-            gq, gk, gv = _flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
+            gq, gk, gv = flash_bwd(gog[:, :, qs], qg[:, :, qs], kg, vg, outg[:, :, qs], lseg[:, :, qs], 0.0,
                                     pc.causal, attn_mask=pc.mask, scale=a.scale)
         dqg[:, :, qs] += gq
         dk[:, ks] += gk.sum(1, dtype=acc_dtype)

@@ -1,4 +1,4 @@
-"""The "cpu" impl's compiled kernel (backends/cpu/tree_attention.cpp): tree attention in one pass over the tree.
+"""The "cpu" impl's compiled kernel (backends/common/cpu/tree_attention.cpp): tree attention in one pass over the tree.
 
 The segment-pair schedule (``cpu.py``) runs tree attention as many calls of torch's CPU flash kernel, two per
 segment, merged by logsumexp. On a ragged RL batch that is dozens of small calls per layer: each computes its
@@ -13,14 +13,14 @@ Python's cost for its slicing and merge. The kernel computes exactly the visible
 
 It takes float32 and float64 CPU tensors and no attention feature (window, soft-cap, ALiBi, relative bias):
 :func:`runs` says whether a call can use it; the ``"cpu"`` impl runs the segment-pair schedule otherwise, and
-when the compiled kernels are off or could not be built (backends/cpu: ``BRCOMPILE_CPU_KERNELS``).
+when the compiled kernels are off or could not be built (backends/common/cpu: ``BRCOMPILE_CPU_KERNELS``).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from brcompile.backends import cpu as kernels
+from brcompile.backends.common import cpu as kernels
 
 __all__ = ["DTYPES", "backward", "forward", "runs"]
 
@@ -63,7 +63,7 @@ class _typed_errors:
 
     def __exit__(self, kind, exc, tb):
         if kind is not None and issubclass(kind, RuntimeError) and "tree attention kernel: " in str(exc):
-            from brcompile.backends.attention.op import TreeAttentionError
+            from brcompile.backends.attention.args import TreeAttentionError
 
             line = next(x for x in str(exc).splitlines() if "tree attention kernel: " in x)
             raise TreeAttentionError("tree_attention: " + line.split("tree attention kernel: ", 1)[1]) from None

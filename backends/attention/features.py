@@ -18,10 +18,7 @@ TreeAttentionArgs field of the same name, and the impls that support it declarin
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Mapping, Optional, Sequence
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "Feature", "FEATURES", "CACHED_FEATURES", "CACHE_POSITION", "FEATURE_NAMES", "FORWARD_BLOCKS", "CACHED_BLOCKS", "FORWARD_FEATURES_AT", "CACHED_FEATURES_AT",

@@ -53,10 +53,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from brcompile.backends.attention.op import (
-    AttentionImpl, AttentionImplError, TreeAttentionArgs, attention_backward, attention_forward,
-    register_attention_impl,
-)
+from brcompile.backends.attention.args import TreeAttentionArgs, attention_backward, attention_forward
+from brcompile.backends.attention.op import AttentionImpl, AttentionImplError, register_attention_impl
 
 log = logging.getLogger(__name__)
 

@@ -22,18 +22,15 @@ and lse):
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from brcompile.backends.attention.op import (
-    AttentionImpl, TreeAttentionArgs, attention_backward, attention_forward, register_attention_impl, relative_buckets,
-    slopes_grad,
+from brcompile.backends.attention.args import (
+    TreeAttentionArgs, attention_backward, attention_forward, relative_buckets, slopes_grad,
 )
-
-log = logging.getLogger(__name__)
+from brcompile.backends.attention.op import AttentionImpl, register_attention_impl
 
 __all__ = ["alibi_bias", "dense_tree_mask", "reference_backward", "reference_forward", "relative_bias"]
 

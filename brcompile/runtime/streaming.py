@@ -135,7 +135,7 @@ def _prefix_ancestors(end: Tensor, in_prefix: Tensor, before: Tensor, depth: int
     path, when that is a prefix token, else -1 (past a root, or an ancestor in k's own leaf segment). A
     leaf segment's ancestors outside it are prefix tokens, so a chunk token reads along its path first
     tokens of its own chunk (the chunk's local tree), then cached prefix tokens (these ids)."""
-    from brcompile.backends.scan import parent_from_end, path_ancestors
+    from brcompile.backends.scan.paths import parent_from_end, path_ancestors
 
     if depth == 0:
         return end.new_empty(0, end.shape[0], dtype=torch.int64)

@@ -45,7 +45,7 @@ import torch.fx as fx
 
 from brcompile import runtime
 from brcompile.backend import BranchReplayBackend, GraphRecord, branch_replay
-from brcompile.backends.read_packed import dropped_grads_unchecked
+from brcompile.backends.read_packed.op import dropped_grads_unchecked
 from brcompile.passes.analysis.axes import is_inplace
 from brcompile.passes.lower.functionalize import functionalize
 from brcompile.runtime.window import HISTORY, closed_windows

@@ -64,7 +64,7 @@ SUM = set(spellings("sum"))
 
 def _op():
     """brcompile::packed_logprob (importing the backends module registers it)."""
-    import brcompile.backends.logprob  # noqa: F401
+    import brcompile.backends.logprob.op  # noqa: F401
 
     return torch.ops.brcompile.packed_logprob.default
 

@@ -24,7 +24,7 @@ from brcompile.passes.analysis.liveness import safe_operand
 from brcompile.passes.meta import AXES, ROWS, SEQUENCES, TOKEN_OUTPUTS, WRITTEN_INPUTS, has_origin, record_origin
 from brcompile.passes.spellings import CHEAP_VIEWS
 from brcompile.runtime.tree import GRAPH_ARGS
-from brcompile.backends.read_packed import read_packed
+from brcompile.backends.read_packed.op import read_packed
 from brcompile.passes.analysis.tree_inputs import Analysis
 
 
@@ -41,7 +41,7 @@ class PackOptions:
     #: with drop_padding: positions may be left out before a kept one of the same row (key-padded ones); False
     #: when only positions after a row's last needed one are (every kept token's row prefix is kept)
     drops_within_rows: bool = True
-    scan: str = "auto"  # the impl of brcompile::tree_linear_scan (backends/scan.py: SCAN_IMPLS)
+    scan: str = "auto"  # the impl of brcompile::tree_linear_scan (backends/scan/op.py: SCAN_IMPLS)
 
 
 def materialize(data: torch.Tensor, index: torch.Tensor, row: Optional[int], pos: int, dropped: bool = False,

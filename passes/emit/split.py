@@ -11,7 +11,7 @@ Every trunk value carries the token dim N exactly once (checked on a fake-tensor
 token dim flattened with k entries per token, ``k·N``, counts as one: the analysis's flattened layout,
 passes/analysis/axes.py ``TokenAxes.flat``, entry ``n·k + s`` of token n — a gated norm's ``reshape(-1, D)`` of its
 heads —; the outer graph reads no such value), and the only ops that mix tokens are tree attention and the
-scans along the tree paths (backends/scan.py: ``TREE_PATH_OPS``, backends/matrix_scan.py:
+scans along the tree paths (backends/scan/op.py: ``TREE_PATH_OPS``, backends/scan/matrix.py:
 ``MATRIX_PATH_OPS``), both reading a token's ancestors only; so the trunk can run on any token subset whose
 ancestors it can see. :func:`split_for_replay` emits three graphs:
 
@@ -24,8 +24,8 @@ ancestors it can see. :func:`split_for_replay` emits three graphs:
   ``tree_attention_cached_forward`` that also attends the cached K/V (backends/attention/cached.py); each scan runs
   on the chunk's own paths (``tree_parent`` of the chunk's ``end``) plus the cached values gathered at the
   chunk tokens' prefix ancestors (``cache_ancestors``: ``Chunk.ancestors``, brcompile/runtime/streaming.py),
-  by ``tree_linear_scan_cached`` / ``tree_cumsum_cached`` / ``tree_causal_conv1d_cached`` (backends/scan.py)
-  and ``tree_matrix_scan_cached`` (backends/matrix_scan.py, the gated delta rule's state):
+  by ``tree_linear_scan_cached`` / ``tree_cumsum_cached`` / ``tree_causal_conv1d_cached`` (backends/scan/op.py)
+  and ``tree_matrix_scan_cached`` (backends/scan/matrix.py, the gated delta rule's state):
   ordinary differentiable ops around the scan, so the cached values' gradients flow back into the prefix
   as the cached K/V's do. A chunk is made of leaf segments, whose ancestors outside the chunk are all
   prefix tokens (never another chunk's);
@@ -51,8 +51,8 @@ from brcompile.backends.attention.features import (
     CACHE_POSITION, CACHED_BLOCKS, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail,
 )
 from brcompile.backends.attention.op import attention_features
-from brcompile.backends.matrix_scan import MATRIX_PATH_OPS, tree_matrix_scan_cached
-from brcompile.backends.scan import (
+from brcompile.backends.scan.matrix import MATRIX_PATH_OPS, tree_matrix_scan_cached
+from brcompile.backends.scan.op import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
 )
 from brcompile.passes.analysis.repack import repack_tokens
@@ -384,8 +384,8 @@ def _check_scan(scan: fx.Node, tok_nodes) -> None:
 
 
 def _cached_scan(g: fx.Graph, scan: fx.Node, env: dict, cache: fx.Node, ancestors: fx.Node) -> fx.Node:
-    """``scan`` on a chunk against its cached prefix values (backends/scan.py: ``*_cached``,
-    backends/matrix_scan.py: ``tree_matrix_scan_cached``)."""
+    """``scan`` on a chunk against its cached prefix values (backends/scan/op.py: ``*_cached``,
+    backends/scan/matrix.py: ``tree_matrix_scan_cached``)."""
     args = tuple(env[a] if isinstance(a, fx.Node) else a for a in scan.args)
     if scan.target is _CONV:
         x, w, b, parent = args[:4]

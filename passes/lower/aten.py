@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from brcompile.backends.scan import linear_scan
+from brcompile.backends.scan.op import linear_scan
 from brcompile.passes.lower import checkpoint as checkpoints
 from brcompile.passes.canonical.scans import linear as linear_scans
 from brcompile.passes.analysis.axes import example_value
@@ -627,7 +627,7 @@ def _vector_norm(node, args, kwargs):
 
 def _chain_scan(node, args, kwargs):
     """``brcompile::tree_linear_scan(a, b, arange(-1, n - 1), dim)`` with n the length of ``dim`` — the tree
-    of one chain per row, what the dense ``linear_scan(a, b, dim)`` traces to (backends/scan.py) —
+    of one chain per row, what the dense ``linear_scan(a, b, dim)`` traces to (backends/scan/op.py) —
     → ``linear_scan(a, b, dim)``; on any other parent (or impl) it stays the op."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 

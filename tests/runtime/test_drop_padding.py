@@ -26,9 +26,9 @@ from torch.testing import assert_close
 import brcompile
 from brcompile.testing import TOLERANCE, assert_exact, assert_subtree_ranges
 from brcompile.backends.attention.cpu import _check_segments
-from brcompile.backends.logprob import packed_logprob, reference_packed_logprob
+from brcompile.backends.logprob.op import packed_logprob, reference_packed_logprob
 from brcompile.runtime.tree import build_tree, drop_padding
-from brcompile.backends.read_packed import DroppedPositionGradError, read_packed
+from brcompile.backends.read_packed.op import DroppedPositionGradError, read_packed
 from brcompile.runtime.tree import padding as tree_mod
 from examples.gpt import GPT, GPTConfig
 from tests.helpers import grpo_needed_tokens

@@ -1,4 +1,4 @@
-"""Streaming replay of graphs with tree scans (docs/ARCHITECTURE.md §7; passes/emit/split.py, backends/scan.py's
+"""Streaming replay of graphs with tree scans (docs/ARCHITECTURE.md §7; passes/emit/split.py, backends/scan/op.py's
 ``*_cached`` functions, ``Chunk.ancestors``).
 
 A tail chunk's scans read their tokens' ancestors outside the chunk from the prefix: a linear scan's state and
@@ -22,11 +22,12 @@ import pytest
 import torch
 
 import brcompile
-from brcompile.backends.matrix_scan import tree_matrix_scan, tree_matrix_scan_cached
-from brcompile.backends.scan import (
-    parent_from_end, tree_causal_conv1d, tree_causal_conv1d_cached, tree_cumsum, tree_cumsum_cached,
-    tree_linear_scan, tree_linear_scan_cached,
+from brcompile.backends.scan.matrix import tree_matrix_scan, tree_matrix_scan_cached
+from brcompile.backends.scan.op import (
+    tree_causal_conv1d, tree_causal_conv1d_cached, tree_cumsum, tree_cumsum_cached, tree_linear_scan,
+    tree_linear_scan_cached,
 )
+from brcompile.backends.scan.paths import parent_from_end
 from brcompile.runtime.streaming import plan_replay
 from brcompile.runtime.tree import build_tree
 from brcompile.testing import TOLERANCE, assert_exact, rel_err

@@ -1,6 +1,6 @@
 """brcompile.runtime.tree: the packed prefix tree against a brute-force Python trie (dict keyed by prefix tuples).
-On the CPU the compiled kernel (backends/cpu/prefix_tree.cpp) builds the trees of ``hash_fn=None``; the tests of the
-vectorised paths (hashed order, exact sort) turn it off (``torch_path``)."""
+On the CPU the compiled kernel (backends/common/cpu/prefix_tree.cpp) builds the trees of ``hash_fn=None``; the
+tests of the vectorised paths (hashed order, exact sort) turn it off (``torch_path``)."""
 import math
 import shutil
 import struct

@@ -11,12 +11,12 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-from brcompile.backends import cpu as kernels
+from brcompile.backends.common import cpu as kernels
 from brcompile.runtime.tree.layout import PackedTree, TreeStats, assemble
 
 counters: collections.Counter = collections.Counter()
 """Event counts, asserted exactly in tests. ``builds``: calls of build_tree; ``compiled``: the compiled CPU kernel
-built the tree (backends/cpu/prefix_tree.cpp); ``hashed_order``: the hashed row order passed verification;
+built the tree (backends/common/cpu/prefix_tree.cpp); ``hashed_order``: the hashed row order passed verification;
 ``hash_fallback``: it failed verification and the exact order was used; ``exact_order``: the exact order was
 used directly (see _use_pairwise_search)."""
 
@@ -60,7 +60,7 @@ def build_tree(
     cheaper way for the batch's shape (B > 64 and B * log2(L) > 4 L, or B > PAIRWISE_MAX_ROWS).
 
     On the CPU, without a ``hash_fn``, the compiled kernel builds the same tree in one call when the compiled CPU
-    kernels are available (backends/cpu: an exact sort of the rows, no hash; ``counters["compiled"]``).
+    kernels are available (backends/common/cpu: an exact sort of the rows, no hash; ``counters["compiled"]``).
 
     Raises TreeInputError (a ValueError) on inputs that are not one [B, L] batch with B, L >= 1.
     """

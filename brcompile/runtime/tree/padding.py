@@ -11,7 +11,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-from brcompile.backends import cpu as kernels
+from brcompile.backends.common import cpu as kernels
 from brcompile.runtime.tree.build import HashFn, PerToken, TreeInputError, build_tree, input_list
 from brcompile.runtime.tree.layout import PackedTree, TreeStats
 
@@ -44,7 +44,7 @@ def drop_positions(tree: PackedTree, needed: Optional[Tensor] = None, live: Opti
     B*L / N', inf when nothing is kept), dead_tokens = N - N', depth = the most kept positions of a row; rows,
     logical_tokens, valid_tokens unchanged. A tree that keeps every token is returned as is (with its
     live_tokens counted). Vectorised: O(B*L + N) work, two host synchronisations; on the CPU the compiled kernel
-    (backends/cpu/prefix_tree.cpp, when available) does the same in one call.
+    (backends/common/cpu/prefix_tree.cpp, when available) does the same in one call.
     """
     if needed is None:  # drop_padding: the valid tokens, no liveness
         needed, live = tree.valid[tree.index], None

@@ -144,7 +144,7 @@ def _check_accumulates(store: _Store, ext_ids: Sequence[int]) -> None:
 def _check_closed(end: Tensor, cached: Tensor) -> None:
     """WindowError unless the replayed tokens are closed under ancestors (every stored token's ancestors were
     computed by the call that stored it, or earlier)."""
-    from brcompile.backends.scan import parent_from_end
+    from brcompile.backends.scan.paths import parent_from_end
 
     parent = parent_from_end(end.cpu())
     has = parent >= 0

@@ -50,7 +50,7 @@ from brcompile.passes.emit.fuse_logprob import emit_fused_gather
 from brcompile.passes.meta import RELBIAS_ZERO, SOFTCAP
 from brcompile.backends.attention.features import feature_tail, needs_position
 from brcompile.passes.spellings import BROADCASTS, spellings
-from brcompile.backends.read_packed import read_packed
+from brcompile.backends.read_packed.op import read_packed
 
 SDPA = list(spellings("sdpa"))
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from brcompile.backends import matrix_scan as _ops
+from brcompile.backends.scan import matrix as _ops
 from brcompile.passes.analysis.axes import (
     AxesContext, Window, dense_fallback, example_value, get_axes, normalize_dim, register_rule, token,
 )

@@ -5,7 +5,7 @@ A scan along the position dim of a TOKEN value reads the earlier positions of it
 positions in every row that holds it are its ancestors in the prefix tree (§4: the rows holding node k agree
 on every column before k's), so the dense scan at ``(b, t)`` is a function of the path from the root to
 ``index[b, t]`` — the same for every (b, t) of node k — and the packed graph computes it along the paths
-(``backends/scan.py``). Causal and row-independent: the invariant of docs/ARCHITECTURE.md §3.6 holds.
+(``backends/scan/op.py``). Causal and row-independent: the invariant of docs/ARCHITECTURE.md §3.6 holds.
 
 * ``cumsum(x, dim=pos)`` (any spelling; ``dtype=`` and the int64 promotion of integer inputs kept) →
   ``brcompile::tree_cumsum(x, parent, pos)``: ``out[k] = sum of x over k's ancestors-or-self``. A TOKEN
@@ -45,8 +45,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from brcompile.backends import matrix_scan as _matrix_ops
-from brcompile.backends import scan as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
+from brcompile.backends.scan import matrix as _matrix_ops
+from brcompile.backends.scan import op as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
 from brcompile.passes.analysis.axes import (
     AxesContext, Local, Window, dense_fallback, example_value, get_axes, normalize_dim,
     register_rule, shape_of, token,

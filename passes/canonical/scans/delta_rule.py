@@ -16,7 +16,7 @@ padded to a multiple of the chunk, the UT transform of the delta updates inverte
 sub).sum(-2)`` that Dynamo unrolls and passes/lower/functionalize.py makes select/slice scatters), a loop over chunks
 carrying the state. No token-axis rule reads that: the chunk reshape mixes positions. This pass finds the region
 and, when it is proved to be the recurrence, replaces it by ``M``, ``b``, ``S = matrix_scan(M, b, pos)``
-(backends/matrix_scan.py) and ``o = Σ_i S[..., i, :] q[..., i]``, in the analysis copy (the user's graph is
+(backends/scan/matrix.py) and ``o = Σ_i S[..., i, :] q[..., i]``, in the analysis copy (the user's graph is
 untouched). The rule of ``matrix_scan`` (passes/analysis/rules/matrix_scan.py) then makes it ``brcompile::tree_matrix_scan``
 along the tree paths.
 
@@ -55,7 +55,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from brcompile.backends.matrix_scan import matrix_scan
+from brcompile.backends.scan.matrix import matrix_scan
 from brcompile.passes.analysis.axes import example_value
 from brcompile.passes import probe
 from brcompile.passes.canonical.scans.linear import LEFT

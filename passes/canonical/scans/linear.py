@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch._functorch import predispatch
 
-from brcompile.backends.scan import linear_scan
+from brcompile.backends.scan.op import linear_scan
 from brcompile.passes import probe
 from brcompile.passes.analysis.axes import example_value
 from brcompile.passes.spellings import (

@@ -19,7 +19,7 @@ chunk einsums): the region ran densely on the B·L positions and its output was 
 
     a = exp(la)[..., None, None]                    [B, L, H, 1, 1]
     b = u[..., :, None] · B[..., None, :]           [B, L, H, P, N]
-    h = linear_scan(a, b, dim=1)                    (backends.scan: h_t = a_t h_{t-1} + b_t)
+    h = linear_scan(a, b, dim=1)                    (backends.scan.op: h_t = a_t h_{t-1} + b_t)
     y = (h · C[..., None, :]).sum(-1)  (+ d · x)    [B, L, H, P]
 
 whose ops all have token-axis rules: ``linear_scan`` along the positions becomes ``brcompile::tree_linear_scan``
@@ -57,7 +57,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from brcompile.backends.scan import linear_scan
+from brcompile.backends.scan.op import linear_scan
 from brcompile.passes.analysis.axes import example_value, hint
 from brcompile.passes import probe
 from brcompile.passes.canonical.scans.linear import LEFT

@@ -1,6 +1,7 @@
-"""The "cpu" impl's compiled kernel (backends/attention/cpu_kernel.py, backends/cpu): built where a C++ compiler is, exact against
-the float64 oracle on every tree shape its loops distinguish, deterministic, used by the "cpu" impl exactly when it
-takes the call, and typed in its errors. (test_tree_attention.py runs the "cpu" impl both ways against dense SDPA.)"""
+"""The "cpu" impl's compiled kernel (backends/attention/cpu_kernel.py, backends/common/cpu): built where a C++
+compiler is, exact against the float64 oracle on every tree shape its loops distinguish, deterministic, used by the
+"cpu" impl exactly when it takes the call, and typed in its errors. (test_tree_attention.py runs the "cpu" impl both
+ways against dense SDPA.)"""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brcompile.backends import cpu as kernels
+from brcompile.backends.common import cpu as kernels
 from brcompile.backends.attention import cpu_kernel
 from brcompile.backends.attention.op import TreeAttentionArgs, TreeAttentionError, tree_attention
 from brcompile.runtime.tree import build_tree, drop_positions

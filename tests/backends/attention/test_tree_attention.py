@@ -461,8 +461,8 @@ def test_impls_take_args_or_the_ops_positional_arguments():
 def test_one_registry_for_every_op():
     """tree_attention and packed_logprob impls live in two instances of one Registry: lazy built-ins,
     typed errors, "auto" resolved per device."""
-    from brcompile.backends import logprob
-    from brcompile.backends.registry import Registry
+    from brcompile.backends.logprob import op as logprob
+    from brcompile.backends.common.registry import Registry
 
     assert isinstance(ops.ATTENTION_IMPLS, Registry) and isinstance(logprob.LOGPROB_IMPLS, Registry)
     assert {"cpu", "reference", "triton"} <= set(registered_attention_impls())

@@ -215,7 +215,7 @@ def test_model_only_drops_padding_by_default(model):
 
 def test_model_only_reading_padding_raises(model):
     """A loss that reads the model's outputs at padded positions gets the clear error naming the option."""
-    from brcompile.backends.read_packed import DroppedPositionGradError
+    from brcompile.backends.read_packed.op import DroppedPositionGradError
 
     b = _batch(response_len=(2, 16), seed=3)
     compiled = torch.compile(model, backend=brcompile.backend(compiler="eager"))

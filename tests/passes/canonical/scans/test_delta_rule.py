@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from brcompile.backends.matrix_scan import matrix_scan
+from brcompile.backends.scan.matrix import matrix_scan
 from brcompile.passes.canonical.scans import delta_rule
 from brcompile.passes.lower.functionalize import functionalize
 from brcompile.passes.spellings import copy_graph_module

@@ -21,7 +21,7 @@ from torch._higher_order_ops.associative_scan import associative_scan, associati
 from torch.utils import _pytree as pytree
 
 import brcompile
-from brcompile.backends.scan import linear_scan
+from brcompile.backends.scan.op import linear_scan
 from brcompile.passes.canonical.scans.linear import canonicalize_linear_scans, is_affine_combine
 from brcompile.testing import assert_exact
 from tests.helpers import assert_grads_exact, assert_replayed

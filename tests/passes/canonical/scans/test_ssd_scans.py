@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from brcompile.backends.scan import linear_scan
+from brcompile.backends.scan.op import linear_scan
 from brcompile.passes.spellings import is_op
 from brcompile.passes.canonical.scans.ssd import LEFT, canonicalize_ssd_scans, reference_ssd
 from tests.helpers import KeepFloat64, transformers_or_skip

@@ -23,7 +23,7 @@ from brcompile.backends.attention.reference import reference_backward, reference
 import triton
 import triton.language as tl
 
-from brcompile.backends.triton import (
+from brcompile.backends.attention.triton import (
     KernelConfig,
     LaunchConfig,
     build_key_tiles,
@@ -36,8 +36,8 @@ from brcompile.backends.triton import (
 from tests.helpers import assert_compiles_for_sm90
 
 # the package re-exports the function `tree_attention`, which shadows the submodule's attribute name
-ta_module = importlib.import_module("brcompile.backends.triton.tree_attention")
-kernels_module = importlib.import_module("brcompile.backends.triton.attention_kernels")
+ta_module = importlib.import_module("brcompile.backends.attention.triton.launch")
+kernels_module = importlib.import_module("brcompile.backends.attention.triton.kernels")
 
 pytestmark = pytest.mark.triton
 
@@ -707,7 +707,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-ta = importlib.import_module("brcompile.backends.triton.attention_kernels")
+ta = importlib.import_module("brcompile.backends.attention.triton.kernels")
 POINTERS = {"KEND": "*i32", "POS": "*i64", "SLOPES": "*fp32", "TILE_PTR": "*i32", "TILE_START": "*i32",
             "TILES": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "DSLOPES": "*fp32", "DREL": "*fp32"}
 TENSORS = ("Q", "K", "V", "REL", "OUT", "DO", "DK", "DV", "DQ")  # bf16

@@ -1,5 +1,5 @@
 // Tree attention on the CPU in one pass over the tree: the "cpu" impl's compiled kernel (when it runs:
-// backends/attention/cpu_kernel.py; the build: backends/cpu/__init__.py).
+// backends/attention/cpu_kernel.py; the build: backends/common/cpu/__init__.py).
 //
 // The tree (docs/ARCHITECTURE.md §4): N packed tokens in depth-first preorder; segments (start, stop, subtree_end)
 // are the maximal single-child chains; query q sees key k  <=>  k <= q < end[k] and valid[k]. For a query in

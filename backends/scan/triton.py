@@ -1,6 +1,6 @@
 """Triton kernels for ``brcompile::tree_linear_scan``, ``brcompile::tree_causal_conv1d``,
 ``brcompile::tree_matrix_scan`` and their backwards (GPU; on CPU with TRITON_INTERPRET=1). Registers the scan
-impl ``"triton"`` (backends/scan.py, ``SCAN_IMPLS``).
+impl ``"triton"`` (backends/scan/op.py, ``SCAN_IMPLS``).
 
 The op: ``h[k] = a[k] * h[parent[k]] + b[k]`` along the packed token dim (``h = b`` at a root), ``a`` and ``b``
 broadcast together; backward ``gb[k] = g[k] + sum over the children c of k of a[c] * gb[c]``, ``ga[k] = gb[k] *
@@ -40,7 +40,7 @@ of the torch impl's W. Backward per tile: ``dx[anc_i(k)] += weight[c, W-1-i] * g
 (siblings share ancestors; order-dependent rounding only), ``dweight[c, W-1-i] += sum_k grad[k] *
 x[anc_i(k)]`` per tile by atomic adds, both into float32 / float64 buffers; ``dbias`` is a torch sum.
 
-The matrix scan ``h[k] = M[k] @ h[parent[k]] + b[k]`` (``M [..., d, d]``, ``b [..., d, e]``; backends/matrix_scan.py)
+The matrix scan ``h[k] = M[k] @ h[parent[k]] + b[k]`` (``M [..., d, d]``, ``b [..., d, e]``; backends/scan/matrix.py)
 is the same walk with a ``[d, BLOCK_E]`` state: one program per (batch entry g over the flattened non-token
 batch dims, block of BLOCK_E columns of h; the columns are independent), ``state = tl.dot(M[k], prev) + b[k]``
 with d padded to a power of two of at least 16 (tl.dot's smallest; the padding is zeros, so a small d is
@@ -60,16 +60,13 @@ Triton tutorial style: ``@triton.jit`` kernels, a small launcher, strides passed
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from brcompile.backends.scan import ScanImpl, register_scan_impl
-
-log = logging.getLogger(__name__)
+from brcompile.backends.scan.op import ScanImpl, register_scan_impl
 
 __all__ = ["ConvConfig", "MatrixScanConfig", "ScanConfig", "causal_conv1d", "causal_conv1d_backward",
            "is_interpreter", "linear_scan", "linear_scan_backward", "matrix_scan", "matrix_scan_backward",

@@ -1,5 +1,5 @@
-"""The Triton tree matrix scan (``brcompile::tree_matrix_scan``, backends/triton/scan.py) against the torch impl
-(pointer doubling, backends/matrix_scan.py), on CPU through TRITON_INTERPRET=1 when no GPU exists.
+"""The Triton tree matrix scan (``brcompile::tree_matrix_scan``, backends/scan/triton.py) against the torch impl
+(pointer doubling, backends/scan/matrix.py), on CPU through TRITON_INTERPRET=1 when no GPU exists.
 
 Multi-level trees with several roots (left padding), forward and backward, state sizes below tl.dot's 16 and
 not powers of two (the kernels pad with zeros), several column blocks (``grad_M`` summed over them), strided
@@ -18,12 +18,12 @@ if not torch.cuda.is_available():  # must precede the first `import triton` in t
 import pytest  # noqa: E402
 
 import brcompile  # noqa: E402
-from brcompile.backends import matrix_scan as ms  # noqa: E402
-from brcompile.backends import scan  # noqa: E402
-from brcompile.backends.triton import scan as tscan  # noqa: E402
+from brcompile.backends.scan import matrix as ms  # noqa: E402
+from brcompile.backends.scan import op as scan  # noqa: E402
+from brcompile.backends.scan import triton as tscan  # noqa: E402
 from brcompile.testing import assert_exact  # noqa: E402
-from tests.backends.test_matrix_scan import dense_matrix_recurrence  # noqa: E402
-from tests.backends.test_scan import tree_of  # noqa: E402
+from tests.backends.scan.test_matrix import dense_matrix_recurrence  # noqa: E402
+from tests.backends.scan.test_scan import tree_of  # noqa: E402
 from tests.helpers import KeepFloat64, assert_grads_exact, assert_replayed, transformers_or_skip  # noqa: E402
 from tests.models.test_hybrids import HYBRIDS, TINY, next_token_loss, tree_batch  # noqa: E402
 from tests.passes.analysis.rules.test_scan_rules import packed_code  # noqa: E402

@@ -85,8 +85,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from brcompile.backends.attention.op import TreeAttentionArgs, attention_backward, attention_forward
-from brcompile.backends.triton.attention_kernels import (
+from brcompile.backends.attention.args import TreeAttentionArgs, attention_backward, attention_forward
+from brcompile.backends.attention.triton.kernels import (
     DELTA_BLOCK_M, LOG2E, MAX_BLOCK, MAX_HEAD_DIM, SUPPORTED_DTYPES, tree_attn_bwd_delta, tree_attn_bwd_dkdv,
     tree_attn_bwd_dq, tree_attn_fwd,
 )

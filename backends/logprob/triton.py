@@ -1,7 +1,7 @@
 """Triton row kernels for brcompile::packed_logprob (GPU; on CPU with TRITON_INTERPRET=1). Registers
 impl ``"triton"``.
 
-The op (brcompile.backends.logprob) forms the logits of a chunk of C packed tokens with one matmul
+The op (brcompile.backends.logprob.op) forms the logits of a chunk of C packed tokens with one matmul
 (cuBLAS does that best) and hands the [C, V] chunk to two kernels that each make a few passes over a
 row, one program per row, BLOCK_V columns at a time, in float32::
 
@@ -22,15 +22,12 @@ float64 is left to impl "cpu".
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
-from brcompile.backends.logprob import LogprobImpl, register_logprob_impl, softcap_logits
-
-log = logging.getLogger(__name__)
+from brcompile.backends.logprob.op import LogprobImpl, register_logprob_impl, softcap_logits
 
 __all__ = ["RowConfig", "is_interpreter", "row_forward", "row_grad", "row_stats"]
 

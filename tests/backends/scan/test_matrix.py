@@ -1,19 +1,19 @@
-"""brcompile::tree_matrix_scan (backends/matrix_scan.py) against the dense matrix recurrence per row.
+"""brcompile::tree_matrix_scan (backends/scan/matrix.py) against the dense matrix recurrence per row.
 
 The truth: for a dense batch whose rows are read from packed tokens through the tree's ``index`` (rows sharing
 a prefix share its values), the op's packed output read back through ``index`` equals the sequential
 ``h_t = M_t @ h_{t-1} + b_t`` along each row, and the gradients w.r.t. the packed inputs (through the gather, so
-a shared token sums its rows) equal the loop's. Multi-level random trees (tests/backends/test_scan.py), float64.
+a shared token sums its rows) equal the loop's. Multi-level random trees (tests/backends/scan/test_scan.py), float64.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from brcompile.backends import matrix_scan as ms
-from brcompile.backends.scan import ScanError, chain_parent
+from brcompile.backends.scan import matrix as ms, reference
+from brcompile.backends.scan.paths import ScanError, chain_parent
 from brcompile.testing import assert_exact
-from tests.backends.test_scan import tree_of
+from tests.backends.scan.test_scan import tree_of
 
 F64 = torch.float64
 #: the ops multiply the loop's factors in another grouping: float64 reassociation only
@@ -47,7 +47,7 @@ def test_forward_backward_vs_dense_rows(seed):
     out = ms.tree_matrix_scan(M, b, tree.parent, 0)
     ref = dense_matrix_recurrence(M[tree.index], b[tree.index])
     assert_exact(out[tree.index], ref, EXACT, "tree_matrix_scan")
-    assert_exact(out, ms.reference_matrix_scan(M, b, tree.end, 0), EXACT, "vs oracle")
+    assert_exact(out, reference.reference_matrix_scan(M, b, tree.end, 0), EXACT, "vs oracle")
     w = torch.randn(ref.shape, dtype=F64, generator=torch.Generator().manual_seed(seed))
     got = torch.autograd.grad((out[tree.index] * w).sum(), (M, b))
     want = torch.autograd.grad((ref * w).sum(), (M, b))

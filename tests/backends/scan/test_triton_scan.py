@@ -1,4 +1,4 @@
-"""The Triton tree linear scan and causal conv (backends/triton/scan.py) against the torch impl (backends/scan.py),
+"""The Triton tree linear scan and causal conv (backends/scan/triton.py) against the torch impl (backends/scan/op.py),
 on CPU through TRITON_INTERPRET=1 when no GPU exists.
 
 Multi-level trees (prompt groups branching at several depths, several roots after left padding), forward and
@@ -19,10 +19,10 @@ import functools  # noqa: E402
 import pytest  # noqa: E402
 
 import brcompile  # noqa: E402
-from brcompile.backends import scan  # noqa: E402
-from brcompile.backends.triton import scan as tscan  # noqa: E402
+from brcompile.backends.scan import op as scan  # noqa: E402
+from brcompile.backends.scan import triton as tscan  # noqa: E402
 from brcompile.testing import assert_exact  # noqa: E402
-from tests.backends.test_scan import dense_of, dense_recurrence, tree_of  # noqa: E402
+from tests.backends.scan.test_scan import dense_of, dense_recurrence, tree_of  # noqa: E402
 from tests.passes.canonical.scans.test_linear_scans import scan_lm  # noqa: E402
 from tests.helpers import assert_compiles_for_sm90, assert_grads_exact  # noqa: E402
 from tests.passes.analysis.rules.test_scan_rules import grpo_like_batch, packed_code, token_loss  # noqa: E402
@@ -224,7 +224,7 @@ COMPILE_SM90 = r"""
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from brcompile.backends.triton import scan as tscan
+from brcompile.backends.scan import triton as tscan
 
 CONSTEXPRS = ("ACC", "BLOCK_F", "W", "HAS_BIAS", "BLOCK_N", "BLOCK_C", "BLOCK_D", "BLOCK_E")
 

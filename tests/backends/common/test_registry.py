@@ -1,4 +1,4 @@
-"""The impl registries (backends/registry.py): a name has one implementation; registering another under a taken
+"""The impl registries (backends/common/registry.py): a name has one implementation; registering another under a taken
 name raises the op's error unless ``override=True``."""
 import dataclasses
 

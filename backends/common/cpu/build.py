@@ -1,6 +1,6 @@
 """Building the compiled CPU kernels: at install (the prebuilt library), or just in time, never waiting without bound.
 
-Imported by the package (``backends/cpu/__init__.py``) and by ``setup.py`` (by path, before the package is
+Imported by the package (``backends/common/cpu/__init__.py``) and by ``setup.py`` (by path, before the package is
 installed), so it imports nothing but the standard library and torch.
 
 **What a build is** (:class:`BuildSpec`): the sources, the compile and link flags (at::vec's flags for the vector
@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 #: the kernels' sources, in this directory
 KERNEL_SOURCES = ("tree_attention.cpp", "prefix_tree.cpp")
 
-#: the prebuilt library's module name inside the package (``brcompile.backends.cpu._kernels``) and its record
+#: the prebuilt library's module name inside the package (``brcompile.backends.common.cpu._kernels``) and its record
 PREBUILT_NAME = "_kernels"
 PREBUILT_RECORD = f"{PREBUILT_NAME}.json"
 

@@ -4,13 +4,13 @@
 ``M [..., d, d]`` and ``b [..., d, e]`` and the tokens along batch dim ``dim`` — the state recurrence of a
 linear-attention layer: the gated delta rule ``S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``
 (Qwen3-Next's gated DeltaNet, passes/canonical/scans/delta_rule.py) is ``M_t = exp(g_t) (I - β_t k_t k_tᵀ)``, ``b_t = β_t k_t
-v_tᵀ`` (Kimi-Linear's per-channel KDA: ``M_t = (I - β_t k_t k_tᵀ) diag(exp g_t)``). The matrix counterpart of ``tree_linear_scan`` (backends/scan.py), where ``a`` is elementwise.
+v_tᵀ`` (Kimi-Linear's per-channel KDA: ``M_t = (I - β_t k_t k_tᵀ) diag(exp g_t)``). The matrix counterpart of ``tree_linear_scan`` (op.py), where ``a`` is elementwise.
 
 In the prefix tree (§4) a token's earlier positions in every row that holds it are its ancestors, so the dense
 recurrence ``h_t = M_t h_{t-1} + b_t`` along a row (``h_{-1} = 0``) is this one along the token's path.
 
 The op and its backward take an ``impl`` name (last, default ``"auto"``; the emitter passes the backend's
-``scan`` option) looked up in the tree scans' ``SCAN_IMPLS`` (backends/scan.py, ``ScanImpl.matrix_scan`` /
+``scan`` option) looked up in the tree scans' ``SCAN_IMPLS`` (backends/scan/op.py, ``ScanImpl.matrix_scan`` /
 ``matrix_scan_backward``): ``"auto"`` is triton on CUDA, torch elsewhere.
 
 * ``"torch"`` (here, any device and dtype). Forward by pointer doubling of affine maps
@@ -20,7 +20,7 @@ The op and its backward take an ``impl`` name (last, default ``"auto"``; the emi
   over tokens. Backward (its own op, :func:`subtree_matrix_scan`): with ``g = dL/dh``, ``gb[k] = g[k] + sum
   over the children c of k of M[c]ᵀ gb[c]`` (the transposed rounds: scatter-adds to the 2^r-th ancestor),
   ``dL/dM[k] = gb[k] h[parent[k]]ᵀ`` (0 at a root), ``dL/db = gb``.
-* ``"triton"`` (backends/triton/scan.py): the same recurrences token by token, one program per (batch entry,
+* ``"triton"`` (backends/scan/triton.py): the same recurrences token by token, one program per (batch entry,
   block of e columns) walking the tokens in preorder (forward) or reverse preorder (backward): O(N·d²·e), one
   launch each.
 
@@ -30,28 +30,18 @@ and the rule of passes/analysis/rules/matrix_scan.py makes the tree op.
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.scan import SCAN_IMPLS, ScanError, chain_parent, get_scan_impl, in_layout_of, prefix_rows
-
-log = logging.getLogger(__name__)
+from brcompile.backends.scan.op import SCAN_IMPLS, get_scan_impl
+from brcompile.backends.scan.paths import (
+    ScanError, broadcast_rows, chain_parent, check_tree_array, in_layout_of, jump, prefix_rows,
+)
 
 __all__ = ["tree_matrix_scan", "matrix_scan", "path_matrix_scan", "subtree_matrix_scan", "torch_matrix_scan",
-           "torch_matrix_scan_backward", "reference_matrix_scan", "tree_matrix_scan_cached", "MATRIX_PATH_OPS"]
-
-
-def _jump(anc: Tensor, parent_like: Tensor) -> Tensor:
-    """``parent_like[anc]`` where ``anc >= 0``, -1 elsewhere (stepping up from a root leaves the tree)."""
-    return torch.where(anc >= 0, parent_like[anc.clamp(min=0)], -1)
-
-
-def _rows(mask: Tensor, like: Tensor) -> Tensor:
-    """A ``[N]`` mask shaped to broadcast against ``like`` ``[N, ...]``."""
-    return mask.reshape(mask.shape + (1,) * (like.dim() - 1))
+           "torch_matrix_scan_backward", "tree_matrix_scan_cached", "MATRIX_PATH_OPS"]
 
 
 def path_matrix_scan(M: Tensor, b: Tensor, parent: Tensor) -> Tensor:
@@ -70,7 +60,7 @@ def path_matrix_scan(M: Tensor, b: Tensor, parent: Tensor) -> Tensor:
         A_src = A[src]
         B = B.index_copy(0, src, A_src @ B[at] + B[src])
         A = A.index_copy(0, src, A_src @ A[at])
-        anc = _jump(anc, anc)
+        anc = jump(anc, anc)
     return B
 
 
@@ -91,14 +81,13 @@ def subtree_matrix_scan(g: Tensor, M: Tensor, parent: Tensor) -> Tensor:
         at = anc[src]
         S = S.index_add(0, at, W[src].transpose(-1, -2) @ S[src])
         W = W.index_copy(0, src, W[src] @ W[at])
-        anc = _jump(anc, anc)
+        anc = jump(anc, anc)
     return S
 
 
 def _check(M: Tensor, b: Tensor, parent: Tensor, dim: int) -> int:
     """The token dim (normalised, counted among the batch dims); raises ScanError on bad arguments."""
-    if parent.dim() != 1 or parent.dtype != torch.int64:
-        raise ScanError(f"parent must be a 1-D int64 tensor, got {tuple(parent.shape)} {parent.dtype}")
+    check_tree_array(parent, "parent")
     if M.dtype != b.dtype or not M.is_floating_point():
         raise ScanError(f"tree_matrix_scan: M and b must be floating point of one dtype, got {M.dtype}, {b.dtype}")
     if M.dim() < 3 or M.dim() != b.dim() or M.shape[:-2] != b.shape[:-2] or M.shape[-1] != M.shape[-2] \
@@ -115,7 +104,7 @@ def _check(M: Tensor, b: Tensor, parent: Tensor, dim: int) -> int:
 
 
 def torch_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, d: int) -> Tensor:
-    """:func:`path_matrix_scan` along batch dim ``d`` (the torch ``ScanImpl.matrix_scan``, backends/scan.py)."""
+    """:func:`path_matrix_scan` along batch dim ``d`` (the torch ``ScanImpl.matrix_scan``, backends/scan/op.py)."""
     return path_matrix_scan(M.movedim(d, 0), b.movedim(d, 0), parent).movedim(0, d).contiguous()
 
 
@@ -124,7 +113,7 @@ def torch_matrix_scan_backward(grad: Tensor, M: Tensor, h: Tensor, parent: Tenso
     a root), ``grad_b = gb`` (the torch ``ScanImpl.matrix_scan_backward``)."""
     gb = subtree_matrix_scan(grad.movedim(d, 0), M.movedim(d, 0), parent)
     hp = h.movedim(d, 0)[parent.clamp(min=0)]
-    gM = torch.where(_rows(parent >= 0, gb[..., :1]), gb @ hp.transpose(-1, -2),
+    gM = torch.where(broadcast_rows(parent >= 0, gb[..., :1]), gb @ hp.transpose(-1, -2),
                      torch.zeros((), dtype=gb.dtype, device=gb.device))
     return gM.movedim(0, d).contiguous(), gb.movedim(0, d).contiguous()
 
@@ -179,7 +168,7 @@ torch.library.register_autograd("brcompile::tree_matrix_scan", _grad, setup_cont
 def tree_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str = "auto") -> Tensor:
     """``brcompile::tree_matrix_scan``: ``h[k] = M[k] @ h[parent[k]] + b[k]`` (``h = b`` at a root) along the
     batch dim ``dim`` of ``M [..., d, d]`` and ``b [..., d, e]`` (module docstring). ``impl`` names a
-    :class:`~brcompile.backends.scan.ScanImpl` in ``SCAN_IMPLS`` (``"auto"``: triton on CUDA, torch
+    :class:`~brcompile.backends.scan.op.ScanImpl` in ``SCAN_IMPLS`` (``"auto"``: triton on CUDA, torch
     elsewhere)."""
     return torch.ops.brcompile.tree_matrix_scan(M, b, parent, dim, impl)
 
@@ -224,7 +213,7 @@ def tree_matrix_scan_cached(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl
     (``[..., P, ..., d, e]``, the prefix tokens along ``dim``) there. The chunk's scan with ``b[k] + M[k] @
     h_cache[p(k)]`` at those roots (``p(k) = ancestors[0, k]``, the prefix-local id of k's parent, -1 when it
     is no prefix token: a zero state, so nothing is added): the root's recurrence step, then the local
-    recurrence unchanged (backends/scan.py's ``*_cached`` layout of ``ancestors``).
+    recurrence unchanged (backends/scan/op.py's ``*_cached`` layout of ``ancestors``).
 
     Ordinary differentiable ops around ``tree_matrix_scan``: ``dL/dh_cache[p] = sum over the chunk roots k
     below p of M[k]ᵀ gb[k]`` (the transposed step) reaches the prefix graph as the cached K/V's gradients do,
@@ -234,17 +223,3 @@ def tree_matrix_scan_cached(M: Tensor, b: Tensor, parent: Tensor, dim: int, impl
     d = dim % (M.dim() - 2)
     b = b + M @ prefix_rows(h_cache, ancestors[0], d)
     return torch.ops.brcompile.tree_matrix_scan(M, b, parent, dim, impl)
-
-
-# ------------------------------------------------------------------------------------------- oracle
-
-
-def reference_matrix_scan(M: Tensor, b: Tensor, end: Tensor, dim: int) -> Tensor:
-    """Oracle: token by token in preorder (a parent comes before its children), ``h[k] = M[k] @ h[p] + b[k]``
-    with p the deepest proper ancestor of k (``j < k < end[j]``), ``h[k] = b[k]`` at a root."""
-    Mm, bm = M.movedim(dim, 0), b.movedim(dim, 0)
-    h: list[Tensor] = []
-    for k in range(end.shape[0]):
-        anc = [j for j in range(k) if int(end[j]) > k]
-        h.append(Mm[k] @ h[anc[-1]] + bm[k] if anc else bm[k])
-    return torch.stack(h).movedim(0, dim)

@@ -18,8 +18,8 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from brcompile.backends import logprob as lp
-from brcompile.backends.logprob import (
+from brcompile.backends.logprob import op as lp
+from brcompile.backends.logprob.op import (
     LogprobError, count_read_tokens, get_logprob_impl, logprob_backward, logprob_forward, packed_logprob,
     reference_packed_logprob,
 )
@@ -294,7 +294,7 @@ triton_only = pytest.mark.triton
 
 def _triton():
     pytest.importorskip("triton")
-    from brcompile.backends.triton import logprob as tlp
+    from brcompile.backends.logprob import triton as tlp
 
     return tlp
 

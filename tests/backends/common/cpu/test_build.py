@@ -1,6 +1,6 @@
-"""Where the compiled CPU kernels come from (backends/cpu/build.py): the prebuilt library loads with no compiler and
-only when it matches; just-in-time builds are private to one source version; and no way of killing or stalling a
-build leaves a later process waiting without bound.
+"""Where the compiled CPU kernels come from (backends/common/cpu/build.py): the prebuilt library loads with no
+compiler and only when it matches; just-in-time builds are private to one source version; and no way of killing or
+stalling a build leaves a later process waiting without bound.
 
 The just-in-time tests build a one-op library (a few seconds) in a fresh extensions directory, each build in its own
 process as a user's jobs would; the kernels' own library is only ever loaded from the prebuilt file here."""
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from brcompile.backends import cpu as kernels
-from brcompile.backends.cpu import build
+from brcompile.backends.common import cpu as kernels
+from brcompile.backends.common.cpu import build
 
 HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on PATH")
@@ -38,7 +38,7 @@ BUILD_SCRIPT = textwrap.dedent("""\
     import json, logging, sys
     from pathlib import Path
     import torch
-    from brcompile.backends.cpu.build import BuildSpec, BuildTimeout, jit_build
+    from brcompile.backends.common.cpu.build import BuildSpec, BuildTimeout, jit_build
     logging.basicConfig(level=logging.INFO)
     spec = BuildSpec("brcompile_buildtest", (Path(sys.argv[1]) / "ops.cpp",), cflags=("-O0",))
     try:
@@ -53,7 +53,7 @@ BUILD_SCRIPT = textwrap.dedent("""\
 #: holds the build lock argv[1] until killed
 HOLD_SCRIPT = textwrap.dedent("""\
     import sys, time
-    from brcompile.backends.cpu.build import BuildLock
+    from brcompile.backends.common.cpu.build import BuildLock
     with BuildLock(sys.argv[1], timeout=5):
         print("held", flush=True)
         time.sleep(600)
@@ -151,7 +151,7 @@ def test_the_installed_package_loads_its_prebuilt_library_without_a_compiler(tmp
     script = textwrap.dedent("""\
         import shutil, time
         import torch
-        from brcompile.backends import cpu
+        from brcompile.backends.common import cpu
         from brcompile.runtime.tree import build_tree
         assert shutil.which("c++") is None and shutil.which("g++") is None and shutil.which("cc") is None
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""brcompile::tree_cumsum / tree_causal_conv1d / tree_linear_scan / tree_parent (backends/scan.py) against the
+"""brcompile::tree_cumsum / tree_causal_conv1d / tree_linear_scan / tree_parent (backends/scan/op.py) against the
 dense ops per row.
 
 The truth: for a dense batch whose rows are read from packed tokens through the tree's ``index`` (so rows
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from brcompile.backends import scan
+from brcompile.backends.scan import op as scan, reference
 from brcompile.runtime.tree import build_tree, drop_padding
 from brcompile.testing import assert_exact
 
@@ -89,7 +89,7 @@ def test_cumsum_float64_forward_backward_vs_dense_rows(seed):
     got, = torch.autograd.grad((dense_of(out, tree.index) * w).sum(), xp)
     want, = torch.autograd.grad((ref * w).sum(), xp)
     assert_exact(got, want, EXACT, "tree_cumsum grad")
-    assert_exact(out, scan.reference_cumsum(xp, tree.end, 0), EXACT, "tree_cumsum vs oracle")
+    assert_exact(out, reference.reference_cumsum(xp, tree.end, 0), EXACT, "tree_cumsum vs oracle")
 
 
 def test_cumsum_along_a_later_dim():
@@ -175,7 +175,7 @@ def test_causal_conv1d_forward_backward_vs_dense_rows(seed, width, bias):
     out = scan.tree_causal_conv1d(xp, w, b, tree.parent)
     ref = dense_conv(xp, tree.index, w, b)
     assert_exact(packed_read(out, tree.index), ref, EXACT, "tree_causal_conv1d")
-    assert_exact(out, scan.reference_causal_conv1d(xp, w, b, tree.end), EXACT, "vs oracle")
+    assert_exact(out, reference.reference_causal_conv1d(xp, w, b, tree.end), EXACT, "vs oracle")
     gout = torch.randn(ref.shape, generator=g, dtype=F64)
     wrt = [t for t in (xp, w, b) if t is not None]
     got = torch.autograd.grad((packed_read(out, tree.index) * gout).sum(), wrt)
@@ -264,7 +264,7 @@ def test_linear_scan_forward_backward_vs_dense_rows(seed):
     out = scan.tree_linear_scan(ap, bp, tree.parent, 0)
     ref = dense_recurrence(dense_of(ap, tree.index), dense_of(bp, tree.index))
     assert_exact(dense_of(out, tree.index), ref, EXACT, "tree_linear_scan")
-    assert_exact(out, scan.reference_linear_scan(ap, bp, tree.end, 0), EXACT, "vs oracle")
+    assert_exact(out, reference.reference_linear_scan(ap, bp, tree.end, 0), EXACT, "vs oracle")
     w = torch.randn(ref.shape, generator=g, dtype=F64)
     got = torch.autograd.grad((dense_of(out, tree.index) * w).sum(), (ap, bp))
     want = torch.autograd.grad((ref * w).sum(), (ap, bp))
@@ -289,13 +289,13 @@ def test_linear_scan_broadcast_and_later_dim():
     a = torch.rand(1, N, 1, 2, dtype=F64, requires_grad=True)
     b = torch.randn(1, N, 3, 2, dtype=F64, requires_grad=True)
     full = a.expand(1, N, 3, 2)
-    want = scan.reference_linear_scan(full, b, tree.end, 1)
+    want = reference.reference_linear_scan(full, b, tree.end, 1)
     for dim in (1, -3):
         assert_exact(scan.tree_linear_scan(a, b, tree.parent, dim), want, EXACT, f"dim {dim}")
     w = torch.randn(1, N, 3, 2, dtype=F64)
     ga, gb = torch.autograd.grad((scan.tree_linear_scan(a, b, tree.parent, 1) * w).sum(), (a, b))
     assert ga.shape == a.shape
-    wa, wb = torch.autograd.grad((scan.reference_linear_scan(full, b, tree.end, 1) * w).sum(), (a, b))
+    wa, wb = torch.autograd.grad((reference.reference_linear_scan(full, b, tree.end, 1) * w).sum(), (a, b))
     assert_exact(ga, wa, EXACT, "grad of a")
     assert_exact(gb, wb, EXACT, "grad of b")
 

@@ -21,14 +21,14 @@ All are exact up to reassociation of the sums (the dense op adds the same terms 
 loops over tokens: the path sums use pointer jumping (Hillis–Steele along the paths: after round r each
 token holds the sum over its 2^r nearest ancestors-or-self; ``ceil(log2(depth))`` rounds of O(N) gathers),
 the subtree sums the transposed rounds (scatter-adds), the conv W-1 gathers of ``parent``. The four
-doubling loops (path / subtree sums, the linear scan and its transpose) are one, :func:`ancestor_doubling`,
-with a direction and an optional multiplier.
+doubling loops (path / subtree sums, the linear scan and its transpose) are one, ``ancestor_doubling``
+(paths.py, with the tree arrays), with a direction and an optional multiplier. The oracles are in reference.py.
 
 These are the ``"torch"`` implementations (any device, any floating dtype). ``tree_linear_scan``,
-``tree_causal_conv1d``, ``tree_matrix_scan`` (backends/matrix_scan.py) and their backwards take an ``impl``
+``tree_causal_conv1d``, ``tree_matrix_scan`` (backends/scan/matrix.py) and their backwards take an ``impl``
 name (default ``"auto"``) looked up in
-:data:`SCAN_IMPLS`, a :class:`~brcompile.backends.registry.Registry` of :class:`ScanImpl`: ``"torch"`` (here)
-and ``"triton"`` (``backends/triton/scan.py``, imported on first use); ``"auto"`` is triton on CUDA, torch
+:data:`SCAN_IMPLS`, a :class:`~brcompile.backends.common.registry.Registry` of :class:`ScanImpl`: ``"torch"`` (here)
+and ``"triton"`` (``backends/scan/triton.py``, imported on first use); ``"auto"`` is triton on CUDA, torch
 elsewhere. ``tree_cumsum`` (integer position ids, mostly: a handful of features) runs here only.
 
 ``parent`` is not a tree array of the packed graph; ``tree_parent(end)`` derives it from the subtree ends
@@ -37,70 +37,36 @@ elsewhere. ``tree_cumsum`` (integer position ids, mostly: a handful of features)
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.registry import Impl, Registry
-
-log = logging.getLogger(__name__)
+from brcompile.backends.common.registry import Impl, Registry
+from brcompile.backends.scan.paths import (
+    PATH, SUBTREE, ScanError, ancestor_doubling, broadcast_rows, chain_parent, check_tree_array, in_layout_of,
+    parent_from_end, path_ancestors, path_sum, prefix_rows, subtree_sum,
+)
 
 __all__ = ["SCAN_IMPLS", "ScanError", "ScanImpl", "get_scan_impl", "register_scan_impl", "tree_parent",
-           "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan", "ancestor_doubling",
-           "path_ancestors", "TREE_PATH_OPS", "tree_linear_scan_cached", "tree_cumsum_cached",
-           "tree_causal_conv1d_cached", "reference_cumsum", "reference_causal_conv1d",
-           "reference_linear_scan", "in_layout_of", "prefix_rows"]
+           "tree_cumsum", "tree_causal_conv1d", "tree_linear_scan", "linear_scan", "TREE_PATH_OPS",
+           "tree_linear_scan_cached", "tree_cumsum_cached", "tree_causal_conv1d_cached"]
 
 
-class ScanError(ValueError):
-    """Bad arguments to a tree scan op (shapes, dtypes, dims)."""
-
-
-# ----------------------------------------------------------------------------------------- tree arrays
-
-
-def tree_depth(end: Tensor) -> Tensor:
-    """``depth[k]`` = number of ancestors-or-self of k = ``#{j <= k : end[j] > k}``, in O(N): a +1 at every
-    j and a -1 at ``end[j]``, prefix-summed (every j with ``end[j] <= k`` is some j < k, as ``end[j] > j``)."""
-    n = end.shape[0]
-    diff = torch.zeros(n + 1, dtype=torch.int64, device=end.device)
-    diff[:n] += 1
-    diff.index_add_(0, end.to(torch.int64), torch.full_like(end, -1, dtype=torch.int64))
-    return torch.cumsum(diff, 0)[:n]
-
-
-def parent_from_end(end: Tensor) -> Tensor:
-    """``parent[k]`` (-1 for a root) from the subtree ends of a preorder forest.
-
-    The parent of k is its deepest proper ancestor: the largest j < k with ``depth[j] = depth[k] - 1`` (every
-    node strictly between the parent and k lies in the subtree of an earlier sibling of k, deeper than the
-    parent). Keys ``depth * (N + 1) + j`` sorted once; for each k the largest key below
-    ``(depth[k] - 1) * (N + 1) + k`` is that j when its depth is ``depth[k] - 1`` (none for a root). O(N log N)."""
-    n = end.shape[0]
-    if n == 0:
-        return end.new_empty(0, dtype=torch.int64)
-    ids = torch.arange(n, device=end.device)
-    depth = tree_depth(end)
-    keys, order = torch.sort(depth * (n + 1) + ids)
-    at = torch.searchsorted(keys, (depth - 1) * (n + 1) + ids) - 1
-    cand = order[at.clamp(min=0)]
-    found = (at >= 0) & (depth[cand] == depth - 1)
-    return torch.where(found, cand, -1)
+# ------------------------------------------------------------------------------------------ tree_parent
 
 
 @torch.library.custom_op("brcompile::tree_parent", mutates_args=())
 def _tree_parent_op(end: Tensor) -> Tensor:
     """See :func:`tree_parent`."""
-    _check_tree_array(end, "end")
+    check_tree_array(end, "end")
     return parent_from_end(end)
 
 
 @_tree_parent_op.register_fake
 def _tree_parent_fake(end):
-    _check_tree_array(end, "end")
+    check_tree_array(end, "end")
     return end.new_empty(end.shape, dtype=torch.int64)
 
 
@@ -109,39 +75,13 @@ def tree_parent(end: Tensor) -> Tensor:
     return torch.ops.brcompile.tree_parent(end)
 
 
-def in_layout_of(out: Tensor, like: Tensor) -> Tensor:
-    """``out`` with the strides of ``torch.empty_like(like)`` (what the ops' fake kernels promise; a compiled
-    graph checks them), copied only when they differ. Shared with backends/matrix_scan.py."""
-    ref = torch.empty_like(like)
-    return out if out.stride() == ref.stride() else ref.copy_(out)
-
-
-def _check_tree_array(a: Tensor, name: str) -> None:
-    if a.dim() != 1 or a.dtype != torch.int64:
-        raise ScanError(f"{name} must be a 1-D int64 tensor, got {tuple(a.shape)} {a.dtype}")
-
-
-def _jump(anc: Tensor, parent_like: Tensor) -> Tensor:
-    """``parent_like[anc]`` where ``anc >= 0``, -1 elsewhere (stepping up from a root leaves the tree)."""
-    return torch.where(anc >= 0, parent_like[anc.clamp(min=0)], -1)
-
-
-def path_ancestors(parent: Tensor, width: int) -> Tensor:
-    """``[width, N]``: row i holds ``anc_i(k)``, the i-th ancestor of k along its path (row 0 is k itself),
-    -1 past the root."""
-    anc = [torch.arange(parent.shape[0], device=parent.device)]
-    for _ in range(width - 1):
-        anc.append(_jump(anc[-1], parent))
-    return torch.stack(anc) if anc else parent.new_empty(0, parent.shape[0])
-
-
 # ------------------------------------------------------------------------------------------- impls
 
 
 @dataclasses.dataclass(frozen=True)
 class ScanImpl(Impl):
     """An implementation of the tree scans ``tree_linear_scan``, ``tree_causal_conv1d`` and
-    ``tree_matrix_scan`` (backends/matrix_scan.py) and their backwards (the ops check the arguments first).
+    ``tree_matrix_scan`` (backends/scan/matrix.py) and their backwards (the ops check the arguments first).
 
     linear_scan(a, b, parent, d) -> h
         ``h[k] = a[k] * h[parent[k]] + b[k]`` along dim ``d`` of the broadcast shape of ``a`` and ``b``
@@ -180,7 +120,7 @@ def _triton_on_cuda_else_torch(device: torch.device) -> tuple[str, ...]:
 
 
 #: The tree scan impls: torch (registered below, after the op bodies) and triton (imported on first use).
-SCAN_IMPLS = Registry("tree scan", ScanImpl, builtins={"triton": "brcompile.backends.triton.scan"},
+SCAN_IMPLS = Registry("tree scan", ScanImpl, builtins={"triton": "brcompile.backends.scan.triton"},
                       auto=_triton_on_cuda_else_torch)
 
 
@@ -197,74 +137,8 @@ def get_scan_impl(name: str, device, dtype: Optional[torch.dtype] = None) -> Sca
     return SCAN_IMPLS.get(name, device, dtype)
 
 
-# ----------------------------------------------------------------------------------------- cumsum
-
-
-def _bcast(mask: Tensor, like: Tensor) -> Tensor:
-    """A ``[N]`` mask shaped to broadcast against ``like`` ``[N, ...]``."""
-    return mask.reshape(mask.shape + (1,) * (like.dim() - 1))
-
-
-#: Directions of :func:`ancestor_doubling`: each token pulls from its 2^r-th ancestor (path scans) or pushes
-#: to it (subtree scans, the transpose).
-PATH, SUBTREE = "path", "subtree"
-
-
-def _combine(B: Tensor, A: Optional[Tensor], anc: Tensor, direction: str) -> Tensor:
-    """One round's combine along the current ancestor links ``anc`` (-1: none), ``A = None`` meaning 1:
-
-    - PATH: ``B[k] += A[k] * B[anc[k]]`` (a gather from each token's ancestor);
-    - SUBTREE: ``B[anc[d]] += A[d] * B[d]`` (a scatter-add from each token to its ancestor: the transpose).
-
-    Out of place; reads the round's old ``B`` only."""
-    has = anc >= 0
-    if direction == PATH:
-        got = B[anc.clamp(min=0)]
-        return torch.where(_bcast(has, B), (got if A is None else A * got) + B, B)
-    src = has.nonzero().squeeze(1)
-    return B.index_add(0, anc[src], B[src] if A is None else A[src] * B[src])
-
-
-def ancestor_doubling(values: Tensor, parent: Tensor, A: Optional[Tensor] = None, direction: str = PATH) -> Tensor:
-    """Pointer doubling of the affine maps ``h -> A[k] * h + values[k]`` along the tree paths (dim 0; ``A =
-    None`` means 1, plain sums), ``ceil(log2(depth))`` rounds of :func:`_combine` with ``A[k] *= A[anc[k]]``
-    and ``anc[k] = anc[anc[k]]`` after each, starting from ``anc = parent``:
-
-    - PATH: ``out[k] = sum over the ancestors-or-self j of k of P(k, j) * values[j]``, ``P(k, j)`` the product
-      of A over the path from k up to j, j excluded — the recurrence ``h[k] = A[k] * h[parent[k]] +
-      values[k]`` (the path sum when A is None). Invariant after round r: ``out[k]`` holds the terms of the
-      2^r nearest ancestors-or-self of k and ``A[k] = P(k, anc[k])``; a round composes k's map with its
-      ancestor's, ``(A, B)∘(A', B') = (A * A', A * B' + B)``.
-    - SUBTREE (the transpose): ``out[j] = sum over the descendants-or-self d of j of P(d, j) * values[d]``.
-      Invariant after round r: ``out[j]`` holds the descendants of j at distance < 2^r; the descendants at
-      distance [2^r, 2^(r+1)) lie below exactly one d at distance 2^r (``P(e, j) = P(e, d) P(d, j)``), so
-      each d pushes ``A[d] * out[d]`` to its 2^r-th ancestor once.
-
-    Each term is formed once: the sequential recurrence up to reassociation."""
-    out = values.clone()
-    anc = parent
-    while bool((anc >= 0).any()):
-        out = _combine(out, A, anc, direction)
-        if A is not None:
-            A = torch.where(_bcast(anc >= 0, A), A * A[anc.clamp(min=0)], A)
-        anc = _jump(anc, anc)
-    return out
-
-
-def path_sum(x: Tensor, parent: Tensor) -> Tensor:
-    """``out[k] = sum over the ancestors-or-self j of k of x[j]`` along dim 0 (pointer jumping: after round
-    r ``out[k]`` sums the 2^r nearest ancestors-or-self of k)."""
-    return ancestor_doubling(x, parent, None, PATH)
-
-
-def subtree_sum(g: Tensor, parent: Tensor) -> Tensor:
-    """``out[j] = sum over the descendants-or-self k of j of g[k]`` along dim 0: the transpose of
-    :func:`path_sum`."""
-    return ancestor_doubling(g, parent, None, SUBTREE)
-
-
 def _check_cumsum(x: Tensor, parent: Tensor, dim: int) -> int:
-    _check_tree_array(parent, "parent")
+    check_tree_array(parent, "parent")
     if x.dim() == 0 or not -x.dim() <= dim < x.dim():
         raise ScanError(f"tree_cumsum: dim {dim} out of range for x of shape {tuple(x.shape)}")
     d = dim % x.dim()
@@ -332,7 +206,7 @@ def tree_cumsum(x: Tensor, parent: Tensor, dim: int) -> Tensor:
 
 
 def _check_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], parent: Tensor) -> None:
-    _check_tree_array(parent, "parent")
+    check_tree_array(parent, "parent")
     if x.dim() != 3 or weight.dim() != 3 or weight.shape[1] != 1 or weight.shape[0] != x.shape[1]:
         raise ScanError(f"tree_causal_conv1d: x must be [B, C, N] and weight [C, 1, W] (depthwise); got x "
                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
@@ -450,7 +324,7 @@ def subtree_linear_scan(g: Tensor, a: Tensor, parent: Tensor) -> Tensor:
 
 def _check_linear_scan(a: Tensor, b: Tensor, parent: Tensor, dim: int) -> tuple[torch.Size, int]:
     """The broadcast shape of ``a`` and ``b`` and the token dim in it (normalised)."""
-    _check_tree_array(parent, "parent")
+    check_tree_array(parent, "parent")
     if a.dtype != b.dtype or not a.is_floating_point():
         raise ScanError(f"tree_linear_scan: a and b must be floating point of one dtype, got {a.dtype}, {b.dtype}")
     try:
@@ -483,21 +357,21 @@ def _torch_linear_scan_backward(grad: Tensor, a: Tensor, h: Tensor, parent: Tens
     shape = h.shape
     gb = subtree_linear_scan(_scan_layout(grad, shape, d), _scan_layout(a, shape, d), parent)
     hp = _scan_layout(h, shape, d)[parent.clamp(min=0)]
-    ga = torch.where(_bcast(parent >= 0, gb), gb * hp, torch.zeros((), dtype=gb.dtype, device=gb.device))
+    ga = torch.where(broadcast_rows(parent >= 0, gb), gb * hp, torch.zeros((), dtype=gb.dtype, device=gb.device))
     return ga.movedim(0, d).contiguous(), gb.movedim(0, d).contiguous()
 
 
 def _torch_matrix_scan(M: Tensor, b: Tensor, parent: Tensor, d: int) -> Tensor:
-    """``path_matrix_scan`` of backends/matrix_scan.py on the token-first layout (``ScanImpl.matrix_scan``;
+    """``path_matrix_scan`` of backends/scan/matrix.py on the token-first layout (``ScanImpl.matrix_scan``;
     imported when called: that module imports this one)."""
-    from brcompile.backends.matrix_scan import torch_matrix_scan
+    from brcompile.backends.scan.matrix import torch_matrix_scan
 
     return torch_matrix_scan(M, b, parent, d)
 
 
 def _torch_matrix_scan_backward(grad: Tensor, M: Tensor, h: Tensor, parent: Tensor, d: int) -> tuple[Tensor, Tensor]:
-    """``subtree_matrix_scan`` of backends/matrix_scan.py and ``grad_M`` (``ScanImpl.matrix_scan_backward``)."""
-    from brcompile.backends.matrix_scan import torch_matrix_scan_backward
+    """``subtree_matrix_scan`` of backends/scan/matrix.py and ``grad_M`` (``ScanImpl.matrix_scan_backward``)."""
+    from brcompile.backends.scan.matrix import torch_matrix_scan_backward
 
     return torch_matrix_scan_backward(grad, M, h, parent, d)
 
@@ -570,11 +444,6 @@ def tree_linear_scan(a: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str =
     return torch.ops.brcompile.tree_linear_scan(a, b, parent, dim, impl)
 
 
-def chain_parent(length: int, device=None) -> Tensor:
-    """The parent array of one row as a chain: ``[-1, 0, 1, ..., L-2]``."""
-    return torch.arange(-1, length - 1, device=device)
-
-
 def linear_scan(a: Tensor, b: Tensor, dim: int) -> Tensor:
     """The dense ``h_t = a_t h_{t-1} + b_t`` along ``dim`` of ``a`` and ``b`` broadcast together (``h_0 =
     b_0``): ``tree_linear_scan`` over the chain of the dense positions (every row is its own path). What
@@ -628,14 +497,6 @@ TREE_PATH_OPS = (torch.ops.brcompile.tree_cumsum.default, torch.ops.brcompile.tr
 # flows back into the prefix like the cached K/V's.
 
 
-def prefix_rows(cache: Tensor, ids: Tensor, dim: int) -> Tensor:
-    """``cache`` gathered along ``dim`` at the prefix-local ``ids`` (zeros where ``ids == -1``); the cached scans
-    here and in backends/matrix_scan.py read a chunk root's prefix state with it."""
-    got = cache.index_select(dim, ids.clamp(min=0))
-    keep = ids.ge(0).view([-1 if d == dim else 1 for d in range(got.dim())])
-    return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
-
-
 def tree_linear_scan_cached(a: Tensor, b: Tensor, parent: Tensor, dim: int, impl: str, h_cache: Tensor,
                             ancestors: Tensor) -> Tensor:
     """``h[k] = a[k] * h[parent(k)] + b[k]`` where the parent of a chunk root may be a prefix token: its
@@ -665,41 +526,3 @@ def tree_causal_conv1d_cached(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     return out
 
 
-# ------------------------------------------------------------------------------------------- oracles
-
-
-def reference_cumsum(x: Tensor, end: Tensor, dim: int) -> Tensor:
-    """Oracle, O(N²): ``out[k] = sum_j [j <= k < end[j]] x[j]`` along ``dim`` as one masked matmul."""
-    n = end.shape[0]
-    ids = torch.arange(n, device=end.device)
-    anc = (ids[None, :] <= ids[:, None]) & (ids[:, None] < end[None, :])  # [k, j]
-    xm = x.movedim(dim, -1)
-    return (xm.to(torch.float64) @ anc.to(torch.float64).T).to(x.dtype).movedim(-1, dim)
-
-
-def reference_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], end: Tensor) -> Tensor:
-    """Oracle: the ancestors of k ordered by depth (``j <= k < end[j]``), read the last W of them and apply
-    the dense conv's taps token by token."""
-    n = end.shape[0]
-    W = weight.shape[2]
-    out = torch.zeros_like(x)
-    for k in range(n):
-        path = [j for j in range(k + 1) if int(end[j]) > k]  # ancestors-or-self, root first
-        for i in range(W):
-            if i < len(path):
-                out[:, :, k] += weight[:, 0, W - 1 - i] * x[:, :, path[-1 - i]]
-        if bias is not None:
-            out[:, :, k] += bias
-    return out
-
-
-def reference_linear_scan(a: Tensor, b: Tensor, end: Tensor, dim: int) -> Tensor:
-    """Oracle: token by token in preorder (a parent comes before its children), ``h[k] = a[k] * h[p] + b[k]``
-    with p the deepest proper ancestor of k (``j < k < end[j]``), ``h[k] = b[k]`` at a root."""
-    shape = torch.broadcast_shapes(a.shape, b.shape)
-    am, bm = a.expand(shape).movedim(dim, 0), b.expand(shape).movedim(dim, 0)
-    h: list[Tensor] = []
-    for k in range(end.shape[0]):
-        anc = [j for j in range(k) if int(end[j]) > k]
-        h.append(am[k] * h[anc[-1]] + bm[k] if anc else bm[k])
-    return torch.stack(h).movedim(0, dim)

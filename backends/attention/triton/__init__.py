@@ -16,14 +16,14 @@ try:
     import triton  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "brcompile.backends.triton needs the `triton` package (pip install 'brcompile[triton]', "
+        "brcompile.backends.attention.triton needs the `triton` package (pip install 'brcompile[triton]', "
         "triton>=3.6); use impl='cpu' or impl='reference' without it"
     ) from e
 
 from brcompile.backends.attention.op import AttentionImpl, register_attention_impl
 
-from .tree_attention import *  # noqa: F401,F403  (the package re-exports the module's public names)
-from .tree_attention import __all__, is_interpreter, tree_attention_backward, tree_attention_forward
+from .launch import *  # noqa: F401,F403  (the package re-exports the module's public names)
+from .launch import __all__, is_interpreter, tree_attention_backward, tree_attention_forward
 
 register_attention_impl(
     AttentionImpl(

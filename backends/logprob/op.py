@@ -47,13 +47,12 @@ bfloat16 inputs: matmuls in the input dtype, the softmax math in float32.
 
 Implementations (``impl``) differ only in the per-row softmax math of one chunk; the chunking and the
 matmuls are shared (:func:`logprob_forward`, :func:`logprob_backward`). ``"cpu"`` is plain torch ops
-(any device); ``"triton"`` (brcompile.backends.triton.logprob) fuses the row passes into kernels;
+(any device); ``"triton"`` (brcompile.backends.logprob.triton) fuses the row passes into kernels;
 ``"auto"`` picks triton on CUDA for float32/16/bf16 when triton imports, else cpu.
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Callable, Optional
 
@@ -62,10 +61,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from brcompile.backends.read_packed import check_dropped_grad
-from brcompile.backends.registry import Impl, Registry
-
-log = logging.getLogger(__name__)
+from brcompile.backends.read_packed.op import check_dropped_grad
+from brcompile.backends.common.registry import Impl, Registry
 
 __all__ = [
     "CHUNK_BYTES",
@@ -127,7 +124,7 @@ class LogprobImpl(Impl):
 
 #: The packed_logprob impls: cpu (below) and triton (imported on first use; "auto" picks it on CUDA for
 #: the dtypes it takes).
-LOGPROB_IMPLS = Registry("packed_logprob", LogprobImpl, builtins={"triton": "brcompile.backends.triton.logprob"})
+LOGPROB_IMPLS = Registry("packed_logprob", LogprobImpl, builtins={"triton": "brcompile.backends.logprob.triton"})
 
 
 def register_logprob_impl(impl: LogprobImpl, *, override: bool = False) -> None:
