@@ -138,6 +138,8 @@ register_op("softplus", spellings=(F.softplus,), aten=(aten.softplus,), respell=
 register_op("logsigmoid", spellings=(F.logsigmoid,), aten=(aten.log_sigmoid,), respell=fn(F.logsigmoid), **_EW)
 for _f in (F.leaky_relu, F.elu, F.mish, F.hardtanh, F.relu6):
     register_op(_f.__name__, spellings=(_f,), **_EW)
+# hardswish(x) = x · relu6(x + 3) / 6 (MobileNetV3; the "hardswish" of transformers' activations)
+register_op("hardswish", spellings=(F.hardswish,), aten=(aten.hardswish,), respell=fn(F.hardswish), **_EW)
 # complex values from pairs: elementwise, emitted as a stacked (real, imaginary) pair
 register_op("polar", spellings=(torch.polar,), aten=(aten.polar,), respell=fn(torch.polar), axes="complex_pair")
 register_op("complex", spellings=(torch.complex,), aten=(aten.complex,), respell=fn(torch.complex),
