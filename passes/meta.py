@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "NodeFact", "GraphFact", "FactMissing", "NODE_FACTS", "GRAPH_FACTS",
     "AXES", "REPACK_AXES", "CHECKPOINT_REGION", "CHECKPOINT_BODY", "CHECKPOINT_INDEX", "CANONICAL", "SOFTCAP",
-    "RELBIAS_ZERO", "RELBIAS_SOURCE", "FUSED", "FUSED_COVERS",
+    "RELBIAS_ZERO", "RELBIAS_SOURCE", "FUSED", "FUSED_COVERS", "example_value",
     "TOKEN_OUTPUTS", "SEQUENCES", "ROWS", "WRITTEN_INPUTS", "FROM_NODE", "record_origin", "has_origin", "origin_name",
 ]
 
@@ -218,3 +218,14 @@ def origin_name(node: fx.Node) -> str | None:
     if not isinstance(sources, (list, tuple)) or not sources:
         return None
     return getattr(sources[-1], "name", None)
+
+
+def example_value(node: Any) -> Any:
+    """The example value of ``node``: Dynamo's ``example_value``, else the export's ``val``, else None; a
+    non-node argument is its own value."""
+    if not isinstance(node, fx.Node):
+        return node
+    for key in ("example_value", "val"):
+        if key in node.meta:
+            return node.meta[key]
+    return None

@@ -1,17 +1,18 @@
-"""One table of op spellings: every way a Dynamo graph can spell an op family.
+"""The op vocabulary: every way a Dynamo graph can spell an op family, and the named groups of ops.
 
 Dynamo records the op a model *wrote*, not a canonical one: ``a * b`` is ``operator.mul``, ``torch.mul(a,
 b)`` is ``torch.mul``, ``a.mul(b)`` is the method ``"mul"``, ``2 * a`` may be ``"__rmul__"``, and
 ``torch.multiply`` is an alias of the same op. Matchers and rules that list spellings themselves drift
-apart (one knows ``"true_divide"``, another ``"truediv"``); they all read this table instead.
+apart (one knows ``"true_divide"``, another ``"truediv"``); they all read the op records (passes/ops/) instead,
+whose named families are :data:`FAMILIES`.
 
 A family groups spellings with the *same math and argument order*: ``sub`` is ``a - b`` (``__rsub__`` and
 ``torch.rsub`` compute ``b - a`` and are the family ``rsub``); ``div`` is ``a / b`` (``__rtruediv__`` is
 ``rdiv``). Callables are ``call_function`` targets, strings ``call_method`` targets (Tensor method names).
 
 ``family_of(node)`` names the family of a node, ``is_op(node, family, ...)`` tests membership, and
-``spellings(family, ...)`` is the tuple of targets a rule registers (``register_rule(spellings("mul"))``).
-Op sets that are not one family are *named groups* below the table (``COPIES``, ``INDEX_CASTS``, ...), each
+``spellings(family, ...)`` is the tuple of a family's targets, for matchers. Op sets that are not one op are
+*named groups* below the table (``COPIES``, ``INDEX_CASTS``, ...), each
 saying how it differs from its neighbours; ``random_draw`` is the one test for randomness. It also holds the
 few graph helpers every pass shares (``copy_graph_module``, ``arg`` for a call's bound argument).
 """
@@ -25,81 +26,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._functorch import predispatch
 
+from brcompile.passes import ops as _ops
+
 __all__ = ["FAMILIES", "arg", "copy_graph_module", "family_of", "is_op", "names", "op_name", "random_draw", "spellings",
            "target_name"]
 
-_nn = torch._C._nn
-
-
-def _fn(*names: str) -> list:
-    """``torch.<name>`` callables that exist in this torch build (aliases come and go between versions)."""
-    out = []
-    for name in names:
-        obj: Any = torch
-        try:
-            for part in name.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            continue
-        out.append(obj)
-    return out
-
-
-#: family -> every target spelling it (callables for call_function, method names for call_method).
-FAMILIES: dict[str, tuple] = {
-    # arithmetic
-    "add": (operator.add, *_fn("add"), "add", "__add__", "__radd__"),
-    "sub": (operator.sub, *_fn("sub", "subtract"), "sub", "subtract", "__sub__"),
-    "rsub": (*_fn("rsub"), "__rsub__"),
-    "mul": (operator.mul, *_fn("mul", "multiply"), "mul", "multiply", "__mul__", "__rmul__"),
-    "div": (operator.truediv, *_fn("div", "divide", "true_divide"), "div", "divide", "true_divide",
-            "truediv", "__truediv__"),
-    "rdiv": ("__rtruediv__",),
-    "floordiv": (operator.floordiv, *_fn("floor_divide"), "floor_divide", "__floordiv__"),
-    "pow": (operator.pow, *_fn("pow", "float_power"), "pow", "float_power", "__pow__"),
-    "rpow": ("__rpow__",),
-    "neg": (operator.neg, *_fn("neg", "negative"), "neg", "negative", "__neg__"),
-    "matmul": (operator.matmul, *_fn("matmul"), "matmul", "__matmul__"),
-    "bmm": (*_fn("bmm"), "bmm"),
-    "mm": (*_fn("mm"), "mm"),
-    "addmm": (*_fn("addmm"), "addmm"),
-    "baddbmm": (*_fn("baddbmm"), "baddbmm"),
-    "einsum": (*_fn("einsum"),),
-    "linear": (F.linear, _nn.linear),
-    # pointwise functions
-    "exp": (*_fn("exp"), "exp"),
-    "tanh": (*_fn("tanh"), F.tanh, "tanh"),
-    "sigmoid": (*_fn("sigmoid", "special.expit"), F.sigmoid, "sigmoid"),
-    "silu": (F.silu, _nn.silu, "silu"),
-    "gelu": (F.gelu, _nn.gelu, "gelu"),
-    "masked_fill": (*_fn("masked_fill"), "masked_fill"),
-    "where": (*_fn("where"), "where"),
-    "cast": ("to", "type", "type_as", "float", "double", "half", "bfloat16"),
-    "dropout": (F.dropout, *_fn("dropout"), "dropout"),
-    # reductions and normalisations
-    "sum": (*_fn("sum"), "sum"),
-    "softmax": (F.softmax, *_fn("softmax", "special.softmax"), "softmax"),
-    "log_softmax": (F.log_softmax, *_fn("log_softmax", "special.log_softmax"), "log_softmax"),
-    "cumsum": (*_fn("cumsum"), "cumsum"),
-    "cumprod": (*_fn("cumprod"), "cumprod"),
-    "layer_norm": (F.layer_norm, *_fn("layer_norm"), "layer_norm"),
-    "rms_norm": (*({getattr(F, "rms_norm", None)} - {None}), *_fn("rms_norm"), "rms_norm"),
-    # layout
-    "transpose": (*_fn("transpose", "swapaxes", "swapdims"), "transpose", "swapaxes", "swapdims"),
-    "permute": (*_fn("permute"), "permute"),
-    "reshape": ("view", "reshape", *_fn("reshape", "flatten", "unflatten"), "flatten", "unflatten",
-                "view_as", "reshape_as"),
-    "expand_as": ("expand_as",),  # x.expand_as(t): x broadcast to t's shape (no torch.expand_as function)
-    "repeat": ("repeat",),
-    "repeat_interleave": (*_fn("repeat_interleave"), "repeat_interleave"),
-    "cat": (*_fn("cat", "concat", "concatenate"),),
-    "view_as_complex": (*_fn("view_as_complex"),),
-    "view_as_real": (*_fn("view_as_real"),),
-    "pad": (F.pad, _nn.pad),
-    "conv1d": (F.conv1d,),
-    # attention
-    "sdpa": (F.scaled_dot_product_attention, _nn.scaled_dot_product_attention),
-}
+#: family -> every target spelling it (callables for call_function, method names for call_method): the named
+#: families of the op records (passes/ops/, ``register_op(..., named=True)``)
+FAMILIES: dict[str, tuple] = _ops.families()
 
 #: views and casts of a value: a TOKEN value read densely through only these is recomputed from the dense inputs
 #: (passes/emit/pack.py ``_input_derived``), so it is exact whatever the tree leaves out (passes/analysis/liveness.py)
@@ -177,10 +111,8 @@ CONSTANT_FILLS = (torch.full, torch.tensor, torch.scalar_tensor)
 EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
 #: the cross-entropy loss (``F.cross_entropy``)
 CROSS_ENTROPY = (F.cross_entropy,)
-#: grouped matrix products of a MoE (torch's ``_grouped_mm`` / ``F.grouped_mm`` where this build has them,
-#: and the transformers fallback custom op by its qualified name)
-GROUPED_MM = tuple(t for t in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None))
-                   if t is not None) + ("transformers::grouped_mm_fallback",)
+#: grouped matrix products of a MoE (the ``grouped_mm`` record's spellings: passes/ops/moe.py)
+GROUPED_MM = _ops.record_named("grouped_mm").spellings
 #: ops that move floating-point values without computing on them (flatten, index and copy: pack's dense reads)
 VALUE_MOVES = frozenset({"flatten", "index_select", "gather", "take", "take_along_dim", "clone", torch.flatten,
                          torch.index_select, torch.gather, torch.take, torch.take_along_dim, torch.clone})
@@ -202,49 +134,6 @@ CHECKPOINT_HOPS = (torch.ops.higher_order.tag_activation_checkpoint,)
 #: autocast region markers in a graph (enter / exit)
 AUTOCAST_REGION = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
 
-# elementwise and reducing ops (the targets of passes/analysis/rules/pointwise.py and passes/analysis/rules/reduce.py)
-
-#: elementwise ops of two or more tensor operands (broadcasting)
-BINARY = (
-    *_of("add", "sub", "rsub", "mul", "div", "rdiv", "floordiv", "pow", "rpow", "masked_fill", "where"),
-    operator.mod, operator.and_, operator.or_, operator.xor, operator.eq, operator.ne, operator.lt,
-    operator.le, operator.gt, operator.ge,
-    torch.maximum, torch.minimum,
-    torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and, torch.logical_or,
-    torch.clamp, torch.clip, torch.lerp, torch.atan2, torch.fmod, torch.remainder,
-    torch.addcmul, torch.addcdiv,
-    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-    "clamp", "clip", "clamp_min", "clamp_max", "lerp", "logical_and", "logical_or",
-    "__and__", "__or__",
-)
-#: elementwise ops of one tensor operand (the ``cast`` family, copies and detaches included)
-UNARY = (
-    *_of("neg", "exp", "tanh", "sigmoid", "silu", "gelu", "cast"),
-    operator.pos, operator.invert, operator.abs,
-    torch.real, torch.imag, torch.conj, torch.exp2, torch.expm1, torch.log, torch.log1p, torch.log2, torch.sqrt,
-    torch.rsqrt, torch.sin, torch.cos, torch.tan, torch.abs, torch.sign,
-    torch.square, torch.reciprocal, torch.erf, torch.floor, torch.ceil, torch.round, torch.trunc,
-    torch.logical_not, torch.isnan, torch.isinf, torch.isfinite, torch.nan_to_num, torch.relu,
-    F.relu, F.leaky_relu, F.elu, F.softplus, F.mish, F.hardtanh,
-    F.relu6, F.logsigmoid, torch.special.erf,
-    "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "sin", "cos", "tan",
-    "abs", "sign", "square", "reciprocal", "erf", "floor", "ceil", "round", "trunc",
-    "logical_not", "isnan", "isinf", "isfinite", "nan_to_num", "relu",
-    "int", "long", "bool", "detach", "clone", "contiguous", "conj",
-    "__invert__", torch.clone, torch.detach,
-)
-#: reductions over given dims
-REDUCTIONS = (
-    *_of("sum"), torch.mean, torch.amax, torch.amin, torch.prod, torch.logsumexp, torch.norm, torch.var,
-    torch.std, torch.all, torch.any, torch.linalg.vector_norm,
-    "mean", "amax", "amin", "prod", "logsumexp", "norm", "var", "std", "all", "any",
-)
-#: ``x.new_zeros(size)`` / ``new_ones`` / ``new_full``: a new filled tensor of ``x``'s dtype and device
-NEW_FILLED = ("new_zeros", "new_ones", "new_full")
-#: ``max`` / ``min`` (functions and methods): elementwise of two tensors, or along a dim
-MAX_MIN = (torch.max, torch.min, "max", "min")
-#: op *names* (``family_of`` or ``op_name``) that reduce or normalise along the dims they are given
-ALONG_DIM_NAMES = frozenset({"softmax", "log_softmax", "sum", "mean", "amax", "amin", "norm", "var", "std"})
 #: op *names* of a row gather (``x[idx]``, ``x.index_select(0, idx)``)
 GATHER_NAMES = ("getitem", "index_select")
 
@@ -346,7 +235,7 @@ for _family, _targets in FAMILIES.items():
 
 
 def spellings(*families: str) -> tuple:
-    """Every target of the named families (for ``register_rule`` and membership tests)."""
+    """Every target of the named families (for matchers and membership tests)."""
     return _of(*families)
 
 

@@ -29,7 +29,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.fx as fx
 
-from brcompile.passes.meta import AXES
+from brcompile.passes.meta import AXES, example_value
+from brcompile.passes.ops import RuleCollision, record_for
 from brcompile.passes.spellings import INPLACE_OPERATORS, random_draw, target_name
 from brcompile.passes.refusals import CannotReplay, Code
 
@@ -166,15 +167,6 @@ def set_axes(node: fx.Node, axes: TokenAxes) -> None:
 # values and sizes from node metadata
 
 
-def example_value(node: Any) -> Any:
-    if not isinstance(node, fx.Node):
-        return node
-    for key in ("example_value", "val"):
-        if key in node.meta:
-            return node.meta[key]
-    return None
-
-
 def hint(x: Any) -> Any:
     """A concrete int for an int or SymInt (its example hint), recursively for sequences."""
     if isinstance(x, torch.SymInt):
@@ -224,59 +216,45 @@ class Rule:
     local: Local = Local.NONE
 
 
-RULES: dict[Any, Rule] = {}
+#: the token-axis rules by name; an op's record (passes/ops/) names the rule its spellings use
+AXIS_RULES: dict[str, Rule] = {}
 
 
-class RuleCollision(ValueError):
-    """A rule registered for a target that already has one (without ``override=True``)."""
-
-
-def register_rule(targets, *, emit: Optional[Callable] = None, always: bool = False, local: Local = Local.NONE,
-                  override: bool = False):
-    """Decorator: register ``fn(ctx, node) -> TokenAxes`` for one target or a list of targets.
-
-    Targets are callables (``call_function``), method names (``call_method``, e.g. ``"view"``) or the
-    qualified names of custom ops (``"transformers::grouped_mm_fallback"``, matched by name so that the
-    library defining them need not be loaded). A target has one rule: registering a second one raises
-    :class:`RuleCollision` unless ``override=True`` (then the new rule replaces the old one).
-    """
-    if not isinstance(targets, (list, tuple)):
-        targets = [targets]
+def axis_rule(*, emit: Optional[Callable] = None, always: bool = False, local: Local = Local.NONE,
+              override: bool = False):
+    """Decorator: register ``fn(ctx, node) -> TokenAxes`` as the token-axis rule named ``fn.__name__``; op records
+    (``register_op(..., axes=name)``, passes/ops/) say which ops it covers. A name has one rule: registering a
+    second raises :class:`RuleCollision` unless ``override=True`` (then the new rule replaces the old one)."""
 
     def deco(fn):
         rule = Rule(fn.__name__, fn, emit, always, local)
-        taken = [(t, RULES[t].name) for t in targets if t in RULES] if not override else []
-        if taken:
-            raise RuleCollision(f"rule {rule.name!r}: targets already have a rule: "
-                                + ", ".join(f"{_target_label(t)} ({name})" for t, name in taken)
-                                + "; pass override=True to replace them")
-        for t in targets:
-            if override and t in RULES:
-                log.info("rule %r replaces %r for %s", rule.name, RULES[t].name, _target_label(t))
-            RULES[t] = rule
+        if rule.name in AXIS_RULES and not override:
+            raise RuleCollision(f"a token-axis rule named {rule.name!r} is already registered; pass override=True "
+                                f"to replace it")
+        if rule.name in AXIS_RULES:
+            log.info("token-axis rule %r replaced", rule.name)
+        AXIS_RULES[rule.name] = rule
         return fn
 
     return deco
 
 
-def _target_label(target: Any) -> str:
-    """A readable name of a rule target (a method name, a qualified op name, or a callable)."""
-    if isinstance(target, str):
-        return target
-    mod = getattr(target, "__module__", None) or ""
-    return f"{mod}.{getattr(target, '__name__', repr(target))}".lstrip(".")
-
-
 def rule_for(node: fx.Node) -> Optional[Rule]:
-    if node.op in ("call_function", "call_method"):
-        rule = RULES.get(node.target)
-        if rule is None and node.op == "call_function":
-            name = getattr(node.target, "_qualified_op_name", None) or getattr(
-                getattr(node.target, "_overloadpacket", None), "_qualified_op_name", None)
-            if isinstance(name, str):
-                rule = RULES.get(name)
-        return rule
-    return None
+    """The token-axis rule of ``node``: the one its op record names (found by target, else by a custom op's
+    qualified name), None for an op without a record or a rule."""
+    from brcompile.passes.analysis import rules as _rules  # noqa: F401  (fill AXIS_RULES)
+    from brcompile.passes.emit import fuse_logprob as _fusion  # noqa: F401
+    from brcompile.passes.analysis import repack as _repack  # noqa: F401
+
+    if node.op not in ("call_function", "call_method"):
+        return None
+    record = record_for(node.target)
+    if record is None and node.op == "call_function":
+        name = getattr(node.target, "_qualified_op_name", None) or getattr(
+            getattr(node.target, "_overloadpacket", None), "_qualified_op_name", None)
+        if isinstance(name, str):
+            record = record_for(name)
+    return None if record is None or record.axes is None else AXIS_RULES[record.axes]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -477,8 +455,6 @@ def input_write_destination(ctx: AxesContext, node: fx.Node, tainted: set) -> Op
 def propagate(ctx: AxesContext) -> None:
     """Give every node of ``ctx.gm`` its fact (topological order), raising CannotReplay where a
     TOKEN value would be handled in a way no rule proves exact."""
-    from brcompile.passes.emit import fuse_logprob as _fusion  # noqa: F401  (fill RULES)
-    from brcompile.passes.analysis import rules as _rules
     from brcompile.passes.analysis import repack
 
     tainted: set[fx.Node] = set()  # nodes with a TOKEN ancestor (mutating them is refused)
@@ -592,6 +568,6 @@ def normalize_dim(d: int, ndim: int) -> int:
 
 __all__ = [
     "Kind", "Window", "TokenAxes", "CONST", "DENSE", "token", "get_axes", "set_axes",
-    "register_rule", "RuleCollision", "rule_for", "RULES", "AxesContext", "propagate", "shape_of", "example_value",
+    "axis_rule", "RuleCollision", "rule_for", "AXIS_RULES", "AxesContext", "propagate", "shape_of", "example_value",
     "hint", "normalize_dim", "node_args", "flat_args", "dense_fallback", "Materialisation",
 ]

@@ -38,22 +38,25 @@ import torch.fx as fx
 from brcompile.passes.analysis.axes import example_value, get_axes, node_args, normalize_dim
 from brcompile.passes.analysis.repack import packed_again
 from brcompile.passes.analysis.rules.reduce import _reduced_dims
-from brcompile.passes.spellings import (
-    BINARY, CHEAP_VIEWS, FAMILIES, GATHERS, MATRIX_TRANSPOSES, MAX_MIN, REDUCTIONS, SQUEEZES, UNARY, arg, spellings,
-)
+from brcompile.passes.ops import Kill, Liveness, record_for
+from brcompile.passes.spellings import CHEAP_VIEWS, arg
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LivePlan", "analyse_liveness", "safe_operand"]
 
-#: ops whose inputs' positions map one to one onto the output's (elementwise, or working along other dims)
-_POSITIONWISE = set(BINARY) | set(UNARY) | set(MAX_MIN)
-_REDUCTIONS = set(REDUCTIONS)
-_ALONG_DIM = set(spellings("softmax", "log_softmax")) | set(GATHERS)
-_LAYOUT = set(spellings("transpose", "permute")) | set(SQUEEZES) | set(MATRIX_TRANSPOSES)
-_MUL = set(FAMILIES["mul"])
-_WHERE = set(FAMILIES["where"])
-_MASKED_FILL = set(FAMILIES["masked_fill"])
+
+def _liveness(target) -> Optional[Liveness]:
+    """How a dense value computed by ``target`` keeps its operand's token dims (its op record's ``liveness``)."""
+    record = record_for(target)
+    return None if record is None else record.liveness
+
+
+def _kill(target) -> Optional[Kill]:
+    """How a per-call operand of ``target`` kills the other (its op record's ``kill``)."""
+    record = record_for(target)
+    return None if record is None else record.kill
+
 
 Steps = tuple  # ((which, (start, stop, step)), ...): which in {"row", "pos"}; bounds ints or value refs
 
@@ -333,14 +336,15 @@ class _Liveness:
         if any(f is None for f in frames):
             return None
         t = n.target
-        if t in _POSITIONWISE or t in _ALONG_DIM:
-            if t in _ALONG_DIM:
+        kind = _liveness(t)
+        if kind in (Liveness.POSITIONWISE, Liveness.ALONG_DIM):
+            if kind is Liveness.ALONG_DIM:
                 dim = arg(n, 1, "dim")
                 src = frames[0] if ops[0] is n.args[0] else None
                 if not isinstance(dim, int) or src is None or normalize_dim(dim, src.ndim) in (src.row, src.pos):
                     return None
             return _broadcast_frame(v.dim(), frames)
-        if t in _REDUCTIONS:
+        if kind is Liveness.REDUCES:
             if len(ops) != 1 or ops[0] is not n.args[0]:
                 return None
             src = frames[0]
@@ -353,7 +357,7 @@ class _Liveness:
                 return None
             mapped = _index_map(n.args[1], frames[0])
             return None if mapped is None else Frame(v.dim(), *mapped[0])
-        if t in _LAYOUT:
+        if kind is Liveness.LAYOUT:
             return _layout_frame(n, frames[0], v.dim()) if len(ops) == 1 and ops[0] is n.args[0] else None
         return None
 
@@ -440,19 +444,19 @@ class _Liveness:
 
     def _killer(self, u: fx.Node, a: fx.Node, fu: Frame) -> Optional[Nonzero]:
         """The per-call value that zeroes or replaces ``a``'s contribution to ``u``, as a Nonzero expression."""
-        t = u.target
+        kill = _kill(u.target)
         args = list(u.args)
-        if t in _MUL and len(args) == 2 and a in args:
+        if kill is Kill.PRODUCT and len(args) == 2 and a in args:
             other = args[1] if args[0] is a else args[0]
             if isinstance(other, fx.Node) and self.per_call(other) and other is not a:
                 self.killers.append((u, a, other))
                 return Nonzero(self.refs.ref(other)[1], fu)
-        if t in _WHERE and len(args) == 3 and isinstance(args[0], fx.Node) and self.per_call(args[0]):
+        if kill is Kill.SELECT and len(args) == 3 and isinstance(args[0], fx.Node) and self.per_call(args[0]):
             if args[1] is a and args[2] is not a:
                 return Nonzero(self.refs.ref(args[0])[1], fu)
             if args[2] is a and args[1] is not a:
                 return Nonzero(self.refs.ref(args[0])[1], fu, zero=True)
-        if t in _MASKED_FILL and len(args) == 3 and args[0] is a and isinstance(args[1], fx.Node) \
+        if kill is Kill.FILL and len(args) == 3 and args[0] is a and isinstance(args[1], fx.Node) \
                 and self.per_call(args[1]):
             return Nonzero(self.refs.ref(args[1])[1], fu, zero=True)
         return None

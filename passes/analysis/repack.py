@@ -49,11 +49,12 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.analysis.axes import (
-    AxesContext, example_value, get_axes, hint, node_args, register_rule, set_axes, token,
+    AxesContext, axis_rule, example_value, get_axes, hint, node_args, set_axes, token,
 )
 from brcompile.passes import probe
 from brcompile.passes.probe import ancestors
 from brcompile.passes.refusals import CannotReplay, Code
+from brcompile.passes.ops.markers import packed_again
 from brcompile.passes.meta import CHECKPOINT_REGION, REPACK_AXES
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,6 @@ def repack_tokens(x: torch.Tensor, index: torch.Tensor, rep_row: torch.Tensor, p
                            f"is {tuple(index.shape)}")
     moved = x.movedim((row, pos), (0, 1))[rep_row, position]  # [N, ...rest]
     return moved.unsqueeze(0).movedim((0, 1), (row, pos))
-
-
-def packed_again(x: torch.Tensor, row: int, pos: int) -> torch.Tensor:
-    """The analysis graph's marker of a re-packed value: ``x`` itself on dense values (so the analysis graph
-    still evaluates, for probes); the packed graph emits :func:`repack_tokens` in its place."""
-    return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +104,7 @@ def _emit_repack(pk, node: fx.Node) -> fx.Node:
                                                   pk.tree("position"), row, pos))
 
 
-@register_rule([packed_again], emit=_emit_repack, always=True)
+@axis_rule(emit=_emit_repack, always=True)
 def _repack_rule(ctx: AxesContext, node: fx.Node):
     """The fact was proved when the node was made (:func:`repack_operands`)."""
     return REPACK_AXES.require(node)

@@ -40,11 +40,11 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.analysis.axes import (
-    CONST, DENSE, AxesContext, Window, dense_fallback, example_value, get_axes, node_args, normalize_dim,
-    register_rule, set_axes, shape_of,
+    CONST, DENSE, AxesContext, Window, axis_rule, dense_fallback, example_value, get_axes, node_args, normalize_dim,
+    set_axes, shape_of,
 )
 from brcompile.passes.meta import AXES, FUSED, FUSED_COVERS, record_origin
-from brcompile.passes.spellings import CASTS_AND_COPIES, CROSS_ENTROPY, FLAT_RESHAPES, arg, spellings
+from brcompile.passes.spellings import CASTS_AND_COPIES, FLAT_RESHAPES, arg, spellings
 
 log = logging.getLogger(__name__)
 
@@ -554,7 +554,7 @@ def emit_cross_entropy(pk, node: fx.Node):
     return g.call_function(operator.truediv, (total, g.call_method("sum", (keep,))))
 
 
-@register_rule(CROSS_ENTROPY, emit=emit_cross_entropy, always=True)
+@axis_rule(emit=emit_cross_entropy, always=True)
 def cross_entropy(ctx: AxesContext, node: fx.Node):
     """F.cross_entropy: on a TOKEN operand -> dense (materialised, as without a rule); on the dense
     ``logits.reshape(-1, V)`` of a fusable head -> noted for :func:`emit_cross_entropy` (DENSE)."""

@@ -38,11 +38,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from brcompile.passes.analysis.axes import RuleCollision, example_value, hint, node_args
+from brcompile.passes.analysis.axes import example_value, hint, node_args
 from brcompile.passes.refusals import CannotReplay, Code
-from brcompile.passes.spellings import (
-    ALONG_DIM_NAMES, BINARY, GATHER_NAMES, UNARY, arg, copy_graph_module, family_of, op_name,
-)
+from brcompile.passes.ops import RuleCollision, record_for
+from brcompile.passes.spellings import GATHER_NAMES, arg, copy_graph_module, family_of, op_name
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +144,6 @@ def _token_source(x: fx.Node) -> fx.Node:
 # --------------------------------------------------------------------------------------------------
 # pair-local rules
 
-#: ops that act elementwise (with broadcasting) on their tensor operands: the token-axis pointwise rule's targets
-_POINTWISE = frozenset(BINARY + UNARY)
-
-
 def _name(n: fx.Node) -> str:
     return family_of(n) or op_name(n)
 
@@ -165,39 +160,30 @@ class _PairRule:
     scatter: bool = False
 
 
-#: the pair-local rules by target (the pointwise ops, as the token-axis rules key them), looked up first
-_PAIR_RULES_BY_TARGET: dict[Any, _PairRule] = {}
-#: the pair-local rules by op name (``_name``: the node's family, else its target's short name)
-_PAIR_RULES_BY_NAME: dict[str, _PairRule] = {}
+#: the pair-local rules by name (a method ``_<name>`` of :class:`_Propagation`); an op's record (passes/ops/,
+#: ``register_op(..., pair=name)``) says which rule its spellings use
+_PAIR_RULES: dict[str, _PairRule] = {}
 
 
-def _pair_rule(*names: str, targets: Sequence = (), shared: bool = True, scatter: bool = False,
-               override: bool = False):
-    """Decorator: register a :class:`_Propagation` method as the pair-local rule of the op ``names`` and the
-    ``targets``. A name or target has one rule: a second one raises :class:`RuleCollision` unless
-    ``override=True``."""
+def _pair_rule(*, shared: bool = True, scatter: bool = False, override: bool = False):
+    """Decorator: register a :class:`_Propagation` method ``_<name>`` as the pair-local rule ``name``. A name has
+    one rule: a second one raises :class:`RuleCollision` unless ``override=True``."""
 
     def deco(fn):
-        rule = _PairRule(fn.__name__, fn, shared, scatter)
-        keyed = [(_PAIR_RULES_BY_NAME, k) for k in names] + [(_PAIR_RULES_BY_TARGET, t) for t in targets]
-        taken = [k for table, k in keyed if k in table] if not override else []
-        if taken:
-            raise RuleCollision(f"pair rule {rule.name!r}: {', '.join(map(str, taken))} already have a pair rule; "
-                                f"pass override=True to replace them")
-        for table, k in keyed:
-            table[k] = rule
+        rule = _PairRule(fn.__name__.lstrip("_"), fn, shared, scatter)
+        if rule.name in _PAIR_RULES and not override:
+            raise RuleCollision(f"a pair rule named {rule.name!r} is already registered; pass override=True to "
+                                f"replace it")
+        _PAIR_RULES[rule.name] = rule
         return fn
 
     return deco
 
 
 def _pair_rule_for(n: fx.Node) -> Optional[_PairRule]:
-    """The pair rule of ``n``: by its target, else by its name (``_name``)."""
-    try:
-        rule = _PAIR_RULES_BY_TARGET.get(n.target)
-    except TypeError:  # an unhashable target
-        rule = None
-    return rule if rule is not None else _PAIR_RULES_BY_NAME.get(_name(n))
+    """The pair rule of ``n``: the one its op record names (None: not pair-local)."""
+    record = record_for(n.target)
+    return None if record is None or record.pair is None else _PAIR_RULES[record.pair]
 
 
 def _norm_dim(d: Any, ndim: int) -> Optional[int]:
@@ -270,7 +256,7 @@ class _Propagation:
                                     and sum(a is idx for a in node_args(n)) == 1)
 
     def _rule(self, n: fx.Node) -> Any:
-        """The pair fact of ``n`` by its pair rule (:data:`_PAIR_RULES_BY_TARGET`, :data:`_PAIR_RULES_BY_NAME`);
+        """The pair fact of ``n`` by its pair rule (:data:`_PAIR_RULES`, by the op's record);
         an op without one is refused."""
         rule = _pair_rule_for(n)
         if not (rule is not None and rule.scatter) and any(a in self.index_uses for a in node_args(n)):
@@ -282,7 +268,7 @@ class _Propagation:
             self.fail(n, f"{_name(n)} on values per pair has no pair-local rule")
         return rule.fn(self, n, fact)
 
-    @_pair_rule("getitem", shared=False)
+    @_pair_rule(shared=False)
     def _getitem(self, n: fx.Node) -> Any:
         """An item of a tuple of pair groups (a split's output), else an index into a pair value (a view)."""
         if isinstance(self.facts.get(n.args[0]), PairTuple):
@@ -290,20 +276,20 @@ class _Propagation:
             return items[n.args[1]] if isinstance(n.args[1], int) else self.fail(n, "slicing a tuple of pairs")
         return self._layout(n, self._same_fact(n))
 
-    @_pair_rule(targets=_POINTWISE)
+    @_pair_rule()
     def _pointwise(self, n: fx.Node, fact: Any) -> Any:
         """Elementwise: each pair's row of the output reads that pair's rows and values the same for all pairs."""
         self._check_broadcast(n, example_value(n))
         return fact
 
-    @_pair_rule("linear")
+    @_pair_rule()
     def _linear(self, n: fx.Node, fact: Any) -> Any:
         """``linear(x, W, b)`` acts on each row of x alone, when W and b are no pair values."""
         if n.args[0] not in self.facts or any(a in self.facts for a in _flat_nodes((n.args[1:], n.kwargs))):
             self.fail(n, "linear with a weight that is a value per pair")
         return fact
 
-    @_pair_rule("matmul")
+    @_pair_rule()
     def _matmul(self, n: fx.Node, fact: Any) -> Any:
         """``x @ W`` with x's pairs at dim 0 (at least 2-D) and W a matrix that is no pair value: row by row."""
         w = example_value(n.args[1])
@@ -312,7 +298,7 @@ class _Propagation:
             self.fail(n, "a matrix product that mixes pairs")
         return fact
 
-    @_pair_rule("layer_norm", "rms_norm")
+    @_pair_rule()
     def _norm(self, n: fx.Node, fact: Any) -> Any:
         """A normalisation over trailing dims only (not the pair dim), its weights no pair values."""
         shape = n.args[1] if len(n.args) > 1 else n.kwargs.get("normalized_shape")
@@ -338,7 +324,7 @@ class _Propagation:
             if v.dim() == out.dim() and hint(v.shape[0]) != 1:
                 self.fail(n, f"{a.name} has a dim of its own along the pairs but is no pair value")
 
-    @_pair_rule(*sorted(ALONG_DIM_NAMES))
+    @_pair_rule()
     def _along_dims(self, n: fx.Node, fact: Any) -> Any:
         x = example_value(n.args[0])
         dims = _dims_arg(n)
@@ -348,7 +334,7 @@ class _Propagation:
             self.fail(n, f"{_name(n)} over the pair dim (it would mix pairs)")
         return fact
 
-    @_pair_rule("reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand")
+    @_pair_rule()
     def _layout(self, n: fx.Node, fact: Any) -> Any:
         if n.args[0] not in self.facts:
             self.fail(n, "a pair value used as an index")
@@ -378,7 +364,7 @@ class _Propagation:
                 self.fail(n, "a reshape that moves elements between pairs")
         return fact
 
-    @_pair_rule("split", "chunk", "split_with_sizes", "unbind")
+    @_pair_rule()
     def _split(self, n: fx.Node, fact: Any) -> Any:
         x = example_value(n.args[0])
         name = _name(n)
@@ -410,7 +396,7 @@ class _Propagation:
             self.fail(s, "a per-expert count is used otherwise than to split the pairs")
         return True
 
-    @_pair_rule("cat", shared=False)
+    @_pair_rule(shared=False)
     def _cat(self, n: fx.Node) -> Any:
         items = n.args[0] if n.args else n.kwargs.get("tensors")
         dim = arg(n, 1, "dim", 0)
@@ -424,7 +410,7 @@ class _Propagation:
             self.fail(n, "cat along the pairs of anything but every group in order")
         return Pair()
 
-    @_pair_rule("index_add", shared=False, scatter=True)
+    @_pair_rule(shared=False, scatter=True)
     def _index_add(self, n: fx.Node) -> Any:
         target, dim, index, src = (list(n.args) + [None] * 4)[:4]
         if dim != 0 or n.kwargs or self.facts.get(src) != Pair() or target in self.facts or \

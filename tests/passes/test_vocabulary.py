@@ -1,4 +1,5 @@
-"""One op vocabulary: outside ``passes/spellings.py`` no module binds its own set of op spellings.
+"""One op vocabulary: outside ``passes/spellings.py`` (and the op records it reads, ``passes/ops/``, which register
+their spellings by call, one record per op) no module binds its own set of op spellings.
 
 The test reads every module under ``passes/``, ``backends/`` and ``brcompile/`` with ``ast`` and looks at each
 module-level assignment. A set / frozenset / tuple / list literal (or a dict literal's keys and values) anywhere
@@ -160,7 +161,7 @@ def op_name_collections(source: str, label: str) -> list[str]:
 
 
 def test_no_module_binds_its_own_op_names():
-    """Op-name sets live in passes/spellings.py (families and named groups), read through ``spellings`` /
+    """Op-name sets live in passes/spellings.py (the records' families and named groups), read through ``spellings`` /
     ``is_op`` / the groups; a module-level set of op spellings anywhere else is a second vocabulary."""
     found = [hit for path in _modules() for hit in op_name_collections(path.read_text(), str(path.relative_to(ROOT)))]
     assert not found, "op-name collections outside passes/spellings.py:\n" + "\n".join(found)

@@ -1,4 +1,5 @@
-"""Per-op token-axis rules, by op family. Importing this package fills ``passes.axes.RULES``.
+"""Per-op token-axis rules, by op family. Importing this package fills ``passes.analysis.axes.AXIS_RULES``; the op
+records (passes/ops/) name the rule each op uses.
 
 Passes that are not rules live next to this package: ``passes/canonical/attention/`` (eager softmax chains ->
 SDPA, run before propagation) and ``passes/emit/fuse_logprob.py`` (LM head + log-softmax read-outs ->

@@ -41,8 +41,7 @@ import torch
 import torch.fx as fx
 
 from brcompile.passes.analysis.axes import (
-    DENSE, AxesContext, Local, dense_fallback, example_value, get_axes, normalize_dim, register_rule,
-    shape_of, token,
+    DENSE, AxesContext, Local, axis_rule, dense_fallback, example_value, get_axes, normalize_dim, shape_of, token,
 )
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.analysis.masks.values import MaskInfo
@@ -297,7 +296,7 @@ def emit_per_token_sdpa(pk, node):
     return pk._emit_copy(node, lambda x: operands[x] if x in operands else pk.packed(x))
 
 
-@register_rule(SDPA, emit=emit_sdpa, always=True)
+@axis_rule(emit=emit_sdpa, always=True)
 def sdpa(ctx: AxesContext, node):
     """scaled_dot_product_attention -> tree attention (see module docstring); an SDPA whose token dims are its
     batch dims -> the same SDPA per token (:func:`per_token_attention`)."""
@@ -433,7 +432,7 @@ def _gather_args(node):
     return bound.get("input", bound.get("self")), bound.get("dim"), bound.get("indices", bound.get("index"))
 
 
-@register_rule([torch.gather, "gather", torch.take_along_dim, "take_along_dim"], emit=emit_gather, local=Local.CARRY)
+@axis_rule(emit=emit_gather, local=Local.CARRY)
 def gather(ctx: AxesContext, node):
     """gather(x, dim, idx) along a non-token dim: ``out[p] = x[p with p[dim] := idx[p]]`` for every coordinate
     p of idx — every coordinate but ``dim``, the token dims among them, is kept, so each token's slice (each

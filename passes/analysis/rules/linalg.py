@@ -13,9 +13,8 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from brcompile.passes.analysis.axes import AxesContext, Local, dense_fallback, get_axes, register_rule, shape_of, token
+from brcompile.passes.analysis.axes import AxesContext, Local, axis_rule, dense_fallback, get_axes, shape_of, token
 from brcompile.passes.spellings import BROADCASTS, SAME_VALUE, family_of, names, op_name, spellings
 
 
@@ -29,7 +28,7 @@ class Narrow:
     dims: tuple[int, ...]
 
 
-@register_rule(spellings("linear"), local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def linear(ctx: AxesContext, node):
     """linear(x, W, b): token dims of x must not be its last (contracted) dim; W, b constant."""
     x = node.args[0]
@@ -110,7 +109,7 @@ def emit_product(pk, node):
     return pk.graph.create_node(node.op, node.target, tuple(args), dict(kwargs))
 
 
-@register_rule([*spellings("matmul", "bmm", "mm")], emit=emit_product, local=Local.CARRY)
+@axis_rule(emit=emit_product, local=Local.CARRY)
 def matmul(ctx: AxesContext, node):
     """matmul/bmm/mm of one TOKEN operand and one constant, in either order: ``out[..., i, j] = sum_k a[..., i,
     k] b[..., k, j]``. Each output element reads one row of ``a`` and one column of ``b`` at the same
@@ -183,7 +182,7 @@ def emit_addmm(pk, node):
     return g.call_function(operator.add, (c, prod))
 
 
-@register_rule(spellings("addmm", "baddbmm"), emit=emit_addmm, local=Local.CARRY)
+@axis_rule(emit=emit_addmm, local=Local.CARRY)
 def addmm(ctx: AxesContext, node):
     """``addmm(c, a, b, beta=β, alpha=α) = β·c + α·(a @ b)`` (GPT-2's ``Conv1D``: ``addmm(bias, x.view(-1, D),
     W)`` of flattened tokens) and its batched twin ``baddbmm`` (RecurrentGemma's block-diagonal gates:
@@ -241,7 +240,7 @@ def _einsum_operands(node):
     return eq, ops
 
 
-@register_rule(spellings("einsum"), local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def einsum(ctx: AxesContext, node):
     """einsum with an explicit output (``"i , j -> i j"``, ``"bld,od->blo"``): an output element is a sum
     over the contracted letters of products of operand elements at the output's coordinates. When every
@@ -285,7 +284,7 @@ def einsum(ctx: AxesContext, node):
     return token(len(rhs), None if letters[0] is None else rhs.index(letters[0]), rhs.index(letters[1]), window)
 
 
-@register_rule([F.embedding, torch.embedding])
+@axis_rule()
 def embedding(ctx: AxesContext, node):
     """embedding(ids, W): one row of W per id; the ids' token dims pass through, a new last dim appears."""
     ids = node.args[0]

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from brcompile.backends.scan import matrix as _ops
 from brcompile.passes.analysis.axes import (
-    AxesContext, Window, dense_fallback, example_value, get_axes, normalize_dim, register_rule, token,
+    AxesContext, Window, axis_rule, dense_fallback, example_value, get_axes, normalize_dim, token,
 )
 from brcompile.passes.analysis.rules.scan import _emit_parent, _path_problem, _refuse_dropped_padding
 
@@ -40,7 +40,7 @@ def emit_matrix_scan(pk, node: fx.Node):
                                                             get_axes(node).pos, pk.options.scan))
 
 
-@register_rule([_ops.matrix_scan], emit=emit_matrix_scan)
+@axis_rule(emit=emit_matrix_scan)
 def matrix_scan(ctx: AxesContext, node: fx.Node):
     """``matrix_scan(M, b, dim)`` along the position dim of TOKEN ``M`` and ``b`` of one layout (the same row
     and position dims among the batch dims, whole windows): TOKEN with that layout (module docstring).

@@ -43,15 +43,14 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from brcompile.passes.analysis.axes import (
-    AxesContext, Local, dense_fallback, example_value, get_axes, normalize_dim, register_rule, shape_of, token,
+    AxesContext, Local, axis_rule, dense_fallback, example_value, get_axes, normalize_dim, shape_of, token,
 )
 from brcompile.passes.refusals import Code
 from brcompile.passes.analysis.guards import integers_in_range
 from brcompile.passes.analysis.rules import reduce as _reduce
-from brcompile.passes.spellings import GROUPED_MM, INDEX_CASTS, arg
+from brcompile.passes.spellings import INDEX_CASTS, arg
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -64,7 +63,7 @@ def _dim(node, pos: int, default=None):
 # per-token ops on the expert dim
 
 
-@register_rule([torch.topk, "topk"], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def topk(ctx: AxesContext, node):
     """``topk(x, k, dim)`` along a non-token dim (the experts): the k largest of one token's scores and their
     indices — both outputs keep x's token dims (the tuple's fact is its elements' fact). Along a token dim it
@@ -76,14 +75,14 @@ def topk(ctx: AxesContext, node):
     return ax
 
 
-@register_rule([F.one_hot], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def one_hot(ctx: AxesContext, node):
     """``one_hot(ids, E)``: a new last dim of extent E, each element a function of one id: token dims stay."""
     ax = get_axes(node.args[0])
     return token(ax.ndim + 1, ax.row, ax.pos, ax.window)
 
 
-@register_rule([torch.scatter, "scatter", torch.scatter_add, "scatter_add"], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def scatter(ctx: AxesContext, node):
     """``x.scatter(dim, idx, src)`` along a non-token dim (group-limited routing: ``zeros_like(group_scores)
     .scatter(1, group_idx, 1)``): ``out`` is x with ``out[p with p[dim] := idx[p]] = src[p]`` (``+=`` for
@@ -113,7 +112,7 @@ def scatter(ctx: AxesContext, node):
     return ax
 
 
-@register_rule([torch.argmax, torch.argmin, "argmax", "argmin"], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def argmax(ctx: AxesContext, node):
     """argmax/argmin over a non-token dim (a top-1 router): a reduction over that dim."""
     if _dim(node, 1) is None:
@@ -125,7 +124,7 @@ def argmax(ctx: AxesContext, node):
 # sort: along the expert dim (per token) or along the flattened tokens (a token-local region)
 
 
-@register_rule([torch.sort, "sort", torch.argsort, "argsort"], local=Local.OWN)
+@axis_rule(local=Local.OWN)
 def sort(ctx: AxesContext, node):
     """``sort``/``argsort`` along a non-token dim: per token (its facts stay). Along the flattened tokens of a
     1-D key in natural order: the start of a token-local region (module docstring) — the sorted keys are in
@@ -330,7 +329,7 @@ def _masked_fill_range(node: fx.Node, depth: int, tables: Optional[list] = None)
     return max(E, v + 1)
 
 
-@register_rule([torch.histc, "histc"], local=Local.OWN)
+@axis_rule(local=Local.OWN)
 def histc(ctx: AxesContext, node):
     """``histc(sorted keys, bins=E, min=0, max=E-1)`` of integer keys in ``[0, E)``: bin ``b`` counts the key
     value b (``floor(v·E/(E-1)) = v`` for ``v < E-1``, the top value falls in the last bin), i.e. the size
@@ -359,7 +358,7 @@ def histc(ctx: AxesContext, node):
     return token(1, None, None, ax.window, groups=("counts", srt, bins))
 
 
-@register_rule(GROUPED_MM, local=Local.OWN)
+@axis_rule(local=Local.OWN)
 def grouped_mm(ctx: AxesContext, node):
     """``grouped_mm(x, W, offs)`` with ``x`` the rows of flattened entries in a sort's order and ``offs`` the
     offsets of that sort's keys: row i lies in the run of its key, so it is multiplied by ``W[key(P(i))]``

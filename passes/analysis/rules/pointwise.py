@@ -24,13 +24,12 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from brcompile.passes.analysis.axes import (
-    DENSE, AxesContext, Local, dense_fallback, get_axes, register_rule, shape_of, token,
+    DENSE, AxesContext, Local, axis_rule, dense_fallback, get_axes, shape_of, token,
 )
 from brcompile.passes.refusals import Code
-from brcompile.passes.spellings import BINARY, NEW_FILLED, UNARY, arg, spellings
+from brcompile.passes.spellings import arg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +135,7 @@ def emit_complex(pk, node):
     return g.call_function(torch.view_as_complex, (pair,))
 
 
-@register_rule(BINARY + UNARY, emit=emit_pointwise, local=Local.CARRY)
+@axis_rule(emit=emit_pointwise, local=Local.CARRY)
 def pointwise(ctx: AxesContext, node):
     """Elementwise ops: the output element is f of the operands' elements at the same coordinates; a
     constant position table is read at each token's position (module docstring)."""
@@ -158,7 +157,7 @@ def pointwise(ctx: AxesContext, node):
     return ax
 
 
-@register_rule([torch.polar, torch.complex], emit=emit_complex, local=Local.CARRY)
+@axis_rule(emit=emit_complex, local=Local.CARRY)
 def complex_pair(ctx: AxesContext, node):
     """``complex(re, im)`` and ``polar(r, θ) = r·cos θ + i·r·sin θ`` (a complex rotary table of positions):
     elementwise, as any pointwise op (its proof); emitted as a stacked (real, imaginary) pair (emit_complex)."""
@@ -173,7 +172,7 @@ def _is_dtype_cast(node) -> bool:
                for a in rest)
 
 
-@register_rule([*spellings("dropout"), F.alpha_dropout], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def dropout(ctx: AxesContext, node):
     """Dropout: the identity when ``p == 0`` or not training; otherwise its random mask is drawn per
     dense element, which a packed run cannot reproduce — refuse."""
@@ -186,7 +185,7 @@ def dropout(ctx: AxesContext, node):
 
 
 
-@register_rule([torch.ones_like, torch.zeros_like, torch.full_like], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def filled_like(ctx: AxesContext, node):
     """``ones_like(x)`` / ``zeros_like(x)`` / ``full_like(x, v)``: x's shape filled with a constant. Every element
     is the same constant wherever it sits, so the packed op on packed x is the packing of the dense result: the
@@ -219,7 +218,7 @@ def emit_new_filled(pk, node):
     return pk.graph.call_method(node.target, (pk.packed(node.args[0]), sizes, *rest), kwargs)
 
 
-@register_rule(NEW_FILLED, emit=emit_new_filled, local=Local.CARRY)
+@axis_rule(emit=emit_new_filled, local=Local.CARRY)
 def new_filled(ctx: AxesContext, node):
     """``x.new_zeros(size)`` / ``new_ones`` / ``new_full(size, v)`` in the shape of a token value ``x`` at its
     token dims (HF Inkling2's ``inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, D)``, an empty stack of

@@ -11,7 +11,7 @@ import operator
 import torch
 
 from brcompile.passes.analysis.axes import (
-    CONST, AxesContext, Local, example_value, get_axes, hint, normalize_dim, register_rule, token,
+    CONST, AxesContext, Local, axis_rule, example_value, get_axes, hint, normalize_dim, token,
 )
 
 
@@ -41,7 +41,7 @@ def emit_arange(pk, node):
     return pos
 
 
-@register_rule([torch.arange], emit=emit_arange, always=True)
+@axis_rule(emit=emit_arange, always=True)
 def arange(ctx: AxesContext, node):
     """``arange(L)`` (start 0, step 1, end the token length) gives positions; any other arange is a
     constant."""
@@ -72,7 +72,7 @@ def _emit_dim_size(pk, x, ax, d):
     return pk.graph.call_method("size", (pk.packed(x), d))
 
 
-@register_rule(["size", torch.ops.aten.sym_size.int], emit=emit_size, local=Local.OWN)
+@axis_rule(emit=emit_size, local=Local.OWN)
 def size(ctx: AxesContext, node):
     """x.size(d): an int; x.size(): the dense shape (a tuple, its token dims read from the index)."""
     return CONST

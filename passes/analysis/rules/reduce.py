@@ -12,10 +12,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from brcompile.passes.analysis.axes import (
-    AxesContext, Local, dense_fallback, example_value, get_axes, normalize_dim, register_rule, token,
+    AxesContext, Local, axis_rule, dense_fallback, example_value, get_axes, normalize_dim, token,
 )
 from brcompile.passes.analysis.rules import pointwise as _pointwise
-from brcompile.passes.spellings import REDUCTIONS, arg, spellings
+from brcompile.passes.spellings import arg
 
 
 def _reduced_dims(node, ndim: int):
@@ -31,7 +31,7 @@ def _reduced_dims(node, ndim: int):
     return [normalize_dim(d, ndim) for d in dim]
 
 
-@register_rule(REDUCTIONS, local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def reduction(ctx: AxesContext, node):
     """Reduce over ``dim`` (kept or dropped): allowed iff no token dim is reduced."""
     ax = get_axes(node.args[0])
@@ -46,7 +46,7 @@ def reduction(ctx: AxesContext, node):
     return token(out_ndim, sh(ax.row), sh(ax.pos), ax.window)
 
 
-@register_rule([torch.max, torch.min, "max", "min"], emit=_pointwise.emit_pointwise, local=Local.CARRY)
+@axis_rule(emit=_pointwise.emit_pointwise, local=Local.CARRY)
 def max_min(ctx: AxesContext, node):
     """``max``/``min`` in their three forms: ``x.max()`` over every element and ``x.max(dim)`` -> (values,
     indices) over ``dim`` are reductions (both outputs reduce the same elements, so the tuple's fact is its
@@ -58,7 +58,7 @@ def max_min(ctx: AxesContext, node):
     return reduction(ctx, node)
 
 
-@register_rule([*spellings("softmax", "log_softmax")], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def softmax(ctx: AxesContext, node):
     """softmax/log_softmax/cumsum along ``dim``: shape-preserving, allowed along a non-token dim (a cumsum
     along the positions runs along the tree paths: ``passes/analysis/rules/scan.py``, which calls this otherwise)."""
@@ -73,7 +73,7 @@ def softmax(ctx: AxesContext, node):
     return ax
 
 
-@register_rule([*spellings("layer_norm", "rms_norm"), F.group_norm], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def layer_norm(ctx: AxesContext, node):
     """layer_norm/rms_norm (``F.rms_norm``, ``torch.rms_norm``, ``nn.RMSNorm``) normalise over the trailing
     ``len(normalized_shape)`` dims: ``y = x / rms(x[..., trailing]) * w`` reads only the elements that

@@ -48,14 +48,13 @@ import torch.fx as fx
 from brcompile.backends.scan import matrix as _matrix_ops
 from brcompile.backends.scan import op as _scan_ops  # noqa: F401  (registers brcompile::tree_* before emission)
 from brcompile.passes.analysis.axes import (
-    AxesContext, Local, Window, dense_fallback, example_value, get_axes, normalize_dim,
-    register_rule, shape_of, token,
+    AxesContext, Local, Window, axis_rule, dense_fallback, example_value, get_axes, normalize_dim, shape_of, token,
 )
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.analysis.masks.values import MaskInfo
 from brcompile.passes.analysis.rules import reduce
 from brcompile.passes.analysis.rules.shape import _normalize_index
-from brcompile.passes.spellings import arg, is_op, spellings
+from brcompile.passes.spellings import arg, is_op
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +128,7 @@ def emit_cumsum(pk, node: fx.Node):
                                   (x, _emit_parent(pk), get_axes(node.args[0]).pos))
 
 
-@register_rule(spellings("cumsum"), emit=emit_cumsum, local=Local.CARRY)
+@axis_rule(emit=emit_cumsum, local=Local.CARRY)
 def cumsum(ctx: AxesContext, node: fx.Node):
     """``cumsum`` along the position dim of a TOKEN value: the dense value at (b, t) sums x over columns
     0..t of row b, which are the ancestors-or-self of node ``index[b, t]`` with their values (module
@@ -279,7 +278,7 @@ def emit_conv1d(pk, node: fx.Node):
         pk.packed(x), pk.packed(a["weight"]), pk.packed(a["bias"]), _emit_parent(pk), pk.options.scan))
 
 
-@register_rule(spellings("conv1d"), emit=emit_conv1d)
+@axis_rule(emit=emit_conv1d)
 def conv1d(ctx: AxesContext, node: fx.Node):
     """A depthwise conv along the position dim is causal only in the proved pattern (module docstring):
     output t reads input columns t-W+1..t of its row (zeros before 0), i.e. the last W nodes of the path of
@@ -328,7 +327,7 @@ def emit_pad(pk, node: fx.Node):
     return pk.copy(node)
 
 
-@register_rule(spellings("pad"), emit=emit_pad)
+@axis_rule(emit=emit_pad)
 def pad(ctx: AxesContext, node: fx.Node):
     """``F.pad`` of non-token dims pads each token's own entries: TOKEN with the same dims. A pad of the
     position dim is causal only as ``F.pad(x, (W-1, 0))`` feeding depthwise convs of kernel W with no
@@ -403,7 +402,7 @@ def emit_linear_scan(pk, node: fx.Node):
                                    pk.options.scan))
 
 
-@register_rule([_scan_ops.linear_scan], emit=emit_linear_scan)
+@axis_rule(emit=emit_linear_scan)
 def linear_scan(ctx: AxesContext, node: fx.Node):
     """``linear_scan(a, b, dim)``: ``h_t = a_t h_{t-1} + b_t`` along ``dim``. Along the position dim of TOKEN
     operands (the same row and position dims, whole windows; any other operand of extent 1 there) the
@@ -442,7 +441,7 @@ def _hop_scan(ctx: AxesContext, node: fx.Node):
 #: the associative-scan higher-order op (absent from torch builds without it)
 _HOP = getattr(getattr(torch.ops, "higher_order", None), "associative_scan", None)
 if _HOP is not None:
-    register_rule([_HOP])(_hop_scan)
+    axis_rule()(_hop_scan)
 
 
 # --------------------------------------------------------------------------------------------------

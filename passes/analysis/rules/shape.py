@@ -17,8 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from brcompile.passes.analysis.axes import (
-    AxesContext, Local, dense_fallback, example_value, get_axes, normalize_dim,
-    register_rule, shape_of, token,
+    AxesContext, Local, axis_rule, dense_fallback, example_value, get_axes, normalize_dim, shape_of, token,
 )
 from brcompile.passes.refusals import Code
 from brcompile.passes.spellings import arg, spellings
@@ -94,7 +93,7 @@ def emit_reshape(pk, node):
     return pk.graph.call_method("reshape", (pk.packed(node.args[0]), sizes))
 
 
-@register_rule(spellings("reshape"), emit=emit_reshape, local=Local.OWN)
+@axis_rule(emit=emit_reshape, local=Local.OWN)
 def view(ctx: AxesContext, node):
     """view/reshape/flatten/unflatten: token dims must survive one-to-one (view algebra above)."""
     x = node.args[0]
@@ -174,7 +173,7 @@ def broadcast_row(ctx: AxesContext, ax, ins, outs) -> Optional[int]:
     return cands[0] if len(cands) == 1 else None
 
 
-@register_rule(["expand", "expand_as", torch.broadcast_to], emit=emit_expand, local=Local.CARRY)
+@axis_rule(emit=emit_expand, local=Local.CARRY)
 def expand(ctx: AxesContext, node):
     """expand: new leading dims and extent-1 dims broadcast; token dims keep their place (shifted by the
     number of new leading dims) and must not be expanded themselves. A position-only value broadcast over
@@ -226,7 +225,7 @@ def _perm_of(node, ndim: int) -> list[int]:
     raise AssertionError(t)
 
 
-@register_rule([*spellings("transpose", "permute"), "t", "movedim", torch.movedim], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def permute(ctx: AxesContext, node):
     """Permutations: output dim i is input dim perm[i]."""
     ax = get_axes(node.args[0])
@@ -235,7 +234,7 @@ def permute(ctx: AxesContext, node):
     return token(ax.ndim, None if ax.row is None else inv[ax.row], inv[ax.pos], ax.window)
 
 
-@register_rule(["unsqueeze", torch.unsqueeze], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def unsqueeze(ctx: AxesContext, node):
     """unsqueeze(d): dims at or after d shift by one."""
     ax = get_axes(node.args[0])
@@ -260,7 +259,7 @@ def _squeezed(node, ax) -> list[int]:
     return [normalize_dim(d, ax.ndim) for d in dims if shp[normalize_dim(d, ax.ndim)] == 1]
 
 
-@register_rule(["squeeze", torch.squeeze], emit=emit_squeeze, local=Local.CARRY)
+@axis_rule(emit=emit_squeeze, local=Local.CARRY)
 def squeeze(ctx: AxesContext, node):
     """squeeze: removes extent-1 dims; squeezing a token dim (B == 1 or L == 1) is refused."""
     ax = get_axes(node.args[0])
@@ -286,7 +285,7 @@ def emit_repeat(pk, node):
     return pk.graph.call_method("repeat", (pk.packed(node.args[0]), tuple(reps)))
 
 
-@register_rule(spellings("repeat"), emit=emit_repeat, local=Local.CARRY)
+@axis_rule(emit=emit_repeat, local=Local.CARRY)
 def repeat(ctx: AxesContext, node):
     """``x.repeat(r_0, …, r_k)`` tiles x: output element ``[i_0, …]`` is ``x[i_0 % s_0, …]`` (leading
     repeats add dims). With a repeat of 1 on each token dim, the element at a token dim's coordinate t
@@ -308,7 +307,7 @@ def repeat(ctx: AxesContext, node):
     return token(ax.ndim + off, row if ax.row is None else ax.row + off, ax.pos + off, ax.window)
 
 
-@register_rule(spellings("view_as_complex"))
+@axis_rule()
 def view_as_complex(ctx: AxesContext, node):
     """``view_as_complex(x)``: ``[..., 2]`` real pairs -> ``[...]`` complex; an element pairs two numbers
     of one (row, position), so token dims (never the last dim) stay where they are."""
@@ -318,14 +317,14 @@ def view_as_complex(ctx: AxesContext, node):
     return token(ax.ndim - 1, ax.row, ax.pos, ax.window)
 
 
-@register_rule(spellings("view_as_real"))
+@axis_rule()
 def view_as_real(ctx: AxesContext, node):
     """``view_as_real(z)``: ``[...]`` complex -> ``[..., 2]`` real; a new last dim, token dims stay."""
     ax = get_axes(node.args[0])
     return token(ax.ndim + 1, ax.row, ax.pos, ax.window)
 
 
-@register_rule(spellings("repeat_interleave"), local=Local.OWN)
+@axis_rule(local=Local.OWN)
 def repeat_interleave(ctx: AxesContext, node):
     """repeat_interleave(n, dim) along a non-token dim (GQA's repeat_kv written this way): output index
     i along ``dim`` reads input index ``i // n`` there, and the same coordinates elsewhere, so token dims
@@ -447,7 +446,7 @@ def _keeps_all(s: slice, n: int) -> bool:
     return start_ok and stop_ok and s.step in (None, 1)
 
 
-@register_rule([operator.getitem], emit=emit_getitem, local=Local.OWN)
+@axis_rule(emit=emit_getitem, local=Local.OWN)
 def getitem(ctx: AxesContext, node):
     """Basic indexing. Non-token dims: as is. A token dim: a whole slice keeps it; a partial slice on the
     position dim (``logits[:, :-1]``) or on the row dim goes to the lazy window — the packed data stays
@@ -531,7 +530,7 @@ def _same_token_facts(ctx, node, tensors):
     return facts[0]
 
 
-@register_rule(spellings("cat"), local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def cat(ctx: AxesContext, node):
     """cat along a non-token dim of operands that are all TOKEN with the same token dims (rotary halves);
     along any dim when every other operand is an empty constant (appending to an empty KV cache)."""
@@ -552,7 +551,7 @@ def _is_empty_const(t, dim) -> bool:
     return shp == (0,) or (len(shp) > 0 and shp[normalize_dim(dim, len(shp))] == 0)
 
 
-@register_rule([torch.stack], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def stack(ctx: AxesContext, node):
     """stack inserts a new dim at ``dim``; token dims at or after it shift by one."""
     tensors = node.args[0] if node.args else node.kwargs["tensors"]
@@ -565,8 +564,7 @@ def stack(ctx: AxesContext, node):
     return token(f.ndim + 1, sh(f.row), sh(f.pos), f.window)
 
 
-@register_rule(["split", torch.split, torch.Tensor.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split],
-               local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def split(ctx: AxesContext, node):
     """split/chunk along a non-token dim: every piece keeps the token dims (the tuple's fact is the
     pieces' fact). ``torch.Tensor.split`` is how Dynamo records ``x.split([sizes], dim)`` (a Python method)."""
@@ -577,7 +575,7 @@ def split(ctx: AxesContext, node):
     return ax
 
 
-@register_rule(["unbind", torch.unbind], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def unbind(ctx: AxesContext, node):
     """unbind(dim) along a non-token dim: pieces lose that dim."""
     ax = get_axes(node.args[0])
@@ -588,7 +586,7 @@ def unbind(ctx: AxesContext, node):
     return token(ax.ndim - 1, sh(ax.row), sh(ax.pos), ax.window)
 
 
-@register_rule([torch.slice_scatter, "slice_scatter", torch.select_scatter, "select_scatter"], local=Local.CARRY)
+@axis_rule(local=Local.CARRY)
 def slice_scatter(ctx: AxesContext, node):
     """``slice_scatter(x, src, d, start, stop, step)`` / ``select_scatter(x, src, d, i)``: x with its slice
     (or its index i) along dim d replaced by ``src`` (an in-place write into a view, made out of place by
