@@ -58,9 +58,10 @@ def measure(per_device: int, accumulation: int, checkpointing: bool, steps: int,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
     a = p.parse_args(argv)
     rows = []
-    for checkpointing in (True, False):
+    for checkpointing in {"both": (True, False), "on": (True,), "off": (False,)}[a.checkpointing]:
         one = trl_grpo.train(brcompile.backend(mode="replay", compiler="aot_eager"), steps=a.steps,
                              gradient_checkpointing=checkpointing)
         ideal = training_tokens(one)[1]

@@ -3,7 +3,7 @@ trainer's gradient accumulation), side by side, per step:
 
 * ``eager``: dense eager, one forward + backward per micro-batch (the baseline);
 * ``br call``: branch_replay per call (no window: each call shares within itself only);
-* ``br window``: branch_replay inside ``brcompile.window(calls=N)`` (brcompile/runtime/window.py): every token
+* ``br window``: branch_replay inside ``brcompile.window(calls=N)`` (brcompile/runtime/window/): every token
   the step's rows share computed once, whichever micro-batch its rows are in;
 * ``prefix_grouper``: PrefixGrouper per micro-batch, its rows grouped by prompt (it shares within a call only;
   benchmarks/peer_prefix_grouper.py ``group_by_prompt``);
