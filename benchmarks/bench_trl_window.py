@@ -32,9 +32,10 @@ ROWS_PER_STEP = 8  # trl_grpo.train's default: 2 prompts x 4 generations
 
 
 def training_tokens(run) -> tuple[int, int]:
-    """(logical, executed) tokens of the run's training (grad-mode) calls."""
-    calls = [c for c in run.calls if c.grad and c.replayed]
-    return sum(c.logical for c in calls), sum(c.executed for c in calls)
+    """(logical, executed) tokens of the run's training (grad-mode) calls; a call that ran its original graph
+    (one row shares too little: ``min_dedup``) executes all of its logical tokens."""
+    calls = [c for c in run.calls if c.grad]
+    return sum(c.logical for c in calls), sum(c.executed if c.replayed else c.logical for c in calls)
 
 
 def measure(per_device: int, accumulation: int, checkpointing: bool, steps: int, ideal: int) -> dict:
