@@ -209,7 +209,7 @@ def _trunk_key(split) -> Optional[str]:
     return hashlib.sha256(code.encode()).hexdigest()
 
 
-def _window_inputs(split, packed: fx.GraphModule, per_token: Sequence[int]) -> tuple[tuple[int, ...], Optional[str]]:
+def _window_inputs(split, per_token: Sequence[int]) -> tuple[tuple[int, ...], Optional[str]]:
     """(the graph inputs a cross-call window compares call to call, why the trunk cannot share across calls or
     None). A token replayed from an earlier call is what that call's trunk computed: the trunk's inputs other
     than the per-token ones (matched by key) must be the same — parameters, buffers and tables by identity and
@@ -405,7 +405,7 @@ class BranchReplayBackend:
         per_token = sorted({*tree_positions, *range(first_tree if n_inputs is None else n_inputs, first_tree),
                             first_tree})
         split = split_for_replay(packed, example_args, per_token)
-        window_inputs, window_refusal = _window_inputs(split, packed, per_token)
+        window_inputs, window_refusal = _window_inputs(split, per_token)
         graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
                              tuple(d for _, d in split.frontier),
                              2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),

@@ -108,15 +108,21 @@ class _Store:
                 if seen is None:
                     self.versions[id(x)] = (x, x._version)
                 elif seen[0] is x and seen[1] != x._version and self.pending:
-                    raise WindowError(
-                        "brcompile.window: a parameter was written while the window's shared prefixes still wait "
-                        "for their backward; run optimizer.step() (or change parameters) only after the backward "
-                        f"of the window's last call (the window ends {self.window.declared})")
+                    raise _written_mid_window(self.window)
+
+
+def _written_mid_window(window: "Window") -> WindowError:
+    """The error for a parameter written while a window's backward is pending (a write a store saw itself, or a
+    call whose inputs match a pending store's at other versions, :meth:`Window._written`)."""
+    return WindowError("brcompile.window: a parameter was written while the window's shared prefixes still wait for "
+                       "their backward; run optimizer.step() (or change parameters) only after the backward of the "
+                       f"window's last call (the window ends {window.declared})")
 
 
 # ------------------------------------------------------------------------------------------------------ the window
 
-#: CPU tensors up to this many elements are compared by value (the numbers Dynamo wraps as 0-d tensors per call)
+#: CPU tensors up to this many elements that need no gradient are compared by value (the numbers Dynamo wraps as
+#: 0-d tensors per call)
 _BY_VALUE = 64
 
 
@@ -127,13 +133,14 @@ def _unversioned(ident: tuple) -> tuple:
 
 def call_identity(inputs: Sequence) -> tuple:
     """What a window compares, call to call, of the trunk's inputs besides the tree keys: a tensor (a parameter,
-    a buffer, a table) by identity and version counter (a write makes another store), a small CPU tensor and
-    anything else (a number Dynamo passed in) by value. Conservative: a large table recomputed each call is
-    another tensor, so such calls share within themselves only."""
+    a buffer, a table) by identity and version counter (a write makes another store), a small CPU tensor that
+    needs no gradient and anything else (a number Dynamo passed in) by value. A parameter is always compared by
+    identity, so a write to one is seen as such however small it is. Conservative: a large table recomputed each
+    call is another tensor, so such calls share within themselves only."""
     out = []
     for x in inputs:
         if isinstance(x, Tensor):
-            if x.device.type == "cpu" and x.numel() <= _BY_VALUE:
+            if x.device.type == "cpu" and x.numel() <= _BY_VALUE and not x.requires_grad:
                 out.append(("v", x.dtype, tuple(x.shape), tuple(x.detach().flatten().tolist())))
             else:
                 out.append(("t", id(x), x._version))
@@ -210,10 +217,7 @@ class Window:
         unversioned = _unversioned(key[2])
         for other in [k for k in self.stores if k[:2] == key[:2] and _unversioned(k[2]) == unversioned]:
             if self.stores[other].pending:
-                raise WindowError(
-                    "brcompile.window: a parameter was written while the window's shared prefixes still wait for "
-                    "their backward; run optimizer.step() (or change parameters) only after the backward of the "
-                    f"window's last call (the window ends {self.declared})")
+                raise _written_mid_window(self)
             if not key[1]:
                 del self.stores[other]
 
