@@ -115,6 +115,13 @@ class Options:
         every in-place op and write into a view made out of place, every spelling one ATen op family;
         passes/lower/aten.py), or "auto" (the Dynamo graph, and its ATen graph when the Dynamo graph is refused).
         Default "auto", or the environment variable BRCOMPILE_LEVEL.
+    context_parallel: a ``torch.distributed`` ProcessGroup, a 1-D DeviceMesh or ``(DeviceMesh, dim)``: every rank of
+        the group calls the compiled function with the same batch, and each runs the token-local part of the graph
+        on its own contiguous piece of the packed tokens (docs/ARCHITECTURE.md §7.2). The loss is the same on every
+        rank; each rank's parameter gradients are partial sums, and ``all_reduce(SUM)`` over the group gives the
+        single-process gradient (FSDP2 over a mesh whose shard dimension spans the group does that sum). A graph or
+        call that cannot be split runs whole on every rank with its gradient counted once (rank 0's), so the same
+        sum is exact.
     """
 
     min_dedup: float = 1.05
@@ -131,8 +138,13 @@ class Options:
     strict: bool = dataclasses.field(default_factory=strict_default)
     verify: bool = False
     level: str = dataclasses.field(default_factory=level_default)
+    context_parallel: Any = None
 
     def __post_init__(self):
+        if self.context_parallel is not None:  # held by the group's name (a ProcessGroup is not copied)
+            from brcompile.runtime.context_parallel import group_name
+
+            object.__setattr__(self, "context_parallel", group_name(self.context_parallel))
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler={self.compiler!r}; choose one of {COMPILERS}")
         if self.attention not in ATTENTIONS:
@@ -225,7 +237,16 @@ def _window_inputs(split, per_token: Sequence[int]) -> tuple[tuple[int, ...], Op
     return tuple(sorted({i for e in split.ext_sources for i in e.inputs if i not in keyed})), None
 
 
-def _plan(an, packed: fx.GraphModule, original, run_packed, streaming, opts: Options) -> runtime.ReplayPlan:
+def _per_token(packed: fx.GraphModule, tree_positions: Sequence[int], n_inputs: Optional[int]) -> list[int]:
+    """The packed graph's per-token inputs, matched by key across calls: the tree inputs, the computed keys, the
+    tree's [B, L] index."""
+    n_holders = sum(1 for n in packed.graph.nodes if n.op == "placeholder")
+    first_tree = n_holders - len(GRAPH_ARGS)  # computed tree keys sit between the inputs and the tree arrays
+    return sorted({*tree_positions, *range(first_tree if n_inputs is None else n_inputs, first_tree), first_tree})
+
+
+def _plan(an, packed: fx.GraphModule, original, run_packed, streaming, opts: Options,
+          cp=None) -> runtime.ReplayPlan:
     """The frozen plan a rewritten graph runs by: what the runtime needs from the analysis ``an``
     (passes/analysis/tree_inputs.py), the packed graph's facts for the runtime (passes/meta.py) and the options,
     read here once, so the runtime holds neither the analysis nor an FX graph."""
@@ -235,7 +256,7 @@ def _plan(an, packed: fx.GraphModule, original, run_packed, streaming, opts: Opt
         key_padding=an.key_padding if an.keypad is not None else None,
         guards=tuple(an.guards), liveness=an.liveness, keys=an.keys,
         token_outputs=tuple(TOKEN_OUTPUTS.get(packed)), sequences=SEQUENCES.get(packed), rows=bool(ROWS.get(packed)),
-        written=tuple(WRITTEN_INPUTS.get(packed)), streaming=streaming,
+        written=tuple(WRITTEN_INPUTS.get(packed)), streaming=streaming, context_parallel=cp,
         min_dedup=opts.min_dedup, strict=opts.strict, verify=opts.verify)
 
 
@@ -284,7 +305,11 @@ class BranchReplayBackend:
             return self._fallback(gid, gm, code, reason, node, opts, refusals, dumped=read.get(level, gm), times=times)
         run_packed = self._compile(packed, opts)
         streaming, replay_info, replay_reason, replay_code = None, None, None, None
-        if opts.mode != "packed":
+        cp = None
+        if opts.context_parallel is not None:  # takes the place of streaming (a window does not compose with it yet)
+            cp, replay_info, replay_reason, replay_code = self._context_parallel(
+                gid, packed, example_args, opts, an.tree_input_positions, len(an.placeholders))
+        elif opts.mode != "packed":
             try:
                 streaming, replay_info = self._streaming(packed, example_args, opts, an.tree_input_positions,
                                                          len(an.placeholders))
@@ -297,7 +322,7 @@ class BranchReplayBackend:
                 replay_reason, replay_code = f"internal error: {type(e).__name__}: {e}", Code.INTERNAL_ERROR
             if replay_reason is not None:
                 log.info("branch_replay: graph %d runs packed only [%s]: %s", gid, replay_code, replay_reason)
-        rt = runtime.PackedRuntime(_plan(an, packed, original, run_packed, streaming, opts))
+        rt = runtime.PackedRuntime(_plan(an, packed, original, run_packed, streaming, opts, cp))
         fused_nodes = [n for n in packed.graph.nodes if FUSED.has(n)]
         covered = {name for n in fused_nodes for name in FUSED_COVERS.get(n, ())}
         rec = GraphRecord(
@@ -358,7 +383,7 @@ class BranchReplayBackend:
         log.info("branch_replay: graph %d runs routed pairs (%d experts, %d pairs at capture)", gid,
                  len(plan.sizes), sum(plan.sizes))
         self._dump(opts, gm, plan.gm)
-        return rt
+        return _whole_on_every_rank(rt, opts, "routed pairs run whole on every rank")
 
     @staticmethod
     def _rewrite(gm: fx.GraphModule, example_inputs, opts: Options, level: str, read: Optional[dict] = None,
@@ -391,6 +416,36 @@ class BranchReplayBackend:
         """The packed (or a replay) graph as it will run: compiled once with dynamic shapes (:class:`Compiled`)."""
         return gm.forward if opts.compiler == "eager" else Compiled(gm, opts.compiler)
 
+    def _context_parallel(self, gid: int, packed: fx.GraphModule, example_args, opts: Options,
+                          tree_positions: Sequence[int], n_inputs: int):
+        """(ContextParallel, explain dict, refusal reason, refusal code) for ``context_parallel=group``
+        (brcompile/runtime/context_parallel.py): the streaming split's trunk on one rank's piece of the tokens, or,
+        refused, a ContextParallel that runs every call whole on every rank (counted once)."""
+        from brcompile.backends.attention import cached  # noqa: F401  (registers tree_attention_cached_forward)
+        from brcompile.passes.emit.split import split_for_replay
+        from brcompile.runtime.context_parallel import ContextParallel, ContextParallelTrunk
+
+        group = opts.context_parallel
+        try:
+            split = split_for_replay(packed, example_args, _per_token(packed, tree_positions, n_inputs), group)
+        except CannotReplay as e:
+            refusal = CannotReplay(Code.CP_SPLIT, f"context parallelism: no token-local trunk to split: {e}",
+                                   e.node_name)
+        else:
+            refusal = split.cp_refusal
+        if refusal is not None:
+            log.info("branch_replay: graph %d runs whole on every rank [%s]: %s", gid, refusal.code, refusal)
+            return ContextParallel(group, None, None, str(refusal)), None, str(refusal), refusal.code
+        dims = tuple(d for _, d in split.frontier)
+        trunk = ContextParallelTrunk(self._compile(split.cp, opts), len(split.ext_inputs), dims, group,
+                                     split.work_alpha, split.kv_bytes_per_token, split.recompute)
+        outer = split.build_outer(trunk)
+        info = dict(context_parallel=group, trunk_nodes=split.trunk_nodes, ext_inputs=split.ext_inputs,
+                    frontier=tuple(f"{n} (token dim {d})" for n, d in split.frontier), cached=split.cached,
+                    work_alpha=round(split.work_alpha, 1), kv_bytes_per_token=split.kv_bytes_per_token,
+                    cp_code=split.cp.code, outer_code=outer.code)
+        return ContextParallel(group, self._compile(outer, opts), trunk), info, None, None
+
     def _streaming(self, packed: fx.GraphModule, example_args, opts: Options, tree_positions: Sequence[int] = (),
                    n_inputs: Optional[int] = None):
         """(runtime.StreamingRuntime, explain dict) for mode replay/auto; raises CannotReplay (passes/emit/split.py).
@@ -399,11 +454,7 @@ class BranchReplayBackend:
         from brcompile.passes.emit.split import split_for_replay
         from brcompile.runtime.streaming import ReplayTrunk, TrunkGraphs
 
-        n_holders = sum(1 for n in packed.graph.nodes if n.op == "placeholder")
-        first_tree = n_holders - len(GRAPH_ARGS)  # computed tree keys sit between the inputs and the tree arrays
-        # per-token inputs, matched by key across calls: the tree inputs, the computed keys, the tree's [B, L] index
-        per_token = sorted({*tree_positions, *range(first_tree if n_inputs is None else n_inputs, first_tree),
-                            first_tree})
+        per_token = _per_token(packed, tree_positions, n_inputs)
         split = split_for_replay(packed, example_args, per_token)
         window_inputs, window_refusal = _window_inputs(split, per_token)
         graphs = TrunkGraphs(self._compile(split.prefix, opts), self._compile(split.tail, opts),
@@ -439,7 +490,7 @@ class BranchReplayBackend:
                                         **_refusal_fields(refusals), stage_times=tuple(times), runtime=rt))
         runtime.record_graph(False, reason, code)
         self._dump(opts or self.options, gm if dumped is None else dumped, None, reason, node)
-        return rt
+        return _whole_on_every_rank(rt, opts or self.options, reason)
 
     @staticmethod
     def _dump(opts: Options, gm: fx.GraphModule, packed: Optional[fx.GraphModule], reason: Optional[str] = None,
@@ -453,6 +504,16 @@ class BranchReplayBackend:
             dump_graphs(opts.dump_dir, gm, packed, reason=reason, failed_node=node)
         except Exception:  # a diagnostic must never break compilation
             log.warning("branch_replay: writing graph dumps to %s failed", opts.dump_dir, exc_info=True)
+
+
+def _whole_on_every_rank(rt, opts: Options, reason: str):
+    """``rt`` as it runs under ``context_parallel``: whole on every rank, its gradient counted once; ``rt`` itself
+    without it."""
+    if opts.context_parallel is None:
+        return rt
+    from brcompile.runtime.context_parallel import WholeOnEveryRank
+
+    return WholeOnEveryRank(rt, opts.context_parallel, reason)
 
 
 def _refusal_fields(refusals: Sequence[tuple]) -> dict:

@@ -129,6 +129,12 @@ class Code(str, enum.Enum):
                            "an attention whose key validity or positions are not per-token tree arrays")
     STREAMING_AUTOCAST = ("streaming_autocast", "streaming",
                           "an autocast region's boundary falls inside the token-local trunk")
+    # -- context parallelism (the graph runs whole on every rank, its gradient counted once) ---------------
+    CP_SPLIT = ("cp_split", "context parallel", "the graph has no token-local trunk to split over the ranks")
+    CP_SCAN = ("cp_scan", "context parallel", "a scan along the tree paths would carry its state across the ranks")
+    CP_CALL = ("cp_call", "context parallel",
+               "this call's tokens are not split over the ranks (too few tokens, or an input activation that needs "
+               "a gradient) (run time)")
     # -- routed pairs (experts after a routing graph break) -----------------------------------------------
     ROUTED_SHAPE = ("routed_shape", "routed pairs",
                     "no gather of tokens by a routing index split into groups and scattered back")

@@ -6,6 +6,7 @@
   and ``FallbackRuntime``; tree provenance between graphs;
 - ``streaming``: streaming replay (prefix once, tails in chunks) and ``StreamingRuntime``;
 - ``routed``: ``RoutedRuntime`` (routed pairs);
+- ``context_parallel``: one batch's tokens split over a process group (``ContextParallel``, ``count_once``);
 - ``stats``: the process-wide counters (``stats()``, ``reset_stats()``).
 """
 from brcompile.runtime.packed import CallRecord, FallbackRuntime, PackedRuntime, provenance_of, tag_provenance

@@ -15,8 +15,9 @@ from brcompile.codes import Code
 from brcompile.runtime import tree as tree_mod
 from brcompile.contract import TOLERANCE, rel_err
 from brcompile.runtime.plan import ReplayPlan
-from brcompile.runtime.stats import _record, record_original_call
+from brcompile.runtime.stats import _record, record_original_call, record_whole_call
 from brcompile.runtime import window
+from brcompile.runtime.context_parallel import count_once
 from brcompile.runtime.streaming import StreamingRuntime
 from brcompile.runtime.tree import PackedTree, build_sequence_tree, build_tree, row_keys, rows_agree
 
@@ -174,6 +175,7 @@ class PackedRuntime:
         self.rows = plan.rows
         self.written = plan.written
         self.last_tree_source: Optional[str] = None  # "built" (hash + verify) or "provenance" (reused)
+        self.cp = plan.context_parallel  # brcompile/runtime/context_parallel.py ContextParallel, or None
 
     def _log_call(self, make: Callable[[], CallRecord]) -> None:
         """Keep the record ``make()`` builds, for the first ``max_calls_logged`` calls (built only then)."""
@@ -183,6 +185,8 @@ class PackedRuntime:
     def __call__(self, *args):
         if self.keys is not None:
             args = (*args, *self.keys(args))
+        if self.cp is not None:  # whatever runs, the gradient of what every rank computes whole is counted once
+            return count_once(self._call(args, None), self.cp.group)
         # a cross-call window counts every grad-mode call of the graph, whatever it runs (runtime/window/)
         store = None if self.streaming is None else self.streaming.enter_window(args)
         if store is None:
@@ -220,7 +224,12 @@ class PackedRuntime:
         if st.executed_tokens == 0:
             return self._original(args, Code.NOTHING_NEEDED, "no position of the batch is needed (every one is "
                                                              "padding or has loss weight 0)", st)
-        if st.dedup_ratio < self.min_dedup and store is None:  # in a window, the call shares with the others
+        cp_whole = None if self.cp is None else self.cp.why_whole(args, st.executed_tokens)
+        split = self.cp is not None and cp_whole is None  # context parallel: this rank runs its piece of the tokens
+        if cp_whole is not None:
+            record_whole_call(cp_whole)
+            log.debug("branch_replay call runs whole on every rank [%s]: %s", Code.CP_CALL, cp_whole)
+        if st.dedup_ratio < self.min_dedup and store is None and not split:  # in a window, shared with the others
             return self._original(args, Code.SHARES_TOO_LITTLE,
                                   f"batch shares too little: dedup {st.dedup_ratio:.2f} < min_dedup {self.min_dedup}",
                                   st)
@@ -240,7 +249,10 @@ class PackedRuntime:
         streamed = self.streaming is not None and why_packed is None
         snapshot = self._snapshot(args)
         try:
-            if streamed:
+            if split:
+                streamed = False
+                out = self.cp.outer(*args, *tree_args)
+            elif streamed:
                 with window.call_keys(store, per_token, mask, tree):  # a window matches the call by its keys
                     out = self.streaming.outer(*args, *tree_args)
             else:
@@ -249,8 +261,15 @@ class PackedRuntime:
             raise  # a window used against its contract (a parameter written mid-window): the user's to fix
         except Exception as e:
             self._restore(args, snapshot)  # the original graph makes the call's one write
-            return self._failed(e, "streaming" if streamed else "packed", st, args)
-        if streamed:
+            return self._failed(e, "context-parallel" if split else "streaming" if streamed else "packed", st, args)
+        if split:
+            cut = self.cp.trunk.last
+            _record(replayed_calls=1, context_parallel_calls=1, logical_tokens=st.logical_tokens,
+                    executed_tokens=st.executed_tokens, live_tokens=max(st.live_tokens, 0), dead_tokens=st.dead_tokens,
+                    context_parallel_tokens=cut.tokens if cut is not None else 0)
+            self._log_call(lambda: CallRecord(True, self._tree_record(st, per_token, source), mode="context_parallel",
+                                              schedule=None if cut is None else cut.summary()))
+        elif streamed:
             schedule = self.streaming.trunk.last_schedule
             _record(replayed_calls=1, streamed_calls=1, logical_tokens=st.logical_tokens,
                     executed_tokens=st.executed_tokens, live_tokens=max(st.live_tokens, 0),

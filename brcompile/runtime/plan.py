@@ -46,6 +46,8 @@ class ReplayPlan:
     written: tuple[int, ...] = ()
     #: streaming replay (brcompile/runtime/streaming.py ``StreamingRuntime``); None: packed mode only
     streaming: Any = None
+    #: context parallelism (brcompile/runtime/context_parallel.py ``ContextParallel``); None: off
+    context_parallel: Any = None
     #: a call whose dedup ratio is below this runs the original graph
     min_dedup: float = 1.0
     #: re-raise a failing packed/streaming forward instead of running the original graph

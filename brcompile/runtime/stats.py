@@ -24,6 +24,13 @@ class Stats:
     window_replayed_tokens: int = 0  # packed tokens of those calls replayed from an earlier call, not recomputed
     windows: int = 0  # cross-call windows whose deferred backward ran
     window_recomputed_tokens: int = 0  # window tokens that kept only their outputs and re-ran forward in backward
+    #: replayed calls whose tokens this rank split with its context-parallel group (runtime/context_parallel.py) ...
+    context_parallel_calls: int = 0
+    context_parallel_tokens: int = 0  # ... and the packed tokens this rank ran of them (its pieces)
+    #: calls under context_parallel that ran whole on every rank, their gradient counted once (reasons:
+    #: ``context_parallel_reasons``; a graph refused at compile time counts here too)
+    context_parallel_whole_calls: int = 0
+    context_parallel_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     fallback_calls: int = 0
     logical_tokens: int = 0
     executed_tokens: int = 0  # the needed tokens of replayed calls (passes/analysis/liveness.py): what ran
@@ -61,6 +68,7 @@ class Stats:
         """Plain JSON types: counters as dicts, codes as their string values, details as {code: {reason: n}}."""
         d = dataclasses.asdict(self)
         d["fallback_reasons"] = dict(self.fallback_reasons)
+        d["context_parallel_reasons"] = dict(self.context_parallel_reasons)
         d["unshared_reasons"] = dict(self.unshared_reasons)
         for kind in ("fallback", "unshared"):
             codes = getattr(self, f"{kind}_codes")
@@ -94,6 +102,11 @@ class Stats:
                          f"{self.window_replayed_tokens} replayed from an earlier call, computed {self.computed_tokens} "
                          f"(dedup {dedup:.2f}x)" + (f", {self.window_recomputed_tokens} recomputed in backward"
                                                     if self.window_recomputed_tokens else ""))
+        if self.context_parallel_calls or self.context_parallel_whole_calls:
+            lines.append(f"  context parallel: {self.context_parallel_calls} calls split over the group "
+                         f"({self.context_parallel_tokens} tokens on this rank), "
+                         f"{self.context_parallel_whole_calls} run whole on every rank")
+            lines += [f"    x{k}: {reason}" for reason, k in self.context_parallel_reasons.most_common()]
         lines += self._code_lines("fallback")
         if self.unshared_calls:
             lines.append(f"calls with nothing to share (run as they are) {self.unshared_calls}")
@@ -140,6 +153,13 @@ def record_original_call(code: Code, reason: str, unshared: bool = False) -> Non
         getattr(_STATS, f"{kind}_reasons")[reason] += 1
         getattr(_STATS, f"{kind}_codes")[code] += 1
         getattr(_STATS, f"{kind}_details")[(code, reason)] += 1
+
+
+def record_whole_call(reason: str) -> None:
+    """One call under context parallelism that ran its graph whole on every rank (``reason``: why not split)."""
+    with _LOCK:
+        _STATS.context_parallel_whole_calls += 1
+        _STATS.context_parallel_reasons[reason] += 1
 
 
 def record_graph(rewritten: bool, reason: Optional[str] = None, code: Optional[Code] = None) -> None:

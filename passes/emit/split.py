@@ -51,6 +51,7 @@ from brcompile.backends.attention.features import (
     CACHE_POSITION, CACHED_BLOCKS, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail,
 )
 from brcompile.backends.attention.op import attention_features
+from brcompile.backends.gather_tokens import op as _gather_tokens_op  # noqa: F401  (registers gather_tokens)
 from brcompile.backends.scan.matrix import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan.op import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
@@ -74,6 +75,7 @@ _CONV = torch.ops.brcompile.tree_causal_conv1d.default
 _LINEAR_SCAN = torch.ops.brcompile.tree_linear_scan.default
 _MATRIX_SCAN = torch.ops.brcompile.tree_matrix_scan.default
 _PARENT = torch.ops.brcompile.tree_parent.default
+_GATHER_TOKENS = torch.ops.brcompile.gather_tokens.default
 
 
 @dataclasses.dataclass
@@ -99,6 +101,12 @@ class ReplaySplit:
     #: the packed graph checkpointed its layers (passes/lower/checkpoint.py): their bodies are inlined into the
     #: trunk graphs, and the runtime runs the kept prefix under activation checkpointing as a whole
     recompute: bool = False
+    #: the trunk on one rank's piece of the packed axis (context parallelism), or None (``cp_refusal`` says why)
+    cp: Optional[fx.GraphModule] = None
+    cp_refusal: Optional[CannotReplay] = None
+    #: a token's token-local FLOPs over one attention pair's: the context-parallel cut's balance (:func:`_work_alpha`)
+    work_alpha: float = 0.0
+    kv_bytes_per_token: int = 0  # every attention's K and V, bytes per packed token
 
     def build_outer(self, trunk: torch.nn.Module) -> fx.GraphModule:
         """The outer graph as a module whose ``replay_trunk`` is ``trunk`` (brcompile.runtime.streaming.ReplayTrunk,
@@ -128,11 +136,49 @@ def _token_factors(val, n) -> list[tuple[int, int]]:
     return out
 
 
+#: matrix products, whose FLOPs per token are 2 x (the first operand's last dim) x (the output's entries per token)
+_MATMULS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm"})
+
+
+def _bytes_per_token(val, n_sym) -> int:
+    """Bytes of ``val`` per packed token (its token dim's one entry: the product of its other dims)."""
+    dims = _token_factors(val, n_sym)
+    if len(dims) != 1:
+        return 0
+    (dim, per), = dims
+    for d, size in enumerate(val.shape):
+        if d != dim:
+            per *= int(size)
+    return per * val.element_size()
+
+
+def _work_alpha(trunk: Sequence[fx.Node], attentions: Sequence[fx.Node], n_sym) -> float:
+    """A token's token-local FLOPs (its matrix products) over the FLOPs of one attention pair (``4 Hq D`` per
+    attention: ``q.k`` and ``p.v``), the context-parallel cut's weight of a token against its depth
+    (brcompile/runtime/context_parallel.py ``cut_tokens``); 0 for a trunk without attention."""
+    pair = 0
+    for a in attentions:
+        q = a.args[0].meta["val"]
+        pair += 4 * int(q.shape[0]) * int(q.shape[-1])
+    if not pair:
+        return 0.0
+    flops = 0
+    for n in trunk:
+        if op_name(n).split(".")[0] not in _MATMULS or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        x = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        if isinstance(x, torch.Tensor) and isinstance(x.shape[-1], int):
+            flops += 2 * int(x.shape[-1]) * _bytes_per_token(n.meta["val"], n_sym) // n.meta["val"].element_size()
+    return flops / pair
+
+
 def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any],
-                     per_token: Sequence[int] = ()) -> ReplaySplit:
+                     per_token: Sequence[int] = (), context_parallel: Optional[str] = None) -> ReplaySplit:
     """Split a packed graph (see module docstring); ``example_args`` are its inputs for one real batch
     (the original inputs followed by the tree arrays); ``per_token``: the indices of its per-token inputs (the
-    tree keys). Raises CannotReplay when the trunk is not a token-local function of the per-token arrays."""
+    tree keys). Raises CannotReplay when the trunk is not a token-local function of the per-token arrays.
+    ``context_parallel``: a process group's name; the split then also holds the context-parallel trunk
+    (``cp``), or why there is none (``cp_refusal``)."""
     dense = next((n for n in packed.graph.nodes if n.op == "call_function" and n.target is repack_tokens), None)
     if dense is not None:  # the dense region runs on every row and position: there is no per-chunk trunk before it
         raise CannotReplay(Code.STREAMING_CONSTRUCT,
@@ -201,12 +247,24 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any],
     tail_cache = None if scans or positions else _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions,
                                                               scans, positions, cached=True, emit_cache=True)
     outer, outer_attrs = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
+    cp, cp_refusal = None, None
+    if context_parallel is not None and scans:  # a scan's state would cross the ranks in DFS order: not done
+        cp_refusal = CannotReplay(Code.CP_SCAN,
+                                  "context parallelism: a scan along the tree paths carries its state from token to "
+                                  "token; passing it across the ranks is not supported (the graph runs whole on every "
+                                  "rank)", scans[0])
+    elif context_parallel is not None:
+        cp = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=True,
+                          cp_group=context_parallel)
     return ReplaySplit(outer, outer_attrs, prefix, tail, tuple(n.name for n in ext),
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
                        max((_scan_depth(n) for n in scans), default=0),
                        cached_positions=tuple(p.name for p in positions), tail_cache=tail_cache, recompute=recompute,
-                       ext_sources=ext_sources(packed, ext, per_token))
+                       ext_sources=ext_sources(packed, ext, per_token), cp=cp, cp_refusal=cp_refusal,
+                       work_alpha=_work_alpha(trunk, attentions, n_sym),
+                       kv_bytes_per_token=sum(_bytes_per_token(a.args[i].meta["val"], n_sym)
+                                              for a in attentions for i in (1, 2)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,17 +470,24 @@ def _scan_cache(scan: fx.Node) -> fx.Node:
 
 
 def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, *,
-                 cached: bool, emit_cache: bool = False) -> fx.GraphModule:
+                 cached: bool, emit_cache: bool = False, cp_group: Optional[str] = None) -> fx.GraphModule:
     """The trunk as a graph of (*ext, *token arrays[, *cache, cache_valid, cache_all_valid, cross,
     cache_position, cache_ancestors]); the cache is every attention's K and V, then one value per scan, then
     the attentions' ``positions`` that are not the tree's (:func:`_cached_positions`). It returns the frontier,
-    then (the prefix, or a tail with ``emit_cache``) its own tokens' cache values in the same order."""
+    then (the prefix, or a tail with ``emit_cache``) its own tokens' cache values in the same order.
+
+    With ``cp_group`` (context parallelism, brcompile/runtime/context_parallel.py), the trunk on one rank's piece
+    of the packed axis, (*ext, *token arrays, cache_valid, cache_all_valid, cross, cache_position, sizes): the
+    cache of each attention is its own K/V gathered over the group (``brcompile::gather_tokens``, the tokens
+    before the piece: ``cache_valid``'s length), and no scan (refused before)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in ext:
         env[n] = g.placeholder(f"ext_{n.name}")
     for n, name in zip(tok_nodes, TOKEN_ARRAYS):
         env[n] = g.placeholder(f"tree_{name}")
+    if cp_group is not None:
+        return _cp_trunk_graph(packed, g, env, trunk, tok_nodes, frontier, cp_group)
     if cached:
         cache = {a: (g.placeholder(f"cache_k_{a.name}"), g.placeholder(f"cache_v_{a.name}")) for a in attentions}
         scan_cache = {n: g.placeholder(f"cache_{n.name}") for n in scans}
@@ -451,6 +516,42 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, pos
     g.lint()
     gm = fx.GraphModule(packed, g, class_name=("ReplayTailCache" if emit_cache else "ReplayTail") if cached
                         else "ReplayPrefix")
+    gm.recompile()
+    return gm
+
+
+def _cp_trunk_graph(packed, g: fx.Graph, env: dict, trunk, tok_nodes, frontier, group: str) -> fx.GraphModule:
+    """The context-parallel trunk (:func:`_trunk_graph` with ``cp_group``), after its ext and token placeholders."""
+    cache_valid = g.placeholder("cache_valid")
+    valid = {tok_nodes.valid: cache_valid, tok_nodes.all_valid: g.placeholder("cache_all_valid")}
+    cross = g.placeholder("cross")
+    cache_position = g.placeholder("cache_position")
+    sizes = g.placeholder("cp_sizes")
+    gathered: dict[fx.Node, fx.Node] = {}
+    order = [sizes]  # the previous gather's ``done``: the gathers run in this order on every rank
+
+    def before_piece(x: fx.Node, dim: int) -> fx.Node:
+        """Trunk value ``x`` at every token before this rank's piece, gathered from the ranks holding them."""
+        if x not in gathered:
+            both = g.call_function(_GATHER_TOKENS, (env[x], cache_valid, sizes, dim, group, order[-1]))
+            gathered[x] = g.call_function(operator.getitem, (both, 0))
+            order.append(g.call_function(operator.getitem, (both, 1)))
+        return gathered[x]
+
+    for n in trunk:
+        if n.target is _ATTENTION:
+            position = attention_features(n.args)["position"]
+            cpos = None if position is None else (
+                cache_position if position is tok_nodes.position else before_piece(position, 0))
+            new = _cached_attention(g, n, env, (before_piece(n.args[1], 1), before_piece(n.args[2], 1)), valid, cross,
+                                    cpos)
+        else:
+            new = g.node_copy(n, lambda a: env[a])
+        new.meta.update(n.meta)
+        env[n] = new
+    g.output(tuple(env[n] for n in frontier))
+    g.lint()
+    gm = fx.GraphModule(packed, g, class_name="ContextParallelTrunk")
     gm.recompile()
     return gm
 

@@ -1,0 +1,284 @@
+"""Context parallelism over the tree (docs/ARCHITECTURE.md §7.2): one batch's packed tokens split across the ranks of
+a process group, each rank running the token-local part of the graph (the streaming trunk) on its own tokens only.
+
+**The cut.** Every rank builds the same tree from the same batch. The packed axis, in depth-first order, is cut into
+R contiguous pieces (:func:`cut_tokens`), balanced by work: a token costs ``alpha`` (its token-local FLOPs, in units of
+one attention pair's) plus its depth (the keys it attends). Rank r holds tokens ``[o_r, o_{r+1})``.
+
+**Attention across ranks.** A query's keys are its ancestors, which in depth-first order all come before it: on the
+same rank, or an earlier one. Rank r runs each attention as the streaming tail's cached attention: its own tokens as
+the chunk (:func:`shard`: their subtree ends and segments cut at the piece), every token before ``o_r`` as the cache,
+gathered per layer by ``brcompile::gather_tokens`` (one all-gather of K and of V; backward a reduce-scatter of
+dK/dV to their owners), and ``cross`` rows ``(0, min(e, o_{r+1}) - o_r, a0, min(a1, o_r))`` for each ancestor
+segment ``(a0, a1, e)`` of the piece's first token that starts before it: every piece query below such a segment
+sees all of its keys before the piece.
+
+**The loss side.** The frontier (what the outer graph reads per token) is gathered whole on every rank, so the outer
+graph (the dense reads, the loss) runs replicated and returns the same loss everywhere.
+
+**Gradients: partial sums** (the contract: ``all_reduce(SUM)`` over the group gives the single-process gradient).
+Every output of a graph run under context parallelism passes :func:`count_once`: its gradient flows on rank 0 and is
+zero elsewhere, so the replicated outer graph's gradient is counted once over the group. Gathers reduce-scatter
+their gradients, so each rank's trunk sees its tokens' whole gradient and gives its parameters its tokens' share. A
+call whose inputs include an activation that needs a gradient (a value an earlier graph computed) runs its graph
+whole on every rank (counted once): a gradient spread over the ranks must not reach an earlier graph's
+:func:`count_once`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from brcompile.backends.gather_tokens.op import gather_tokens
+from brcompile.runtime.tree import TokenArrays
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ContextParallel", "ContextParallelTrunk", "Shard", "count_once", "cut_tokens", "group_name", "shard"]
+
+
+def group_name(group: Any) -> str:
+    """The process group's name for ``context_parallel=group``: a ``ProcessGroup``, a 1-D ``DeviceMesh``, a
+    ``(DeviceMesh, dim)`` pair (a mesh dimension, by index or name), or a group's name."""
+    if isinstance(group, str):
+        return group
+    if isinstance(group, tuple) and len(group) == 2:
+        mesh, dim = group
+        return mesh.get_group(dim).group_name
+    if hasattr(group, "get_group"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"context_parallel: a {group.ndim}-D DeviceMesh; pass (mesh, dim) for its CP dimension")
+        return group.get_group().group_name
+    if hasattr(group, "group_name"):
+        return group.group_name
+    raise TypeError(f"context_parallel must be a ProcessGroup, a DeviceMesh or (DeviceMesh, dim), got "
+                    f"{type(group).__name__}")
+
+
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def group_rank_size(name: str) -> tuple[int, int]:
+    """(this process's rank in the group, the group's size)."""
+    import torch.distributed as dist
+
+    pg = _group(name)
+    return dist.get_rank(pg), dist.get_world_size(pg)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the cut and one rank's piece
+
+
+def cut_tokens(end: Tensor, ranks: int, alpha: float) -> Tensor:
+    """``offsets`` [ranks + 1] (int64, CPU): the packed axis cut into contiguous pieces of equal work, each at least
+    one token (``N >= ranks``). A token's work is ``alpha + depth`` (depth: its ancestors-or-self, the keys it
+    attends; ``alpha``: its token-local FLOPs over one attention pair's), so piece r's work is the r-th R-quantile
+    of the prefix sums. Deterministic: every rank computes the same cut."""
+    from brcompile.backends.scan.paths import tree_depth
+
+    end = end.cpu()
+    n = int(end.shape[0])
+    if n < ranks:
+        raise ValueError(f"context parallelism: {n} packed tokens for {ranks} ranks")
+    work = tree_depth(end).to(torch.float64) + float(alpha)
+    total = torch.cumsum(work, 0)
+    goals = total[-1] * torch.arange(1, ranks, dtype=torch.float64) / ranks
+    inner = torch.searchsorted(total, goals) + 1  # the first token past each goal
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([n])])
+    for r in range(1, ranks):  # every piece nonempty: o_r in [o_{r-1} + 1, n - (ranks - r)]
+        offsets[r] = min(max(int(offsets[r]), int(offsets[r - 1]) + 1), n - (ranks - r))
+    return offsets
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Rank ``rank``'s piece ``[start, stop)`` of the packed axis and its arrays (local ids: token ``start`` is 0)."""
+
+    rank: int
+    start: int
+    stop: int
+    end: Tensor  # [n] local subtree ends, cut at the piece: min(end, stop) - start
+    segments: Tensor  # [s, 3] the segments meeting the piece, cut to it
+    cross: Tensor  # [C, 4] (q_start, q_stop, k_start, k_stop): piece queries x keys before the piece
+    sizes: Tensor  # [R] int64 tokens per rank (CPU)
+
+    @property
+    def tokens(self) -> int:
+        return self.stop - self.start
+
+
+def shard(end: Tensor, segments: Tensor, offsets: Tensor, rank: int) -> Shard:
+    """Rank ``rank``'s :class:`Shard` of the tree (``end`` [N], ``segments`` [S, 3]) cut at ``offsets``.
+
+    A segment ``(a0, a1, e)`` is a chain whose every token's subtree ends at ``e``. Cut to ``[s, t)`` it is
+    ``(max(a0, s), min(a1, t), min(e, t)) - s``, and a segment with ``a0 < s < e`` is an ancestor chain of token
+    ``s``: its keys ``[a0, min(a1, s))`` lie before the piece and every piece query in ``[s, min(e, t))`` sees all of
+    them (``k < s <= q < e``): one cross row."""
+    end, segments, offsets = end.cpu(), segments.cpu(), offsets.cpu()
+    s, t = int(offsets[rank]), int(offsets[rank + 1])
+    a0, a1, e = segments[:, 0], segments[:, 1], segments[:, 2]
+    meets = (a1 > s) & (a0 < t)
+    local = torch.stack([a0[meets].clamp(min=s), a1[meets].clamp(max=t), e[meets].clamp(max=t)], 1) - s
+    above = (a0 < s) & (e > s)
+    cross = torch.stack([torch.zeros_like(a0[above]), e[above].clamp(max=t) - s, a0[above], a1[above].clamp(max=s)], 1)
+    cross = cross[cross[:, 3] > cross[:, 2]]
+    return Shard(rank, s, t, end[s:t].clamp(max=t) - s, local.contiguous(), cross.contiguous(),
+                 offsets[1:] - offsets[:-1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the gradient counted once over the group
+
+
+class _CountOnce(torch.autograd.Function):
+    """Identity forward; backward passes the gradient on rank 0 of the group and zeros elsewhere (the same
+    structure on every rank, so the ranks' backward passes run the same collectives)."""
+
+    @staticmethod
+    def forward(ctx, rank: int, x: Tensor):
+        ctx.rank = rank
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad if ctx.rank == 0 else torch.zeros_like(grad)
+
+
+def count_once(out: Any, group: str) -> Any:
+    """``out`` (a tensor, or a tuple / list of them) with every floating tensor that needs a gradient passed through
+    :class:`_CountOnce`: a value every rank computes whole gets its gradient summed over the group once."""
+    rank, _ = group_rank_size(group)
+
+    def one(x):
+        if isinstance(x, Tensor) and x.requires_grad and torch.is_grad_enabled():
+            return _CountOnce.apply(rank, x)
+        return x
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(one(x) for x in out)
+    return one(out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the trunk on one rank's piece
+
+
+@dataclasses.dataclass
+class LastCut:
+    """This rank's view of its last call, for explain(): the cut (offsets, each piece's work), the K/V bytes it
+    received per call (every attention's all-gather: the other ranks' pieces, padded to the largest) against those
+    of earlier tokens its queries see (the cross rows' keys), and its cross rows."""
+
+    rank: int
+    tokens: int  # this rank's packed tokens
+    offsets: list
+    work: list
+    kv_bytes_gathered: int
+    kv_bytes_seen: int
+    cross_rows: int
+
+    def summary(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ContextParallelTrunk(torch.nn.Module):
+    """The outer graph's call into the trunk under context parallelism: this rank's piece through the context-parallel
+    trunk graph (its attentions gather the K/V before the piece), then the frontier gathered whole."""
+
+    def __init__(self, graph, n_ext: int, frontier_dims: Sequence[int], group: str, alpha: float,
+                 kv_bytes_per_token: int, recompute: bool = False):
+        super().__init__()
+        self.graph = graph  # (*ext, *local token arrays, cache_valid, cache_all_valid, cross, cache_position, sizes)
+        self.n_ext = n_ext
+        self.frontier_dims = tuple(frontier_dims)
+        self.group = group
+        self.alpha = alpha
+        self.kv_bytes_per_token = kv_bytes_per_token  # K and V of every attention, per token
+        self.recompute = recompute
+        self.last: Optional[LastCut] = None
+
+    @torch._dynamo.disable
+    def forward(self, *args):
+        from brcompile.backends.scan.paths import tree_depth
+
+        ext, tree = args[:self.n_ext], TokenArrays(*args[self.n_ext:])
+        rank, ranks = group_rank_size(self.group)
+        offsets = cut_tokens(tree.end, ranks, self.alpha)
+        sh = shard(tree.end, tree.segments, offsets, rank)
+        dev = tree.end.device
+        s, t = sh.start, sh.stop
+        valid = tree.valid[s:t]
+        local = TokenArrays(rep_row=tree.rep_row[s:t], position=tree.position[s:t], end=sh.end.to(dev), valid=valid,
+                            all_valid=torch.ones_like(valid), segments=sh.segments.to(dev))
+        cache_valid = tree.valid[:s]
+        inputs = (*ext, *local, cache_valid, torch.ones_like(cache_valid), sh.cross.to(dev), tree.position[:s],
+                  sh.sizes)
+        if (self.recompute and torch.is_grad_enabled()
+                and any(isinstance(x, Tensor) and x.requires_grad for x in ext)):
+            part = torch.utils.checkpoint.checkpoint(self.graph, *inputs, use_reentrant=False)
+        else:
+            part = self.graph(*inputs)
+        work = torch.cumsum(tree_depth(tree.end.cpu()).double() + self.alpha, 0)
+        at = [float(work[int(o) - 1]) if int(o) else 0.0 for o in offsets]
+        seen = torch.zeros(max(s, 1), dtype=torch.bool)
+        for _, _, k0, k1 in sh.cross.tolist():
+            seen[k0:k1] = True
+        self.last = LastCut(rank, t - s, [int(o) for o in offsets], [at[i + 1] - at[i] for i in range(ranks)],
+                            (ranks - 1) * int(sh.sizes.max()) * self.kv_bytes_per_token,
+                            int(seen[:s].sum()) * self.kv_bytes_per_token, int(sh.cross.shape[0]))
+        log.debug("context parallel rank %d/%d: tokens [%d, %d) of %d, %d cross rows", rank, ranks, s, t,
+                  int(tree.end.shape[0]), int(sh.cross.shape[0]))
+        outs, done = [], None
+        for o, d in zip(part, self.frontier_dims):
+            full, done = gather_tokens(o, tree.valid, sh.sizes, d, self.group, done)
+            outs.append(full)
+        return tuple(outs)
+
+
+@dataclasses.dataclass
+class ContextParallel:
+    """What a rewritten graph needs to run under ``context_parallel`` (module docstring)."""
+
+    group: str  # the process group's name
+    outer: Optional[Any]  # the packed graph with its trunk replaced by ``trunk`` (None: refused, ``refusal`` says why)
+    trunk: Optional[ContextParallelTrunk]
+    refusal: Optional[str] = None  # why every call runs its graph whole on every rank (counted once)
+
+    def why_whole(self, args: Sequence[Any], n_tokens: int) -> Optional[str]:
+        """None to split this call's tokens over the group, else why it runs whole on every rank."""
+        if self.outer is None:
+            return self.refusal
+        _, ranks = group_rank_size(self.group)
+        if n_tokens < ranks:
+            return f"{n_tokens} packed tokens for {ranks} ranks"
+        if torch.is_grad_enabled():
+            act = next((i for i, x in enumerate(args) if isinstance(x, Tensor) and x.requires_grad
+                        and x.grad_fn is not None), None)
+            if act is not None:
+                return (f"input {act} is an activation that needs a gradient (a value computed before this graph): "
+                        f"its gradient would reach the rank that computed it split over the ranks")
+        return None
+
+
+class WholeOnEveryRank:
+    """A graph's callable (the original graph, routed pairs) run whole on every rank of a context-parallel group,
+    its gradient counted once (:func:`count_once`); each call is counted with ``reason``."""
+
+    def __init__(self, runtime: Any, group: str, reason: str):
+        self.runtime = runtime
+        self.group = group
+        self.reason = reason
+
+    def __call__(self, *args):
+        from brcompile.runtime.stats import record_whole_call
+
+        record_whole_call(self.reason)
+        return count_once(self.runtime(*args), self.group)

@@ -1,0 +1,189 @@
+"""Context parallelism with ``branch_replay``: one GRPO batch's packed tokens split over the ranks of a group (gloo on
+CPU), exact against the single-process run.
+
+Every rank calls the compiled loss with the same batch and ``brcompile.backend(context_parallel=group)``; each runs
+the token-local part of the model on its own contiguous piece of the packed tokens (depth-first order), gathering
+the K/V before its piece per layer. The loss is the same on every rank; each rank's gradients are partial sums, and
+``all_reduce(SUM)`` gives the single-process gradient (docs/ARCHITECTURE.md §7.2)::
+
+    compiled = torch.compile(loss_fn, backend=brcompile.backend(context_parallel=dist.group.WORLD))
+    loss = compiled(model, **batch)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)          # or FSDP2 over a mesh whose shard dimension spans the group
+
+Run: ``python examples/context_parallel.py [--world-size 2] [--model gpt|qwen2|llama]`` (spawns its own processes,
+loopback only), or ``torchrun --standalone --nproc-per-node 2 examples/context_parallel.py``. It prints each rank's
+tokens and the largest relative error of the loss and every gradient against the single-process eager run; exit 1
+on FAIL.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+if __package__ in (None, ""):  # run as a script: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import brcompile  # noqa: E402
+from examples.grpo import grpo_loss, make_grpo_batch  # noqa: E402
+
+__all__ = ["Case", "compare", "launch", "main", "make_model", "reference", "run_rank"]
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One batch and model (small defaults: the tests run this on 2 CPU cores)."""
+
+    model: str = "gpt"  # gpt (examples/gpt.py), qwen2, llama (HF from a small config)
+    num_prompts: int = 2
+    group_size: int = 3
+    prompt_len: tuple = (9, 15)
+    response_len: tuple = (2, 6)
+    shared_response_prefix: int = 0
+    left_pad_prompts: bool = False
+    dtype: torch.dtype = torch.float64
+    compiler: str = "aot_eager"
+    seed: int = 0
+
+
+def make_model(case: Case) -> torch.nn.Module:
+    """The case's model, the same weights in every process (seeded)."""
+    from examples.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    if case.model == "gpt":
+        torch.manual_seed(1234)
+        return GPT(config).to(case.dtype)
+    return HFLogits(case.model, config, case.dtype)
+
+
+class HFLogits(torch.nn.Module):
+    """A random HF ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` of ``config``'s sizes, called as ``model(ids, mask)``
+    -> logits. Its RMSNorm computes in the input's dtype (HF's casts through float32 would bound a float64 run's
+    agreement by float32's rounding)."""
+
+    def __init__(self, family: str, config, dtype: torch.dtype):
+        super().__init__()
+        import transformers
+
+        cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[family]
+        hf_config = cls(vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.hidden_dim,
+                        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+                        num_key_value_heads=config.n_kv_heads, max_position_embeddings=256, pad_token_id=0,
+                        bos_token_id=None, eos_token_id=None, attn_implementation="sdpa", use_cache=False)
+        torch.manual_seed(1234)
+        self.model = transformers.AutoModelForCausalLM.from_config(hf_config).to(dtype)
+        for m in self.model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.forward = _rmsnorm_in_input_dtype.__get__(m)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def _rmsnorm_in_input_dtype(self, x):
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def make_batch(case: Case) -> dict:
+    batch = make_grpo_batch(num_prompts=case.num_prompts, group_size=case.group_size, prompt_len=case.prompt_len,
+                            response_len=case.response_len, shared_response_prefix=case.shared_response_prefix,
+                            vocab_size=64, left_pad_prompts=case.left_pad_prompts, seed=case.seed, dtype=case.dtype)
+    return batch
+
+
+def reference(case: Case) -> dict:
+    """The single-process eager run: ``{"loss", "grads"}``."""
+    model = make_model(case)
+    loss = grpo_loss(model, **make_batch(case))
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def run_rank(case: Case, group=None) -> dict:
+    """This rank's run: the compiled loss under ``context_parallel``, gradients all-reduced over the group; returns
+    ``{"loss", "grads", "stats", "tokens"}``."""
+    group = group or dist.group.WORLD
+    brcompile.reset_stats()
+    model = make_model(case)
+    backend = brcompile.backend(context_parallel=group, compiler=case.compiler)
+    compiled = torch.compile(grpo_loss, backend=backend)
+    loss = compiled(model, **make_batch(case))
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=group)
+    st = brcompile.stats()
+    return {"loss": loss.item(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            "stats": st.to_dict(), "tokens": st.context_parallel_tokens}
+
+
+def compare(result: dict, ref: dict) -> float:
+    """The largest relative error of the loss (against ``max(|loss|, 1)``) and of every gradient."""
+    errs = [abs(result["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1.0)]
+    for n, g in ref["grads"].items():
+        errs.append(((result["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-300)).item())
+    return max(errs)
+
+
+def _worker(rank: int, world_size: int, port: int, case: Case, out_dir: str) -> None:
+    """A spawned process: joins the group through the parent's TCPStore, runs :func:`run_rank`, saves its result."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("BRCOMPILE_STRICT", "1")
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        torch.save(run_rank(case), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(case: Case, world_size: int = 2) -> list[dict]:
+    """Spawns ``world_size`` processes (gloo, loopback) running :func:`run_rank`; returns every rank's result."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world_size, store.port, case, tmp), nprocs=world_size, join=True,
+                           start_method="spawn")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--model", choices=["gpt", "qwen2", "llama"], default="gpt")
+    p.add_argument("--compiler", choices=["inductor", "aot_eager", "eager"], default="aot_eager")
+    a = p.parse_args(argv)
+    case = Case(model=a.model, compiler=a.compiler)
+    if "RANK" in os.environ:  # under torchrun: this process is one rank
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo")
+        try:
+            results = [run_rank(case)]
+            if dist.get_rank() != 0:
+                return 0
+        finally:
+            dist.destroy_process_group()
+    else:
+        results = launch(case, a.world_size)
+    ref = reference(case)
+    err = max(compare(r, ref) for r in results)
+    ok = err <= TOL[case.dtype] and all(r["stats"]["context_parallel_calls"] == 1 for r in results)
+    print(f"context parallel, {a.model}, {len(results)} rank(s): tokens per rank "
+          f"{[r['tokens'] for r in results]}, max rel err {err:.2e} {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
