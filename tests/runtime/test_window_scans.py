@@ -202,20 +202,24 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=ids, attention_mask=am, use_cache=False).logits
 
 
-@pytest.mark.parametrize("family,size", [("lfm2", 1), pytest.param("lfm2", 2, marks=pytest.mark.slow),
-                                         pytest.param("mamba", 1, marks=pytest.mark.slow),
-                                         pytest.param("bamba", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family,size", [("lfm2", 1), ("lfm2", 2), ("mamba", 1), ("bamba", 2), ("bamba", 1),
+                                         ("qwen3_next", 2)])
 def test_hf_hybrid_shares_across_calls(family, size):
-    """HF LFM2 (gated short conv + attention), pure Mamba (selective scan + conv, no attention) and Bamba (Mamba-2:
-    linear scan + conv, and attention): one group's rows over calls of ``size`` rows."""
+    """HF LFM2 (gated short conv + attention), pure Mamba (selective scan + conv, no attention), Bamba (Mamba-2:
+    linear scan + conv, and attention) and Qwen3-Next (gated DeltaNet: matrix scan + conv, and attention): one
+    group's rows over calls of ``size`` rows. Their mixers read the parameters through ops of their own (a conv
+    weight's unsqueeze, ``-exp(A_log)``), which the trunk computes itself (passes/emit/split.py
+    ``_parameter_side``): its inputs are the parameters, whose deferred gradients the window returns."""
     model = Logits(hf_model(family))
     # static shapes (micro-batches of one shape): with symbolic ones LFM2's conv stays a dense region, packed again
     backend, _ = window_matches_eager(hf_loss(model), micro_batches(hf_batch(), size), model, guard=KeepFloat64,
                                       dynamic=False)
     scans = cached_scans(backend)
     assert any("causal_conv1d" in s for s in scans), scans
-    if family != "lfm2":
+    if family in ("mamba", "bamba"):
         assert any("linear_scan" in s for s in scans), scans
+    if family == "qwen3_next":
+        assert any("matrix_scan" in s for s in scans), scans
 
 
 def test_bloom_cached_alibi_positions_share_across_calls():
