@@ -228,7 +228,7 @@ def _window_inputs(split, per_token: Sequence[int]) -> tuple[tuple[int, ...], Op
     version, numbers by value (runtime/window/ ``call_identity``). A trunk input computed from a statistic of
     the batch (a length, a sum over tokens) differs from call to call: such a trunk shares within each call."""
     if split.tail_cache is None:
-        return (), "shares within each call: the trunk carries scan states or cached positions"
+        return (), "shares within each call: a cached value (scan state, position) has no single token dim"
     batch = next((e for e in split.ext_sources if e.batch_node is not None), None)
     if batch is not None:
         return (), (f"shares within each call: the trunk reads {batch.name}, computed from the batch through "
@@ -462,7 +462,7 @@ class BranchReplayBackend:
                              2 * len(split.cached) + len(split.cached_scans) + len(split.cached_positions),
                              split.scan_depth,
                              None if split.tail_cache is None else self._compile(split.tail_cache, opts),
-                             _trunk_key(split), split.recompute, split.bytes_per_token)
+                             _trunk_key(split), split.recompute, split.bytes_per_token, split.cache_dims)
         trunk = ReplayTrunk(graphs, len(split.ext_inputs), opts.chunk_tokens)
         outer = split.build_outer(trunk)
         streaming = runtime.StreamingRuntime(opts.mode, opts.memory_budget, split.bytes_per_token,

@@ -159,6 +159,10 @@ def chain_parent(length: int, device=None) -> Tensor:
 def prefix_rows(cache: Tensor, ids: Tensor, dim: int) -> Tensor:
     """``cache`` gathered along ``dim`` at the prefix-local ``ids`` (zeros where ``ids == -1``); the cached scans
     here and in backends/scan/matrix.py read a chunk root's prefix state with it."""
+    if cache.shape[dim] == 0:  # no prefix token (every id is -1): a chain streamed alone, a window call's own tree
+        shape = list(cache.shape)
+        shape[dim] = ids.shape[0]
+        return cache.new_zeros(shape)
     got = cache.index_select(dim, ids.clamp(min=0))
     keep = ids.ge(0).view([-1 if d == dim else 1 for d in range(got.dim())])
     return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))

@@ -172,7 +172,7 @@ class TrunkGraphs:
     frontier_dims: tuple[int, ...]  # the token dim of each frontier output
     n_cached: int  # number of cached tensors (2 per attention: K and V; 1 per tree scan; 1 per cached position)
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (Chunk.ancestors' rows)
-    #: the tail that also returns its own tokens' K/V (runtime/window/); None: no cross-call window
+    #: the tail that also returns its own tokens' cached values (runtime/window/); None: no cross-call window
     tail_cache: Optional[Callable] = None
     #: graphs with one key compute the same trunk (their code), so a window's calls of either share one store
     #: (Dynamo recompiles a graph on a guard, e.g. DDP's no_sync flag, into a copy with another trunk object)
@@ -181,6 +181,8 @@ class TrunkGraphs:
     #: piece, run with grad keeps only its inputs and outputs and recomputes its activations in backward
     recompute: bool = False
     bytes_per_token: int = 0  # trunk activation bytes per packed token (passes/emit/split.py)
+    #: the packed-token dim of each of the ``n_cached`` cached tensors (a window keeps them per token along it)
+    cache_dims: tuple[int, ...] = ()
 
     def run_kept(self, graph: Callable, *args, recompute: bool = False) -> tuple:
         """``graph(*args)`` with grad, its activations kept for backward, or with :attr:`recompute` (or

@@ -29,9 +29,15 @@ ancestors it can see. :func:`split_for_replay` emits three graphs:
   ordinary differentiable ops around the scan, so the cached values' gradients flow back into the prefix
   as the cached K/V's do. A chunk is made of leaf segments, whose ancestors outside the chunk are all
   prefix tokens (never another chunk's);
+- **tail_cache**: the tail that also returns its own tokens' cached replay nodes (what the prefix returns, each
+  along its token dim, ``cache_dims``): a cross-call window (brcompile/runtime/window/) keeps them per token
+  and runs a later call's new tokens as a chunk against them;
 - **outer**: the packed graph with the trunk replaced by one call of ``replay_trunk``, which returns the
   frontier at all N tokens; :meth:`ReplaySplit.build_outer` makes it a module around the trunk the backend built
   from the compiled prefix and tail (brcompile.runtime.streaming.ReplayTrunk).
+
+The trunk graphs also compute what the trunk reads of the parameters through ops of their own (a conv weight's
+``unsqueeze``, Mamba's ``-exp(A_log)``: :func:`_parameter_side`), so their inputs are the parameters themselves.
 
 Nothing here changes what is computed: the outer graph sees the same frontier values, the trunk the same
 per-token inputs, attention the same keys.
@@ -57,7 +63,7 @@ from brcompile.backends.scan.op import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
 )
 from brcompile.passes.analysis.repack import repack_tokens
-from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, op_name
+from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, op_name, random_draw
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.emit.check import symbolic_run, token_positions
 from brcompile.passes.lower.checkpoint import inline_checkpoints, is_checkpoint
@@ -94,8 +100,11 @@ class ReplaySplit:
     cached_scans: tuple[str, ...] = ()  # tree scans whose prefix values the prefix caches (_scan_cache)
     scan_depth: int = 0  # ancestors a tail token's scans read along its path (the chunks' ``ancestors`` rows)
     cached_positions: tuple[str, ...] = ()  # attention positions other than the tree's, cached (_cached_positions)
-    #: the tail that also returns its own tokens' K/V (None with scans or cached positions): a window's call
+    #: the tail that also returns its own tokens' cached values (K/V, scan values, positions: what the prefix
+    #: returns) for a window's later calls (None when one of them has no single packed-token dim)
     tail_cache: Optional[fx.GraphModule] = None
+    #: the packed-token dim of each cached value, in the prefix's (and ``tail_cache``'s) output order
+    cache_dims: tuple[int, ...] = ()
     #: what each of the trunk's outer inputs is computed from (:func:`ext_sources`)
     ext_sources: tuple["ExtSource", ...] = ()
     #: the packed graph checkpointed its layers (passes/lower/checkpoint.py): their bodies are inlined into the
@@ -231,8 +240,12 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any],
             raise CannotReplay(Code.STREAMING_FRONTIER,
                                f"streaming replay: the outer graph reads {n.name}, whose token dim is flattened "
                                f"(shape {tuple(n.meta['val'].shape)}) (the packed mode runs)", n)
-    ext = list(dict.fromkeys(a for n in trunk for a in n.all_input_nodes
-                             if a not in trunk_set and a not in tok_nodes))
+    # what the trunk reads of the parameters through ops of their own (a conv weight's unsqueeze, Mamba's
+    # -exp(A_log)) it computes itself, so its inputs are the parameters (a cross-call window needs them as leaves)
+    hoisted = _parameter_side(packed, trunk, trunk_set, example_args)
+    body = [n for n in packed.graph.nodes if n in trunk_set or n in hoisted]  # the trunk graphs' nodes
+    ext = list(dict.fromkeys(a for n in body for a in n.all_input_nodes
+                             if a not in trunk_set and a not in hoisted and a not in tok_nodes))
     attentions = [n for n in trunk if n.target is _ATTENTION]
     for a in attentions:
         if a.args[4] not in (tok_nodes.valid, tok_nodes.all_valid):
@@ -240,13 +253,15 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any],
                                "streaming replay: an attention's key validity is not a tree array", a)
     dims = tuple(_token_dims(n.meta["val"], n_sym)[0] for n in frontier)
     positions = _cached_positions(attentions, tok_nodes, trunk_set)
-    prefix = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=False)
-    tail = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=True)
-    # a tail that keeps its own K/V for later calls (cross-call windows: brcompile/runtime/window/); attention
-    # only: a window does not yet carry scan states or other cached positions from call to call
-    tail_cache = None if scans or positions else _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions,
+    prefix = _trunk_graph(packed, body, ext, tok_nodes, frontier, attentions, scans, positions, cached=False)
+    tail = _trunk_graph(packed, body, ext, tok_nodes, frontier, attentions, scans, positions, cached=True)
+    # a tail that keeps its own tokens' cached values for later calls (cross-call windows: brcompile/runtime/window/
+    # stores them per token, along their token dims, and starts a later call's chunk from them)
+    cache_dims = _cache_dims(attentions, scans, positions, n_sym)
+    tail_cache = None if cache_dims is None else _trunk_graph(packed, body, ext, tok_nodes, frontier, attentions,
                                                               scans, positions, cached=True, emit_cache=True)
-    outer, outer_attrs = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier)
+    outer, outer_attrs = _outer_graph(packed, trunk_set, ext, tok_nodes, frontier,
+                                      _trunk_only(hoisted, trunk_set))
     cp, cp_refusal = None, None
     if context_parallel is not None and scans:  # a scan's state would cross the ranks in DFS order: not done
         cp_refusal = CannotReplay(Code.CP_SCAN,
@@ -254,15 +269,16 @@ def split_for_replay(packed: fx.GraphModule, example_args: Sequence[Any],
                                   "token; passing it across the ranks is not supported (the graph runs whole on every "
                                   "rank)", scans[0])
     elif context_parallel is not None:
-        cp = _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, positions, cached=True,
+        cp = _trunk_graph(packed, body, ext, tok_nodes, frontier, attentions, scans, positions, cached=True,
                           cp_group=context_parallel)
     return ReplaySplit(outer, outer_attrs, prefix, tail, tuple(n.name for n in ext),
                        tuple((n.name, d) for n, d in zip(frontier, dims)), tuple(a.name for a in attentions),
                        len(trunk), bytes_per_token, tuple(n.name for n in scans),
                        max((_scan_depth(n) for n in scans), default=0),
-                       cached_positions=tuple(p.name for p in positions), tail_cache=tail_cache, recompute=recompute,
+                       cached_positions=tuple(p.name for p in positions), tail_cache=tail_cache,
+                       cache_dims=cache_dims or (), recompute=recompute,
                        ext_sources=ext_sources(packed, ext, per_token), cp=cp, cp_refusal=cp_refusal,
-                       work_alpha=_work_alpha(trunk, attentions, n_sym),
+                       work_alpha=_work_alpha(body, attentions, n_sym),
                        kv_bytes_per_token=sum(_bytes_per_token(a.args[i].meta["val"], n_sym)
                                               for a in attentions for i in (1, 2)))
 
@@ -343,6 +359,52 @@ class _Batch(Exception):
     def __init__(self, node: fx.Node):
         super().__init__(node.name)
         self.node = node
+
+
+def _parameter_side(packed: fx.GraphModule, trunk: Sequence[fx.Node], trunk_set: set,
+                    example_args: Sequence[Any]) -> set[fx.Node]:
+    """The outer nodes the trunk reads that are computed from parameters (inputs that require grad, leaves) and
+    graph attributes only, by ops that draw no random numbers, with every node between them: the trunk graphs
+    compute them themselves (a few ops on parameters per prefix and chunk), so the trunk's inputs are the
+    parameters, not per-call tensors derived from them. Nothing (keeping today's inputs) in a graph with an
+    autocast region: an op on a parameter there may depend on where it runs."""
+    if _autocast_nodes(packed):
+        return set()
+    holders = [n for n in packed.graph.nodes if n.op == "placeholder"]
+    params = {n for n, x in zip(holders, example_args)
+              if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is None}
+    pure: dict[fx.Node, bool] = {}  # computed from parameters and attributes only (graph order: inputs first)
+    for n in packed.graph.nodes:
+        if n in params or n.op == "get_attr":
+            pure[n] = True
+        elif n.op in ("call_function", "call_method") and n not in trunk_set and n.all_input_nodes:
+            pure[n] = (all(pure.get(a, False) for a in n.all_input_nodes) and random_draw(n, by_name=True) is None
+                       and not n.is_impure())
+        else:
+            pure[n] = False
+    out: set[fx.Node] = set()
+    stack = [a for n in trunk for a in n.all_input_nodes if a not in trunk_set]
+    while stack:
+        n = stack.pop()
+        if n in out or not pure.get(n) or n.op not in ("call_function", "call_method"):
+            continue
+        out.add(n)
+        stack.extend(n.all_input_nodes)
+    return out
+
+
+def _trunk_only(hoisted: set, trunk_set: set) -> set[fx.Node]:
+    """The nodes of ``hoisted`` (:func:`_parameter_side`) that only the trunk reads (directly or through other
+    such nodes): the outer graph drops them."""
+    keep: set[fx.Node] = set()  # read by the outer graph
+    changed = True
+    while changed:
+        changed = False
+        for n in hoisted - keep:
+            if any(u not in trunk_set and (u not in hoisted or u in keep) for u in n.users):
+                keep.add(n)
+                changed = True
+    return hoisted - keep
 
 
 def _group_counts(node: fx.Node, n_sym, trunk_set) -> bool:
@@ -439,6 +501,23 @@ def _check_scan(scan: fx.Node, tok_nodes) -> None:
         raise CannotReplay(Code.STREAMING_CONSTRUCT,
                            "streaming replay: a scan along the tree paths whose parents are not the tree's "
                            "(the packed mode runs)", scan)
+
+
+def _cache_dims(attentions: Sequence[fx.Node], scans: Sequence[fx.Node], positions: Sequence[fx.Node],
+                n_sym) -> Optional[tuple[int, ...]]:
+    """The packed-token dim of each cached value (every attention's K and V, each scan's :func:`_scan_cache`, each
+    cached position), in the prefix's output order; None when one has no single unflattened token dim (a window
+    could not keep it per token: its calls then share within themselves only)."""
+    nodes = [x for a in attentions for x in (a.args[1], a.args[2])] + [_scan_cache(n) for n in scans] + list(positions)
+    dims = []
+    for x in nodes:
+        val = x.meta.get("val")
+        found = _token_dims(val, n_sym) if isinstance(val, torch.Tensor) else []
+        if len(found) != 1 or len(_token_factors(val, n_sym)) != 1:
+            log.debug("streaming replay: the cached value %s has no single token dim; no cross-call window", x.name)
+            return None
+        dims.append(found[0])
+    return tuple(dims)
 
 
 def _cached_scan(g: fx.Graph, scan: fx.Node, env: dict, cache: fx.Node, ancestors: fx.Node) -> fx.Node:
@@ -586,10 +665,11 @@ def _fetch(mod: torch.nn.Module, target: str):
     return mod
 
 
-def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> tuple[fx.Graph, dict[str, Any]]:
+def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier, dropped=frozenset()) -> tuple[fx.Graph, dict[str, Any]]:
     """The packed graph with the trunk replaced by ``replay_trunk(*ext, *token arrays)``; nodes that
-    read the frontier are emitted after the call, all others (ext inputs among them) before it. Returns the
-    graph and the attributes it reads of ``packed`` (:meth:`ReplaySplit.build_outer` adds the trunk)."""
+    read the frontier are emitted after the call, all others (ext inputs among them) before it, but ``dropped``
+    (parameter-side nodes only the trunk reads, :func:`_trunk_only`). Returns the graph and the attributes it
+    reads of ``packed`` (:meth:`ReplaySplit.build_outer` adds the trunk)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     after = descendants(frontier) - trunk_set
@@ -598,7 +678,7 @@ def _outer_graph(packed, trunk_set, ext, tok_nodes, frontier) -> tuple[fx.Graph,
         start = next(n for n in packed.graph.nodes if n in trunk_set)
         order = {n: i for i, n in enumerate(packed.graph.nodes)}
         after |= {m for m in marks if order[m] > order[start]}
-    nodes = [n for n in packed.graph.nodes if n not in trunk_set and n.op != "output"]
+    nodes = [n for n in packed.graph.nodes if n not in trunk_set and n not in dropped and n.op != "output"]
     for n in nodes:
         if n not in after:
             env[n] = g.node_copy(n, lambda a: env[a])

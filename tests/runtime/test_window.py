@@ -338,33 +338,6 @@ def test_plan_window_cuts_segments_at_the_replayed_prefix():
     assert plan.cross.tolist() == [[0, 3, 0, 3]]
 
 
-def test_a_trunk_with_scans_shares_within_each_call_exactly():
-    """ScanGPT (cumsum positions, short convs): a window does not carry scan states yet, so its calls share within
-    themselves only — exact, never a window call, and the record says why."""
-    from tests.passes.analysis.rules.test_scan_rules import scan_model, token_loss
-
-    model = scan_model()
-    b = make_grpo_batch(vocab_size=23, seed=2, num_prompts=2, group_size=4, prompt_len=(4, 7), response_len=(4, 7),
-                        shared_response_prefix=2, left_pad_prompts=True, pad_id=0)
-    mbs = micro_batches(b, 2)
-
-    def run(loss):
-        model.zero_grad(set_to_none=True)
-        for mb in mbs:
-            (loss(model, mb["input_ids"], mb["attention_mask"], mb["completion_mask"]) / len(mbs)).backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    want = run(token_loss)
-    backend = brcompile.backend(mode="replay", compiler="eager")
-    brcompile.reset_stats()
-    with brcompile.window(calls=len(mbs)):
-        got = run(torch.compile(token_loss, backend=backend, dynamic=True))
-    assert_grads_exact(got, want, [n for n, _ in model.named_parameters()], torch.float64)
-    s = brcompile.stats()
-    assert s.window_calls == 0 and s.replayed_calls == len(mbs) and s.fallback_calls == 0, str(s)
-    assert backend.records[-1].replay["window"].startswith("shares within each call")
-
-
 def test_hf_qwen2_compiled_alone_shares_across_calls():
     """A HF Qwen2 compiled alone (TRL's way: per-token log-probs from the logits outside the graph), rows of one
     group over calls of one row: exact against eager accumulation, prompt tokens replayed."""

@@ -4,7 +4,7 @@ and backward, whichever calls its rows arrive in.
 A **window** is the calls of each streamed graph between two optimizer steps, declared by :func:`window`
 (``with brcompile.window(calls=N):`` around a gradient-accumulation loop, or ``last=`` a predicate of the last
 call; ``BranchReplayCallback`` opens one per optimizer step). Inside it, each call of a graph with a streaming
-split (``mode="replay"``/``"auto"``, passes/emit/split.py, attention-only trunk) runs its trunk through
+split (``mode="replay"``/``"auto"``, passes/emit/split.py, a ``tail_cache``) runs its trunk through
 :class:`WindowFunction` instead of :class:`~brcompile.runtime.streaming.ReplayFunction`.
 
 The package: ``store`` (the window, its stores and pieces, the deferred backward), ``plan`` (matching a call's
@@ -15,9 +15,11 @@ forward
     The call's packed tokens are matched against every token an earlier call of the window computed: two tokens
     are the same node iff their rows agree on every tree key up to them (one exact prefix tree over all the
     window's rows so far, ``build_tree``). The matched ones (an ancestor-closed set: a prefix of the call's tree)
-    are **replayed** from the window's store: their frontier values and their K/V, gathered, never recomputed.
-    The others run once, with grad, as one chunk against that cache (``tail_cache``: the tail graph that also
-    returns its own K/V); the first call of a window runs the prefix graph on all of its tokens. What they
+    are **replayed** from the window's store: their frontier values and their cached values (every attention's
+    K/V, every tree scan's per-token state or taps, cached positions), gathered, never recomputed. The others run
+    once, with grad, as one chunk against that cache (``tail_cache``: the tail graph that also returns its own
+    cached values; its scans start from the stored states of their replayed ancestors, ``WindowPlan.ancestors``);
+    the first call of a window runs the prefix graph on all of its tokens. What they
     compute (their graph, frontier and K/V) becomes a new **piece** of the store, which later calls read.
 backward
     A call's backward only accumulates the gradients that reach its trunk outputs into the pieces that produced

@@ -18,10 +18,6 @@ from brcompile.runtime.window.store import (
 
 __all__ = ["WindowFunction", "call_keys", "current_call", "finish_if_complete"]
 
-#: the K/V token dim of tree attention's [H, N, D] operands
-_KV_DIM = -2
-
-
 # ------------------------------------------------------------------------------------------------- one call's run
 
 #: the call's store and tree keys, set by the packed runtime around a streamed call (runtime/packed.py)
@@ -52,7 +48,7 @@ class WindowFunction(torch.autograd.Function):
         store.check_versions(ext)
         cached, slots, reps = match(store, per_token, mask, packed_tree)
         _check_closed(tree.end, cached)
-        plan = plan_window(tree.end, tree.segments, cached, slots)
+        plan = plan_window(tree.end, tree.segments, cached, slots, graphs.scan_depth)
         dev = tree.position.device
         dims = graphs.frontier_dims
         leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in ext]
@@ -155,7 +151,8 @@ def _check_closed(end: Tensor, cached: Tensor) -> None:
 def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequence, tree: TokenArrays,
              new: Tensor) -> _Piece:
     """Run the call's new tokens once with grad: the prefix graph when nothing is replayed, else the chunk
-    against the replayed tokens' K/V (``tail_cache``); their outputs become a piece of the store."""
+    against the replayed tokens' cached values (``tail_cache``: K/V, scan values, positions, each gathered along
+    its token dim, ``TrunkGraphs.cache_dims``); their outputs become a piece of the store."""
     valid, position = _take(tree.valid, new), _take(tree.position, new)
     nf = len(graphs.frontier_dims)
     w = store.window
@@ -166,7 +163,7 @@ def _compute(graphs, store: _Store, plan: WindowPlan, leaves: list, ext: Sequenc
         if not plan.cached_ids.numel():
             out = graphs.run_kept(graphs.prefix, *leaves, *tree, recompute=recompute)
         else:
-            cache = [_stored(store.pieces, lambda p, j=j: p.kv_leaf[j], plan.slots, _KV_DIM)
+            cache = [_stored(store.pieces, lambda p, j=j: p.kv_leaf[j], plan.slots, graphs.cache_dims[j])
                      for j in range(graphs.n_cached)]
             pre_valid = _stored(store.pieces, lambda p: p.valid, plan.slots, 0)
             pre_position = _stored(store.pieces, lambda p: p.position, plan.slots, 0)

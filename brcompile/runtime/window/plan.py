@@ -26,17 +26,20 @@ class WindowPlan:
     end: Tensor  # [n] chunk-local subtree ends
     segments: Tensor  # [s, 3] chunk-local segments
     cross: Tensor  # [X, 4] (q_start, q_stop, k_start, k_stop): chunk queries x cache-local keys
-    ancestors: Tensor  # [0, n]: no scans in a window's trunk
+    ancestors: Tensor  # [R, n] cache-local id of each new token's i-th ancestor (row i-1) if replayed, else -1
 
 
-def plan_window(end: Tensor, segments: Tensor, cached: Tensor, slots: Tensor) -> WindowPlan:
+def plan_window(end: Tensor, segments: Tensor, cached: Tensor, slots: Tensor, depth: int = 0) -> WindowPlan:
     """Cut a call's tree into its replayed part ``cached`` (bool [N], ancestor-closed: within each segment a
     prefix ``[s0, c)``) and the chunk of the rest, as streaming cuts prefix and tails (runtime/streaming.py
     ``plan_replay``), but at any token. With ``b`` = cache-local ids (``before[k]`` replayed tokens before k) and
     ``bn`` = chunk-local ids: a segment's new part ``[c, s1)`` is the chunk segment ``(bn[c], bn[s1], bn[e])``;
     its replayed part ``[s0, c)`` is an ancestor chain of every chunk token in ``[c, e)``: the cross row
-    ``(bn[c], bn[e], b[s0], b[c])``. ``slots``: the store slot of every token (-1 for new ones)."""
-    from brcompile.runtime.streaming import count_before  # streaming imports this module
+    ``(bn[c], bn[e], b[s0], b[c])``. ``slots``: the store slot of every token (-1 for new ones). ``depth``: how
+    many ancestors along its path a new token's tree scans read (``TrunkGraphs.scan_depth``): the chunk's
+    ``ancestors`` as a streaming chunk's (``_prefix_ancestors`` with the replayed tokens as the prefix; along a
+    path new tokens come first, then replayed ones only, the replayed set being ancestor-closed)."""
+    from brcompile.runtime.streaming import _prefix_ancestors, count_before  # streaming imports this module
 
     end, segments, cached = end.cpu(), segments.cpu(), cached.cpu()
     before, bn = count_before(cached), count_before(~cached)
@@ -50,8 +53,8 @@ def plan_window(end: Tensor, segments: Tensor, cached: Tensor, slots: Tensor) ->
     rows = (c > s0) & (bn[e] > bn[c])
     cross = torch.stack([bn[c[rows]], bn[e[rows]], before[s0[rows]], before[c[rows]]], 1)
     cached_ids = cached.nonzero().flatten()
-    return WindowPlan(cached_ids, slots.cpu()[cached_ids], new_ids, bn[end[new_ids]], seg, cross,
-                      torch.empty(0, new_ids.shape[0], dtype=torch.int64))
+    ancestors = _prefix_ancestors(end, cached, before, depth)[:, new_ids]
+    return WindowPlan(cached_ids, slots.cpu()[cached_ids], new_ids, bn[end[new_ids]], seg, cross, ancestors)
 
 
 def _padded(x: Tensor, L: int, fill=0) -> Tensor:

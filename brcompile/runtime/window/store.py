@@ -29,8 +29,9 @@ class _Piece:
     stand-ins later calls read, and the gradients that have reached them so far."""
 
     frontier: tuple  # trunk outputs the outer graph reads, at this piece's tokens (graph kept)
-    kv: tuple  # every attention's K and V at this piece's tokens (graph kept)
-    kv_leaf: tuple  # detached stand-ins of kv that later calls attend (their .grad-free leaves)
+    kv: tuple  # the cached values at this piece's tokens (graph kept): every attention's K and V, every tree
+    #            scan's values (state, path sum, conv input), every cached position (TrunkGraphs.cache_dims)
+    kv_leaf: tuple  # detached stand-ins of kv that later calls read (their .grad-free leaves)
     leaves: list  # the parameter stand-ins this piece's graph was built on
     ext_ids: list  # id() of the call's real inputs behind ``leaves``
     valid: Tensor
