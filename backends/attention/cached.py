@@ -21,8 +21,11 @@ out)``), which is the exact gradient of the combined softmax restricted to that 
 over the parts, dk_cache/dv_cache collect the chunk's contribution to the prefix K/V (the streaming
 runtime sums them over chunks before the prefix backward). The cached K/V is never copied.
 
-Cross pairs run through ``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU and by explicit
-float64-capable matmuls elsewhere (one [Hq, nq, nk] score block per cross row).
+On CPU, float32/float64 without a feature (the "cpu" impl's compiled kernel takes the chunk: cpu_kernel.py
+``runs_cached``), one kernel call computes both parts, forward and backward (cpu_kernel.py: the cache's ranges are
+more key ranges of the same online softmax and more key blocks of the same backward). Otherwise cross pairs run
+through ``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU and by explicit float64-capable matmuls elsewhere
+(one [Hq, nq, nk] score block per cross row).
 
 Attention sinks (``sinks`` [Hq], or [Hq, n] per chunk query) are merged once, after both parts
 (``ops.sink_merge``), and their gradient is ``ops.sink_grad`` of the merged out and lse, as for the uncached
@@ -50,6 +53,7 @@ from brcompile.backends.attention.features import (
 from brcompile.backends.attention.args import (
     TreeAttentionArgs, TreeAttentionError, check_qkv, check_window, sink_grad, sink_merge,
 )
+from brcompile.backends.attention import cpu_kernel
 from brcompile.backends.attention.op import (
     ATTENTION_IMPLS, count_visible_pairs, feature_grads, impl_for, register_lower_precision_autocast,
 )
@@ -62,6 +66,9 @@ __all__ = ["CachedPrefix", "cross_calls", "tree_attention_cached"]
 MATH_KEY_BLOCK = 4096
 #: Cross calls on CPU use the CPU flash kernel; False selects the explicit matmuls there too (tests).
 USE_CPU_FLASH = True
+#: Chunk and cross pairs in one call of the compiled CPU kernel where it takes them (cpu_kernel.runs_cached); False
+#: runs the chunk through its impl and the cross pairs as below (tests, the benchmarks' "before").
+USE_CPU_KERNEL = True
 
 
 def _flash(a: TreeAttentionArgs) -> bool:
@@ -229,6 +236,17 @@ def _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cro
     return a, CachedPrefix(k_cache, v_cache, cache_valid, cross, cache_position).check(a)
 
 
+def _kernel(impl: str, a: TreeAttentionArgs, c: CachedPrefix) -> bool:
+    """Whether one call of the compiled CPU kernel computes both parts of ``a`` (no sinks) and ``c``: the chunk's
+    impl is "cpu" and its kernel takes the chunk and the cache (cpu_kernel.runs_cached)."""
+    return USE_CPU_KERNEL and impl_for(impl, a).name == "cpu" and cpu_kernel.runs_cached(a, c)
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    out, lse = sink_merge(out, lse, sinks)
+    return out.to(dtype), lse
+
+
 @torch.library.custom_op("brcompile::tree_attention_cached_forward", mutates_args=())
 def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tensor, segments: Tensor,
                        k_cache: Tensor, v_cache: Tensor, cache_valid: Tensor, cross: Tensor, scale: float,
@@ -240,6 +258,9 @@ def _cached_forward_op(q: Tensor, k: Tensor, v: Tensor, end: Tensor, valid: Tens
     a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
                       cache_position, softcap, alibi, sinks, relbias, slopes)
     a = a.without_sinks()
+    if _kernel(impl, a, c):
+        out, lse = cpu_kernel.cached_forward(a, c)
+        return (out, lse) if sinks is None else _with_sinks(out, lse, sinks, q.dtype)
     out_t, lse_t = impl_for(impl, a).forward(a)
     out, lse = out_t.to(a.lse_dtype).contiguous(), lse_t.to(a.lse_dtype).contiguous()
     _cross_forward(a, c, out, lse)
@@ -273,6 +294,8 @@ def _cached_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     a, c = _arguments(q, k, v, end, valid, segments, k_cache, v_cache, cache_valid, cross, scale, window, position,
                       cache_position, softcap, alibi, sinks, relbias, slopes)
     a = a.without_sinks()
+    if _kernel(impl, a, c):
+        return (*cpu_kernel.cached_backward(a, c, grad_out, out, lse), q.new_empty(0), q.new_empty(0))
     dq, dk, dv, *extra = impl_for(impl, a, backward=True).backward(a, grad_out, out, lse)
     acc = a.lse_dtype
     dq = dq.to(acc).contiguous()

@@ -14,6 +14,12 @@ Python's cost for its slicing and merge. The kernel computes exactly the visible
 It takes float32 and float64 CPU tensors and no attention feature (window, soft-cap, ALiBi, relative bias):
 :func:`runs` says whether a call can use it; the ``"cpu"`` impl runs the segment-pair schedule otherwise, and
 when the compiled kernels are off or could not be built (backends/common/cpu: ``BRCOMPILE_CPU_KERNELS``).
+
+**Cached** (a streamed chunk against a cached prefix, ``cached.py``): :func:`cached_forward` /
+:func:`cached_backward` run the chunk's tree and its cross rows against the cache in the same call: the cache's
+ranges are more key ranges of a query block's online softmax, and the cache's key blocks more units of the
+backward (seen by the query ranges of the cross rows holding them), so (out, lse) come merged over both parts and
+the backward gives (dq, dk, dv, dk_cache, dv_cache) from the merged out and lse. :func:`runs_cached` says when.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from torch import Tensor
 
 from brcompile.backends.common import cpu as kernels
 
-__all__ = ["DTYPES", "backward", "forward", "runs"]
+__all__ = ["DTYPES", "backward", "cached_backward", "cached_forward", "forward", "runs", "runs_cached"]
 
 #: dtypes the kernel takes (half precision runs the segment-pair schedule, whose flash kernel takes it).
 DTYPES = (torch.float32, torch.float64)
@@ -52,6 +58,32 @@ def backward(a, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Ten
     with _typed_errors():
         return torch.ops.brcompile_cpu.tree_attention_backward(grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid,
                                                                 a.segments, float(a.scale))
+
+
+def runs_cached(a, cache) -> bool:
+    """Whether the kernel computes the cached attention of ``a`` (a TreeAttentionArgs without sinks) against
+    ``cache`` (cached.py's CachedPrefix): :func:`runs` holds and the cache is on the CPU in q's dtype."""
+    return (cache.k_cache.device.type == "cpu" and cache.k_cache.dtype == a.q.dtype
+            and cache.v_cache.dtype == a.q.dtype and runs(a))
+
+
+def cached_forward(a, cache) -> tuple[Tensor, Tensor]:
+    """(out [Hq, n, D], lse [Hq, n]) of the chunk ``a`` over its tree and ``cache`` (:func:`runs_cached` holds)."""
+    kernels.require()
+    with _typed_errors():
+        return torch.ops.brcompile_cpu.tree_attention_cached_forward(
+            a.q, a.k, a.v, a.end, a.valid, a.segments, cache.k_cache, cache.v_cache, cache.cache_valid.cpu(),
+            cache.cross.cpu(), float(a.scale))
+
+
+def cached_backward(a, cache, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dk_cache, dv_cache) of the chunk ``a`` and ``cache`` for ``grad_out``, with the merged ``out``
+    and ``lse`` (:func:`runs_cached` holds)."""
+    kernels.require()
+    with _typed_errors():
+        return torch.ops.brcompile_cpu.tree_attention_cached_backward(
+            grad_out, a.q, a.k, a.v, out, lse, a.end, a.valid, a.segments, cache.k_cache, cache.v_cache,
+            cache.cache_valid.cpu(), cache.cross.cpu(), float(a.scale))
 
 
 class _typed_errors:

@@ -29,6 +29,8 @@ Backward (``g`` = grad of logp, ``gH`` = grad of entropy; ``G[k] = sum_{r: index
     draw     = dz * scale * (1 - tanh^2(raw / softcap))       (dz * scale without a soft-cap)
     dh[k] = draw[k] @ W,   dW = sum_k draw[k]^T h[k],   db = sum_k draw[k]
 
+A request whose ``g_r`` and ``gH_r`` are exactly 0 (a loss's masked positions: an RL batch's prompt tokens) adds
+exactly 0 to all three, so the backward leaves it out, and recomputes no logits for a token only such requests read.
 Nothing of size [N, V] is saved: backward recomputes each chunk's logits. Peak memory is a few
 [chunk, V] buffers plus the [V, D] weight gradient.
 
@@ -347,14 +349,17 @@ def logprob_backward(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]
     cdt = _compute_dtype(hidden.dtype)
     R = index.numel()
     work = R > 0 and (grad_logp is not None or grad_entropy is not None)
+    if work:
+        if bool((index < 0).any()):
+            _check_dropped(grad_logp, grad_entropy, index)
+        index = _with_gradient(index, grad_logp, grad_entropy)
+        work = bool((index >= 0).any())
     dh = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     # the first chunk writes dW (out=) when no cast is needed
     dW = (torch.empty if work and cdt == hidden.dtype else torch.zeros)(weight.shape, dtype=cdt, device=weight.device)
     db = None if bias is None else torch.zeros(bias.shape, dtype=cdt, device=bias.device)
     if work:
         plan = _plan(index, N, V, chunk)
-        if plan.dropped:
-            _check_dropped(grad_logp, grad_entropy, index)
         M = plan.tokens.numel()
         tflat = targets.reshape(-1)
         g = None if grad_logp is None else grad_logp.reshape(-1).to(cdt)
@@ -382,6 +387,20 @@ def logprob_backward(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]
             if db is not None:
                 db += draw.sum(0)
     return dh, dW.to(weight.dtype), (None if db is None else db.to(bias.dtype))
+
+
+def _with_gradient(index: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]) -> Tensor:
+    """``index`` with -1 at the requests whose upstream gradients are all exactly 0 (a loss's masked positions, the
+    prompt tokens of an RL batch): such a request adds exactly 0 to every gradient (``dz`` is linear in ``g_r`` and
+    ``GH``), so the backward leaves it out, and with it every packed token only such requests read (their logits
+    are never recomputed); ``index`` itself when there is none."""
+    zero = None
+    for g in (grad_logp, grad_entropy):
+        if g is not None:
+            z = g.reshape(index.shape) == 0
+            zero = z if zero is None else zero & z
+    skip = zero & (index >= 0)
+    return index.masked_fill(skip, -1) if bool(skip.any()) else index
 
 
 def _per_token_sum(grad: Tensor, plan: _Plan, M: int) -> Tensor:

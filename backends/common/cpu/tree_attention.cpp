@@ -8,6 +8,13 @@
 // causally, and a key block inside segment t is seen by the queries of t after it (causally) and by every query
 // of t's descendants [stop, subtree_end) whole. Nothing else is ever computed: no padding, no other branch.
 //
+// Cached (a streamed chunk against a cached prefix's K/V, backends/attention/cached.py): the chunk's queries also see
+// the cache keys of the cross rows (q_start, q_stop, k_start, k_stop) holding them, whole, invalid cache keys aside.
+// Forward: those ranges come first in a query block's online softmax (blocks never straddle a row's query bound);
+// backward: the cache's keys are key blocks too (never straddling a row's key bound), each seen by the query ranges
+// of the rows holding it, so one call gives (out, lse) merged over both parts and (dq, dk, dv, dk_cache, dv_cache).
+// The plain ops are the cached ones with an empty cache.
+//
 // Forward (per kv head and query block, the block's g query heads stacked): online softmax over the key ranges
 //     s = scale q.k,  m' = max(m, max_k s),  l' = l e^(m - m') + sum_k e^(s - m'),  acc' = acc e^(m - m') + sum_k e^(s - m') v
 //     out = acc / l,  lse = m + log l           (a query that sees no key: out = 0, lse = -inf)
@@ -116,7 +123,8 @@ Tree make_tree(const at::Tensor& end, const at::Tensor& valid, const at::Tensor&
   return t;
 }
 
-// A unit of work: a block [a, b) of one segment, for one kv head; cost: the pairs it computes (for balancing).
+// A unit of work: a block [a, b) of one segment (seg < 0: of the cache's keys, backward), for one kv head; cost:
+// the pairs it computes (for balancing).
 struct Unit {
   int64_t head, seg, a, b, cost;
 };
@@ -149,17 +157,78 @@ void run_lists(const std::vector<std::vector<Unit>>& lists, const F& f) {
 
 int64_t workers_for(int64_t units) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)); }
 
-// The key ranges a block of segment `seg` ending at q1 attends: its strict ancestors (root first), then itself
-// up to q1 (the last range: causal).
-struct Range {
-  int64_t k0, k1, seg;
+// The cached prefix a streamed chunk's queries also see (backends/attention/cached.py): K/V [Hkv, P, D] with valid
+// bits, through the cross rows (q_start, q_stop, k_start, k_stop): chunk queries [q_start, q_stop) see cache keys
+// [k_start, k_stop) whole (non-causal). Empty rows are dropped. A plain call has none.
+struct Cache {
+  at::Tensor valid_t;
+  const bool* valid = nullptr;
+  int64_t P = 0;
+  std::vector<int64_t> q0, q1, k0, k1;
+  std::vector<int64_t> valid_before;  // [P + 1]: valid keys before each
+  std::vector<int64_t> qcuts, kcuts;  // every row's query (key) bounds, sorted, unique
+  int64_t rows() const { return (int64_t)q0.size(); }
+  bool holes(int64_t a, int64_t b) const { return valid_before[b] - valid_before[a] != b - a; }
+  // rows whose query range holds [a, b) (blocks never straddle a bound: qcuts)
+  bool sees(int64_t r, int64_t a, int64_t b) const { return q0[r] <= a && b <= q1[r]; }
+  // rows whose key range holds [a, b) (blocks never straddle a bound: kcuts)
+  bool seen(int64_t r, int64_t a, int64_t b) const { return k0[r] <= a && b <= k1[r]; }
 };
 
-void chain_ranges(const Tree& t, int64_t seg, int64_t q1, std::vector<Range>& out) {
+std::vector<int64_t> sorted_unique(std::vector<int64_t> x) {
+  std::sort(x.begin(), x.end());
+  x.erase(std::unique(x.begin(), x.end()), x.end());
+  return x;
+}
+
+Cache make_cache(const at::Tensor& cache_valid, const at::Tensor& cross, int64_t N) {
+  Cache c;
+  c.valid_t = cache_valid.contiguous();
+  c.valid = c.valid_t.data_ptr<bool>();
+  c.P = c.valid_t.size(0);
+  c.valid_before.assign(c.P + 1, 0);
+  for (int64_t i = 0; i < c.P; ++i) c.valid_before[i + 1] = c.valid_before[i] + (c.valid[i] ? 1 : 0);
+  const at::Tensor x = cross.contiguous();
+  const int64_t* xp = x.data_ptr<int64_t>();
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    const int64_t a = xp[4 * r], b = xp[4 * r + 1], ka = xp[4 * r + 2], kb = xp[4 * r + 3];
+    if (b <= a || kb <= ka) continue;
+    TORCH_CHECK(a >= 0 && b <= N && ka >= 0 && kb <= c.P, "tree attention kernel: cross row ", r, " (", a, ", ", b,
+                ", ", ka, ", ", kb, ") leaves the chunk's ", N, " queries or the cache's ", c.P, " keys");
+    c.q0.push_back(a); c.q1.push_back(b); c.k0.push_back(ka); c.k1.push_back(kb);
+  }
+  std::vector<int64_t> qc(c.q0), kc(c.k0);
+  qc.insert(qc.end(), c.q1.begin(), c.q1.end());
+  kc.insert(kc.end(), c.k1.begin(), c.k1.end());
+  c.qcuts = sorted_unique(qc);
+  c.kcuts = sorted_unique(kc);
+  return c;
+}
+
+// The end of the block of at most `width` starting at a, before `stop` and before the next cut after a.
+int64_t block_end(int64_t a, int64_t stop, int64_t width, const std::vector<int64_t>& cuts) {
+  auto next = std::upper_bound(cuts.begin(), cuts.end(), a);
+  return std::min({stop, a + width, next == cuts.end() ? stop : *next});
+}
+
+// A key range a query block attends: keys [k0, k1) of the chunk or of the cache, the block's own segment (causal)
+// or not, with invalid keys or not.
+struct Range {
+  int64_t k0, k1;
+  bool own, cache, holes;
+};
+
+// The key ranges of a query block [a, b) of segment `seg`: the cache ranges of the cross rows holding it (in row
+// order), its strict ancestors (root first), then itself up to b (the last range: causal).
+void block_ranges(const Tree& t, const Cache& c, int64_t seg, int64_t a, int64_t b, std::vector<Range>& out) {
   out.clear();
-  for (int64_t p = t.parent[seg]; p >= 0; p = t.parent[p]) out.push_back({t.start[p], t.stop[p], p});
-  std::reverse(out.begin(), out.end());
-  out.push_back({t.start[seg], q1, seg});
+  for (int64_t r = 0; r < c.rows(); ++r)
+    if (c.sees(r, a, b)) out.push_back({c.k0[r], c.k1[r], false, true, c.holes(c.k0[r], c.k1[r])});
+  const size_t first = out.size();
+  for (int64_t p = t.parent[seg]; p >= 0; p = t.parent[p])
+    out.push_back({t.start[p], t.stop[p], false, false, !t.all_valid[p]});
+  std::reverse(out.begin() + first, out.end());
+  out.push_back({t.start[seg], b, true, false, !t.all_valid[seg]});
 }
 
 template <typename T>
@@ -195,30 +264,45 @@ void scale_row(T* x, int64_t n, T f) {
   at::vec::map([f](Vec<T> v) { return v * Vec<T>(f); }, x, x, n);
 }
 
-// Invalid keys of range [c0, c0 + n) get -inf (only called for segments with holes).
+// Invalid keys of range [c0, c0 + n) get -inf (only called for ranges with holes); `valid`: the chunk's or the cache's.
 template <typename T>
-void mask_holes(const Tree& t, T* s, int64_t c0, int64_t n) {
+void mask_holes(const bool* valid, T* s, int64_t c0, int64_t n) {
   for (int64_t c = 0; c < n; ++c)
-    if (!t.valid[c0 + c]) s[c] = -std::numeric_limits<T>::infinity();
+    if (!valid[c0 + c]) s[c] = -std::numeric_limits<T>::infinity();
 }
 
+// Keys and values [Hkv, *, D] (the chunk's, or the cache's: same Hkv, D and dtype).
 template <typename T>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Tree& t, double scale_d,
-                  at::Tensor& out, at::Tensor& lse) {
-  const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), Hkv = k.size(0), g = Hq / Hkv;
+struct KV {
+  const T *k, *v;
+  int64_t skh, skn, svh, svn;
+  KV(const at::Tensor& kt, const at::Tensor& vt)
+      : k(kt.data_ptr<T>()), v(vt.data_ptr<T>()), skh(kt.stride(0)), skn(kt.stride(1)), svh(vt.stride(0)),
+        svn(vt.stride(1)) {}
+};
+
+template <typename T>
+void forward_impl(const at::Tensor& q, const KV<T>& kv, const KV<T>& kvc, const Tree& t, const Cache& c,
+                  int64_t Hkv, double scale_d, at::Tensor& out, at::Tensor& lse) {
+  const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), g = Hq / Hkv;
   const T scale = static_cast<T>(scale_d), NEG = -std::numeric_limits<T>::infinity();
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
-  const int64_t sqh = q.stride(0), sqn = q.stride(1), skh = k.stride(0), skn = k.stride(1), svh = v.stride(0),
-                svn = v.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const int64_t sqh = q.stride(0), sqn = q.stride(1);
   T* op = out.data_ptr<T>();
   T* lp = lse.data_ptr<T>();
+  // query blocks of at most BQ inside one segment, never straddling a cross row's query bound
   std::vector<Unit> units;
   for (int64_t s = 0; s < (int64_t)t.start.size(); ++s) {
     int64_t ancestors = 0;
     for (int64_t p = t.parent[s]; p >= 0; p = t.parent[p]) ancestors += t.stop[p] - t.start[p];
-    for (int64_t a = t.start[s]; a < t.stop[s]; a += BQ) {
-      const int64_t b = std::min(t.stop[s], a + BQ);
-      for (int64_t h = 0; h < Hkv; ++h) units.push_back({h, s, a, b, (b - a) * (ancestors + b - t.start[s] + 8)});
+    for (int64_t a = t.start[s]; a < t.stop[s];) {
+      const int64_t b = block_end(a, t.stop[s], BQ, c.qcuts);
+      int64_t cached = 0;
+      for (int64_t r = 0; r < c.rows(); ++r)
+        if (c.sees(r, a, b)) cached += c.k1[r] - c.k0[r];
+      for (int64_t h = 0; h < Hkv; ++h)
+        units.push_back({h, s, a, b, (b - a) * (cached + ancestors + b - t.start[s] + 8)});
+      a = b;
     }
   }
   const auto lists = balance(units, workers_for(units.size()));
@@ -236,20 +320,21 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       std::fill(acc.begin(), acc.begin() + M * D, T(0));
       std::fill(m.begin(), m.begin() + M, NEG);
       std::fill(l.begin(), l.begin() + M, T(0));
-      chain_ranges(t, u.seg, u.b, ranges);
-      const T *kh = kp + u.head * skh, *vh = vp + u.head * svh;
+      block_ranges(t, c, u.seg, u.a, u.b, ranges);
       for (const Range& r : ranges) {
-        const bool own = r.seg == u.seg, holes = !t.all_valid[r.seg];
+        const KV<T>& src = r.cache ? kvc : kv;
+        const bool* valid = r.cache ? c.valid : t.valid;
+        const T *kh = src.k + u.head * src.skh, *vh = src.v + u.head * src.svh;
         for (int64_t c0 = r.k0; c0 < r.k1; c0 += KC) {
           const int64_t nk = std::min(KC, r.k1 - c0);
-          mm_abt<T>(M, nk, D, Qs.data(), D, kh + c0 * skn, skn, S.data());
+          mm_abt<T>(M, nk, D, Qs.data(), D, kh + c0 * src.skn, src.skn, S.data());
           for (int64_t row = 0; row < M; ++row) {
             T* s = S.data() + row * nk;
             // keys c0 .. c0 + lim - 1 of the chunk are visible to this row (its own segment: up to the query)
-            const int64_t lim = own ? std::min(nk, std::max<int64_t>(0, q0 + row % nq - c0 + 1)) : nk;
+            const int64_t lim = r.own ? std::min(nk, std::max<int64_t>(0, q0 + row % nq - c0 + 1)) : nk;
             std::fill(s + std::max<int64_t>(lim, 0), s + nk, T(0));
             if (lim <= 0) continue;
-            if (holes) mask_holes(t, s, c0, lim);
+            if (r.holes) mask_holes(valid, s, c0, lim);
             const T m_new = std::max(m[row], row_max(s, lim));
             if (m_new == NEG) {  // every key so far invalid
               std::fill(s, s + lim, T(0));
@@ -261,7 +346,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             m[row] = m_new;
             if (alpha != T(1)) scale_row(acc.data() + row * D, D, alpha);
           }
-          mm_ab<T>(M, nk, D, T(1), S.data(), vh + c0 * svn, svn, T(1), acc.data(), D);
+          mm_ab<T>(M, nk, D, T(1), S.data(), vh + c0 * src.svn, src.svn, T(1), acc.data(), D);
         }
       }
       for (int64_t j = 0; j < g; ++j)
@@ -281,17 +366,37 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
+// Backward units: key blocks of at most BK, one segment's (seg >= 0) or the cache's (seg = -1, inside one interval
+// between the cross rows' key bounds that some row sees).
+std::vector<Unit> backward_units(const Tree& t, const Cache& c, int64_t Hkv) {
+  std::vector<Unit> units;
+  for (int64_t s = 0; s < (int64_t)t.start.size(); ++s)
+    for (int64_t a = t.start[s]; a < t.stop[s]; a += BK) {
+      const int64_t b = std::min(t.stop[s], a + BK);
+      for (int64_t h = 0; h < Hkv; ++h) units.push_back({h, s, a, b, (b - a) * (t.sub_end[s] - a + 8)});
+    }
+  for (size_t i = 0; i + 1 < c.kcuts.size(); ++i)
+    for (int64_t a = c.kcuts[i]; a < c.kcuts[i + 1];) {
+      const int64_t b = std::min(c.kcuts[i + 1], a + BK);
+      int64_t queries = 0;
+      for (int64_t r = 0; r < c.rows(); ++r)
+        if (c.seen(r, a, b)) queries += c.q1[r] - c.q0[r];
+      if (queries > 0)
+        for (int64_t h = 0; h < Hkv; ++h) units.push_back({h, -1, a, b, (b - a) * (queries + 8)});
+      a = b;
+    }
+  return units;
+}
+
 template <typename T>
-void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& out, const at::Tensor& lse, const Tree& t, double scale_d, at::Tensor& dq,
-                   at::Tensor& dk, at::Tensor& dv) {
-  const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), Hkv = k.size(0), g = Hq / Hkv;
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const KV<T>& kv, const KV<T>& kvc,
+                   const at::Tensor& out, const at::Tensor& lse, const Tree& t, const Cache& c, int64_t Hkv,
+                   double scale_d, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dkc, at::Tensor& dvc) {
+  const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), g = Hq / Hkv;
   const T scale = static_cast<T>(scale_d), NEG = -std::numeric_limits<T>::infinity();
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *gp = dout.data_ptr<T>(),
-          *op = out.data_ptr<T>(), *lp = lse.data_ptr<T>();
-  const int64_t sqh = q.stride(0), sqn = q.stride(1), skh = k.stride(0), skn = k.stride(1), svh = v.stride(0),
-                svn = v.stride(1), sgh = dout.stride(0), sgn = dout.stride(1), soh = out.stride(0),
-                son = out.stride(1), slh = lse.stride(0), sln = lse.stride(1);
+  const T *qp = q.data_ptr<T>(), *gp = dout.data_ptr<T>(), *op = out.data_ptr<T>(), *lp = lse.data_ptr<T>();
+  const int64_t sqh = q.stride(0), sqn = q.stride(1), sgh = dout.stride(0), sgn = dout.stride(1),
+                soh = out.stride(0), son = out.stride(1), slh = lse.stride(0), sln = lse.stride(1);
   // delta[h, q] = sum_d dout * out
   std::vector<T> delta(Hq * N);
   at::parallel_for(0, Hq * N, 256, [&](int64_t b, int64_t e) {
@@ -302,13 +407,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                                              op + h * soh + i * son, D);
     }
   });
-  // key blocks: [a, b) inside segment s, seen by the queries [a, sub_end) (its own segment causally)
-  std::vector<Unit> units;
-  for (int64_t s = 0; s < (int64_t)t.start.size(); ++s)
-    for (int64_t a = t.start[s]; a < t.stop[s]; a += BK) {
-      const int64_t b = std::min(t.stop[s], a + BK);
-      for (int64_t h = 0; h < Hkv; ++h) units.push_back({h, s, a, b, (b - a) * (t.sub_end[s] - a + 8)});
-    }
+  const std::vector<Unit> units = backward_units(t, c, Hkv);
   // at most DQ_BUFFER_BYTES of extra dq buffers: fewer workers for a very long tree
   const int64_t per_buffer = Hq * N * D * (int64_t)sizeof(T);
   const auto lists = balance(units, std::min(workers_for(units.size()), 1 + DQ_BUFFER_BYTES / per_buffer));
@@ -317,23 +416,23 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   std::vector<T> dqbuf(W > 1 ? (W - 1) * Hq * N * D : 0, T(0));
   T* dq0 = dq.data_ptr<T>();
   std::fill(dq0, dq0 + Hq * N * D, T(0));
-  T* dkp = dk.data_ptr<T>();
-  T* dvp = dv.data_ptr<T>();
   run_lists(lists, [&](int64_t w, const std::vector<Unit>& list) {
     T* dqw = w == 0 ? dq0 : dqbuf.data() + (w - 1) * Hq * N * D;
     const int64_t Mmax = g * BQ;
     std::vector<T> Qs(Mmax * D), G(Mmax * D), P(Mmax * BK), dP(Mmax * BK), lse_r(Mmax), delta_r(Mmax),
         dKb(BK * D), dVb(BK * D);
     for (const Unit& u : list) {
+      const bool cached = u.seg < 0;
+      const KV<T>& src = cached ? kvc : kv;
+      const bool* valid = cached ? c.valid : t.valid;
       const int64_t k0 = u.a, nk = u.b - u.a;
-      const bool holes = !t.all_valid[u.seg];
-      const T *kb = kp + u.head * skh + k0 * skn, *vb = vp + u.head * svh + k0 * svn;
+      const bool holes = cached ? c.holes(u.a, u.b) : !t.all_valid[u.seg];
+      const T *kb = src.k + u.head * src.skh + k0 * src.skn, *vb = src.v + u.head * src.svh + k0 * src.svn;
       std::fill(dKb.begin(), dKb.begin() + nk * D, T(0));
       std::fill(dVb.begin(), dVb.begin() + nk * D, T(0));
-      // query tiles: the own segment from k0 (causal), then the descendants (every key visible)
-      for (int64_t a = k0; a < t.sub_end[u.seg]; ) {
-        const bool own = a < t.stop[u.seg];
-        const int64_t b = std::min(own ? t.stop[u.seg] : t.sub_end[u.seg], a + BQ), nq = b - a, M = g * nq;
+      // one query tile [a, b) against the block (own: the block's own segment, causally)
+      auto tile = [&](int64_t a, int64_t b, bool own) {
+        const int64_t nq = b - a, M = g * nq;
         for (int64_t j = 0; j < g; ++j) {
           const int64_t h = u.head * g + j;
           for (int64_t i = 0; i < nq; ++i) {
@@ -345,8 +444,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             delta_r[row] = delta[h * N + a + i];
           }
         }
-        mm_abt<T>(M, nk, D, Qs.data(), D, kb, skn, P.data());   // s (scaled)
-        mm_abt<T>(M, nk, D, G.data(), D, vb, svn, dP.data());   // dp = dout v^T
+        mm_abt<T>(M, nk, D, Qs.data(), D, kb, src.skn, P.data());   // s (scaled)
+        mm_abt<T>(M, nk, D, G.data(), D, vb, src.svn, dP.data());   // dp = dout v^T
         for (int64_t row = 0; row < M; ++row) {
           T* p = P.data() + row * nk;
           T* dp = dP.data() + row * nk;
@@ -356,18 +455,18 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             std::fill(dp, dp + nk, T(0));
             continue;
           }
-          if (holes) mask_holes(t, p, k0, lim);
+          if (holes) mask_holes(valid, p, k0, lim);
           const T L = lse_r[row], dl = delta_r[row];
-          int64_t c = 0;
-          for (; c + Vec<T>::size() <= lim; c += Vec<T>::size()) {
-            Vec<T> x = (Vec<T>::loadu(p + c) - Vec<T>(L)).exp_u20();
-            x.store(p + c);
-            (x * (Vec<T>::loadu(dp + c) - Vec<T>(dl))).store(dp + c);
+          int64_t x = 0;
+          for (; x + Vec<T>::size() <= lim; x += Vec<T>::size()) {
+            Vec<T> e = (Vec<T>::loadu(p + x) - Vec<T>(L)).exp_u20();
+            e.store(p + x);
+            (e * (Vec<T>::loadu(dp + x) - Vec<T>(dl))).store(dp + x);
           }
-          for (; c < lim; ++c) {
-            const T x = std::exp(p[c] - L);
-            p[c] = x;
-            dp[c] = x * (dp[c] - dl);
+          for (; x < lim; ++x) {
+            const T e = std::exp(p[x] - L);
+            p[x] = e;
+            dp[x] = e * (dp[x] - dl);
           }
           std::fill(p + lim, p + nk, T(0));
           std::fill(dp + lim, dp + nk, T(0));
@@ -375,14 +474,26 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         mm_atb_acc<T>(M, nk, D, P.data(), G.data(), D, dVb.data());    // dv += p^T dout
         mm_atb_acc<T>(M, nk, D, dP.data(), Qs.data(), D, dKb.data());  // dk += ds^T (scale q)
         for (int64_t j = 0; j < g; ++j)                                   // dq += scale ds k
-          mm_ab<T>(nq, nk, D, scale, dP.data() + j * nq * nk, kb, skn, T(1),
+          mm_ab<T>(nq, nk, D, scale, dP.data() + j * nq * nk, kb, src.skn, T(1),
                    dqw + ((u.head * g + j) * N + a) * D, D);
-        a = b;
+      };
+      if (cached) {  // the queries of every cross row that sees the block, whole
+        for (int64_t r = 0; r < c.rows(); ++r)
+          if (c.seen(r, u.a, u.b))
+            for (int64_t a = c.q0[r]; a < c.q1[r]; a += BQ) tile(a, std::min(c.q1[r], a + BQ), false);
+      } else {  // the own segment from k0 (causal), then the descendants (every key visible)
+        for (int64_t a = k0; a < t.sub_end[u.seg];) {
+          const bool own = a < t.stop[u.seg];
+          const int64_t b = std::min(own ? t.stop[u.seg] : t.sub_end[u.seg], a + BQ);
+          tile(a, b, own);
+          a = b;
+        }
       }
-      for (int64_t i = 0; i < nk; ++i) {
-        std::copy(dKb.data() + i * D, dKb.data() + (i + 1) * D, dkp + (u.head * N + k0 + i) * D);
-        std::copy(dVb.data() + i * D, dVb.data() + (i + 1) * D, dvp + (u.head * N + k0 + i) * D);
-      }
+      const int64_t rows_total = cached ? c.P : N;
+      T* dkp = (cached ? dkc : dk).template data_ptr<T>() + (u.head * rows_total + k0) * D;
+      T* dvp = (cached ? dvc : dv).template data_ptr<T>() + (u.head * rows_total + k0) * D;
+      std::copy(dKb.data(), dKb.data() + nk * D, dkp);
+      std::copy(dVb.data(), dVb.data() + nk * D, dvp);
     }
   });
   if (W > 1) {
@@ -413,14 +524,33 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   TORCH_CHECK(q.size(1) == 0 || segments.size(0) > 0, "tree attention kernel: no segments for N > 0 tokens");
 }
 
+void check_cache(const at::Tensor& k, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& cache_valid, const at::Tensor& cross) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == k.size(0) &&
+                  k_cache.size(2) == k.size(2),
+              "tree attention kernel: k_cache, v_cache must be [Hkv, P, D] as k's heads and D");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "tree attention kernel: CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type(),
+              "tree attention kernel: the cache must share q's dtype");
+  TORCH_CHECK(cache_valid.scalar_type() == at::kBool && cache_valid.dim() == 1 &&
+                  cache_valid.size(0) == k_cache.size(1),
+              "tree attention kernel: cache_valid must be [P] bool");
+  TORCH_CHECK(cross.scalar_type() == at::kLong && cross.dim() == 2 && cross.size(1) == 4,
+              "tree attention kernel: cross must be [C, 4] int64");
+}
+
 at::Tensor last_dim_contiguous(const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); }
 
-std::tuple<at::Tensor, at::Tensor> tree_attention_forward(const at::Tensor& q_, const at::Tensor& k_,
-                                                          const at::Tensor& v_, const at::Tensor& end,
-                                                          const at::Tensor& valid,
-                                                          const at::Tensor& segments, double scale) {
+// (out, lse) of the chunk's queries over their tree and the cache (a plain call: an empty cache).
+std::tuple<at::Tensor, at::Tensor> forward_op(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                              const at::Tensor& end, const at::Tensor& valid,
+                                              const at::Tensor& segments, const at::Tensor& kc_,
+                                              const at::Tensor& vc_, const at::Tensor& cache_valid,
+                                              const at::Tensor& cross, double scale) {
   check(q_, k_, v_, end, valid, segments);
+  check_cache(k_, kc_, vc_, cache_valid, cross);
   auto q = last_dim_contiguous(q_), k = last_dim_contiguous(k_), v = last_dim_contiguous(v_);
+  auto kc = last_dim_contiguous(kc_), vc = last_dim_contiguous(vc_);
   auto out = at::empty(q.sizes(), q.options());
   auto lse = at::empty({q.size(0), q.size(1)}, q.options());
   if (q.numel() == 0) {
@@ -428,38 +558,76 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_forward(const at::Tensor& q_, 
     return {out.zero_(), lse};
   }
   const Tree t = make_tree(end, valid, segments);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "brcompile_cpu::tree_attention_forward",
-                             [&] { forward_impl<scalar_t>(q, k, v, t, scale, out, lse); });
+  const Cache c = make_cache(cache_valid, cross, q.size(1));
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "brcompile_cpu::tree_attention_forward", [&] {
+    forward_impl<scalar_t>(q, KV<scalar_t>(k, v), KV<scalar_t>(kc, vc), t, c, k.size(0), scale, out, lse);
+  });
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_attention_backward(
+// (dq, dk, dv, dk_cache, dv_cache) with the forward's (merged) out and lse.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_op(
     const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const at::Tensor& out_, const at::Tensor& lse, const at::Tensor& end, const at::Tensor& valid,
-    const at::Tensor& segments,
-    double scale) {
+    const at::Tensor& segments, const at::Tensor& kc_, const at::Tensor& vc_, const at::Tensor& cache_valid,
+    const at::Tensor& cross, double scale) {
   check(q_, k_, v_, end, valid, segments);
+  check_cache(k_, kc_, vc_, cache_valid, cross);
   auto q = last_dim_contiguous(q_), k = last_dim_contiguous(k_), v = last_dim_contiguous(v_);
+  auto kc = last_dim_contiguous(kc_), vc = last_dim_contiguous(vc_);
   auto dout = last_dim_contiguous(dout_.to(q.scalar_type())), out = last_dim_contiguous(out_.to(q.scalar_type()));
   auto lse_t = lse.to(q.scalar_type());
   auto dq = at::empty(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options()),
-       dv = at::zeros(v.sizes(), v.options());
-  if (q.numel() == 0) return {dq.zero_(), dk, dv};
+       dv = at::zeros(v.sizes(), v.options()), dkc = at::zeros(kc.sizes(), kc.options()),
+       dvc = at::zeros(vc.sizes(), vc.options());
+  if (q.numel() == 0) return {dq.zero_(), dk, dv, dkc, dvc};
   const Tree t = make_tree(end, valid, segments);
+  const Cache c = make_cache(cache_valid, cross, q.size(1));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "brcompile_cpu::tree_attention_backward", [&] {
-    backward_impl<scalar_t>(dout, q, k, v, out, lse_t, t, scale, dq, dk, dv);
+    backward_impl<scalar_t>(dout, q, KV<scalar_t>(k, v), KV<scalar_t>(kc, vc), out, lse_t, t, c, k.size(0), scale,
+                            dq, dk, dv, dkc, dvc);
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dkc, dvc};
+}
+
+// The plain ops: no cache.
+at::Tensor no_cache(const at::Tensor& k) { return at::empty({k.size(0), 0, k.size(2)}, k.options()); }
+
+std::tuple<at::Tensor, at::Tensor> tree_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, const at::Tensor& end,
+                                                          const at::Tensor& valid, const at::Tensor& segments,
+                                                          double scale) {
+  TORCH_CHECK(k.dim() == 3, "tree attention kernel: q, k, v must be [H, N, D]");
+  const auto none = no_cache(k);
+  return forward_op(q, k, v, end, valid, segments, none, none, at::empty({0}, valid.options().dtype(at::kBool)),
+                    at::empty({0, 4}, end.options().dtype(at::kLong)), scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& end, const at::Tensor& valid, const at::Tensor& segments, double scale) {
+  TORCH_CHECK(k.dim() == 3, "tree attention kernel: q, k, v must be [H, N, D]");
+  const auto none = no_cache(k);
+  auto r = backward_op(dout, q, k, v, out, lse, end, valid, segments, none, none,
+                       at::empty({0}, valid.options().dtype(at::kBool)),
+                       at::empty({0, 4}, end.options().dtype(at::kLong)), scale);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(brcompile_cpu, m) {
   m.def("tree_attention_forward(Tensor q, Tensor k, Tensor v, Tensor end, Tensor valid, Tensor segments, "
-        "float scale) "
-        "-> (Tensor, Tensor)");
+        "float scale) -> (Tensor, Tensor)");
   m.def("tree_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor end, Tensor valid, Tensor segments, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("tree_attention_cached_forward(Tensor q, Tensor k, Tensor v, Tensor end, Tensor valid, Tensor segments, "
+        "Tensor k_cache, Tensor v_cache, Tensor cache_valid, Tensor cross, float scale) -> (Tensor, Tensor)");
+  m.def("tree_attention_cached_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor end, Tensor valid, Tensor segments, Tensor k_cache, Tensor v_cache, Tensor cache_valid, "
+        "Tensor cross, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.impl("tree_attention_forward", c10::DispatchKey::CPU, TORCH_FN(tree_attention_forward));
   m.impl("tree_attention_backward", c10::DispatchKey::CPU, TORCH_FN(tree_attention_backward));
+  m.impl("tree_attention_cached_forward", c10::DispatchKey::CPU, TORCH_FN(forward_op));
+  m.impl("tree_attention_cached_backward", c10::DispatchKey::CPU, TORCH_FN(backward_op));
 }

@@ -101,12 +101,15 @@ def test_streamed_equals_whole_tree(impl, dtype, tol, pad, chunk_tokens):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"grad of {name}: {m}")
 
 
+@pytest.mark.parametrize("flash", [True, False], ids=["cpu_flash", "math"])
 @pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
-def test_math_cross_path_with_key_blocks(pad, monkeypatch):
-    """The explicit-matmul cross path (what runs off the CPU), with cache keys cut into blocks of 3."""
+def test_torch_cross_paths_with_key_blocks(pad, flash, monkeypatch):
+    """The cross pairs without the compiled kernel (the chunk through its impl): torch's CPU flash kernel, or the
+    explicit-matmul path (what runs off the CPU) with cache keys cut into blocks of 3."""
     import brcompile.backends.attention.cached as cached
 
-    monkeypatch.setattr(cached, "USE_CPU_FLASH", False)
+    monkeypatch.setattr(cached, "USE_CPU_KERNEL", False)
+    monkeypatch.setattr(cached, "USE_CPU_FLASH", flash)
     monkeypatch.setattr(cached, "MATH_KEY_BLOCK", 3)
     ids, mask = nested_batch(4, pad)
     tree = build_tree(ids, attention_mask=mask)

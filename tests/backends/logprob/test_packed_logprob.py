@@ -122,6 +122,35 @@ def test_gradient_of_one_output_only(which):
         assert_close(a, r, **TOL[torch.float64])
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("kept", ["some", "none"])
+def test_requests_with_zero_gradient_are_left_out_exactly(entropy, kept, monkeypatch):
+    """A masked loss (zero upstream gradient at most requests, e.g. an RL batch's prompt): the backward leaves
+    those requests out (no logits recomputed for tokens only they read) and its gradients equal the reference's,
+    also when every request's gradient is zero (dW, db exactly 0, not uninitialised)."""
+    h, w, b, index, targets = make_inputs(19, 6, 31, (3, 8), skip=2)
+    out, ent = packed_logprob(h, w, index, targets, b, softcap=3.0, want_entropy=entropy, chunk=3, impl="cpu")
+    ref, rent = reference_packed_logprob(h, w, index, targets, b, softcap=3.0, want_entropy=entropy)
+    mask = torch.zeros(index.shape, dtype=torch.float64)
+    if kept == "some":
+        mask[:, 5:] = 1.0
+        mask[0, 2] = 1.0
+    g = torch.Generator().manual_seed(3)
+    wl, we = (torch.randn(index.shape, generator=g, dtype=torch.float64) * mask for _ in range(2))
+    rows = []
+    orig = lp._Workspace.logits
+    monkeypatch.setattr(lp._Workspace, "logits", lambda self, hc, *a: rows.append(hc.shape[0]) or orig(self, hc, *a))
+    loss = (out * wl).sum() + ((ent * we).sum() if entropy else 0)
+    got = torch.autograd.grad(loss, (h, w, b))
+    read = index[mask.bool()].unique().numel()
+    assert sum(rows) == read, "the backward recomputes the logits of the tokens with a nonzero gradient only"
+    rloss = (ref * wl).sum() + ((rent * we).sum() if entropy else 0)
+    for a, r in zip(got, torch.autograd.grad(rloss, (h, w, b))):
+        assert_close(a, r, **TOL[torch.float64])
+    if kept == "none":
+        assert all(not x.any() for x in got)
+
+
 def test_empty_request_set():
     h, w, b, _, _ = make_inputs(5, 3, 7, (1,))
     index = torch.zeros(2, 0, dtype=torch.int64)
