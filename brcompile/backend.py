@@ -429,8 +429,7 @@ class BranchReplayBackend:
         try:
             split = split_for_replay(packed, example_args, _per_token(packed, tree_positions, n_inputs), group)
         except CannotReplay as e:
-            refusal = CannotReplay(Code.CP_SPLIT, f"context parallelism: no token-local trunk to split: {e}",
-                                   e.node_name)
+            refusal = CannotReplay(Code.CP_SPLIT, f"context parallelism: no token-local trunk to split: {e}", e.node)
         else:
             refusal = split.cp_refusal
         if refusal is not None:

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,11 @@ def make_model(case: Case) -> torch.nn.Module:
     return HFLogits(case.model, config, case.dtype)
 
 
+#: a hybrid (Mamba-2 layers, then attention): its scans refuse the split, and the graph runs whole on every rank
+HYBRID = {"bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                        mamba_chunk_size=8)}
+
+
 class HFLogits(torch.nn.Module):
     """A random HF ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` of ``config``'s sizes, called as ``model(ids, mask)``
     -> logits. Its RMSNorm computes in the input's dtype (HF's casts through float32 would bound a float64 run's
@@ -78,11 +83,13 @@ class HFLogits(torch.nn.Module):
         super().__init__()
         import transformers
 
-        cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[family]
+        cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+               "bamba": transformers.BambaConfig}[family]
+        extra = HYBRID.get(family, {})
         hf_config = cls(vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.hidden_dim,
                         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
                         num_key_value_heads=config.n_kv_heads, max_position_embeddings=256, pad_token_id=0,
-                        bos_token_id=None, eos_token_id=None, attn_implementation="sdpa", use_cache=False)
+                        bos_token_id=None, eos_token_id=None, attn_implementation="sdpa", use_cache=False, **extra)
         torch.manual_seed(1234)
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config).to(dtype)
         for m in self.model.modules():
@@ -137,32 +144,35 @@ def compare(result: dict, ref: dict) -> float:
     return max(errs)
 
 
-def _worker(rank: int, world_size: int, port: int, case: Case, out_dir: str) -> None:
-    """A spawned process: joins the group through the parent's TCPStore, runs :func:`run_rank`, saves its result."""
+def _worker(rank: int, world_size: int, port: int, cases: Sequence[Case], out_dir: str) -> None:
+    """A spawned process: joins the group through the parent's TCPStore, runs :func:`run_rank` on each case, saves
+    the results."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("BRCOMPILE_STRICT", "1")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        torch.save(run_rank(case), os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save([run_rank(case) for case in cases], os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def launch(case: Case, world_size: int = 2) -> list[dict]:
-    """Spawns ``world_size`` processes (gloo, loopback) running :func:`run_rank`; returns every rank's result."""
+def launch(cases: Sequence[Case], world_size: int = 2) -> list[list[dict]]:
+    """Spawns ``world_size`` processes (gloo, loopback) running :func:`run_rank` on each case in turn; returns
+    ``results[case][rank]``."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world_size, store.port, case, tmp), nprocs=world_size, join=True,
+        mp.start_processes(_worker, args=(world_size, store.port, tuple(cases), tmp), nprocs=world_size, join=True,
                            start_method="spawn")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    return [[per_rank[r][c] for r in range(world_size)] for c in range(len(cases))]
 
 
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--model", choices=["gpt", "qwen2", "llama"], default="gpt")
+    p.add_argument("--model", choices=["gpt", "qwen2", "llama", "bamba"], default="gpt")
     p.add_argument("--compiler", choices=["inductor", "aot_eager", "eager"], default="aot_eager")
     a = p.parse_args(argv)
     case = Case(model=a.model, compiler=a.compiler)
@@ -170,13 +180,13 @@ def main(argv: Optional[list] = None) -> int:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo")
         try:
-            results = [run_rank(case)]
+            results = [run_rank(case)]  # this rank's only
             if dist.get_rank() != 0:
                 return 0
         finally:
             dist.destroy_process_group()
     else:
-        results = launch(case, a.world_size)
+        results = launch([case], a.world_size)[0]
     ref = reference(case)
     err = max(compare(r, ref) for r in results)
     ok = err <= TOL[case.dtype] and all(r["stats"]["context_parallel_calls"] == 1 for r in results)
