@@ -20,6 +20,10 @@ In one call, within ``--budget-s`` (default 450 s; each part skips what no longe
              baseline, so the speedup is the shared prefixes' alone); prints the loss difference, the largest
              relative gradient difference over the parameters and the speedup (median step times).
 
+(d) cp       with two GPUs or more: examples/context_parallel.py over NCCL, one rank per GPU (up to 4), the example
+             GPT and Qwen2 in float32 under ``context_parallel``, their loss and all-reduced gradients against one
+             process (the CPU tests run the same over gloo); with one GPU a note says it needs two.
+
 (a) may use a quarter of the budget and (b) a third (what does not fit is skipped, with a note); (c) the rest.
 
 Without a CUDA device it prints "no CUDA device: nothing to check" and exits 0; ``--quick`` instead runs every
@@ -102,6 +106,7 @@ class Report:
     check: list = field(default_factory=list)
     timing: list = field(default_factory=list)
     grpo: list = field(default_factory=list)
+    cp: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     failed: bool = False
 
@@ -440,6 +445,29 @@ def part_grpo(report: Report, device: torch.device, quick: bool, budget: Budget,
 # ------------------------------------------------------------------------------------------ report
 
 
+def part_cp(report: Report, quick: bool) -> None:
+    """(d): context parallelism over NCCL, one rank per GPU (module docstring)."""
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        report.notes.append(f"cp: context parallelism over NCCL needs two GPUs or more; {gpus} here (the gloo "
+                            f"tests on the CPU cover it)")
+        return
+    from examples.context_parallel import TOL, Case, compare, launch, reference
+
+    ranks = min(gpus, 4)
+    cases = [Case(device="cuda", dtype=torch.float32, compiler="inductor"),
+             Case(model="qwen2", device="cuda", dtype=torch.float32, compiler="inductor", left_pad_prompts=True,
+                  prompt_len=(40, 80) if quick else (400, 800), response_len=(8, 32))]
+    for case, results in zip(cases, launch(cases, world_size=ranks)):
+        err = max(compare(r, reference(case)) for r in results)
+        ok = err <= 10 * TOL[case.dtype] and all(r["stats"]["context_parallel_calls"] == 1 for r in results)
+        report.cp.append({"model": case.model, "ranks": ranks, "tokens": [r["tokens"] for r in results],
+                          "max_rel_err": err, "ok": ok})
+        report.failed |= not ok
+        _say(f"cp {case.model} on {ranks} GPUs (NCCL): tokens {[r['tokens'] for r in results]}, "
+             f"max rel err {err:.2e} {'OK' if ok else 'FAILED'}")
+
+
 def _cell(v) -> str:
     if v is None:
         return ""
@@ -470,6 +498,11 @@ def markdown(report: Report) -> str:
         out.append("| " + " | ".join(_cell(r.get(k)) for k in (
             "method", "ms", "speedup", "loss", "loss_diff", "grad_max_rel_diff", "grad_worst", "replayed_calls",
             "dedup", "first_call_s", "note")) + " |")
+    if report.cp:
+        out += ["", "## (d) context parallelism over NCCL", "", "| model | ranks | tokens per rank | max rel err | ok |",
+                "|---|---|---|---|---|"]
+        out += [f"| {r['model']} | {r['ranks']} | {r['tokens']} | {r['max_rel_err']:.2e} | {r['ok']} |"
+                for r in report.cp]
     out += [""] + [f"- {n}" for n in report.notes]
     return "\n".join(out) + "\n"
 
@@ -495,7 +528,7 @@ def parse_args(argv) -> argparse.Namespace:
                          "compile time in the budget)")
     ap.add_argument("--grpo-attention", default="auto,flex",
                     help="(c): comma-separated brcompile attention impls to compile the model with")
-    ap.add_argument("--parts", default="check,timing,grpo", help="comma-separated parts to run")
+    ap.add_argument("--parts", default="check,timing,grpo,cp", help="comma-separated parts to run")
     args = ap.parse_args(argv)
     if not 1 <= args.layers <= QWEN2_15B["num_hidden_layers"]:
         ap.error(f"--layers {args.layers}: choose 1..{QWEN2_15B['num_hidden_layers']}")
@@ -524,6 +557,8 @@ def main(argv=None) -> int:
         attentions = [a.strip() for a in args.grpo_attention.split(",") if a.strip()]
         part_grpo(report, device, args.quick, budget, args.layers, args.compiler if cuda else "eager",
                   attentions)
+    if "cp" in parts and cuda:
+        part_cp(report, args.quick)
     report.notes.append(f"wall time {time.monotonic() - start:.0f} s of a {args.budget_s:g} s budget")
     _say(markdown(report))
     if args.out:

@@ -56,6 +56,8 @@ class Case:
     dtype: torch.dtype = torch.float64
     compiler: str = "aot_eager"
     seed: int = 0
+    explain: bool = False  # also return this rank's brcompile.explain() report of the call (its text)
+    device: str = "cpu"  # "cuda": rank r on GPU r over NCCL (gloo on the CPU)
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -65,8 +67,8 @@ def make_model(case: Case) -> torch.nn.Module:
     config = GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
     if case.model == "gpt":
         torch.manual_seed(1234)
-        return GPT(config).to(case.dtype)
-    return HFLogits(case.model, config, case.dtype)
+        return GPT(config).to(case.dtype).to(_device(case))
+    return HFLogits(case.model, config, case.dtype).to(_device(case))
 
 
 #: a hybrid (Mamba-2 layers, then attention): its scans refuse the split, and the graph runs whole on every rank
@@ -104,11 +106,16 @@ def _rmsnorm_in_input_dtype(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
+def _device(case: Case) -> torch.device:
+    return torch.device(f"cuda:{torch.cuda.current_device()}") if case.device == "cuda" else torch.device("cpu")
+
+
 def make_batch(case: Case) -> dict:
-    batch = make_grpo_batch(num_prompts=case.num_prompts, group_size=case.group_size, prompt_len=case.prompt_len,
-                            response_len=case.response_len, shared_response_prefix=case.shared_response_prefix,
-                            vocab_size=64, left_pad_prompts=case.left_pad_prompts, seed=case.seed, dtype=case.dtype)
-    return batch
+    """The case's GRPO batch, on its device."""
+    return make_grpo_batch(num_prompts=case.num_prompts, group_size=case.group_size, prompt_len=case.prompt_len,
+                           response_len=case.response_len, shared_response_prefix=case.shared_response_prefix,
+                           vocab_size=64, left_pad_prompts=case.left_pad_prompts, seed=case.seed, dtype=case.dtype,
+                           device=_device(case))
 
 
 def reference(case: Case) -> dict:
@@ -116,13 +123,14 @@ def reference(case: Case) -> dict:
     model = make_model(case)
     loss = grpo_loss(model, **make_batch(case))
     loss.backward()
-    return {"loss": loss.item(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+    return {"loss": loss.item(), "grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters()}}
 
 
 def run_rank(case: Case, group=None) -> dict:
     """This rank's run: the compiled loss under ``context_parallel``, gradients all-reduced over the group; returns
     ``{"loss", "grads", "stats", "tokens"}``."""
     group = group or dist.group.WORLD
+    torch._dynamo.reset()  # each case compiles afresh (no shapes of an earlier case made dynamic)
     brcompile.reset_stats()
     model = make_model(case)
     backend = brcompile.backend(context_parallel=group, compiler=case.compiler)
@@ -132,8 +140,13 @@ def run_rank(case: Case, group=None) -> dict:
     for p in model.parameters():
         dist.all_reduce(p.grad, group=group)
     st = brcompile.stats()
-    return {"loss": loss.item(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-            "stats": st.to_dict(), "tokens": st.context_parallel_tokens}
+    report = None
+    if case.explain:  # one more forward, on every rank (its gathers are collectives)
+        report = brcompile.explain(grpo_loss, model, **make_batch(case), measure=False,
+                                   backend=brcompile.backend(context_parallel=group, compiler=case.compiler))
+    return {"loss": loss.item(), "grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters()},
+            "stats": st.to_dict(), "tokens": st.context_parallel_tokens,
+            "explain": None if report is None else report.render_text(code=False)}
 
 
 def compare(result: dict, ref: dict) -> float:
@@ -151,7 +164,10 @@ def _worker(rank: int, world_size: int, port: int, cases: Sequence[Case], out_di
     os.environ.setdefault("BRCOMPILE_STRICT", "1")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    cuda = any(c.device == "cuda" for c in cases)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size)
     try:
         torch.save([run_rank(case) for case in cases], os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -378,7 +378,8 @@ class ExplainReport:
 
     def streaming_tables(self, max_calls: int = MAX_CALL_ROWS) -> list[Table]:
         """The streaming split of each graph (mode replay/auto) and the chunk schedule of each streamed call."""
-        graphs = [g for g in self.rewritten if getattr(g, "replay", None) or getattr(g, "replay_reason", None)]
+        graphs = [g for g in self.rewritten if (getattr(g, "replay", None) or getattr(g, "replay_reason", None))
+                  and not _context_parallel(g)]
         if not graphs:
             return []
         rows, notes = [], []
@@ -416,6 +417,43 @@ class ExplainReport:
                                  "chunk sizes", "cross calls"], srows))
         return tables
 
+    def context_parallel_tables(self, max_calls: int = MAX_CALL_ROWS) -> list[Table]:
+        """Each graph under ``context_parallel`` (its split trunk, or why it runs whole on every rank) and each split
+        call as this rank saw it: the cut, each piece's work, the K/V bytes gathered against those its queries see."""
+        graphs = [g for g in self.rewritten if _context_parallel(g)]
+        if not graphs:
+            return []
+        rows, notes = [], []
+        for g in graphs:
+            r = g.replay
+            if r is None:
+                notes.append(f"graph {g.graph_id}: runs whole on every rank, its gradient counted once "
+                             f"[{code_value(getattr(g, 'replay_code', None)) or '-'}]: {g.replay_reason}")
+                continue
+            rows.append([str(g.graph_id), r["context_parallel"], str(r["trunk_nodes"]),
+                         "\n".join(f"K/V of {a}" for a in r["cached"]), "\n".join(r["frontier"]),
+                         fmt_bytes(r["kv_bytes_per_token"]), str(r["work_alpha"])])
+        tables = [Table("context parallelism: each rank runs the trunk on its piece of the packed tokens, gathering "
+                        "the K/V before it per layer; the frontier is gathered whole for the replicated loss",
+                        ["graph", "group", "trunk nodes", "gathered per layer", "frontier (gathered)",
+                         "K/V bytes/token", "token work (attention pairs)"], rows, notes)]
+        crows = []
+        for i, c in list(enumerate(self.calls))[:max_calls]:
+            cut = c.get("schedule")
+            if c.get("mode") != "context_parallel" or not cut:
+                continue
+            work = cut["work"]
+            crows.append([str(i), str(c["graph_id"]), str(cut["rank"]), fmt_int(cut["tokens"]),
+                          ", ".join(map(str, cut["offsets"])), ", ".join(f"{w:.3g}" for w in work),
+                          fmt_ratio(max(work), min(work)), fmt_bytes(cut["kv_bytes_gathered"]),
+                          fmt_bytes(cut["kv_bytes_seen"]), str(cut["cross_rows"])])
+        if crows:
+            tables.append(Table("context-parallel calls (this rank): the cut and the K/V moved, against the K/V of "
+                                "earlier tokens its queries see",
+                                ["call", "graph", "rank", "its tokens", "offsets", "work per rank", "max/min work",
+                                 "K/V gathered", "K/V seen", "cross rows"], crows))
+        return tables
+
     def window_table(self) -> Table:
         """One row per cross-call window closed during the run: where it ended, its calls and rows, the tokens it
         replayed from an earlier call, computed and recomputed, and the most bytes it kept for its backward."""
@@ -432,7 +470,8 @@ class ExplainReport:
         tree_rows, cost_rows, notes, cost_notes = [], [], [], []
         for i, c in shown:
             t = c.get("tree") or {}
-            ran = {"replay": "streamed", "routed": "routed pairs"}.get(c.get("mode"), "packed") \
+            ran = {"replay": "streamed", "routed": "routed pairs",
+                   "context_parallel": "context parallel"}.get(c.get("mode"), "packed") \
                 if c["replayed"] else "original"
             tree_rows.append([str(i), str(c["graph_id"]), ran,
                               *(fmt_int(t.get(k)) for k in ("rows", "logical_tokens", "valid_tokens",
@@ -493,13 +532,17 @@ class ExplainReport:
             out.append(self.repack_table())
         out += self.call_tables(max_calls)
         out += self.streaming_tables(max_calls)
+        out += self.context_parallel_tables(max_calls)
         if self.windows:
             out.append(self.window_table())
         if code:
             out += [Code(f"graph {g.graph_id}: packed graph", g.packed_code or "") for g in self.rewritten]
             for g in self.rewritten:
                 r = getattr(g, "replay", None)
-                if r:
+                if r and _context_parallel(g):
+                    out += [Code(f"graph {g.graph_id}: context-parallel {part} graph", r[f"{part}_code"])
+                            for part in ("cp", "outer")]
+                elif r:
                     out += [Code(f"graph {g.graph_id}: streaming {part} graph", r[f"{part}_code"])
                             for part in ("prefix", "tail", "outer")]
         out.append(str(self.stats))
@@ -517,6 +560,12 @@ class ExplainReport:
 
     def __str__(self) -> str:
         return self.render_text()
+
+
+def _context_parallel(g) -> bool:
+    """Whether graph record ``g`` ran under ``context_parallel`` (split, or refused: whole on every rank)."""
+    r, code = getattr(g, "replay", None), getattr(g, "replay_code", None)
+    return bool(r and "context_parallel" in r) or (code is not None and RefusalCode(code).construct == "context parallel")
 
 
 def code_value(code: Optional[RefusalCode]) -> Optional[str]:

@@ -74,7 +74,7 @@ def test_the_cut_balances_work_to_within_one_token():
 
 #: 2 ranks: the example GPT (ragged, right-padded; left-padded prompts with shared response prefixes), HF Qwen2
 #: and Llama, and a hybrid whose scans refuse the split
-CASES_2 = (Case(), Case(left_pad_prompts=True, shared_response_prefix=2, seed=1), Case(model="qwen2", seed=2),
+CASES_2 = (Case(explain=True), Case(left_pad_prompts=True, shared_response_prefix=2, seed=1), Case(model="qwen2", seed=2),
            Case(model="llama", seed=3), Case(model="bamba", seed=4))
 
 
@@ -96,7 +96,7 @@ def test_two_ranks_equal_the_single_process_run(two_ranks, i):
         for r in results:
             st = r["stats"]
             assert st["context_parallel_calls"] == 0 and st["context_parallel_whole_calls"] >= 1
-            assert any("scan along the tree paths" in why for why in st["context_parallel_reasons"])
+            assert any("scan along the tree paths" in why for why in st["context_parallel_reasons"]), st
         return
     tokens = [r["tokens"] for r in results]
     for r in results:
@@ -114,3 +114,12 @@ def test_four_ranks_inductor_equal_the_single_process_run():
         assert all(compare(r, ref) <= TOL[case.dtype] for r in results)
         assert all(r["stats"]["context_parallel_calls"] == 1 for r in results)
         assert sum(r["tokens"] for r in results) == results[0]["stats"]["executed_tokens"]
+
+
+def test_explain_shows_each_rank_its_cut_and_the_kv_it_moved(two_ranks):
+    for rank, r in enumerate(two_ranks[0]):
+        text = r["explain"]
+        assert "context parallelism: each rank runs the trunk on its piece" in text, text
+        assert "context-parallel calls (this rank)" in text and "K/V gathered" in text
+        assert "| context parallel |" in text or "context parallel" in text.split("calls: the prefix tree")[1]
+        assert f"context parallel: 1 calls split over the group ({r['tokens']} tokens on this rank)" in text
