@@ -9,6 +9,11 @@ the flags). Run it from a checkout:
     python benchmarks/bench_grpo.py --group-sizes 8 --prefix-lens 2048 --tail-lens 256 --repeats 3 --out OUT  # grid
     python benchmarks/bench_grpo.py --model qwen2 --prefix-lens 512 --methods eager,branch_replay
 
+    python benchmarks/bench_grpo.py --micro-batches 1,2,4      # the micro-batches case (benchmarks/bench_window.py):
+                                                              # the rows shuffled into calls of 1, 2, 4 rows, one
+                                                              # optimizer step: eager, per call, the window, and
+                                                              # PrefixGrouper side by side, tokens against the ideal
+
 Executed FLOPs are reported against the FLOPs of the positions the loss needs (the limit: harness docstring),
 and against the earlier tree limit (every tree node, padding included).
 
@@ -32,6 +37,16 @@ if __package__ in (None, "") and str(ROOT) not in sys.path:  # run as a script: 
 
 from benchmarks.harness import main  # noqa: E402
 
+
+def micro_batches_case(argv) -> int:
+    """The micro-batches case: benchmarks/bench_window.py's command line (``--micro-batches`` and its flags)."""
+    from benchmarks.bench_window import main as window_main
+
+    return window_main(argv)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if any(a == "--micro-batches" or a.startswith("--micro-batches=") for a in sys.argv[1:]):
+        sys.exit(micro_batches_case(sys.argv[1:]))
     sys.exit(main(prog="bench_grpo.py"))
