@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["gather_tokens"]
+__all__ = ["exchange_tokens", "gather_tokens"]
 
 
 def gather_tokens(x: Tensor, like: Tensor, sizes: Tensor, dim: int, group: str,
@@ -143,3 +143,80 @@ def _backward(ctx, grad, grad_done):
 
 
 _gather_tokens.register_autograd(_backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# exchange_tokens: each rank receives only the earlier tokens its queries see
+
+
+def exchange_tokens(x: Tensor, like: Tensor, send_index: Tensor, send_sizes: Tensor, recv_sizes: Tensor, dim: int,
+                    group: str, after: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(``x`` at the tokens this rank needs from the others, in their global order, ``done``).
+
+    Rank q sends rank r the tokens of its piece that r needs: ``x_q[send_index]`` cut by ``send_sizes`` (local ids,
+    rank by rank); rank r receives ``recv_sizes[q]`` tokens from each q, in rank order, which is their global order
+    (the pieces are contiguous and in rank order): ``like.shape[0] = sum(recv_sizes)`` tokens. One all-to-all; the
+    backward is the reverse all-to-all, each token's gradient summed over the ranks it was sent to
+    (``index_add`` at ``send_index``). ``after``/``done`` order the collectives as for :func:`gather_tokens`."""
+    return torch.ops.brcompile.exchange_tokens(x, like, send_index, send_sizes, recv_sizes, dim, group,
+                                               send_sizes if after is None else after)
+
+
+def _all_to_all(rows: Tensor, out_sizes: list, in_sizes: list, group: str) -> Tensor:
+    fc = _funcol()
+    return fc.wait_tensor(fc.all_to_all_single(rows.contiguous(), out_sizes, in_sizes, group))
+
+
+@torch.library.custom_op("brcompile::exchange_tokens", mutates_args=())
+def _exchange_tokens(x: Tensor, like: Tensor, send_index: Tensor, send_sizes: Tensor, recv_sizes: Tensor, dim: int,
+                     group: str, after: Tensor) -> tuple[Tensor, Tensor]:
+    """See :func:`exchange_tokens`."""
+    rows = x.movedim(dim, 0).index_select(0, send_index.to(x.device))
+    got = _all_to_all(rows, recv_sizes.tolist(), send_sizes.tolist(), group)
+    if got.shape[0] != like.shape[0]:
+        raise ValueError(f"exchange_tokens: received {got.shape[0]} tokens for {like.shape[0]}")
+    return got.movedim(0, dim).contiguous(), _done(x)
+
+
+@_exchange_tokens.register_fake
+def _exchange_tokens_fake(x, like, send_index, send_sizes, recv_sizes, dim, group, after):
+    _check(x, like, send_sizes, dim)
+    return x.new_empty(_out_shape(x, like, dim)), _done(x)
+
+
+@torch.library.custom_op("brcompile::exchange_tokens_backward", mutates_args=())
+def _exchange_tokens_backward(grad: Tensor, grad_done: Optional[Tensor], x: Tensor, after: Tensor,
+                              send_index: Tensor, send_sizes: Tensor, recv_sizes: Tensor, dim: int,
+                              group: str) -> tuple[Tensor, Tensor]:
+    """(``dx``, ``d after``) of :func:`exchange_tokens`: the reverse all-to-all, summed at ``send_index``."""
+    back = _all_to_all(grad.movedim(dim, 0), send_sizes.tolist(), recv_sizes.tolist(), group)
+    rows = x.movedim(dim, 0)
+    dx = torch.zeros(rows.shape, dtype=grad.dtype, device=grad.device).index_add_(0, send_index.to(grad.device), back)
+    return dx.movedim(0, dim).contiguous().to(x.dtype), torch.zeros_like(after)
+
+
+@_exchange_tokens_backward.register_fake
+def _exchange_tokens_backward_fake(grad, grad_done, x, after, send_index, send_sizes, recv_sizes, dim, group):
+    return torch.empty_like(x), torch.empty_like(after)
+
+
+def _exchange_setup(ctx, inputs, output):
+    x, like, send_index, send_sizes, recv_sizes, dim, group, after = inputs
+    ctx.save_for_backward(x, after, send_index, send_sizes, recv_sizes)
+    ctx.dim, ctx.group, ctx.tokens = dim, group, like.shape[0]
+
+
+def _exchange_backward(ctx, grad, grad_done):
+    x, after, send_index, send_sizes, recv_sizes = ctx.saved_tensors
+    if not x.is_floating_point():
+        return (None,) * 8
+    if grad is None:  # the received tokens unused, the order still kept: every rank runs the all-to-all
+        shape = list(x.shape)
+        shape[ctx.dim] = ctx.tokens
+        grad = x.new_zeros(shape)
+    dx, dafter = torch.ops.brcompile.exchange_tokens_backward(grad, grad_done, x, after, send_index, send_sizes,
+                                                              recv_sizes, ctx.dim, ctx.group)
+    return dx, None, None, None, None, None, None, dafter if after.is_floating_point() else None
+
+
+_exchange_tokens.register_autograd(_exchange_backward, setup_context=_exchange_setup)

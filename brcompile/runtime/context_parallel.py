@@ -7,19 +7,20 @@ one attention pair's) plus its depth (the keys it attends). Rank r holds tokens 
 
 **Attention across ranks.** A query's keys are its ancestors, which in depth-first order all come before it: on the
 same rank, or an earlier one. Rank r runs each attention as the streaming tail's cached attention: its own tokens as
-the chunk (:func:`shard`: their subtree ends and segments cut at the piece), every token before ``o_r`` as the cache,
-gathered per layer by ``brcompile::gather_tokens`` (one all-gather of K and of V; backward a reduce-scatter of
-dK/dV to their owners), and ``cross`` rows ``(0, min(e, o_{r+1}) - o_r, a0, min(a1, o_r))`` for each ancestor
-segment ``(a0, a1, e)`` of the piece's first token that starts before it: every piece query below such a segment
-sees all of its keys before the piece.
+the chunk (:func:`shard`: their subtree ends and segments cut at the piece), and ``cross`` rows
+``(0, min(e, o_{r+1}) - o_r, a0, min(a1, o_r))`` for each ancestor segment ``(a0, a1, e)`` of the piece's first token
+that starts before it: every piece query below such a segment sees all of its keys before the piece. Those keys
+(:func:`needed_keys`) are all the cache holds: per layer one all-to-all (``brcompile::exchange_tokens``,
+:func:`exchange`) brings each rank the K and V of exactly them from the ranks that hold them (a long shared prompt
+reaches every rank below it; a tail stays where it is), and its backward sends dK/dV back to the owners.
 
 **The loss side.** The frontier (what the outer graph reads per token) is gathered whole on every rank, so the outer
 graph (the dense reads, the loss) runs replicated and returns the same loss everywhere.
 
 **Gradients: partial sums** (the contract: ``all_reduce(SUM)`` over the group gives the single-process gradient).
 Every output of a graph run under context parallelism passes :func:`count_once`: its gradient flows on rank 0 and is
-zero elsewhere, so the replicated outer graph's gradient is counted once over the group. Gathers reduce-scatter
-their gradients, so each rank's trunk sees its tokens' whole gradient and gives its parameters its tokens' share. A
+zero elsewhere, so the replicated outer graph's gradient is counted once over the group. The frontier's gather
+reduce-scatters its gradient and the K/V exchange sends its gradient back and sums it at each owner, so each rank's trunk sees its tokens' whole gradient and gives its parameters its tokens' share. A
 call whose inputs include an activation that needs a gradient (a value an earlier graph computed) runs its graph
 whole on every rank (counted once): a gradient spread over the ranks must not reach an earlier graph's
 :func:`count_once`.
@@ -38,7 +39,8 @@ from brcompile.runtime.tree import TokenArrays
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ContextParallel", "ContextParallelTrunk", "Shard", "count_once", "cut_tokens", "group_name", "shard"]
+__all__ = ["ContextParallel", "ContextParallelTrunk", "Exchange", "Shard", "count_once", "cut_tokens", "exchange",
+           "group_name", "needed_keys", "shard"]
 
 
 def group_name(group: Any) -> str:
@@ -134,6 +136,44 @@ def shard(end: Tensor, segments: Tensor, offsets: Tensor, rank: int) -> Shard:
                  offsets[1:] - offsets[:-1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """What one rank receives and sends so that its queries see the earlier tokens they attend, and no others."""
+
+    keys: Tensor  # [m] the global ids of the earlier tokens its queries see (its cross rows' keys), ascending
+    cross: Tensor  # [C, 4] its cross rows with key ranges into ``keys`` ([0, m))
+    send_index: Tensor  # [sum(send_sizes)] local ids of its tokens other ranks need, rank by rank
+    send_sizes: Tensor  # [R] int64: tokens sent to each rank
+    recv_sizes: Tensor  # [R] int64: tokens received from each rank (their keys among ``keys``, in rank order)
+
+
+def needed_keys(sh: Shard) -> Tensor:
+    """The earlier tokens piece ``sh``'s queries see, ascending: its cross rows' key ranges (disjoint: each row is
+    one ancestor segment's)."""
+    rows = sh.cross[sh.cross[:, 2].argsort()].tolist()
+    if not rows:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(k0, k1) for _, _, k0, k1 in rows])
+
+
+def exchange(shards: Sequence[Shard], rank: int) -> Exchange:
+    """Rank ``rank``'s :class:`Exchange`, from every rank's shard (each rank computes them all, alike): it receives
+    from rank q its needed keys in q's piece, and sends rank r the keys r needs in its own piece (local ids). The
+    pieces are contiguous and in rank order, so what arrives rank by rank is ``keys`` in order."""
+    keys = [needed_keys(sh) for sh in shards]
+    me = shards[rank]
+    mine = keys[rank]
+    recv = torch.tensor([int(((mine >= sh.start) & (mine < sh.stop)).sum()) for sh in shards], dtype=torch.int64)
+    send = [k[(k >= me.start) & (k < me.stop)] - me.start for k in keys]
+    cross = me.cross.clone()
+    if cross.numel():
+        k0 = torch.searchsorted(mine, cross[:, 2].contiguous())
+        cross[:, 3] = k0 + cross[:, 3] - cross[:, 2]
+        cross[:, 2] = k0
+    return Exchange(mine, cross, torch.cat(send) if send else torch.zeros(0, dtype=torch.int64),
+                    torch.tensor([len(x) for x in send], dtype=torch.int64), recv)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the gradient counted once over the group
 
@@ -174,15 +214,15 @@ def count_once(out: Any, group: str) -> Any:
 @dataclasses.dataclass
 class LastCut:
     """This rank's view of its last call, for explain(): the cut (offsets, each piece's work), the K/V bytes it
-    received per call (every attention's all-gather: the other ranks' pieces, padded to the largest) against those
-    of earlier tokens its queries see (the cross rows' keys), and its cross rows."""
+    received (the earlier tokens its queries see, every attention's K and V) against what an all-gather of the other
+    pieces would move, and its cross rows."""
 
     rank: int
     tokens: int  # this rank's packed tokens
     offsets: list
     work: list
-    kv_bytes_gathered: int
-    kv_bytes_seen: int
+    kv_bytes_received: int
+    kv_bytes_all_gather: int
     cross_rows: int
 
     def summary(self) -> dict:
@@ -191,12 +231,13 @@ class LastCut:
 
 class ContextParallelTrunk(torch.nn.Module):
     """The outer graph's call into the trunk under context parallelism: this rank's piece through the context-parallel
-    trunk graph (its attentions gather the K/V before the piece), then the frontier gathered whole."""
+    trunk graph (its attentions receive the K/V of the earlier tokens they see), then the frontier gathered whole."""
 
     def __init__(self, graph, n_ext: int, frontier_dims: Sequence[int], group: str, alpha: float,
                  kv_bytes_per_token: int, recompute: bool = False):
         super().__init__()
-        self.graph = graph  # (*ext, *local token arrays, cache_valid, cache_all_valid, cross, cache_position, sizes)
+        # (*ext, *local token arrays, cache_valid, cache_all_valid, cross, cache_position, *Exchange's send/recv)
+        self.graph = graph
         self.n_ext = n_ext
         self.frontier_dims = tuple(frontier_dims)
         self.group = group
@@ -212,15 +253,17 @@ class ContextParallelTrunk(torch.nn.Module):
         ext, tree = args[:self.n_ext], TokenArrays(*args[self.n_ext:])
         rank, ranks = group_rank_size(self.group)
         offsets = cut_tokens(tree.end, ranks, self.alpha)
-        sh = shard(tree.end, tree.segments, offsets, rank)
+        shards = [shard(tree.end, tree.segments, offsets, r) for r in range(ranks)]
+        sh, ex = shards[rank], exchange(shards, rank)
         dev = tree.end.device
+        keys = ex.keys.to(dev)
         s, t = sh.start, sh.stop
         valid = tree.valid[s:t]
         local = TokenArrays(rep_row=tree.rep_row[s:t], position=tree.position[s:t], end=sh.end.to(dev), valid=valid,
                             all_valid=torch.ones_like(valid), segments=sh.segments.to(dev))
-        cache_valid = tree.valid[:s]
-        inputs = (*ext, *local, cache_valid, torch.ones_like(cache_valid), sh.cross.to(dev), tree.position[:s],
-                  sh.sizes)
+        cache_valid = tree.valid.index_select(0, keys)
+        inputs = (*ext, *local, cache_valid, torch.ones_like(cache_valid), ex.cross.to(dev),
+                  tree.position.index_select(0, keys), ex.send_index, ex.send_sizes, ex.recv_sizes)
         if (self.recompute and torch.is_grad_enabled()
                 and any(isinstance(x, Tensor) and x.requires_grad for x in ext)):
             part = torch.utils.checkpoint.checkpoint(self.graph, *inputs, use_reentrant=False)
@@ -228,12 +271,9 @@ class ContextParallelTrunk(torch.nn.Module):
             part = self.graph(*inputs)
         work = torch.cumsum(tree_depth(tree.end.cpu()).double() + self.alpha, 0)
         at = [float(work[int(o) - 1]) if int(o) else 0.0 for o in offsets]
-        seen = torch.zeros(max(s, 1), dtype=torch.bool)
-        for _, _, k0, k1 in sh.cross.tolist():
-            seen[k0:k1] = True
         self.last = LastCut(rank, t - s, [int(o) for o in offsets], [at[i + 1] - at[i] for i in range(ranks)],
-                            (ranks - 1) * int(sh.sizes.max()) * self.kv_bytes_per_token,
-                            int(seen[:s].sum()) * self.kv_bytes_per_token, int(sh.cross.shape[0]))
+                            int(keys.shape[0]) * self.kv_bytes_per_token,
+                            (ranks - 1) * int(sh.sizes.max()) * self.kv_bytes_per_token, int(sh.cross.shape[0]))
         log.debug("context parallel rank %d/%d: tokens [%d, %d) of %d, %d cross rows", rank, ranks, s, t,
                   int(tree.end.shape[0]), int(sh.cross.shape[0]))
         outs, done = [], None

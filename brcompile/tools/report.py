@@ -434,7 +434,7 @@ class ExplainReport:
                          "\n".join(f"K/V of {a}" for a in r["cached"]), "\n".join(r["frontier"]),
                          fmt_bytes(r["kv_bytes_per_token"]), str(r["work_alpha"])])
         tables = [Table("context parallelism: each rank runs the trunk on its piece of the packed tokens, gathering "
-                        "the K/V before it per layer; the frontier is gathered whole for the replicated loss",
+                        "the K/V of the earlier tokens its queries see per layer; the frontier is gathered whole for the replicated loss",
                         ["graph", "group", "trunk nodes", "gathered per layer", "frontier (gathered)",
                          "K/V bytes/token", "token work (attention pairs)"], rows, notes)]
         crows = []
@@ -445,13 +445,13 @@ class ExplainReport:
             work = cut["work"]
             crows.append([str(i), str(c["graph_id"]), str(cut["rank"]), fmt_int(cut["tokens"]),
                           ", ".join(map(str, cut["offsets"])), ", ".join(f"{w:.3g}" for w in work),
-                          fmt_ratio(max(work), min(work)), fmt_bytes(cut["kv_bytes_gathered"]),
-                          fmt_bytes(cut["kv_bytes_seen"]), str(cut["cross_rows"])])
+                          fmt_ratio(max(work), min(work)), fmt_bytes(cut["kv_bytes_received"]),
+                          fmt_bytes(cut["kv_bytes_all_gather"]), str(cut["cross_rows"])])
         if crows:
-            tables.append(Table("context-parallel calls (this rank): the cut and the K/V moved, against the K/V of "
-                                "earlier tokens its queries see",
+            tables.append(Table("context-parallel calls (this rank): the cut, and the K/V it received (the earlier "
+                                "tokens its queries see) against an all-gather of the other pieces",
                                 ["call", "graph", "rank", "its tokens", "offsets", "work per rank", "max/min work",
-                                 "K/V gathered", "K/V seen", "cross rows"], crows))
+                                 "K/V received", "K/V all-gather", "cross rows"], crows))
         return tables
 
     def window_table(self) -> Table:

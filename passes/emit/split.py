@@ -57,7 +57,7 @@ from brcompile.backends.attention.features import (
     CACHE_POSITION, CACHED_BLOCKS, CACHED_FEATURES, FORWARD_FEATURES_AT, feature_tail,
 )
 from brcompile.backends.attention.op import attention_features
-from brcompile.backends.gather_tokens import op as _gather_tokens_op  # noqa: F401  (registers gather_tokens)
+from brcompile.backends.gather_tokens import op as _gather_tokens_op  # noqa: F401  (registers exchange_tokens)
 from brcompile.backends.scan.matrix import MATRIX_PATH_OPS, tree_matrix_scan_cached
 from brcompile.backends.scan.op import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
@@ -81,7 +81,7 @@ _CONV = torch.ops.brcompile.tree_causal_conv1d.default
 _LINEAR_SCAN = torch.ops.brcompile.tree_linear_scan.default
 _MATRIX_SCAN = torch.ops.brcompile.tree_matrix_scan.default
 _PARENT = torch.ops.brcompile.tree_parent.default
-_GATHER_TOKENS = torch.ops.brcompile.gather_tokens.default
+_EXCHANGE_TOKENS = torch.ops.brcompile.exchange_tokens.default
 
 
 @dataclasses.dataclass
@@ -556,9 +556,9 @@ def _trunk_graph(packed, trunk, ext, tok_nodes, frontier, attentions, scans, pos
     then (the prefix, or a tail with ``emit_cache``) its own tokens' cache values in the same order.
 
     With ``cp_group`` (context parallelism, brcompile/runtime/context_parallel.py), the trunk on one rank's piece
-    of the packed axis, (*ext, *token arrays, cache_valid, cache_all_valid, cross, cache_position, sizes): the
-    cache of each attention is its own K/V gathered over the group (``brcompile::gather_tokens``, the tokens
-    before the piece: ``cache_valid``'s length), and no scan (refused before)."""
+    of the packed axis, (*ext, *token arrays, cache_valid, cache_all_valid, cross, cache_position, send_index,
+    send_sizes, recv_sizes): the cache of each attention is its own K/V at the earlier tokens the piece's queries
+    see, received from the ranks holding them (``brcompile::exchange_tokens``), and no scan (refused before)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in ext:
@@ -605,14 +605,16 @@ def _cp_trunk_graph(packed, g: fx.Graph, env: dict, trunk, tok_nodes, frontier, 
     valid = {tok_nodes.valid: cache_valid, tok_nodes.all_valid: g.placeholder("cache_all_valid")}
     cross = g.placeholder("cross")
     cache_position = g.placeholder("cache_position")
-    sizes = g.placeholder("cp_sizes")
+    send_index, send_sizes, recv_sizes = (g.placeholder(f"cp_{n}") for n in ("send_index", "send_sizes", "recv_sizes"))
     gathered: dict[fx.Node, fx.Node] = {}
-    order = [sizes]  # the previous gather's ``done``: the gathers run in this order on every rank
+    order = [send_sizes]  # the previous exchange's ``done``: the exchanges run in this order on every rank
 
     def before_piece(x: fx.Node, dim: int) -> fx.Node:
-        """Trunk value ``x`` at every token before this rank's piece, gathered from the ranks holding them."""
+        """Trunk value ``x`` at the earlier tokens this rank's queries see (``cache_valid``'s), from the ranks
+        holding them."""
         if x not in gathered:
-            both = g.call_function(_GATHER_TOKENS, (env[x], cache_valid, sizes, dim, group, order[-1]))
+            both = g.call_function(_EXCHANGE_TOKENS, (env[x], cache_valid, send_index, send_sizes, recv_sizes, dim,
+                                                      group, order[-1]))
             gathered[x] = g.call_function(operator.getitem, (both, 0))
             order.append(g.call_function(operator.getitem, (both, 1)))
         return gathered[x]
