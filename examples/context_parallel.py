@@ -10,10 +10,28 @@ the K/V before its piece per layer. The loss is the same on every rank; each ran
     loss = compiled(model, **batch)
     loss.backward()
     for p in model.parameters():
-        dist.all_reduce(p.grad)          # or FSDP2 over a mesh whose shard dimension spans the group
+        dist.all_reduce(p.grad)          # or FSDP2 over a mesh whose shard dimension spans the group (below)
+
+**With FSDP2** (``--fsdp2 model|blocks [--dp D]``): CP over one dimension of a ``(dp, cp)`` mesh, FSDP2 sharding
+over the flattened ``dp x cp`` dimension (torchtitan's ``dp_shard_cp``), gradients summed over the CP ranks::
+
+    mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))
+    fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp")); model.set_gradient_divide_factor(dp)
+    compiled = torch.compile(loss_fn, backend=brcompile.backend(context_parallel=(mesh, "cp")))
+
+The ranks of a CP group call with the same batch, each dp rank with its own (the same number of rows: the
+gradient is the mean over dp of the batches' gradients, the sum over cp of the ranks' partial sums). Call
+``set_gradient_divide_factor(dp)`` on every ``fully_shard``-ed module (it sets that module's own parameters only);
+FSDP2's default divides by dp x cp. FSDP2's unsharded parameters are leaves, so ``fully_shard(model)`` with the loss
+function compiled around it splits the model's graph; ``fully_shard`` per block splits each block's graph too
+(Dynamo breaks the graph at every unit), at the cost of one reduce of the block's input gradient ([tokens, dim]) to
+rank 0 per block in the backward; a graph without attention that reads an activation (the loss over the logits after
+``fully_shard(model)``) runs whole on every rank, its gradient counted once. Exact either way (float64 against the
+single-process run: tests/runtime/test_context_parallel_fsdp.py). Checked with gloo on CPU in float64.
 
 Run: ``python examples/context_parallel.py [--world-size 2] [--model gpt|qwen2|llama]`` (spawns its own processes,
-loopback only), or ``torchrun --standalone --nproc-per-node 2 examples/context_parallel.py``. It prints each rank's
+loopback only), ``... --fsdp2 blocks --dp 2 --world-size 4`` (FSDP2 over dp=2 x cp=2), or
+``torchrun --standalone --nproc-per-node 2 examples/context_parallel.py``. It prints each rank's
 tokens and the largest relative error of the loss and every gradient against the single-process eager run; exit 1
 on FAIL.
 """
@@ -234,6 +252,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--dp", type=int, default=1, help="with --fsdp2: data-parallel ranks (world = dp x cp)")
     a = p.parse_args(argv)
     case = Case(model=a.model, compiler=a.compiler, fsdp2=a.fsdp2, dp=a.dp)
+    if a.dp > 1 and (a.fsdp2 == "off" or a.world_size % a.dp):
+        p.error("--dp needs --fsdp2 and a --world-size that dp divides")
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo")
@@ -247,8 +267,10 @@ def main(argv: Optional[list] = None) -> int:
         results = launch([case], a.world_size)[0]
     ref = reference(case)
     err = max(compare(r, ref) for r in results)
-    ok = err <= TOL[case.dtype] and all(r["stats"]["context_parallel_calls"] == 1 for r in results)
-    print(f"context parallel, {a.model}, {len(results)} rank(s): tokens per rank "
+    ok = err <= TOL[case.dtype] and all(r["stats"]["context_parallel_calls"] >= 1 for r in results)
+    fsdp = "" if a.fsdp2 == "off" else f", FSDP2 ({a.fsdp2}) over dp={a.dp} x cp={len(results) // a.dp}"
+    print(f"context parallel, {a.model}{fsdp}, {len(results)} rank(s): split calls per rank "
+          f"{[r['stats']['context_parallel_calls'] for r in results]}, tokens per rank "
           f"{[r['tokens'] for r in results]}, max rel err {err:.2e} {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
