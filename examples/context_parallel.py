@@ -21,13 +21,15 @@ over the flattened ``dp x cp`` dimension (torchtitan's ``dp_shard_cp``), gradien
 
 The ranks of a CP group call with the same batch, each dp rank with its own (the same number of rows: the
 gradient is the mean over dp of the batches' gradients, the sum over cp of the ranks' partial sums). Call
-``set_gradient_divide_factor(dp)`` on every ``fully_shard``-ed module (it sets that module's own parameters only);
-FSDP2's default divides by dp x cp. FSDP2's unsharded parameters are leaves, so ``fully_shard(model)`` with the loss
-function compiled around it splits the model's graph; ``fully_shard`` per block splits each block's graph too
-(Dynamo breaks the graph at every unit), at the cost of one reduce of the block's input gradient ([tokens, dim]) to
-rank 0 per block in the backward; a graph without attention that reads an activation (the loss over the logits after
-``fully_shard(model)``) runs whole on every rank, its gradient counted once. Exact either way (float64 against the
-single-process run: tests/runtime/test_context_parallel_fsdp.py). Checked with gloo on CPU in float64.
+``set_gradient_divide_factor(dp)`` on every ``fully_shard``-ed module (it sets that module's own parameters only;
+FSDP2's default divides by dp x cp), on gloo also ``set_force_sum_reduction_for_comms(True)`` (gloo has no
+PREMUL_SUM, which FSDP2 uses for the factor in float32 / bfloat16). FSDP2's unsharded parameters are leaves, so
+``fully_shard(model)`` with the loss function compiled around it splits the model's graph; ``fully_shard`` per
+block splits each block's graph too (Dynamo breaks the graph at every unit), at the cost of one reduce of the
+block's input gradient ([tokens, dim]) to rank 0 per block in the backward. A graph without attention that reads an
+activation (the loss over the logits after ``fully_shard(model)``, the final norm and loss after the blocks) runs
+whole on every rank, its gradient counted once. Exact either way (float64 against the single-process run, gloo on
+CPU: tests/runtime/test_context_parallel_fsdp.py).
 
 Run: ``python examples/context_parallel.py [--world-size 2] [--model gpt|qwen2|llama]`` (spawns its own processes,
 loopback only), ``... --fsdp2 blocks --dp 2 --world-size 4`` (FSDP2 over dp=2 x cp=2), or
@@ -164,6 +166,8 @@ def shard_model(model: torch.nn.Module, case: Case, mesh) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(float(case.dp))
+            if case.device == "cpu":  # gloo has no PREMUL_SUM (the divide factor in float32 / bfloat16)
+                m.set_force_sum_reduction_for_comms(True)
 
 
 def run_rank(case: Case, group=None) -> dict:
