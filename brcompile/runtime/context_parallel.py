@@ -32,10 +32,11 @@ input's size), a parameter's a partial sum. By induction over the graphs, whatev
 is whole on rank 0 (replicated eager code downstream, other graphs' activation gradients held by rank 0), so each
 graph's :func:`count_once` reads a complete gradient and the group's sum of every parameter's gradient is the
 single-process gradient, for any composition of graphs, eager code, DDP or FSDP2 (which sums, not averages, over
-the CP ranks: ``set_gradient_divide_factor``), but for a parameter that eager code uses after the graphs: that code runs
-replicated, and the parameter's gradient is whole on every rank (the group's sum counts it R times). The reduce pays where the graph attends (a block: its hidden states'
-gradient against its attention's); a graph with no attention (a loss over logits: a [B, L, V] gradient against its
-log-softmax) runs whole instead, as does a graph that writes the activation in place.
+the CP ranks: ``set_gradient_divide_factor``), but for a parameter that eager code uses after the graphs: that code
+runs replicated, and the parameter's gradient is whole on every rank (the group's sum counts it R times). The reduce
+pays where the graph attends (a block: its hidden states' gradient against its attention's); a graph with no
+attention (a loss over logits: a [B, L, V] gradient against its log-softmax) runs whole instead, as does a graph
+that writes the activation in place.
 
 Composition with FSDP2 (examples/context_parallel.py ``--fsdp2``): ``fully_shard`` over a mesh dimension spanning
 dp x cp (torchtitan's ``dp_shard_cp``), CP over its ``cp`` dimension, ``set_gradient_divide_factor(dp)`` on every
