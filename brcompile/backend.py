@@ -119,9 +119,10 @@ class Options:
         the group calls the compiled function with the same batch, and each runs the token-local part of the graph
         on its own contiguous piece of the packed tokens (docs/ARCHITECTURE.md §7.2). The loss is the same on every
         rank; each rank's parameter gradients are partial sums, and ``all_reduce(SUM)`` over the group gives the
-        single-process gradient (FSDP2 over a mesh whose shard dimension spans the group does that sum). A graph or
-        call that cannot be split runs whole on every rank with its gradient counted once (rank 0's), so the same
-        sum is exact.
+        single-process gradient (FSDP2 over a mesh whose shard dimension spans the group does that sum, given
+        ``set_gradient_divide_factor(dp)``: examples/context_parallel.py). A graph or call that cannot be split runs
+        whole on every rank with its gradient counted once (rank 0's), so the same sum is exact; a split call's
+        activation inputs (values computed before the graph) get their gradient summed on rank 0.
     """
 
     min_dedup: float = 1.05

@@ -10,10 +10,30 @@ the K/V before its piece per layer. The loss is the same on every rank; each ran
     loss = compiled(model, **batch)
     loss.backward()
     for p in model.parameters():
-        dist.all_reduce(p.grad)          # or FSDP2 over a mesh whose shard dimension spans the group
+        dist.all_reduce(p.grad)          # or FSDP2 over a mesh whose shard dimension spans the group (below)
+
+**With FSDP2** (``--fsdp2 model|blocks [--dp D]``): CP over one dimension of a ``(dp, cp)`` mesh, FSDP2 sharding
+over the flattened ``dp x cp`` dimension (torchtitan's ``dp_shard_cp``), gradients summed over the CP ranks::
+
+    mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))
+    fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp")); model.set_gradient_divide_factor(dp)
+    compiled = torch.compile(loss_fn, backend=brcompile.backend(context_parallel=(mesh, "cp")))
+
+The ranks of a CP group call with the same batch, each dp rank with its own (the same number of rows: the
+gradient is the mean over dp of the batches' gradients, the sum over cp of the ranks' partial sums). Call
+``set_gradient_divide_factor(dp)`` on every ``fully_shard``-ed module (it sets that module's own parameters only;
+FSDP2's default divides by dp x cp), on gloo also ``set_force_sum_reduction_for_comms(True)`` (gloo has no
+PREMUL_SUM, which FSDP2 uses for the factor in float32 / bfloat16). FSDP2's unsharded parameters are leaves, so
+``fully_shard(model)`` with the loss function compiled around it splits the model's graph; ``fully_shard`` per
+block splits each block's graph too (Dynamo breaks the graph at every unit), at the cost of one reduce of the
+block's input gradient ([tokens, dim]) to rank 0 per block in the backward. A graph without attention that reads an
+activation (the loss over the logits after ``fully_shard(model)``, the final norm and loss after the blocks) runs
+whole on every rank, its gradient counted once. Exact either way (float64 against the single-process run, gloo on
+CPU: tests/runtime/test_context_parallel_fsdp.py).
 
 Run: ``python examples/context_parallel.py [--world-size 2] [--model gpt|qwen2|llama]`` (spawns its own processes,
-loopback only), or ``torchrun --standalone --nproc-per-node 2 examples/context_parallel.py``. It prints each rank's
+loopback only), ``... --fsdp2 blocks --dp 2 --world-size 4`` (FSDP2 over dp=2 x cp=2), or
+``torchrun --standalone --nproc-per-node 2 examples/context_parallel.py``. It prints each rank's
 tokens and the largest relative error of the loss and every gradient against the single-process eager run; exit 1
 on FAIL.
 """
@@ -58,6 +78,10 @@ class Case:
     seed: int = 0
     explain: bool = False  # also return this rank's brcompile.explain() report of the call (its text)
     device: str = "cpu"  # "cuda": rank r on GPU r over NCCL (gloo on the CPU)
+    #: FSDP2 (module docstring): "off"; "model": ``fully_shard(model)``, the loss function compiled around it;
+    #: "blocks": ``fully_shard`` on every block and on the model (Dynamo breaks the graph at every unit)
+    fsdp2: str = "off"
+    dp: int = 1  # with fsdp2: data-parallel ranks (each its own batch); the world is dp x (the CP group's size)
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -110,43 +134,80 @@ def _device(case: Case) -> torch.device:
     return torch.device(f"cuda:{torch.cuda.current_device()}") if case.device == "cuda" else torch.device("cpu")
 
 
-def make_batch(case: Case) -> dict:
-    """The case's GRPO batch, on its device."""
+def make_batch(case: Case, dp_rank: int = 0) -> dict:
+    """The case's GRPO batch of data-parallel rank ``dp_rank`` (its own seed), on its device."""
     return make_grpo_batch(num_prompts=case.num_prompts, group_size=case.group_size, prompt_len=case.prompt_len,
                            response_len=case.response_len, shared_response_prefix=case.shared_response_prefix,
-                           vocab_size=64, left_pad_prompts=case.left_pad_prompts, seed=case.seed, dtype=case.dtype,
-                           device=_device(case))
+                           vocab_size=64, left_pad_prompts=case.left_pad_prompts, seed=case.seed + dp_rank,
+                           dtype=case.dtype, device=_device(case))
 
 
 def reference(case: Case) -> dict:
-    """The single-process eager run: ``{"loss", "grads"}``."""
+    """The single-process eager run: ``{"loss", "grads"}``; with ``dp`` data-parallel ranks, of the mean of their
+    batches' losses (every batch has the same rows, so the GRPO loss of the union of the batches)."""
     model = make_model(case)
-    loss = grpo_loss(model, **make_batch(case))
+    loss = sum(grpo_loss(model, **make_batch(case, d)) for d in range(case.dp)) / case.dp
     loss.backward()
     return {"loss": loss.item(), "grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters()}}
+
+
+def shard_model(model: torch.nn.Module, case: Case, mesh) -> None:
+    """FSDP2 over the flattened ``dp x cp`` dimension of ``mesh`` (torchtitan's ``dp_shard_cp``): ``fully_shard`` on
+    every block (``case.fsdp2 == "blocks"``) and on the model, gradients reduced with SUM over the CP ranks and mean
+    over the dp ranks (divide factor ``dp``: the CP ranks' gradients are partial sums, module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    if case.fsdp2 == "blocks":
+        for m in list(model.modules()):
+            if type(m).__name__ in ("Block", "Qwen2DecoderLayer", "LlamaDecoderLayer"):
+                fully_shard(m, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(float(case.dp))
+            if case.device == "cpu":  # gloo has no PREMUL_SUM (the divide factor in float32 / bfloat16)
+                m.set_force_sum_reduction_for_comms(True)
 
 
 def run_rank(case: Case, group=None) -> dict:
     """This rank's run: the compiled loss under ``context_parallel``, gradients all-reduced over the group; returns
     ``{"loss", "grads", "stats", "tokens"}``."""
-    group = group or dist.group.WORLD
     torch._dynamo.reset()  # each case compiles afresh (no shapes of an earlier case made dynamic)
     brcompile.reset_stats()
     model = make_model(case)
+    dp_rank, dp_group = 0, None
+    if case.fsdp2 != "off":  # a (dp, cp) mesh: CP over "cp", FSDP2 over the flattened dp x cp
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        mesh = init_device_mesh(_device(case).type, (case.dp, world // case.dp), mesh_dim_names=("dp", "cp"))
+        group, dp_group, dp_rank = (mesh, "cp"), mesh.get_group("dp"), mesh.get_local_rank("dp")
+        shard_model(model, case, mesh)
+    group = group or dist.group.WORLD
     backend = brcompile.backend(context_parallel=group, compiler=case.compiler)
     compiled = torch.compile(grpo_loss, backend=backend)
-    loss = compiled(model, **make_batch(case))
+    loss = compiled(model, **make_batch(case, dp_rank))
     loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=group)
+    if case.fsdp2 == "off":
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=group)
+    elif case.dp > 1:  # the loss reported: the mean over the dp ranks' batches
+        loss = loss.detach() / case.dp
+        dist.all_reduce(loss, group=dp_group)
     st = brcompile.stats()
     report = None
     if case.explain:  # one more forward, on every rank (its gathers are collectives)
-        report = brcompile.explain(grpo_loss, model, **make_batch(case), measure=False,
+        report = brcompile.explain(grpo_loss, model, **make_batch(case, dp_rank), measure=False,
                                    backend=brcompile.backend(context_parallel=group, compiler=case.compiler))
-    return {"loss": loss.item(), "grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters()},
+    return {"loss": loss.item(), "grads": {n: _full(p.grad).detach().cpu() for n, p in model.named_parameters()},
             "stats": st.to_dict(), "tokens": st.context_parallel_tokens,
             "explain": None if report is None else report.render_text(code=False)}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's sharded gradient) gathered whole; a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def compare(result: dict, ref: dict) -> float:
@@ -190,8 +251,13 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--model", choices=["gpt", "qwen2", "llama", "bamba"], default="gpt")
     p.add_argument("--compiler", choices=["inductor", "aot_eager", "eager"], default="aot_eager")
+    p.add_argument("--fsdp2", choices=["off", "model", "blocks"], default="off",
+                   help="FSDP2 over the flattened (dp, cp) mesh: fully_shard(model), or on every block and the model")
+    p.add_argument("--dp", type=int, default=1, help="with --fsdp2: data-parallel ranks (world = dp x cp)")
     a = p.parse_args(argv)
-    case = Case(model=a.model, compiler=a.compiler)
+    case = Case(model=a.model, compiler=a.compiler, fsdp2=a.fsdp2, dp=a.dp)
+    if a.dp > 1 and (a.fsdp2 == "off" or a.world_size % a.dp):
+        p.error("--dp needs --fsdp2 and a --world-size that dp divides")
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo")
@@ -205,8 +271,10 @@ def main(argv: Optional[list] = None) -> int:
         results = launch([case], a.world_size)[0]
     ref = reference(case)
     err = max(compare(r, ref) for r in results)
-    ok = err <= TOL[case.dtype] and all(r["stats"]["context_parallel_calls"] == 1 for r in results)
-    print(f"context parallel, {a.model}, {len(results)} rank(s): tokens per rank "
+    ok = err <= TOL[case.dtype] and all(r["stats"]["context_parallel_calls"] >= 1 for r in results)
+    fsdp = "" if a.fsdp2 == "off" else f", FSDP2 ({a.fsdp2}) over dp={a.dp} x cp={len(results) // a.dp}"
+    print(f"context parallel, {a.model}{fsdp}, {len(results)} rank(s): split calls per rank "
+          f"{[r['stats']['context_parallel_calls'] for r in results]}, tokens per rank "
           f"{[r['tokens'] for r in results]}, max rel err {err:.2e} {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -20,10 +20,29 @@ graph (the dense reads, the loss) runs replicated and returns the same loss ever
 **Gradients: partial sums** (the contract: ``all_reduce(SUM)`` over the group gives the single-process gradient).
 Every output of a graph run under context parallelism passes :func:`count_once`: its gradient flows on rank 0 and is
 zero elsewhere, so the replicated outer graph's gradient is counted once over the group. The frontier's gather
-reduce-scatters its gradient and the K/V exchange sends its gradient back and sums it at each owner, so each rank's trunk sees its tokens' whole gradient and gives its parameters its tokens' share. A
-call whose inputs include an activation that needs a gradient (a value an earlier graph computed) runs its graph
-whole on every rank (counted once): a gradient spread over the ranks must not reach an earlier graph's
-:func:`count_once`.
+reduce-scatters its gradient and the K/V exchange sends its gradient back and sums it at each owner, so each rank's
+trunk sees its tokens' whole gradient and gives its parameters its tokens' share.
+
+**Activations: held by rank 0.** A split graph's gradient of an input is a partial sum too. For a leaf (a parameter,
+FSDP2's unsharded parameters included: ``nn.Parameter`` leaves) that is the contract. For an activation that needs
+a gradient (a value computed before this graph: an earlier graph's output, e.g. the hidden states between FSDP2
+units, which Dynamo compiles as one graph each) it is not: whoever computed it (an earlier graph's
+:func:`count_once`, eager code using a parameter) reads only rank 0's gradient, the group's sum. So every call
+looks, from outside, like the graph run whole with its gradient counted once: an activation input's gradient is the
+whole gradient on rank 0 and zero elsewhere (:class:`_SumOnRankZero`: one reduce to rank 0 in the backward, of the
+input's size), a parameter's a partial sum. By induction over the graphs, whatever feeds a graph output's gradient
+is whole on rank 0 (replicated eager code downstream, other graphs' activation gradients held by rank 0), so each
+graph's :func:`count_once` reads a complete gradient and the group's sum of every parameter's gradient is the
+single-process gradient, for any composition of graphs, eager code, DDP or FSDP2 (which sums, not averages, over
+the CP ranks: ``set_gradient_divide_factor``), but for a parameter that eager code uses after the graphs: that code
+runs replicated, and the parameter's gradient is whole on every rank (the group's sum counts it R times). The reduce
+pays where the graph attends (a block: its hidden states' gradient against its attention's); a graph with no
+attention (a loss over logits: a [B, L, V] gradient against its log-softmax) runs whole instead, as does a graph
+that writes the activation in place.
+
+Composition with FSDP2 (examples/context_parallel.py ``--fsdp2``): ``fully_shard`` over a mesh dimension spanning
+dp x cp (torchtitan's ``dp_shard_cp``), CP over its ``cp`` dimension, ``set_gradient_divide_factor(dp)`` on every
+``FSDPModule`` (SUM over CP, mean over dp).
 """
 from __future__ import annotations
 
@@ -192,6 +211,30 @@ class _CountOnce(torch.autograd.Function):
         return None, grad if ctx.rank == 0 else torch.zeros_like(grad)
 
 
+class _SumOnRankZero(torch.autograd.Function):
+    """Identity forward; backward: the group's sum of the gradient on rank 0, zeros elsewhere (one reduce). An
+    activation input of a split graph: its gradient, partial on every rank, whole where its producer reads it."""
+
+    @staticmethod
+    def forward(ctx, group: str, x: Tensor):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        pg = _group(ctx.group)
+        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.reduce(total, dst=dist.get_global_rank(pg, 0), group=pg)
+        return None, total if dist.get_rank(pg) == 0 else torch.zeros_like(grad)
+
+
+def _activation(x: Any) -> bool:
+    """A value computed before the graph that needs a gradient (not a leaf)."""
+    return isinstance(x, Tensor) and x.requires_grad and x.grad_fn is not None
+
+
 def count_once(out: Any, group: str) -> Any:
     """``out`` (a tensor, or a tuple / list of them) with every floating tensor that needs a gradient passed through
     :class:`_CountOnce`: a value every rank computes whole gets its gradient summed over the group once."""
@@ -292,20 +335,31 @@ class ContextParallel:
     trunk: Optional[ContextParallelTrunk]
     refusal: Optional[str] = None  # why every call runs its graph whole on every rank (counted once)
 
-    def why_whole(self, args: Sequence[Any], n_tokens: int) -> Optional[str]:
-        """None to split this call's tokens over the group, else why it runs whole on every rank."""
+    def why_whole(self, args: Sequence[Any], n_tokens: int, written: Sequence[int] = ()) -> Optional[str]:
+        """None to split this call's tokens over the group, else why it runs whole on every rank (``written``: the
+        inputs the graph writes in place)."""
         if self.outer is None:
             return self.refusal
         _, ranks = group_rank_size(self.group)
         if n_tokens < ranks:
             return f"{n_tokens} packed tokens for {ranks} ranks"
         if torch.is_grad_enabled():
-            act = next((i for i, x in enumerate(args) if isinstance(x, Tensor) and x.requires_grad
-                        and x.grad_fn is not None), None)
+            acts = [i for i, x in enumerate(args) if _activation(x)]
+            if acts and not self.trunk.kv_bytes_per_token:
+                return (f"input {acts[0]} is an activation that needs a gradient (a value computed before this graph) "
+                        f"and the graph has no attention: reducing its gradient to rank 0 would cost more than "
+                        f"running it whole")
+            act = next((i for i in acts if i in written), None)
             if act is not None:
-                return (f"input {act} is an activation that needs a gradient (a value computed before this graph): "
-                        f"its gradient would reach the rank that computed it split over the ranks")
+                return (f"input {act} is an activation that needs a gradient (a value computed before this graph) "
+                        f"and the graph writes it in place")
         return None
+
+    def inputs(self, args: Sequence[Any]) -> tuple:
+        """A split call's inputs: each activation that needs a gradient through :class:`_SumOnRankZero`."""
+        if not torch.is_grad_enabled():
+            return tuple(args)
+        return tuple(_SumOnRankZero.apply(self.group, x) if _activation(x) else x for x in args)
 
 
 class WholeOnEveryRank:

@@ -224,7 +224,7 @@ class PackedRuntime:
         if st.executed_tokens == 0:
             return self._original(args, Code.NOTHING_NEEDED, "no position of the batch is needed (every one is "
                                                              "padding or has loss weight 0)", st)
-        cp_whole = None if self.cp is None else self.cp.why_whole(args, st.executed_tokens)
+        cp_whole = None if self.cp is None else self.cp.why_whole(args, st.executed_tokens, self.written)
         split = self.cp is not None and cp_whole is None  # context parallel: this rank runs its piece of the tokens
         if cp_whole is not None:
             record_whole_call(cp_whole)
@@ -251,7 +251,7 @@ class PackedRuntime:
         try:
             if split:
                 streamed = False
-                out = self.cp.outer(*args, *tree_args)
+                out = self.cp.outer(*self.cp.inputs(args), *tree_args)
             elif streamed:
                 with window.call_keys(store, per_token, mask, tree):  # a window matches the call by its keys
                     out = self.streaming.outer(*args, *tree_args)
