@@ -382,12 +382,10 @@ class ExplainReport:
                   and not _context_parallel(g)]
         if not graphs:
             return []
-        rows, notes = [], []
+        rows, notes = [], _refused(graphs, "streaming refused, packed mode only")
         for g in graphs:
             r = g.replay
             if r is None:
-                notes.append(f"graph {g.graph_id}: streaming refused, packed mode only "
-                             f"[{code_value(getattr(g, 'replay_code', None)) or '-'}]: {g.replay_reason}")
                 continue
             budget = "-" if r["memory_budget"] is None else fmt_bytes(r["memory_budget"])
             rows.append([str(g.graph_id), r["mode"], str(r["trunk_nodes"]),
@@ -419,16 +417,14 @@ class ExplainReport:
 
     def context_parallel_tables(self, max_calls: int = MAX_CALL_ROWS) -> list[Table]:
         """Each graph under ``context_parallel`` (its split trunk, or why it runs whole on every rank) and each split
-        call as this rank saw it: the cut, each piece's work, the K/V bytes gathered against those its queries see."""
+        call as this rank saw it: the cut, each piece's work, the K/V bytes it received against an all-gather's."""
         graphs = [g for g in self.rewritten if _context_parallel(g)]
         if not graphs:
             return []
-        rows, notes = [], []
+        rows, notes = [], _refused(graphs, "runs whole on every rank, its gradient counted once")
         for g in graphs:
             r = g.replay
             if r is None:
-                notes.append(f"graph {g.graph_id}: runs whole on every rank, its gradient counted once "
-                             f"[{code_value(getattr(g, 'replay_code', None)) or '-'}]: {g.replay_reason}")
                 continue
             rows.append([str(g.graph_id), r["context_parallel"], str(r["trunk_nodes"]),
                          "\n".join(f"K/V of {a}" for a in r["cached"]), "\n".join(r["frontier"]),
@@ -560,6 +556,12 @@ class ExplainReport:
 
     def __str__(self) -> str:
         return self.render_text()
+
+
+def _refused(graphs, what: str) -> list[str]:
+    """A note per graph whose split (streaming, context parallel) was refused: ``what`` then, with its code, why."""
+    return [f"graph {g.graph_id}: {what} [{code_value(getattr(g, 'replay_code', None)) or '-'}]: {g.replay_reason}"
+            for g in graphs if g.replay is None]
 
 
 def _context_parallel(g) -> bool:

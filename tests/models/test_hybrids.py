@@ -48,6 +48,19 @@ HYBRIDS = {
 }
 
 
+def tiny_hybrid(family):
+    """A tiny float64 HF ``family`` model (the configs above; pure Mamba: tests/models/test_ssm.py's), seeded."""
+    transformers = transformers_or_skip()
+    from tests.models.test_ssm import TINY_SSM
+
+    if family == "mamba":
+        cfg = transformers.AutoConfig.for_model(family, **TINY_SSM, use_associative_scan=True)
+    else:
+        cfg = transformers.AutoConfig.for_model(family, **TINY, **HYBRIDS[family])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).double()
+
+
 def tree_batch():
     """Two prompts × three responses; left-padded prompts, right-padded responses; rows 0 and 1 share the
     prompt and two response tokens (a three-level tree)."""

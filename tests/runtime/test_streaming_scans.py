@@ -220,16 +220,9 @@ def test_cumsum_conv_attention_model_streams_exactly(chunk_tokens, compiler):
 def hf_run(family, chunk_tokens, **extra):
     """A tiny float64 HF ``family`` model (tests/models/test_hybrids.py's configs) streamed on its three-level
     tree batch; returns the streaming backend."""
-    transformers = transformers_or_skip()
-    from tests.models.test_hybrids import HYBRIDS, TINY, next_token_loss, tree_batch
-    from tests.models.test_ssm import TINY_SSM
+    from tests.models.test_hybrids import next_token_loss, tiny_hybrid, tree_batch
 
-    if family == "mamba":
-        cfg = transformers.AutoConfig.for_model(family, **TINY_SSM, use_associative_scan=True)
-    else:
-        cfg = transformers.AutoConfig.for_model(family, **TINY, **HYBRIDS[family])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).double()
+    model = tiny_hybrid(family)
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     return run_modes(functools.partial(next_token_loss, model), tree_batch(), params, names, chunk_tokens,
                      guard=KeepFloat64)

@@ -161,20 +161,6 @@ def test_delta_rule_matrix_scan_shares_across_calls(size):
     assert cached_scans(backend) == ("tree_matrix_scan_default",), cached_scans(backend)
 
 
-def hf_model(family):
-    """A tiny float64 HF ``family`` model (tests/models/test_hybrids.py's configs; pure Mamba: test_ssm.py's)."""
-    transformers = transformers_or_skip()
-    from tests.models.test_hybrids import HYBRIDS, TINY
-    from tests.models.test_ssm import TINY_SSM
-
-    if family == "mamba":
-        cfg = transformers.AutoConfig.for_model(family, **TINY_SSM, use_associative_scan=True)
-    else:
-        cfg = transformers.AutoConfig.for_model(family, **TINY, **HYBRIDS[family])
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).double()
-
-
 def hf_batch():
     from tests.models.test_hybrids import VOCAB
 
@@ -210,7 +196,9 @@ def test_hf_hybrid_shares_across_calls(family, size):
     group's rows over calls of ``size`` rows. Their mixers read the parameters through ops of their own (a conv
     weight's unsqueeze, ``-exp(A_log)``), which the trunk computes itself (passes/emit/split.py
     ``_parameter_side``): its inputs are the parameters, whose deferred gradients the window returns."""
-    model = Logits(hf_model(family))
+    from tests.models.test_hybrids import tiny_hybrid
+
+    model = Logits(tiny_hybrid(family))
     # static shapes (micro-batches of one shape): with symbolic ones LFM2's conv stays a dense region, packed again
     backend, _ = window_matches_eager(hf_loss(model), micro_batches(hf_batch(), size), model, guard=KeepFloat64,
                                       dynamic=False)
