@@ -4,6 +4,7 @@
     python benchmarks/bench_scale.py --tiny                # seconds: the same flow on a tiny ladder
     python benchmarks/bench_scale.py --device cuda         # GPU: Qwen2-1.5B-shaped random model, bf16
     python benchmarks/bench_scale.py --out scale.md        # also write the markdown table
+    python benchmarks/bench_scale.py --context-parallel 8  # the seed's batch split over 8 gloo ranks (below)
 
 Each rung of the ladder is one GRPO batch (``num_prompts`` groups of ``G`` responses, prompts of P tokens,
 responses of T tokens) run in a fresh subprocess, so its peak RSS (or CUDA peak) is its own. In the
@@ -24,16 +25,30 @@ trunk output, **loss side** = the [B, L] inputs and per-position loss tensors, *
 index arrays. **dense (projected)** = what a dense step would hold: the trunk's bytes per token x B·L,
 B·L·V logits, and a [B, 1, L, L] bool mask. A rung that fails (out of memory, time) ends the ladder; the
 largest that ran is reported.
+
+**Context parallelism** (``--context-parallel R``): the seed's batch (``--groups`` 8 x ``--group-size`` 8 x
+(``--prompt-len`` 32768 + ``--response-len`` 512) = 2.1M logical positions) over R gloo ranks spawned on this
+machine (loopback; the port picked by the OS through a parent TCPStore; one thread per rank). Every rank builds the
+model (same seed), compiles ``grpo_loss`` with ``brcompile.backend(mode="replay", context_parallel=WORLD)``, warms
+it up on a small batch, then runs one forward + backward of the batch and all-reduces the gradients. Per rank: its
+packed tokens and the cut's work (brcompile/runtime/context_parallel.py ``LastCut``; imbalance = max/min work - 1),
+the step's peak RSS above the RSS before it (VmHWM after a reset) and the process's lifetime ``ru_maxrss``, the K/V
+bytes all-gathered per attention layer against those its queries actually see, and seconds (step, all-reduce).
+The same batch then runs on a 1-process group (the same code path, ``context_parallel`` over one rank: its whole
+trunk in one piece) as the reference: the loss and the all-reduced gradients are compared with it (relative error),
+and its step peak and seconds are the 1-rank column.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -42,7 +57,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import saved_activation_bytes  # noqa: E402
-from benchmarks.bench_replay import peak_bytes, reset_peak, rss_bytes  # noqa: E402
+from benchmarks.bench_replay import maxrss_bytes, peak_bytes, reset_peak, rss_bytes  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 #: (num_prompts, G, P, T) rungs.
 CPU_LADDER = ((1, 16, 8192, 512), (1, 16, 16384, 512), (1, 16, 32768, 1024), (8, 8, 32768, 512))
@@ -291,6 +308,188 @@ def markdown(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# context parallelism: the seed's batch over R gloo ranks (module docstring)
+
+#: The seed's batch: (groups, G, prompt, response) = 8 x 8 x (32768 + 512) = 2,129,920 logical positions.
+SEED_BATCH = (8, 8, 32768, 512)
+#: The warm-up batches of every rank (the compile a trainer pays once; two sizes: the dynamic graph).
+CP_WARMUP = ((1, 2, 16, 4), (1, 3, 20, 5))
+
+
+def _cp_rank(spec: dict) -> dict:
+    """This rank's run of ``spec``'s batch under ``context_parallel`` over the default group (module docstring)."""
+    import torch.distributed as dist
+
+    import brcompile
+    from examples.grpo import grpo_loss
+
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    dtype = getattr(torch, spec["dtype"])
+    torch.manual_seed(0)
+    model, forward, cfg = build_model(spec["model"], "cpu", dtype)
+    params = list(model.parameters())
+    backend = brcompile.backend(mode="replay", context_parallel=dist.group.WORLD, compiler=spec["compiler"],
+                                attention="cpu")
+    fn = torch.compile(grpo_loss, dynamic=True, backend=backend)
+    t0 = time.perf_counter()
+    for seed, rung in enumerate(CP_WARMUP, 1):
+        torch.autograd.grad(fn(forward, *_batch(rung, cfg.vocab_size, "cpu", dtype, seed)), params)
+    warmup_s = time.perf_counter() - t0
+    batch = _batch(tuple(spec["rung"]), cfg.vocab_size, "cpu", dtype)
+    brcompile.reset_stats()
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    dist.barrier()
+    reset_peak()
+    base = rss_bytes()
+    t0 = time.perf_counter()
+    loss = fn(forward, *batch)
+    grads = torch.autograd.grad(loss, params)
+    step_s = time.perf_counter() - t0
+    step_peak = peak_bytes() - base
+    t1 = time.perf_counter()
+    for g in grads:
+        dist.all_reduce(g)
+    allreduce_s = time.perf_counter() - t1
+    dist.barrier()
+    wall_s = time.perf_counter() - t0  # the step on every rank (the slowest's) + the all-reduce
+    # graphs compiled during the step: a first call at this size (a piece's 0/1-sized arrays specialize)
+    step_compiles = counters["stats"]["unique_graphs"] - graphs_before
+    st = brcompile.stats()
+    rec = next(r for r in reversed(backend.records) if r.rewritten and r.runtime.cp is not None
+               and r.runtime.cp.trunk is not None and r.runtime.cp.trunk.last is not None)
+    cut = rec.runtime.cp.trunk.last
+    layers = cfg.n_layers
+    result = dict(rank=rank, ranks=ranks, tokens=cut.tokens, stats_tokens=st.context_parallel_tokens,
+                  offsets=cut.offsets, work=cut.work, cross_rows=cut.cross_rows,
+                  kv_gathered_per_layer=cut.kv_bytes_gathered / layers, kv_seen_per_layer=cut.kv_bytes_seen / layers,
+                  cp_calls=st.context_parallel_calls, whole_calls=st.context_parallel_whole_calls,
+                  whole_reasons=dict(st.context_parallel_reasons), fallbacks=dict(st.fallback_reasons),
+                  loss=loss.item(), step_s=step_s, allreduce_s=allreduce_s, wall_s=wall_s, warmup_s=warmup_s,
+                  step_peak=step_peak, base_rss=base, maxrss=maxrss_bytes(), logical=int(batch[0].numel()),
+                  layers=layers, step_compiles=step_compiles)
+    if rank == 0:
+        result["grads"] = [g.detach().clone() for g in grads]
+    log.info("rank %d/%d: %d tokens, step %.1f s, step peak %.2f GiB", rank, ranks, cut.tokens, step_s,
+             step_peak / 2**30)
+    return result
+
+
+def _cp_worker(rank: int, ranks: int, port: int, spec: dict, out_dir: str) -> None:
+    """A spawned rank: joins the group through the parent's TCPStore, runs :func:`_cp_rank`, saves its result."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
+    try:
+        torch.save(_cp_rank(spec), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_cp(spec: dict, ranks: int) -> list[dict]:
+    """Spawns ``ranks`` processes (gloo, loopback) running :func:`_cp_rank` on ``spec``; their results by rank."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        mp.start_processes(_cp_worker, args=(ranks, store.port, spec, tmp), nprocs=ranks, join=True,
+                           start_method="spawn")
+        log.info("%d rank(s): %.0f s including start-up and compile", ranks, time.perf_counter() - t0)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(ranks)]
+
+
+def cp_summary(results: list[dict], ref: Optional[list[dict]] = None) -> dict:
+    """The run's figures: tokens, work imbalance, K/V, memory, seconds, and against the 1-rank ``ref`` the loss's and
+    the all-reduced gradients' relative errors."""
+    from brcompile.testing import rel_err
+
+    work = [w for w in results[0]["work"]]
+    s = dict(ranks=len(results), logical=results[0]["logical"], tokens=[r["tokens"] for r in results],
+             executed=sum(r["tokens"] for r in results), offsets=results[0]["offsets"], work=work,
+             imbalance=max(work) / min(work) - 1.0, max_over_mean=max(work) / (sum(work) / len(work)) - 1.0,
+             same_cut=all(r["offsets"] == results[0]["offsets"] for r in results),
+             losses=[r["loss"] for r in results], wall_s=max(r["wall_s"] for r in results),
+             step_peak_max=max(r["step_peak"] for r in results), maxrss_max=max(r["maxrss"] for r in results),
+             all_split=all(r["cp_calls"] >= 1 and not r["whole_calls"] and not r["fallbacks"] for r in results))
+    s["loss_spread"] = max(abs(x - s["losses"][0]) for x in s["losses"]) / max(abs(s["losses"][0]), 1.0)
+    if ref is not None:
+        r0 = ref[0]
+        s.update(ref_loss=r0["loss"], ref_tokens=r0["tokens"], ref_step_peak=r0["step_peak"], ref_maxrss=r0["maxrss"],
+                 ref_step_s=r0["step_s"], ref_wall_s=r0["wall_s"], ref_step_compiles=r0["step_compiles"],
+                 loss_rel_err=abs(results[0]["loss"] - r0["loss"]) / max(abs(r0["loss"]), 1.0),
+                 max_grad_rel_err=max(rel_err(a.double(), b.double())
+                                      for a, b in zip(results[0]["grads"], r0["grads"])))
+    return s
+
+
+def cp_markdown(results: list[dict], s: dict, args) -> str:
+    vocab, dim, layers, heads, kv, hidden = MODELS[args.model]
+    k, g, p, t = args.cp_rung
+    lines = [f"{args.model} (vocab {vocab}, dim {dim}, {layers} layers, {heads} heads / {kv} kv, MLP {hidden}), "
+             f"{args.dtype}, cpu, compiler {args.compiler}; batch {k} groups x {g} x ({p} + {t}) = "
+             f"{s['logical']:,} logical positions, {s['executed']:,} packed tokens; {s['ranks']} gloo rank(s), one "
+             f"thread each, on {os.cpu_count()} cores; memory in GiB (step peak: RSS high-water mark of the "
+             "forward + backward above the RSS before it; maxrss: the process's lifetime ru_maxrss).", "",
+             "| rank | packed tokens | work | work / mean | K/V gathered per layer (MiB) | K/V seen per layer "
+             "(MiB) | cross rows | step peak | maxrss | step s | graphs compiled in the step | all-reduce s |",
+             "|---|" + "---|" * 11]
+    mean = sum(s["work"]) / len(s["work"])
+    for r in results:
+        w = s["work"][r["rank"]]
+        lines.append(f"| {r['rank']} | {r['tokens']:,} | {w:.4g} | {w / mean:.3f} | "
+                     f"{r['kv_gathered_per_layer'] / 2**20:,.2f} | {r['kv_seen_per_layer'] / 2**20:,.2f} | "
+                     f"{r['cross_rows']} | {_gib(r['step_peak'])} | {_gib(r['maxrss'])} | {r['step_s']:.1f} | "
+                     f"{r['step_compiles']} | {r['allreduce_s']:.2f} |")
+    if "ref_loss" in s:
+        lines.append(f"| 1-rank reference | {s['ref_tokens']:,} | {sum(s['work']):.4g} | - | 0 | 0 | 0 | "
+                     f"{_gib(s['ref_step_peak'])} | {_gib(s['ref_maxrss'])} | {s['ref_step_s']:.1f} | "
+                     f"{s['ref_step_compiles']} | - |")
+    lines += ["", f"Tokens over the ranks: {s['executed']:,} (sum; every rank the same cut: {s['same_cut']}). "
+                  f"Work imbalance: max/min - 1 = {s['imbalance']:.1%}, max/mean - 1 = {s['max_over_mean']:.1%} "
+                  f"(goal: within 10%).",
+              f"Wall clock of the step (slowest rank, + all-reduce): {s['wall_s']:.1f} s"
+              + (f"; 1-rank reference: {s['ref_wall_s']:.1f} s." if "ref_wall_s" in s else "."),
+              f"Largest step peak over the ranks: {_gib(s['step_peak_max'])} GiB"
+              + (f" (1-rank reference: {_gib(s['ref_step_peak'])} GiB)." if "ref_step_peak" in s else ".")]
+    if "ref_loss" in s:
+        lines.append(f"Loss {s['losses'][0]:.9g} on every rank (spread {s['loss_spread']:.1e}) vs the 1-rank run "
+                     f"{s['ref_loss']:.9g}: rel err {s['loss_rel_err']:.1e}; all-reduced gradients vs the 1-rank run: "
+                     f"max rel err {s['max_grad_rel_err']:.1e}.")
+    return "\n".join(lines)
+
+
+def context_parallel_main(args) -> int:
+    """``--context-parallel R``: the batch over R ranks, then the 1-rank reference; prints the table."""
+    rung = tuple(args.cp_rung)
+    spec = dict(model=args.model, dtype=args.dtype, compiler=args.compiler, rung=rung)
+    print(f"  context parallel: {rung} over {args.context_parallel} rank(s) ...", file=sys.stderr, flush=True)
+    results = launch_cp(spec, args.context_parallel)
+    ref = None
+    if args.context_parallel > 1 and not args.no_reference:
+        print("  the 1-rank reference ...", file=sys.stderr, flush=True)
+        ref = launch_cp(spec, 1)
+    if args.raw:
+        torch.save(dict(args=vars(args), results=results, ref=ref), args.raw)
+    s = cp_summary(results, ref)
+    table = cp_markdown(results, s, args)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    tol = 1e-4 if args.dtype == "float32" else 1e-9
+    ok = (s["all_split"] and s["same_cut"] and s["executed"] == results[0]["offsets"][-1] and s["loss_spread"] == 0.0
+          and (ref is None or (s["loss_rel_err"] <= tol and s["max_grad_rel_err"] <= tol)))
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -305,6 +504,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="run the ladder in this process, as on CUDA (default there), stopping at the first OOM")
     p.add_argument("--out", help="also write the markdown table to this file")
+    p.add_argument("--context-parallel", type=int, metavar="R",
+                   help="the seed's batch over R gloo ranks on this machine, then a 1-rank reference (CPU)")
+    p.add_argument("--groups", type=int, default=SEED_BATCH[0], help="--context-parallel: prompts (groups)")
+    p.add_argument("--group-size", type=int, default=SEED_BATCH[1], help="--context-parallel: responses per prompt")
+    p.add_argument("--prompt-len", type=int, default=SEED_BATCH[2], help="--context-parallel: prompt tokens")
+    p.add_argument("--response-len", type=int, default=SEED_BATCH[3], help="--context-parallel: response tokens")
+    p.add_argument("--no-reference", action="store_true", help="--context-parallel: skip the 1-rank reference run")
+    p.add_argument("--raw", help="--context-parallel: also save every rank's raw results (torch.save) to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rung", type=int, nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
@@ -320,6 +527,11 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
+    if args.context_parallel:
+        if cuda:
+            raise SystemExit("--context-parallel runs gloo ranks on the CPU")
+        args.cp_rung = (args.groups, args.group_size, args.prompt_len, args.response_len)
+        return context_parallel_main(args)
     ladder = TINY_LADDER if args.tiny else (GPU_LADDER if cuda else CPU_LADDER)
     limit = args.time_limit or (480.0 if cuda else 3600.0)
     if cuda or args.in_process:

@@ -74,3 +74,29 @@ def test_in_process_ladder_stops_at_the_first_oom(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "failed: OOM: CUDA out of memory" in out and "Largest rung that ran: 278,528 logical" in out, out
+
+
+def test_context_parallel_mode_tiny(tmp_path, capsys):
+    """``--context-parallel 2`` on a tiny batch: two gloo ranks, then the 1-rank reference. The pieces cover the packed
+    tokens, every rank cut the same way, the loss is the same on every rank and equals the 1-rank run's, and the
+    all-reduced gradients agree with it (float32). No timing is asserted."""
+    raw = tmp_path / "raw.pt"
+    rc = bench_scale.main(["--context-parallel", "2", "--tiny", "--groups", "2", "--group-size", "3", "--prompt-len",
+                           "40", "--response-len", "6", "--raw", str(raw)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    n = 2 * 40 + 2 * 3 * (6 - 1)  # k*P + k*G*(T - 1): a row's last position predicts nothing and is not read
+    assert f"{n} packed tokens" in out and f"Tokens over the ranks: {n} (sum; every rank the same cut: True)" in out, out
+    saved = torch.load(raw, weights_only=False)
+    results, ref = saved["results"], saved["ref"]
+    assert [r["rank"] for r in results] == [0, 1] and len(ref) == 1
+    assert sum(r["tokens"] for r in results) == results[0]["offsets"][-1] == ref[0]["tokens"] == n
+    assert all(r["tokens"] == r["stats_tokens"] and r["cp_calls"] == 1 and not r["whole_calls"] for r in results)
+    assert [r["tokens"] for r in results] == [b - a for a, b in zip(results[0]["offsets"], results[0]["offsets"][1:])]
+    s = bench_scale.cp_summary(results, ref)
+    assert s["executed"] == n and s["loss_spread"] == 0.0
+    assert s["loss_rel_err"] <= 1e-6 and s["max_grad_rel_err"] <= 1e-4, s
+    # the rows printed are the raw figures
+    for r in results:
+        assert f"| {r['rank']} | {r['tokens']:,} | {r['work'][r['rank']]:.4g} |" in out, out
+    assert f"rel err {s['loss_rel_err']:.1e}" in out and f"max rel err {s['max_grad_rel_err']:.1e}" in out, out
