@@ -33,7 +33,8 @@ model (same seed), compiles ``grpo_loss`` with ``brcompile.backend(mode="replay"
 it up on a small batch, then runs one forward + backward of the batch and all-reduces the gradients. Per rank: its
 packed tokens and the cut's work (brcompile/runtime/context_parallel.py ``LastCut``; imbalance = max/min work - 1),
 the step's peak RSS above the RSS before it (VmHWM after a reset) and the process's lifetime ``ru_maxrss``, the K/V
-bytes all-gathered per attention layer against those its queries actually see, and seconds (step, all-reduce).
+bytes received per attention layer (the earlier tokens its queries see) against an all-gather of the other pieces,
+and seconds (step, all-reduce).
 The same batch then runs on a 1-process group (the same code path, ``context_parallel`` over one rank: its whole
 trunk in one piece) as the reference: the loss and the all-reduced gradients are compared with it (relative error),
 and its step peak and seconds are the 1-rank column.
@@ -364,7 +365,8 @@ def _cp_rank(spec: dict) -> dict:
     layers = cfg.n_layers
     result = dict(rank=rank, ranks=ranks, tokens=cut.tokens, stats_tokens=st.context_parallel_tokens,
                   offsets=cut.offsets, work=cut.work, cross_rows=cut.cross_rows,
-                  kv_gathered_per_layer=cut.kv_bytes_gathered / layers, kv_seen_per_layer=cut.kv_bytes_seen / layers,
+                  kv_received_per_layer=cut.kv_bytes_received / layers,
+                  kv_all_gather_per_layer=cut.kv_bytes_all_gather / layers,
                   cp_calls=st.context_parallel_calls, whole_calls=st.context_parallel_whole_calls,
                   whole_reasons=dict(st.context_parallel_reasons), fallbacks=dict(st.fallback_reasons),
                   loss=loss.item(), step_s=step_s, allreduce_s=allreduce_s, wall_s=wall_s, warmup_s=warmup_s,
@@ -439,14 +441,14 @@ def cp_markdown(results: list[dict], s: dict, args) -> str:
              f"{s['logical']:,} logical positions, {s['executed']:,} packed tokens; {s['ranks']} gloo rank(s), one "
              f"thread each, on {os.cpu_count()} cores; memory in GiB (step peak: RSS high-water mark of the "
              "forward + backward above the RSS before it; maxrss: the process's lifetime ru_maxrss).", "",
-             "| rank | packed tokens | work | work / mean | K/V gathered per layer (MiB) | K/V seen per layer "
+             "| rank | packed tokens | work | work / mean | K/V received per layer (MiB) | an all-gather's per layer "
              "(MiB) | cross rows | step peak | maxrss | step s | graphs compiled in the step | all-reduce s |",
              "|---|" + "---|" * 11]
     mean = sum(s["work"]) / len(s["work"])
     for r in results:
         w = s["work"][r["rank"]]
         lines.append(f"| {r['rank']} | {r['tokens']:,} | {w:.4g} | {w / mean:.3f} | "
-                     f"{r['kv_gathered_per_layer'] / 2**20:,.2f} | {r['kv_seen_per_layer'] / 2**20:,.2f} | "
+                     f"{r['kv_received_per_layer'] / 2**20:,.2f} | {r['kv_all_gather_per_layer'] / 2**20:,.2f} | "
                      f"{r['cross_rows']} | {_gib(r['step_peak'])} | {_gib(r['maxrss'])} | {r['step_s']:.1f} | "
                      f"{r['step_compiles']} | {r['allreduce_s']:.2f} |")
     if "ref_loss" in s:
