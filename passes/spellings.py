@@ -95,6 +95,10 @@ WEIGHT_TRANSPOSES = frozenset({"T", "mT", "t", "transpose", "permute", torch.t, 
 #: matrix products whose second operand is a weight (``x @ W``, ``x.mm(W)``, ``F.linear(x, W)``)
 MATRIX_RIGHT_OPERAND = frozenset({operator.matmul, torch.matmul, "matmul", "__matmul__", torch.mm, "mm",
                                   torch.nn.functional.linear})
+#: the matrix products, by family (and ATen packet) name: a token's FLOPs in them, 2 x (the first operand's last dim)
+#: x (the output's entries per token), weigh it against its attention in the context-parallel cut
+#: (passes/emit/split.py ``_work_alpha``)
+MATMUL_NAMES = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm"})
 #: ``gather`` (function and method)
 GATHERS = (torch.gather, "gather")
 #: ``max`` / ``amax`` (functions and methods)

@@ -63,7 +63,7 @@ from brcompile.backends.scan.op import (
     TREE_PATH_OPS, tree_causal_conv1d_cached, tree_cumsum_cached, tree_linear_scan_cached,
 )
 from brcompile.passes.analysis.repack import repack_tokens
-from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, op_name, random_draw
+from brcompile.passes.spellings import AUTOCAST_REGION, GROUP_COUNT_STEPS, MATMUL_NAMES, family_of, op_name, random_draw
 from brcompile.passes.refusals import CannotReplay, Code
 from brcompile.passes.emit.check import symbolic_run, token_positions
 from brcompile.passes.lower.checkpoint import inline_checkpoints, is_checkpoint
@@ -145,10 +145,6 @@ def _token_factors(val, n) -> list[tuple[int, int]]:
     return out
 
 
-#: matrix products, whose FLOPs per token are 2 x (the first operand's last dim) x (the output's entries per token)
-_MATMULS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm"})
-
-
 def _bytes_per_token(val, n_sym) -> int:
     """Bytes of ``val`` per packed token (its token dim's one entry: the product of its other dims)."""
     dims = _token_factors(val, n_sym)
@@ -173,7 +169,7 @@ def _work_alpha(trunk: Sequence[fx.Node], attentions: Sequence[fx.Node], n_sym) 
         return 0.0
     flops = 0
     for n in trunk:
-        if op_name(n).split(".")[0] not in _MATMULS or not isinstance(n.meta.get("val"), torch.Tensor):
+        if (family_of(n) or op_name(n).split(".")[0]) not in MATMUL_NAMES or not isinstance(n.meta.get("val"), torch.Tensor):
             continue
         x = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
         if isinstance(x, torch.Tensor) and isinstance(x.shape[-1], int):
