@@ -42,6 +42,7 @@ and its step peak and seconds are the 1-rank column.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
@@ -386,7 +387,7 @@ def _cp_worker(rank: int, ranks: int, port: int, spec: dict, out_dir: str) -> No
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=datetime.timedelta(minutes=20))
     try:
         torch.save(_cp_rank(spec), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

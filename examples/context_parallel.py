@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import os
 import sys
 import tempfile
@@ -60,6 +61,8 @@ from examples.grpo import grpo_loss, make_grpo_batch  # noqa: E402
 __all__ = ["Case", "compare", "launch", "main", "make_model", "reference", "run_rank"]
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+#: a collective left waiting (a rank that died, or ranks out of step) raises after this, not torch's 30 minutes
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +231,8 @@ def _worker(rank: int, world_size: int, port: int, cases: Sequence[Case], out_di
     cuda = any(c.device == "cuda" for c in cases)
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT)
     try:
         torch.save([run_rank(case) for case in cases], os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

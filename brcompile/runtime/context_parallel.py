@@ -98,19 +98,22 @@ def group_rank_size(name: str) -> tuple[int, int]:
 # the cut and one rank's piece
 
 
-def cut_tokens(end: Tensor, ranks: int, alpha: float) -> Tensor:
-    """``offsets`` [ranks + 1] (int64, CPU): the packed axis cut into contiguous pieces of equal work, each at least
-    one token (``N >= ranks``). A token's work is ``alpha + depth`` (depth: its ancestors-or-self, the keys it
-    attends; ``alpha``: its token-local FLOPs over one attention pair's), so piece r's work is the r-th R-quantile
-    of the prefix sums. Deterministic: every rank computes the same cut."""
+def cumulative_work(end: Tensor, alpha: float) -> Tensor:
+    """``W[k]`` (float64, CPU): the work of tokens ``0..k``, a token's being ``alpha + depth`` (depth: its
+    ancestors-or-self, the keys it attends; ``alpha``: its token-local FLOPs over one attention pair's)."""
     from brcompile.backends.scan.paths import tree_depth
 
-    end = end.cpu()
+    return torch.cumsum(tree_depth(end.cpu()).to(torch.float64) + float(alpha), 0)
+
+
+def cut_tokens(end: Tensor, ranks: int, alpha: float, total: Optional[Tensor] = None) -> Tensor:
+    """``offsets`` [ranks + 1] (int64, CPU): the packed axis cut into contiguous pieces of equal work, each at least
+    one token (``N >= ranks``): piece r ends at the r-th R-quantile of :func:`cumulative_work` (``total``, when the
+    caller has it). Deterministic: every rank computes the same cut."""
     n = int(end.shape[0])
     if n < ranks:
         raise ValueError(f"context parallelism: {n} packed tokens for {ranks} ranks")
-    work = tree_depth(end).to(torch.float64) + float(alpha)
-    total = torch.cumsum(work, 0)
+    total = cumulative_work(end, alpha) if total is None else total
     goals = total[-1] * torch.arange(1, ranks, dtype=torch.float64) / ranks
     inner = torch.searchsorted(total, goals) + 1  # the first token past each goal
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([n])])
@@ -291,11 +294,10 @@ class ContextParallelTrunk(torch.nn.Module):
 
     @torch._dynamo.disable
     def forward(self, *args):
-        from brcompile.backends.scan.paths import tree_depth
-
         ext, tree = args[:self.n_ext], TokenArrays(*args[self.n_ext:])
         rank, ranks = group_rank_size(self.group)
-        offsets = cut_tokens(tree.end, ranks, self.alpha)
+        work = cumulative_work(tree.end, self.alpha)
+        offsets = cut_tokens(tree.end, ranks, self.alpha, work)
         shards = [shard(tree.end, tree.segments, offsets, r) for r in range(ranks)]
         sh, ex = shards[rank], exchange(shards, rank)
         dev = tree.end.device
@@ -312,7 +314,6 @@ class ContextParallelTrunk(torch.nn.Module):
             part = torch.utils.checkpoint.checkpoint(self.graph, *inputs, use_reentrant=False)
         else:
             part = self.graph(*inputs)
-        work = torch.cumsum(tree_depth(tree.end.cpu()).double() + self.alpha, 0)
         at = [float(work[int(o) - 1]) if int(o) else 0.0 for o in offsets]
         self.last = LastCut(rank, t - s, [int(o) for o in offsets], [at[i + 1] - at[i] for i in range(ranks)],
                             int(keys.shape[0]) * self.kv_bytes_per_token,
