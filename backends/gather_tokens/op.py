@@ -63,9 +63,10 @@ def _check(x: Tensor, like: Tensor, sizes: Tensor, dim: int) -> None:
         raise ValueError(f"gather_tokens: dim={dim} out of range for x {tuple(x.shape)}, or like is a scalar")
 
 
-def _out_shape(x: Tensor, like: Tensor, dim: int) -> list:
+def _out_shape(x: Tensor, tokens, dim: int) -> list:
+    """``x``'s shape with ``tokens`` along ``dim``."""
     shape = list(x.shape)
-    shape[dim] = like.shape[0]
+    shape[dim] = tokens
     return shape
 
 
@@ -94,7 +95,7 @@ def _gather_tokens(x: Tensor, like: Tensor, sizes: Tensor, dim: int, group: str,
 @_gather_tokens.register_fake
 def _gather_tokens_fake(x, like, sizes, dim, group, after):
     _check(x, like, sizes, dim)
-    return x.new_empty(_out_shape(x, like, dim)), _done(x)
+    return x.new_empty(_out_shape(x, like.shape[0], dim)), _done(x)
 
 
 @torch.library.custom_op("brcompile::gather_tokens_backward", mutates_args=())
@@ -134,10 +135,8 @@ def _backward(ctx, grad, grad_done):
     x, sizes, after = ctx.saved_tensors
     if not x.is_floating_point():
         return None, None, None, None, None, None
-    if grad is None:  # the gathered tokens unused, the order still kept: every rank runs the reduce-scatter
-        shape = list(x.shape)
-        shape[ctx.dim] = ctx.tokens
-        grad = x.new_zeros(shape)
+    if grad is None:  # the tokens unused, the order still kept: every rank runs the collective
+        grad = x.new_zeros(_out_shape(x, ctx.tokens, ctx.dim))
     dx, dafter = torch.ops.brcompile.gather_tokens_backward(grad, grad_done, x, after, sizes, ctx.dim, ctx.group)
     return dx, None, None, None, None, dafter if after.is_floating_point() else None
 
@@ -181,7 +180,7 @@ def _exchange_tokens(x: Tensor, like: Tensor, send_index: Tensor, send_sizes: Te
 @_exchange_tokens.register_fake
 def _exchange_tokens_fake(x, like, send_index, send_sizes, recv_sizes, dim, group, after):
     _check(x, like, send_sizes, dim)
-    return x.new_empty(_out_shape(x, like, dim)), _done(x)
+    return x.new_empty(_out_shape(x, like.shape[0], dim)), _done(x)
 
 
 @torch.library.custom_op("brcompile::exchange_tokens_backward", mutates_args=())
@@ -210,10 +209,8 @@ def _exchange_backward(ctx, grad, grad_done):
     x, after, send_index, send_sizes, recv_sizes = ctx.saved_tensors
     if not x.is_floating_point():
         return (None,) * 8
-    if grad is None:  # the received tokens unused, the order still kept: every rank runs the all-to-all
-        shape = list(x.shape)
-        shape[ctx.dim] = ctx.tokens
-        grad = x.new_zeros(shape)
+    if grad is None:  # the tokens unused, the order still kept: every rank runs the collective
+        grad = x.new_zeros(_out_shape(x, ctx.tokens, ctx.dim))
     dx, dafter = torch.ops.brcompile.exchange_tokens_backward(grad, grad_done, x, after, send_index, send_sizes,
                                                               recv_sizes, ctx.dim, ctx.group)
     return dx, None, None, None, None, None, None, dafter if after.is_floating_point() else None
